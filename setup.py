@@ -1,0 +1,36 @@
+"""Packaging for ebpo_jax: `pip install -e .` (runtime) and `pip install -e '.[test]'` (tests)."""
+
+import pathlib
+
+import setuptools
+
+HERE = pathlib.Path(__file__).parent
+
+
+def _requirements() -> list[str]:
+  lines = (HERE / "requirements.txt").read_text().splitlines()
+  return [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
+
+
+TEST_REQUIRES = [
+    "pytest>=8",
+    "hypothesis>=6.100",
+    "ruff>=0.6",
+    # PyTorch reference models for logit parity; 2.13.0 is the CPU wheel (any other pulls CUDA).
+    "torch==2.13.0",
+    "nbclient>=0.10",
+    "nbformat>=5.10",
+    "ipykernel>=6.29",
+]
+
+setuptools.setup(
+    name="ebpo_jax",
+    version="0.1.0",
+    description="EBPO: empirical-Bayes shrinkage baselines for GRPO-style RLVR, in JAX/Flax.",
+    long_description=(HERE / "README.md").read_text(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=setuptools.find_packages(include=["ebpo_jax", "ebpo_jax.*"]),
+    install_requires=_requirements(),
+    extras_require={"test": TEST_REQUIRES},
+)
