@@ -1,0 +1,405 @@
+"""One config-driven decoder-only transformer: Llama 3, Qwen2, Qwen3 and SmolLM2.
+
+Layers are scanned (`nn.scan`): every per-layer parameter carries a leading `layers` axis and the KV
+cache is stored as `[L, B, S, Hkv, D]`. Parameter layout (HF name -> ours):
+  embed_tokens.weight [V, E]            -> embed_tokens/embedding      (vocab, embed)
+  layers.i.self_attn.q_proj [H*D, E]    -> layers/self_attn/q_proj/kernel [L, E, H, D]
+  layers.i.self_attn.o_proj [E, H*D]    -> layers/self_attn/o_proj/kernel [L, H, D, E]
+  layers.i.mlp.gate_proj [M, E]         -> layers/mlp/gate_proj/kernel [L, E, M]
+  lm_head.weight [V, E]                 -> lm_head/kernel [E, V]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ARCHITECTURES = {
+  "llama": "LlamaForCausalLM",
+  "qwen2": "Qwen2ForCausalLM",
+  "qwen3": "Qwen3ForCausalLM",
+}
+REMAT_POLICIES = {
+  "none": None,
+  "full": jax.checkpoint_policies.nothing_saveable,
+  "dots": jax.checkpoint_policies.dots_saveable,
+  "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+_NEG_INF = -1e30  # finite, so a query with no valid key gives a uniform (ignored) row, not NaN
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Static shape and numerics of the decoder; hashable so it can be a linen attribute."""
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope_theta: float = 10000.0
+  rope_scaling: tuple[tuple[str, Any], ...] | None = None  # hashable form of HF's llama3 rope dict
+  rms_norm_eps: float = 1e-6
+  tie_word_embeddings: bool = False
+  attention_bias: bool = False  # Qwen2 q/k/v bias
+  qk_norm: bool = False  # Qwen3 per-head RMSNorm on q and k
+  max_position_embeddings: int = 2048
+  dtype: str = "float32"  # compute dtype
+  param_dtype: str = "float32"
+  remat: str = "none"  # per-layer remat policy: one of REMAT_POLICIES
+  architecture: str = "llama"  # llama | qwen2 | qwen3 (for writing config.json back)
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+        f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+      )
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"remat={self.remat!r}; expected one of {sorted(REMAT_POLICIES)}")
+    if self.architecture not in ARCHITECTURES:
+      raise ValueError(
+        f"architecture={self.architecture!r}; expected one of {sorted(ARCHITECTURES)}"
+      )
+    for name in ("dtype", "param_dtype"):
+      jnp.dtype(getattr(self, name))  # raises on an unknown dtype name
+    if self.rope_scaling is not None:
+      rope_type = dict(self.rope_scaling).get("rope_type")
+      if rope_type not in ("llama3", "default"):
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported (llama3 or default)")
+
+  @classmethod
+  def from_hf(cls, hf_config: dict, **overrides: Any) -> ModelConfig:
+    """Builds a config from a Hugging Face `config.json` dict (transformers 4 or 5 rope keys)."""
+    model_type = hf_config.get("model_type", "llama")
+    if model_type not in ARCHITECTURES:
+      raise ValueError(
+        f"model_type={model_type!r} is not supported; expected one of {sorted(ARCHITECTURES)}"
+      )
+    rope = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
+    rope_theta = rope.pop("rope_theta", hf_config.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope_scaling = None
+    if rope_type != "default":
+      rope.pop("type", None)
+      rope["rope_type"] = rope_type
+      rope_scaling = tuple(sorted(rope.items()))
+    num_heads = hf_config["num_attention_heads"]
+    kwargs = dict(
+      vocab_size=hf_config["vocab_size"],
+      hidden_size=hf_config["hidden_size"],
+      intermediate_size=hf_config["intermediate_size"],
+      num_layers=hf_config["num_hidden_layers"],
+      num_heads=num_heads,
+      num_kv_heads=hf_config.get("num_key_value_heads") or num_heads,
+      head_dim=hf_config.get("head_dim") or hf_config["hidden_size"] // num_heads,
+      rope_theta=float(rope_theta),
+      rope_scaling=rope_scaling,
+      rms_norm_eps=hf_config.get("rms_norm_eps", 1e-6),
+      tie_word_embeddings=hf_config.get("tie_word_embeddings", False),
+      attention_bias=model_type == "qwen2" or hf_config.get("attention_bias", False),
+      qk_norm=model_type == "qwen3",
+      max_position_embeddings=hf_config.get("max_position_embeddings", 2048),
+      architecture=model_type,
+    )
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+  def to_hf(self) -> dict:
+    """The `config.json` dict transformers needs to rebuild this model."""
+    rope_parameters = {"rope_theta": self.rope_theta, "rope_type": "default"}
+    if self.rope_scaling is not None:
+      rope_parameters.update(dict(self.rope_scaling))
+    hf = {
+      "architectures": [ARCHITECTURES[self.architecture]],
+      "model_type": self.architecture,
+      "vocab_size": self.vocab_size,
+      "hidden_size": self.hidden_size,
+      "intermediate_size": self.intermediate_size,
+      "num_hidden_layers": self.num_layers,
+      "num_attention_heads": self.num_heads,
+      "num_key_value_heads": self.num_kv_heads,
+      "head_dim": self.head_dim,
+      "hidden_act": "silu",
+      "rms_norm_eps": self.rms_norm_eps,
+      "tie_word_embeddings": self.tie_word_embeddings,
+      "max_position_embeddings": self.max_position_embeddings,
+      "rope_theta": self.rope_theta,
+      "rope_parameters": rope_parameters,
+      "attention_dropout": 0.0,
+      "dtype": self.param_dtype,
+    }
+    if self.rope_scaling is not None:
+      hf["rope_scaling"] = rope_parameters
+    if self.architecture == "llama":
+      hf["attention_bias"] = self.attention_bias
+      hf["mlp_bias"] = False
+    return hf
+
+
+class KVCache(flax.struct.PyTreeNode):
+  """Keys and values of every layer for `S` slots; slots `< index` are written."""
+
+  k: jax.Array  # [L, B, S, Hkv, D]
+  v: jax.Array  # [L, B, S, Hkv, D]
+  mask: jax.Array  # [B, S] bool: slot holds a valid (non-pad) key
+  index: jax.Array  # int32 scalar: next slot to write
+
+
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: Any = None) -> KVCache:
+  """An empty cache of `max_len` slots (dtype defaults to the compute dtype)."""
+  shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
+  dtype = jnp.dtype(dtype or config.dtype)
+  return KVCache(
+    k=jnp.zeros(shape, dtype),
+    v=jnp.zeros(shape, dtype),
+    mask=jnp.zeros((batch_size, max_len), bool),
+    index=jnp.zeros((), jnp.int32),
+  )
+
+
+def rope_inv_freq(config: ModelConfig) -> np.ndarray:
+  """Inverse frequencies `theta^(-2i/D)`, with HF's `llama3` long-context scaling if configured."""
+  dim = config.head_dim
+  inv_freq = 1.0 / config.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
+  scaling = dict(config.rope_scaling or {})
+  if scaling.get("rope_type") != "llama3":
+    return inv_freq.astype(np.float32)
+  factor = scaling["factor"]
+  low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+  old_len = scaling["original_max_position_embeddings"]
+  wavelen = 2 * math.pi / inv_freq
+  scaled = np.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+  smooth = (old_len / wavelen - low) / (high - low)
+  smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+  is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+  return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_tables(config: ModelConfig, positions_bt: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """`(sin, cos)`, each `[B, T, D]` float32, in HF's rotate-half layout."""
+  angles_btf = positions_bt.astype(jnp.float32)[..., None] * jnp.asarray(rope_inv_freq(config))
+  angles_btd = jnp.concatenate([angles_btf, angles_btf], axis=-1)
+  return jnp.sin(angles_btd), jnp.cos(angles_btd)
+
+
+def apply_rope(x_bthd: jax.Array, sin_btd: jax.Array, cos_btd: jax.Array) -> jax.Array:
+  half = x_bthd.shape[-1] // 2
+  rotated = jnp.concatenate([-x_bthd[..., half:], x_bthd[..., :half]], axis=-1)
+  sin, cos = sin_btd[:, :, None, :], cos_btd[:, :, None, :]
+  return (x_bthd * cos + rotated * sin).astype(x_bthd.dtype)
+
+
+def _param(
+  module: nn.Module, name: str, shape: tuple[int, ...], axes: tuple[str, ...], init
+) -> jax.Array:
+  config = module.config
+  value = module.param(
+    name, nn.with_logical_partitioning(init, axes), shape, jnp.dtype(config.param_dtype)
+  )
+  return jnp.asarray(value, jnp.dtype(config.dtype))
+
+
+class RMSNorm(nn.Module):
+  """`x / sqrt(mean(x^2) + eps) * scale`, computed in float32 as in HF."""
+
+  config: ModelConfig
+  axis_name: str = "embed"
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    dim = x.shape[-1]
+    scale = _param(self, "scale", (dim,), (self.axis_name,), nn.initializers.ones)
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(
+      jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.config.rms_norm_eps
+    )
+    return scale * normed.astype(x.dtype)
+
+
+class Projection(nn.Module):
+  """`einsum(x, kernel) (+ bias)` with named logical axes on the kernel."""
+
+  config: ModelConfig
+  spec: str  # einsum spec, e.g. "bte,ehd->bthd"
+  shape: tuple[int, ...]
+  axes: tuple[str, ...]
+  bias_axes: tuple[str, ...] | None = None
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    init = nn.initializers.normal(0.02)
+    kernel = _param(self, "kernel", self.shape, self.axes, init)
+    y = jnp.einsum(self.spec, x, kernel)
+    if self.bias_axes is not None:
+      bias_shape = self.shape[len(self.shape) - len(self.bias_axes) :]
+      y = y + _param(self, "bias", bias_shape, self.bias_axes, nn.initializers.zeros)
+    return y
+
+
+def _attention(q_bthd, k_bshd, v_bshd, valid_bts) -> jax.Array:
+  """Softmax attention with GQA; `valid_bts` marks allowed (query, key) pairs. Returns [B,T,H,D]."""
+  b, t, h, d = q_bthd.shape
+  kv_heads = k_bshd.shape[2]
+  q = q_bthd.reshape(b, t, kv_heads, h // kv_heads, d)
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, k_bshd, preferred_element_type=jnp.float32)
+  scores = jnp.where(valid_bts[:, None, None], scores * d**-0.5, _NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_bshd.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v_bshd)
+  return out.reshape(b, t, h, d)
+
+
+class Attention(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_bte, sin_btd, cos_btd, valid_bts, layer_cache):
+    c = self.config
+    e, h, kv, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+    bias = c.attention_bias
+    q = Projection(c, "bte,ehd->bthd", (e, h, d), ("embed", "heads", "head_dim"),
+                   ("heads", "head_dim") if bias else None, name="q_proj")(x_bte)  # fmt: skip
+    k = Projection(c, "bte,ehd->bthd", (e, kv, d), ("embed", "kv_heads", "head_dim"),
+                   ("kv_heads", "head_dim") if bias else None, name="k_proj")(x_bte)  # fmt: skip
+    v = Projection(c, "bte,ehd->bthd", (e, kv, d), ("embed", "kv_heads", "head_dim"),
+                   ("kv_heads", "head_dim") if bias else None, name="v_proj")(x_bte)  # fmt: skip
+    if c.qk_norm:
+      q = RMSNorm(c, "head_dim", name="q_norm")(q)
+      k = RMSNorm(c, "head_dim", name="k_norm")(k)
+    q, k = apply_rope(q, sin_btd, cos_btd), apply_rope(k, sin_btd, cos_btd)
+    if layer_cache is None:
+      out = _attention(q, k, v, valid_bts)
+    else:
+      # Keys = the cached slots followed by the T new tokens; the cache itself is written once,
+      # after the layer scan, so no per-layer copy of it is made here.
+      cache_k, cache_v = layer_cache
+      keys = jnp.concatenate([cache_k, k.astype(cache_k.dtype)], axis=1)
+      values = jnp.concatenate([cache_v, v.astype(cache_v.dtype)], axis=1)
+      out = _attention(q.astype(cache_k.dtype), keys, values, valid_bts)
+    out = out.astype(x_bte.dtype)
+    y = Projection(c, "bthd,hde->bte", (h, d, e), ("heads", "head_dim", "embed"), name="o_proj")(
+      out
+    )
+    return y, None if layer_cache is None else (k, v)
+
+
+class MLP(nn.Module):
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_bte: jax.Array) -> jax.Array:
+    c = self.config
+    shape, axes = (c.hidden_size, c.intermediate_size), ("embed", "mlp")
+    gate = Projection(c, "bte,em->btm", shape, axes, name="gate_proj")(x_bte)
+    up = Projection(c, "bte,em->btm", shape, axes, name="up_proj")(x_bte)
+    down = Projection(c, "btm,me->bte", shape[::-1], axes[::-1], name="down_proj")
+    return down(nn.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+  """Pre-norm block; scanned, so it maps `(x, context, layer_cache) -> (x, new_kv)`."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_bte, context, layer_cache):
+    sin, cos, valid = context
+    attn_in = RMSNorm(self.config, name="input_layernorm")(x_bte)
+    attn_out, new_kv = Attention(self.config, name="self_attn")(
+      attn_in, sin, cos, valid, layer_cache
+    )
+    x_bte = x_bte + attn_out
+    mlp_in = RMSNorm(self.config, name="post_attention_layernorm")(x_bte)
+    return x_bte + MLP(self.config, name="mlp")(mlp_in), new_kv
+
+
+def _valid_pairs(attention_mask_bt: jax.Array, cache: KVCache | None) -> jax.Array:
+  """`[B, T, K]` bool: which keys each query may attend to (K = T, or S + T with a cache)."""
+  t = attention_mask_bt.shape[1]
+  causal_tt = jnp.tril(jnp.ones((t, t), bool))
+  new_keys = causal_tt[None] & attention_mask_bt[:, None, :]
+  if cache is None:
+    return new_keys & attention_mask_bt[:, :, None]
+  slots = jnp.arange(cache.mask.shape[1])
+  old_keys = (cache.mask & (slots < cache.index)[None])[:, None, :]
+  return jnp.concatenate(
+    [jnp.broadcast_to(old_keys, (*new_keys.shape[:2], slots.size)), new_keys], -1
+  )
+
+
+class Decoder(nn.Module):
+  """Causal LM: `(input_ids [B,T], positions, attention_mask, cache) -> logits [B,T,V] float32`."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(
+    self,
+    input_ids: jax.Array,
+    positions: jax.Array | None = None,
+    attention_mask: jax.Array | None = None,
+    cache: KVCache | None = None,
+  ):
+    """Without a cache returns logits; with one also the cache with the T tokens written.
+
+    Default positions are `arange(T)` (offset by `cache.index` when a cache is given). The caller
+    sizes the cache: writing past its last slot is not detected under jit.
+    """
+    c = self.config
+    b, t = input_ids.shape
+    if attention_mask is None:
+      attention_mask = jnp.ones((b, t), bool)
+    attention_mask = attention_mask.astype(bool)
+    if positions is None:
+      start = 0 if cache is None else cache.index
+      positions = jnp.broadcast_to(start + jnp.arange(t, dtype=jnp.int32), (b, t))
+    embedding = _param(self, "embed_tokens", (c.vocab_size, c.hidden_size), ("vocab", "embed"),
+                       nn.initializers.normal(0.02))  # fmt: skip
+    x = jnp.take(embedding, input_ids, axis=0)
+    sin, cos = rope_tables(c, positions)
+    context = (sin, cos, _valid_pairs(attention_mask, cache))
+    layer_caches = None if cache is None else (cache.k, cache.v)
+    x, new_kv = self._layers()(x, context, layer_caches)
+    x = RMSNorm(c, name="norm")(x)
+    if c.tie_word_embeddings:
+      logits = jnp.einsum("bte,ve->btv", x, embedding, preferred_element_type=jnp.float32)
+    else:
+      lm_head = _param(self, "lm_head", (c.hidden_size, c.vocab_size), ("embed", "vocab"),
+                       nn.initializers.normal(0.02))  # fmt: skip
+      logits = jnp.einsum("bte,ev->btv", x, lm_head, preferred_element_type=jnp.float32)
+    logits = logits.astype(jnp.float32)
+    if cache is None:
+      return logits
+    return logits, _write_cache(cache, *new_kv, attention_mask)
+
+  def _layers(self) -> nn.Module:
+    c = self.config
+    layer_cls = DecoderLayer
+    if c.remat != "none":
+      layer_cls = nn.remat(DecoderLayer, policy=REMAT_POLICIES[c.remat], prevent_cse=False)
+    scanned = nn.scan(
+      layer_cls,
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      in_axes=(nn.broadcast, 0),
+      length=c.num_layers,
+      metadata_params={nn.PARTITION_NAME: "layers"},
+    )
+    return scanned(c, name="layers")
+
+
+def _write_cache(cache: KVCache, new_k, new_v, attention_mask_bt) -> KVCache:
+  """Writes the `[L, B, T, Hkv, D]` new keys/values into slots `[index, index + T)`."""
+  start = (0, 0, cache.index, 0, 0)
+  k = jax.lax.dynamic_update_slice(cache.k, new_k.astype(cache.k.dtype), start)
+  v = jax.lax.dynamic_update_slice(cache.v, new_v.astype(cache.v.dtype), start)
+  mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask_bt, (0, cache.index))
+  return KVCache(k=k, v=v, mask=mask, index=cache.index + attention_mask_bt.shape[1])
