@@ -1,0 +1,235 @@
+"""Policy-gradient loss for RLVR: PPO clip, clip-higher, dual clip, KL to a reference, entropy.
+
+Pure functions over arrays (jittable, no project imports). Shapes: `b` batch (sequences),
+`t` response tokens, `v` vocabulary. Every mean is a masked mean; padded tokens (mask 0) contribute
+nothing to the loss, the metrics or the gradients, even when their log-probs are inf or NaN.
+
+Gradient accumulation: pass the GLOBAL counts of the whole mini-batch (`num_tokens`, `num_seqs`)
+and the fixed generation length `max_len`; then the loss and every metric of a micro-batch is its
+exact share of the mini-batch value, so summing over micro-batches gives the full-batch value
+whatever the micro-batch size.
+"""
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+KLKind = Literal["k1", "k2", "k3"]
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3")
+
+# exp() of a log-ratio beyond this overflows float32 soon after; such tokens are pathological and
+# clamping keeps one of them from turning the whole loss into inf.
+_MAX_LOG_RATIO = 20.0
+
+
+def token_logprobs(logits_btv: Array, targets_bt: Array) -> Array:
+  """log softmax(logits)[target] per token, computed in float32: `[B, T, V], [B, T] -> [B, T]`."""
+  logits_btv = logits_btv.astype(jnp.float32)
+  logz_bt = jax.nn.logsumexp(logits_btv, axis=-1)
+  target_logits_bt = jnp.take_along_axis(logits_btv, targets_bt[..., None], axis=-1)[..., 0]
+  return target_logits_bt - logz_bt
+
+
+def entropy(logits_btv: Array) -> Array:
+  """Entropy of the next-token distribution, H = logsumexp(z) - sum_v p_v z_v, in float32."""
+  logits_btv = logits_btv.astype(jnp.float32)
+  logz_bt = jax.nn.logsumexp(logits_btv, axis=-1)
+  probs_btv = jax.nn.softmax(logits_btv, axis=-1)
+  return logz_bt - jnp.sum(probs_btv * logits_btv, axis=-1)
+
+
+def kl_penalty(logps_bt: Array, ref_logps_bt: Array, kind: KLKind = "k3") -> Array:
+  """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL
+  divergence", 2020). With log r = log pi_ref - log pi:
+
+    k1 = -log r                 (unbiased, high variance, can be negative)
+    k2 = (log r)^2 / 2          (biased, low variance)
+    k3 = (r - 1) - log r        (unbiased, low variance, >= 0; GRPO's / EBPO's choice)
+  """
+  log_r_bt = ref_logps_bt.astype(jnp.float32) - logps_bt.astype(jnp.float32)
+  if kind == "k1":
+    return -log_r_bt
+  if kind == "k2":
+    return 0.5 * jnp.square(log_r_bt)
+  if kind == "k3":
+    log_r_bt = jnp.clip(log_r_bt, -_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+    return jnp.expm1(log_r_bt) - log_r_bt
+  raise ValueError(f"kl_kind must be one of {KL_KINDS}, got {kind!r}")
+
+
+def aggregate(
+  values_bt: Array, mask_bt: Array, mode: AggMode, *, norm: Array | float | None = None
+) -> Array:
+  """Reduce per-token values to a scalar.
+
+    token-mean:               sum_{i,t} m v / N_tok                   (DAPO; the EBPO paper)
+    seq-mean-token-mean:      sum_i (sum_t m v / sum_t m) / N_seq     (GRPO as written)
+    seq-mean-token-sum-norm:  sum_i (sum_t m v) / (N_seq * max_len)   (Dr.GRPO, Liu et al. 2025)
+
+  `norm` is the whole denominator (N_tok, N_seq or N_seq * max_len); by default it is counted
+  on this batch (N_seq = sequences with at least one valid token, max_len = T). Pass the global
+  value under gradient accumulation.
+  """
+  mask_bt = mask_bt.astype(bool)
+  masked_bt = jnp.where(mask_bt, values_bt.astype(jnp.float32), 0.0)
+  if mode == "token-mean":
+    total = jnp.sum(masked_bt)
+    default_norm = jnp.sum(mask_bt)
+  elif mode == "seq-mean-token-mean":
+    tokens_b = jnp.sum(mask_bt, axis=-1)
+    total = jnp.sum(jnp.sum(masked_bt, axis=-1) / jnp.maximum(tokens_b, 1))
+    default_norm = jnp.sum(tokens_b > 0)
+  elif mode == "seq-mean-token-sum-norm":
+    total = jnp.sum(masked_bt)
+    default_norm = jnp.sum(jnp.any(mask_bt, axis=-1)) * mask_bt.shape[-1]
+  else:
+    raise ValueError(f"agg must be one of {AGG_MODES}, got {mode!r}")
+  norm = default_norm if norm is None else norm
+  return total / jnp.maximum(jnp.asarray(norm, jnp.float32), 1.0)
+
+
+def _agg_norm(
+  mode: str,
+  mask_bt: Array,
+  num_tokens: Array | int | None,
+  num_seqs: Array | int | None,
+  max_len: int | None,
+) -> Array:
+  """The denominator of `aggregate` for `mode`, from global counts where given."""
+  mask_bt = mask_bt.astype(bool)
+  if num_tokens is None:
+    num_tokens = jnp.sum(mask_bt)
+  if num_seqs is None:
+    num_seqs = jnp.sum(jnp.any(mask_bt, axis=-1))
+  if max_len is None:
+    max_len = mask_bt.shape[-1]
+  if mode == "token-mean":
+    return jnp.asarray(num_tokens, jnp.float32)
+  if mode == "seq-mean-token-mean":
+    return jnp.asarray(num_seqs, jnp.float32)
+  if mode == "seq-mean-token-sum-norm":
+    return jnp.asarray(num_seqs, jnp.float32) * max_len
+  raise ValueError(f"agg must be one of {AGG_MODES}, got {mode!r}")
+
+
+def _zero_padding(values_bt: Array, mask_bt: Array) -> Array:
+  return jnp.where(mask_bt, values_bt.astype(jnp.float32), 0.0)
+
+
+def _check_hparams(clip_low, clip_high, dual_clip, agg, kl_coef, kl_kind, entropy_coef, ref, ent):
+  if not 0.0 <= clip_low < 1.0:
+    raise ValueError(f"clip_low must be in [0, 1), got {clip_low!r}")
+  if clip_high < 0.0:
+    raise ValueError(f"clip_high must be >= 0, got {clip_high!r}")
+  if dual_clip is not None and dual_clip <= 1.0:
+    raise ValueError(f"dual_clip must be > 1 (Ye et al. 2020) or None, got {dual_clip!r}")
+  if agg not in AGG_MODES:
+    raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
+  if kl_kind not in KL_KINDS:
+    raise ValueError(f"kl_kind must be one of {KL_KINDS}, got {kl_kind!r}")
+  if kl_coef < 0.0 or entropy_coef < 0.0:
+    raise ValueError(f"kl_coef and entropy_coef must be >= 0, got {kl_coef!r}, {entropy_coef!r}")
+  if kl_coef > 0.0 and ref is None:
+    raise ValueError(f"kl_coef={kl_coef} > 0 needs ref_logps_bt (reference policy log-probs)")
+  if entropy_coef > 0.0 and ent is None:
+    raise ValueError(f"entropy_coef={entropy_coef} > 0 needs entropy_bt")
+
+
+def policy_loss(
+  logps_bt: Array,
+  old_logps_bt: Array,
+  adv_b_or_bt: Array,
+  mask_bt: Array,
+  *,
+  clip_low: float = 0.2,
+  clip_high: float = 0.2,
+  dual_clip: float | None = 3.0,
+  agg: AggMode = "token-mean",
+  ref_logps_bt: Array | None = None,
+  kl_coef: float = 0.0,
+  kl_kind: KLKind = "k3",
+  entropy_bt: Array | None = None,
+  entropy_coef: float = 0.0,
+  num_tokens: Array | int | None = None,
+  num_seqs: Array | int | None = None,
+  max_len: int | None = None,
+) -> tuple[Array, dict[str, Array]]:
+  """Token-level PPO-clip loss with clip-higher, dual clip, KL and entropy terms.
+
+  With r = exp(logp - old_logp) per token and advantage A (per sequence or per token):
+
+    pg    = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))   (Schulman et al. 2017;
+                                                                  clip-higher: DAPO, Yu et al. 2025)
+    pg    = min(pg, -A c)  where A < 0                            (dual clip, Ye et al. 2020)
+    loss  = agg(pg) + kl_coef * agg(kl_k(pi || pi_ref)) - entropy_coef * agg(H)
+
+  `agg` is one of `aggregate`'s modes, normalised by the global counts `num_tokens` / `num_seqs`
+  and the generation length `max_len` (defaults: counted on this batch). `kl_coef` and
+  `entropy_coef` are Python floats: with 0 the term is dropped, and no reference log-probs are
+  needed. Returns (loss, metrics); every metric uses the same global normaliser as the loss, so
+  summing micro-batch metrics gives the mini-batch value. Metrics: `pg_loss`, `kl` (0 without
+  reference log-probs), `entropy` (only with `entropy_bt`), `clipfrac` (tokens where the clip is
+  active, `clipfrac_low` / `clipfrac_high` by side), `dual_clipfrac`, `ratio_mean`, `approx_kl`
+  (k3 of the old policy from the new one: how far the update has moved).
+  """
+  _check_hparams(
+    clip_low, clip_high, dual_clip, agg, kl_coef, kl_kind, entropy_coef, ref_logps_bt, entropy_bt
+  )
+  mask_bt = mask_bt.astype(bool)
+  adv_bt = adv_b_or_bt.astype(jnp.float32)
+  if adv_bt.ndim == 1:
+    adv_bt = adv_bt[:, None]
+  adv_bt = jnp.broadcast_to(adv_bt, mask_bt.shape)
+  agg_norm = _agg_norm(agg, mask_bt, num_tokens, num_seqs, max_len)
+  tok_norm = _agg_norm("token-mean", mask_bt, num_tokens, num_seqs, max_len)
+
+  def agg_loss(values_bt):
+    return aggregate(values_bt, mask_bt, agg, norm=agg_norm)
+
+  def tok_mean(values_bt):
+    return aggregate(values_bt, mask_bt, "token-mean", norm=tok_norm)
+
+  # Padding is zeroed first: inf/NaN there would otherwise leak into gradients (0 * inf = NaN).
+  logps_bt = _zero_padding(logps_bt, mask_bt)
+  log_ratio_bt = logps_bt - _zero_padding(old_logps_bt, mask_bt)
+  ratio_bt = jnp.exp(jnp.clip(log_ratio_bt, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+  unclipped_bt = -adv_bt * ratio_bt
+  clipped_bt = -adv_bt * jnp.clip(ratio_bt, 1.0 - clip_low, 1.0 + clip_high)
+  pg_bt = jnp.maximum(unclipped_bt, clipped_bt)
+  is_clipped_bt = clipped_bt > unclipped_bt
+  dual_clipped_bt = jnp.zeros_like(is_clipped_bt)
+  if dual_clip is not None:
+    dual_bound_bt = -adv_bt * dual_clip
+    dual_clipped_bt = (adv_bt < 0) & (pg_bt > dual_bound_bt)
+    pg_bt = jnp.where(dual_clipped_bt, dual_bound_bt, pg_bt)
+
+  pg_loss = agg_loss(pg_bt)
+  loss = pg_loss
+  metrics = {
+    "pg_loss": pg_loss,
+    "clipfrac": tok_mean(is_clipped_bt),
+    "clipfrac_low": tok_mean(is_clipped_bt & (ratio_bt < 1.0)),
+    "clipfrac_high": tok_mean(is_clipped_bt & (ratio_bt > 1.0)),
+    "dual_clipfrac": tok_mean(dual_clipped_bt),
+    "ratio_mean": tok_mean(ratio_bt),
+    "approx_kl": tok_mean(kl_penalty(jnp.zeros_like(log_ratio_bt), log_ratio_bt, "k3")),
+  }
+  if ref_logps_bt is not None:
+    kl = agg_loss(kl_penalty(logps_bt, _zero_padding(ref_logps_bt, mask_bt), kl_kind))
+    if kl_coef > 0.0:
+      loss = loss + kl_coef * kl
+    metrics["kl"] = kl
+  else:
+    metrics["kl"] = jnp.zeros((), jnp.float32)
+  if entropy_bt is not None:
+    ent = agg_loss(_zero_padding(entropy_bt, mask_bt))
+    if entropy_coef > 0.0:
+      loss = loss - entropy_coef * ent
+    metrics["entropy"] = ent
+  metrics["loss"] = loss
+  return loss, metrics
