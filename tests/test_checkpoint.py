@@ -1,0 +1,240 @@
+"""Tests for ebpo_jax.checkpoint: sharded round trip, data iterator resume, retention,
+interrupted saves, SIGTERM flag."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from typing import NamedTuple
+
+import flax
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ebpo_jax import checkpoint
+
+
+class Prior(NamedTuple):
+  count: jax.Array  # [K]
+  mean: jax.Array  # [K]
+
+
+@flax.struct.dataclass
+class TrainState:
+  params: dict
+  opt_state: optax.OptState
+  prior: Prior
+  rng: jax.Array
+  step: jax.Array
+
+
+_TX = optax.adamw(1e-3)
+
+
+def _init_state(seed: int = 0) -> TrainState:
+  params = {"w": jnp.arange(64.0).reshape(8, 8) + seed, "b": jnp.full((8,), 0.5 + seed)}
+  opt_state = _TX.init(params)
+  # A non-trivial optimizer state: one update step.
+  _, opt_state = _TX.update(jax.tree.map(jnp.ones_like, params), opt_state, params)
+  prior = Prior(count=jnp.array([1.0, 2.0, 3.0, 0.0]), mean=jnp.array([0.1, 0.5, 0.9, 0.0]) + seed)
+  return TrainState(params, opt_state, prior, jax.random.key(seed + 7), jnp.int32(seed))
+
+
+def _mesh():
+  return jax.make_mesh((2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+
+
+def _sharded_abstract(spec_2d: P, spec_1d: P):
+  mesh = _mesh()
+
+  def with_sharding(x):
+    spec = {2: spec_2d, 1: spec_1d}.get(x.ndim, P())
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+  return jax.tree.map(with_sharding, jax.eval_shape(_init_state))
+
+
+def _make_state(abstract, seed=0):
+  shardings = jax.tree.map(lambda a: a.sharding, abstract)
+  return jax.jit(lambda: _init_state(seed), out_shardings=shardings)()
+
+
+def _assert_states_equal(got, want):
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  got_rng, want_rng = got.rng, want.rng
+  assert jax.dtypes.issubdtype(got_rng.dtype, jax.dtypes.prng_key)
+  assert jax.random.key_impl(got_rng) == jax.random.key_impl(want_rng)
+  np.testing.assert_array_equal(jax.random.key_data(got_rng), jax.random.key_data(want_rng))
+  for g, w in zip(
+    jax.tree.leaves(got.replace(rng=0)), jax.tree.leaves(want.replace(rng=0)), strict=True
+  ):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert np.asarray(g).dtype == np.asarray(w).dtype
+
+
+def test_sharded_round_trip_restores_requested_shardings(tmp_path):
+  assert jax.device_count() == 8
+  saved_abstract = _sharded_abstract(P("data", "model"), P("model"))
+  state = _make_state(saved_abstract)
+  config = {"seed": 3, "rl": {"group_size": 4, "advantage": "ebpo"}, "mesh": (2, 4)}
+  with checkpoint.Checkpointer(tmp_path / "ckpt") as ckpt:
+    assert ckpt.latest_step() is None
+    assert ckpt.save(5, state, config=config)
+  # A new process-like reader, restoring onto a different layout than the one saved.
+  wanted = _sharded_abstract(P(None, "data"), P("data"))
+  with checkpoint.Checkpointer(tmp_path / "ckpt") as ckpt:
+    assert ckpt.latest_step() == 5
+    restored, restored_config = ckpt.restore(None, wanted)
+  _assert_states_equal(restored, state)
+  assert isinstance(restored.prior, Prior) and isinstance(restored, TrainState)
+  got_shardings = jax.tree.map(lambda x: x.sharding, restored)
+  want_shardings = jax.tree.map(lambda a: a.sharding, wanted)
+  for g, w in zip(jax.tree.leaves(got_shardings), jax.tree.leaves(want_shardings), strict=True):
+    assert g == w
+  assert restored.params["w"].sharding.spec == P(None, "data")
+  assert restored_config == {
+    "seed": 3,
+    "rl": {"group_size": 4, "advantage": "ebpo"},
+    "mesh": [2, 4],
+  }
+
+
+def test_grain_iterator_resumes_at_the_same_element(tmp_path):
+  dataset = grain.MapDataset.range(200).shuffle(seed=11).map(lambda x: x * 3).batch(4)
+  abstract = _sharded_abstract(P(), P())
+  state = _make_state(abstract)
+  data_iter = iter(dataset)
+  for _ in range(5):
+    next(data_iter)
+  expected = [next(data_iter) for _ in range(3)]
+  # Rewind to the save point: a fresh iterator advanced 5 batches.
+  data_iter = iter(dataset)
+  for _ in range(5):
+    next(data_iter)
+  with checkpoint.Checkpointer(tmp_path / "ckpt", async_save=True) as ckpt:
+    ckpt.save(5, state, data_iter=data_iter)
+    # The position is captured at save time: advancing now must not change what was saved.
+    for _ in range(7):
+      next(data_iter)
+  resumed = iter(dataset)
+  with checkpoint.Checkpointer(tmp_path / "ckpt") as ckpt:
+    _, config = ckpt.restore(5, abstract, data_iter=resumed)
+  assert config is None
+  for want in expected:
+    np.testing.assert_array_equal(next(resumed), want)
+
+
+def test_keeps_the_last_n_and_save_every(tmp_path):
+  abstract = _sharded_abstract(P(), P())
+  state = _make_state(abstract)
+  with checkpoint.Checkpointer(tmp_path / "a", max_to_keep=2) as ckpt:
+    for step in range(1, 6):
+      assert ckpt.save(step, state)
+    ckpt.wait()
+    assert ckpt.all_steps() == [4, 5]
+  with checkpoint.Checkpointer(tmp_path / "b", max_to_keep=None, save_every=3) as ckpt:
+    # Orbax always writes the first save; then multiples of 3; `force` overrides.
+    saved = [step for step in range(1, 8) if ckpt.save(step, state)]
+    assert saved == [1, 3, 6]
+    assert ckpt.save(7, state, force=True)
+    assert not ckpt.save(7, state, force=True)  # already there: no error, nothing written
+    ckpt.wait()
+    assert ckpt.all_steps() == [1, 3, 6, 7]
+
+
+def test_restore_errors_are_clear(tmp_path):
+  abstract = _sharded_abstract(P(), P())
+  with checkpoint.Checkpointer(tmp_path / "ckpt") as ckpt:
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+      ckpt.restore(None, abstract)
+    ckpt.save(1, _make_state(abstract))
+    with pytest.raises(FileNotFoundError, match="step 2"):
+      ckpt.restore(2, abstract)
+    with pytest.raises(ValueError, match="no data iterator"):
+      ckpt.restore(1, abstract, data_iter=iter(grain.MapDataset.range(3)))
+    with pytest.raises(TypeError, match="not JSON-able"):
+      ckpt.save(2, _make_state(abstract), config={"fn": print})
+
+
+_KILLED_SAVE = textwrap.dedent(
+  """
+  import os, signal, sys
+  import jax, jax.numpy as jnp
+  from ebpo_jax import checkpoint
+  ckpt = checkpoint.Checkpointer(sys.argv[1])
+  ckpt.save(1, {"w": jnp.full((4,), 1.0)})
+  ckpt.wait()
+  # 64 MB: the asynchronous write is still running when the process dies below.
+  ckpt.save(2, {"w": jnp.full((4,), 2.0), "big": jnp.ones((4096, 4096))})
+  os.kill(os.getpid(), signal.SIGKILL)
+  """
+)
+
+
+def test_checkpoint_killed_mid_save_is_never_latest(tmp_path):
+  directory = tmp_path / "ckpt"
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="")
+  proc = subprocess.run(
+    [sys.executable, "-c", _KILLED_SAVE, str(directory)],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+  )
+  assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+  leftovers = sorted(os.listdir(directory))
+  assert "1" in leftovers and "2" not in leftovers
+  assert any(name.startswith("2.orbax-checkpoint-tmp") for name in leftovers), leftovers
+  abstract = {
+    "w": jax.ShapeDtypeStruct(
+      (4,), jnp.float32, sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    )
+  }
+  with checkpoint.Checkpointer(directory) as ckpt:
+    assert ckpt.latest_step() == 1
+    restored, _ = ckpt.restore(None, abstract)
+    np.testing.assert_array_equal(restored["w"], [1.0] * 4)
+    # The half-written step can be written again, and then is the latest.
+    assert ckpt.save(2, {"w": jnp.full((4,), 2.0)})
+    ckpt.wait()
+    assert ckpt.latest_step() == 2
+  assert not any("tmp" in name for name in os.listdir(directory))
+
+
+def test_temporary_directory_is_ignored(tmp_path):
+  # The state orbax leaves when a process dies mid-write: a `<step>.orbax-checkpoint-tmp` dir.
+  directory = tmp_path / "ckpt"
+  abstract = _sharded_abstract(P(), P())
+  with checkpoint.Checkpointer(directory) as ckpt:
+    ckpt.save(3, _make_state(abstract))
+  partial = directory / "9.orbax-checkpoint-tmp"
+  (partial / "state").mkdir(parents=True)
+  (partial / "state" / "garbage").write_text("half")
+  with checkpoint.Checkpointer(directory) as ckpt:
+    assert ckpt.latest_step() == 3 and ckpt.all_steps() == [3]
+    restored, _ = ckpt.restore(None, abstract)
+  assert int(restored.step) == 0
+
+
+def test_sigterm_sets_the_flag_instead_of_exiting():
+  flag = checkpoint.install_sigterm_flag()
+  try:
+    assert not flag.requested
+    os.kill(os.getpid(), signal.SIGTERM)
+    deadline = time.monotonic() + 5.0
+    while not flag.requested and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert flag.requested
+    assert flag.requested_anywhere()
+  finally:
+    flag.uninstall()
+  assert signal.getsignal(signal.SIGTERM) is not flag._handle
