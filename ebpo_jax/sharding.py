@@ -1,0 +1,113 @@
+"""Device mesh over ('data', 'fsdp', 'tensor') and the logical-axis rules that place arrays on it.
+
+Parameters carry logical axis names (`nn.with_logical_partitioning`); `DEFAULT_RULES` maps each name
+to mesh axes. A dimension that its mesh axes do not divide evenly (say 3 KV heads over tensor=2) is
+replicated along that dimension rather than refused, so one rule set serves every model size.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
+
+DEFAULT_RULES: Rules = (
+  ("batch", ("data", "fsdp")),
+  ("layers", None),
+  ("vocab", "tensor"),
+  ("embed", "fsdp"),
+  ("mlp", "tensor"),
+  ("heads", "tensor"),
+  ("kv_heads", "tensor"),
+  ("head_dim", None),
+  ("length", None),
+)
+
+
+def make_mesh(shape: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A mesh with axes ('data', 'fsdp', 'tensor'); absent axes get size 1, one size may be -1."""
+  unknown = set(shape) - set(MESH_AXES)
+  if unknown:
+    raise ValueError(
+      f"mesh={shape}: unknown axes {sorted(unknown)}; expected a subset of {MESH_AXES}"
+    )
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = [int(shape.get(axis, 1)) for axis in MESH_AXES]
+  if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+    raise ValueError(f"mesh={shape}: sizes must be positive, with at most one -1")
+  if -1 in sizes:
+    known = math.prod(s for s in sizes if s != -1)
+    if len(devices) % known:
+      raise ValueError(f"mesh={shape}: {len(devices)} devices are not divisible by {known}")
+    sizes[sizes.index(-1)] = len(devices) // known
+  if math.prod(sizes) != len(devices):
+    raise ValueError(
+      f"mesh={shape}: {math.prod(sizes)} devices requested, {len(devices)} available"
+    )
+  auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+  return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=auto, devices=devices)
+
+
+def logical_to_spec(
+  shape: Sequence[int], names: Sequence[str | None], mesh: Mesh, rules: Rules = DEFAULT_RULES
+) -> PartitionSpec:
+  """PartitionSpec for an array of `shape` whose dimensions carry logical `names`.
+
+  A logical name maps to the mesh axes of its first rule; mesh axes already used by an earlier
+  dimension, of size 1, or not dividing the dimension are dropped (that dimension is replicated).
+  """
+  if len(shape) != len(names):
+    raise ValueError(f"shape {tuple(shape)} and logical names {tuple(names)} differ in rank")
+  rule_map: dict[str, Any] = {}
+  for name, axes in rules:
+    rule_map.setdefault(name, axes)
+  used: set[str] = set()
+  spec = []
+  for dim, name in zip(shape, names, strict=True):
+    if name is not None and name not in rule_map:
+      raise ValueError(
+        f"logical axis {name!r} has no sharding rule; rules cover {sorted(rule_map)}"
+      )
+    axes = rule_map.get(name) if name is not None else None
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    kept = []
+    for axis in axes:
+      size = mesh.shape[axis]
+      if axis in used or size == 1 or dim % (size * math.prod(mesh.shape[a] for a in kept)):
+        continue
+      kept.append(axis)
+    used.update(kept)
+    spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+  return PartitionSpec(*spec)
+
+
+def logical_shardings(abstract_tree: Any, mesh: Mesh, rules: Rules = DEFAULT_RULES) -> Any:
+  """NamedShardings for a tree of boxed (`nn.Partitioned`) params or their `jax.eval_shape`.
+
+  The result has the structure of the unboxed tree; unannotated leaves are replicated.
+  """
+
+  def leaf_sharding(leaf):
+    if isinstance(leaf, nn.Partitioned):
+      return NamedSharding(mesh, logical_to_spec(leaf.value.shape, leaf.names, mesh, rules))
+    return NamedSharding(mesh, PartitionSpec())
+
+  return jax.tree.map(leaf_sharding, abstract_tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+  """Leading (batch) dimension over ('data', 'fsdp'), the rest replicated."""
+  return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+
+
+def place_from_host(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
+  """Builds a global array from a host copy; each device receives only its own shard."""
+  return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
