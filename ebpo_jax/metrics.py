@@ -1,0 +1,264 @@
+"""Run metrics: WORKDIR/metrics.jsonl, TensorBoard events, progress bar, plots, summary table.
+
+metrics.jsonl holds one JSON object per line, each with an integer "step" and float values.
+Non-finite values (NaN, inf) are written as JSON `null`: strict JSON has no NaN, and readers
+(`json`, pandas, jq) all accept null. Lines are flushed as written, so after a crash the file
+ends at most with one partial line, which the readers here ignore.
+"""
+
+import json
+import math
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import tqdm
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+PLOTS_DIR = "plots"
+
+# Default plots: (file name, patterns); a pattern ending in "/" matches every key with that prefix.
+DEFAULT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+  ("reward", ("reward/mean", "reward/mean/")),
+  ("accuracy", ("eval/accuracy", "eval/accuracy/")),
+  ("adv_zero_frac", ("adv/zero_frac",)),
+  ("ebpo_shrinkage", ("ebpo/shrinkage_mean",)),
+  ("ebpo_prior_mean", ("ebpo/prior_mean/",)),
+  ("entropy", ("entropy",)),
+  ("kl", ("kl",)),
+  ("grad_norm", ("grad_norm",)),
+  ("clipfrac", ("clipfrac",)),
+  ("loss", ("loss",)),
+  ("response_len", ("response_len/mean",)),
+  ("reward_errors", ("reward/errors",)),
+  ("tokens_per_sec", ("tokens_per_sec",)),
+  ("step_time", ("step_time",)),
+)
+
+
+class MetricsWriter:
+  """Appends metrics to WORKDIR/metrics.jsonl and to TensorBoard (WORKDIR/tensorboard/).
+
+  `enabled=False` (processes other than 0) makes every method a no-op that touches no file.
+  `resume_step`: when resuming from a checkpoint at that step, lines (and TensorBoard events)
+  with a larger step, written after the checkpoint by the run that died, are dropped first.
+  """
+
+  def __init__(
+    self,
+    workdir: str | os.PathLike,
+    *,
+    enabled: bool = True,
+    tensorboard: bool = True,
+    resume_step: int | None = None,
+  ):
+    self.enabled = enabled
+    self.path = os.path.join(os.fspath(workdir), METRICS_FILE)
+    self._file = None
+    self._tb = None
+    if not enabled:
+      return
+    os.makedirs(workdir, exist_ok=True)
+    if resume_step is not None:
+      truncate_after(workdir, resume_step)
+    self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+    if tensorboard:
+      from tensorboardX import SummaryWriter
+
+      purge_step = None if resume_step is None else resume_step + 1
+      self._tb = SummaryWriter(
+        os.path.join(os.fspath(workdir), TENSORBOARD_DIR), purge_step=purge_step
+      )
+
+  def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+    """Writes one line {"step": step, **metrics}; values are scalars (Python, NumPy or JAX)."""
+    if not self.enabled:
+      return
+    if self._file is None:
+      raise ValueError(f"MetricsWriter for {self.path} is closed")
+    values = _to_floats(metrics)
+    record = {"step": int(step)}
+    record.update({k: (v if math.isfinite(v) else None) for k, v in values.items()})
+    self._file.write(json.dumps(record, allow_nan=False) + "\n")
+    self._file.flush()
+    if self._tb is not None:
+      for key, value in values.items():
+        if math.isfinite(value):  # TensorBoard shows a gap; tensorboardX would warn per value
+          self._tb.add_scalar(key, value, global_step=int(step))
+      self._tb.flush()
+
+  def close(self) -> None:
+    if self._file is not None:
+      self._file.close()
+      self._file = None
+    if self._tb is not None:
+      self._tb.close()
+      self._tb = None
+
+  def __enter__(self) -> "MetricsWriter":
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.close()
+
+
+def _to_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
+  """Python floats from scalars; one device-to-host transfer for all JAX values."""
+  if "step" in metrics:
+    raise ValueError("metrics must not contain the key 'step' (it is the write() argument)")
+  keys = list(metrics)
+  host = jax.device_get([metrics[k] for k in keys])  # a list keeps the caller's key order
+  values = {}
+  for key, value in zip(keys, host, strict=True):
+    array = np.asarray(value)
+    if array.size != 1 or not (np.issubdtype(array.dtype, np.number) or array.dtype == bool):
+      raise ValueError(f"metric {key!r} must be a numeric scalar, got {value!r}")
+    values[str(key)] = float(array.reshape(()))
+  return values
+
+
+def _metrics_path(path: str | os.PathLike) -> str:
+  path = os.fspath(path)
+  return os.path.join(path, METRICS_FILE) if os.path.isdir(path) else path
+
+
+def _parse_lines(path: str) -> list[tuple[str, dict[str, Any]]]:
+  """(raw line, record) pairs. A last line without newline that is not valid JSON (a process
+  died mid-write) is dropped; any other bad line raises naming FILE:LINE."""
+  with open(path, encoding="utf-8") as f:
+    lines = f.read().split("\n")
+  parsed = []
+  for lineno, line in enumerate(lines, start=1):
+    if not line.strip():
+      continue
+    try:
+      record = json.loads(line)
+    except json.JSONDecodeError as e:
+      if lineno == len(lines):
+        break
+      raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+    if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+      raise ValueError(f"{path}:{lineno}: expected a JSON object with an integer 'step'")
+    parsed.append((line, record))
+  return parsed
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
+  """The records of a metrics.jsonl file (or of WORKDIR/metrics.jsonl given WORKDIR)."""
+  return [record for _, record in _parse_lines(_metrics_path(path))]
+
+
+def truncate_after(workdir: str | os.PathLike, step: int) -> int:
+  """Drops the lines with "step" > `step` (and a partial last line) from WORKDIR/metrics.jsonl,
+  atomically; returns how many lines were dropped. Call when resuming from checkpoint `step`."""
+  path = _metrics_path(workdir)
+  if not os.path.exists(path):
+    return 0
+  with open(path, encoding="utf-8") as f:
+    total = sum(1 for line in f if line.strip())
+  kept = [line for line, record in _parse_lines(path) if record["step"] <= step]
+  tmp_path = path + ".tmp"
+  with open(tmp_path, "w", encoding="utf-8") as f:
+    f.writelines(line + "\n" for line in kept)
+  os.replace(tmp_path, path)
+  return total - len(kept)
+
+
+def _matching_keys(patterns: Iterable[str], available: Sequence[str]) -> list[str]:
+  keys = []
+  for pattern in patterns:
+    if pattern.endswith("/"):
+      keys += sorted(k for k in available if k.startswith(pattern) and k not in keys)
+    elif pattern in available and pattern not in keys:
+      keys.append(pattern)
+  return keys
+
+
+def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+  points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+  return [s for s, _ in points], [v for _, v in points]
+
+
+def plot_metrics(workdir: str | os.PathLike, keys: Sequence[str] | None = None) -> list[str]:
+  """Writes PNG plots of metrics.jsonl to WORKDIR/plots/ and returns their paths.
+
+  `keys=None` draws DEFAULT_PANELS (reward, accuracy per cluster, adv/zero_frac, shrinkage,
+  entropy, kl, grad_norm, clipfrac, ...); otherwise one plot per key (a key ending in "/" is a
+  prefix: all matching keys on one plot). Keys absent from the file are skipped.
+  """
+  from matplotlib.backends.backend_agg import FigureCanvasAgg
+  from matplotlib.figure import Figure
+
+  records = read_metrics(workdir)
+  available = sorted({k for r in records for k in r if k != "step"})
+  if keys is None:
+    panels = DEFAULT_PANELS
+  else:
+    panels = tuple((key.rstrip("/").replace("/", "_"), (key,)) for key in keys)
+  out_dir = os.path.join(os.fspath(workdir), PLOTS_DIR)
+  os.makedirs(out_dir, exist_ok=True)
+  paths = []
+  for name, patterns in panels:
+    panel_keys = _matching_keys(patterns, available)
+    if not panel_keys:
+      continue
+    fig = Figure(figsize=(6.4, 4.0))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for key in panel_keys:
+      steps, values = _series(records, key)
+      ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=key)
+    ax.set_xlabel("step")
+    ax.set_title(name)
+    ax.grid(alpha=0.3)
+    if len(panel_keys) > 1:
+      ax.legend(fontsize="small")
+    path = os.path.join(out_dir, f"{name}.png")
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    paths.append(path)
+  return paths
+
+
+def summary_table(
+  rows: Mapping[str, Mapping[str, float]],
+  *,
+  columns: Sequence[str] | None = None,
+  row_header: str = "cluster",
+  digits: int = 3,
+) -> str:
+  """A plain-text table, e.g. final accuracy per cluster: {"add_2d": {"accuracy": 0.9, "n": 64}}.
+
+  Columns default to all value keys in first-seen order; a missing value prints as "-".
+  """
+  if columns is None:
+    columns = list(dict.fromkeys(k for values in rows.values() for k in values))
+
+  def fmt(value: Any) -> str:
+    if value is None:
+      return "-"
+    if isinstance(value, int | np.integer) and not isinstance(value, bool):
+      return str(value)
+    return f"{float(value):.{digits}f}"
+
+  header = [row_header, *columns]
+  body = [[str(name), *(fmt(values.get(c)) for c in columns)] for name, values in rows.items()]
+  widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+
+  def line(cells: list[str]) -> str:
+    first = cells[0].ljust(widths[0])
+    rest = (cell.rjust(width) for cell, width in zip(cells[1:], widths[1:], strict=True))
+    return "  ".join([first, *rest]).rstrip()
+
+  rule = "  ".join("-" * w for w in widths)
+  return "\n".join([line(header), rule, *(line(row) for row in body)])
+
+
+def progress_bar(total: int, *, initial: int = 0, enabled: bool = True) -> tqdm.tqdm:
+  """A tqdm bar over training steps (silent when not enabled); show metrics with
+  `bar.set_postfix(reward=..., acc=...)` and advance with `bar.update()`."""
+  return tqdm.tqdm(
+    total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True
+  )
