@@ -1,0 +1,135 @@
+"""Integer arithmetic, the tiny built-in task: "12+34=" -> "46", a character tokenizer.
+
+Clusters are (operation, digit count) pairs named like `add_2`: both operands have exactly that many
+digits (1 digit: 0-9). Subtraction puts the larger operand first, so answers are never negative.
+Difficulty is a rough rank for the curriculum order: the digit count, +0.5 for `sub` (borrows), x2
+for `mul`.
+"""
+
+import itertools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from ebpo_jax.tasks.base import (
+  Task,
+  check_fraction,
+  check_split,
+  cluster_quotas,
+  interleave,
+  take_split,
+)
+
+OPS = {"add": "+", "sub": "-", "mul": "*"}
+_DIFFICULTY = {"add": lambda d: float(d), "sub": lambda d: d + 0.5, "mul": lambda d: 2.0 * d}
+MAX_DIGITS = 9
+
+
+class CharTokenizer:
+  """Characters of arithmetic prompts and answers; ids 0-2 are pad, BOS and EOS.
+
+  `encode(text)` gives the characters' ids only (add BOS/EOS yourself); `decode(ids)` stops at the
+  first EOS and drops pad and BOS.
+  """
+
+  CHARS = "0123456789+-*= "
+
+  def __init__(self):
+    self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
+    self._id_of = {c: i + 3 for i, c in enumerate(self.CHARS)}
+    self.vocab_size = 3 + len(self.CHARS)
+
+  def encode(self, text: str) -> list[int]:
+    try:
+      return [self._id_of[c] for c in text]
+    except KeyError as e:
+      raise ValueError(f"character {e.args[0]!r} is not in the vocabulary {self.CHARS!r}") from e
+
+  def decode(self, ids: Sequence[int]) -> str:
+    out = []
+    for i in ids:
+      i = int(i)
+      if i == self.eos_id:
+        break
+      if i in (self.pad_id, self.bos_id):
+        continue
+      if not 3 <= i < self.vocab_size:
+        raise ValueError(f"token id {i} is outside the vocabulary (size {self.vocab_size})")
+      out.append(self.CHARS[i - 3])
+    return "".join(out)
+
+
+def score_arithmetic(response: str, row: dict[str, Any]) -> float:
+  """1.0 when the response up to its first newline is the answer (surrounding spaces ignored)."""
+  return float(response.split("\n", 1)[0].strip() == row["answer"])
+
+
+class ArithmeticTask(Task):
+  """Integer arithmetic with clusters by operation and digit count."""
+
+  score = staticmethod(score_arithmetic)
+
+  def __init__(
+    self,
+    ops: Sequence[str] = ("add",),
+    digits: Sequence[int] = (1, 2, 3),
+    clusters: Sequence[str] | None = None,
+    eval_fraction: float = 0.2,
+  ):
+    """Clusters are all (op, digits) pairs, or the given names like ("add_1", "mul_2")."""
+    names = list(clusters) if clusters else [f"{o}_{d}" for o, d in itertools.product(ops, digits)]
+    self.clusters = [_parse_cluster(name) for name in names]
+    if len(set(names)) != len(names) or not names:
+      raise ValueError(f"arithmetic clusters must be distinct and non-empty, got {names}")
+    check_fraction(eval_fraction)
+    self.name = "arithmetic"
+    self.cluster_names = names
+    self.eval_fraction = eval_fraction
+    self.tokenizer = CharTokenizer()
+
+  def rows(self, split: str, n: int, seed: int) -> list[dict[str, Any]]:
+    check_split(split)
+    per_cluster = [
+      take_split(
+        self._candidates(k, seed),
+        split,
+        quota,
+        eval_fraction=self.eval_fraction,
+        where=f"arithmetic {self.cluster_names[k]}",
+      )
+      for k, quota in enumerate(cluster_quotas(n, len(self.clusters)))
+    ]
+    return interleave(per_cluster)
+
+  def _candidates(self, k: int, seed: int) -> Iterator[dict[str, Any]]:
+    """An endless stream of problems of cluster k, the same for both splits."""
+    op, digits = self.clusters[k]
+    rng = np.random.default_rng(np.random.SeedSequence([seed, k]))
+    low, high = (0 if digits == 1 else 10 ** (digits - 1)), 10**digits
+    while True:
+      a, b = (int(x) for x in rng.integers(low, high, size=2))
+      if op == "sub" and a < b:
+        a, b = b, a
+      answer = {"add": a + b, "sub": a - b, "mul": a * b}[op]
+      yield {
+        "prompt": f"{a}{OPS[op]}{b}=",
+        "answer": str(answer),
+        "cluster": k,
+        "difficulty": _DIFFICULTY[op](digits),
+      }
+
+
+def _parse_cluster(name: str) -> tuple[str, int]:
+  op, _, digits = name.partition("_")
+  if op not in OPS or not digits.isdigit() or not 1 <= int(digits) <= MAX_DIGITS:
+    raise ValueError(
+      f"arithmetic cluster {name!r} must be <op>_<digits> with op in {tuple(OPS)} and digits "
+      f"1-{MAX_DIGITS}"
+    )
+  return op, int(digits)
+
+
+def sft_example(row: dict[str, Any], tokenizer: CharTokenizer) -> tuple[list[int], list[int]]:
+  """(prompt ids, target ids) for a supervised warm start: target = answer then EOS."""
+  return tokenizer.encode(row["prompt"]), tokenizer.encode(row["answer"]) + [tokenizer.eos_id]

@@ -1,0 +1,149 @@
+"""The Task interface, the train/eval split, and answer extraction shared by the tasks."""
+
+import abc
+import hashlib
+import math
+import re
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+SPLITS = ("train", "eval")
+
+
+class Task(abc.ABC):
+  """Prompts plus a verifier.
+
+  `rows(split, n, seed)` gives rows `{"prompt", "answer", "cluster", "difficulty", ...}`; the train
+  and eval splits never share a prompt. `score(response, row) -> float in [0, 1]` is a top-level
+  function (picklable, so it runs in a process pool); subclasses set it as
+  `score = staticmethod(fn)`. `tokenizer` is the task's own tokenizer for random-init models, or
+  None. `format_prompt(row)` is the text the model sees, `format_target(row)` the text a supervised
+  warm start teaches it to produce (the caller appends EOS).
+  """
+
+  name: str
+  cluster_names: list[str]
+  score: ClassVar[Callable[[str, dict[str, Any]], float]]
+  tokenizer: Any = None
+  system_prompt: str | None = None
+
+  @abc.abstractmethod
+  def rows(self, split: str, n: int, seed: int) -> list[dict[str, Any]]:
+    """n rows of `split` ('train' or 'eval'), balanced over clusters, deterministic in seed."""
+
+  def format_prompt(self, row: dict[str, Any]) -> str:
+    return row["prompt"]
+
+  def format_target(self, row: dict[str, Any]) -> str:
+    return row["answer"]
+
+
+def check_split(split: str) -> None:
+  if split not in SPLITS:
+    raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+
+
+def split_of(key: str, eval_fraction: float) -> str:
+  """'eval' for a fixed share of keys (by a hash of the text, independent of any seed)."""
+  digest = hashlib.blake2b(key.encode("utf-8"), digest_size=8).digest()
+  return "eval" if int.from_bytes(digest, "big") < eval_fraction * 2**64 else "train"
+
+
+def take_split(
+  candidates: Iterator[dict[str, Any]],
+  split: str,
+  n: int,
+  *,
+  eval_fraction: float,
+  where: str,
+  max_misses: int = 100_000,
+) -> list[dict[str, Any]]:
+  """The first n candidate rows whose prompt falls in `split` (duplicates allowed)."""
+  out, misses = [], 0
+  for row in candidates:
+    if len(out) == n:
+      break
+    if split_of(row["prompt"], eval_fraction) == split:
+      out.append(row)
+    else:
+      misses += 1
+      if misses > max_misses:
+        raise ValueError(f"{where}: found only {len(out)} of {n} {split} prompts")
+  return out
+
+
+def cluster_quotas(n: int, num_clusters: int) -> list[int]:
+  """n split as evenly as possible over the clusters (the first ones get the remainder)."""
+  return [n // num_clusters + (k < n % num_clusters) for k in range(num_clusters)]
+
+
+def interleave(per_cluster: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+  """Rows of all clusters taken in turn, so that any prefix is balanced."""
+  out = []
+  for i in range(max(map(len, per_cluster), default=0)):
+    out.extend(rows[i] for rows in per_cluster if i < len(rows))
+  return out
+
+
+def check_fraction(eval_fraction: float) -> None:
+  if not 0.0 < eval_fraction < 1.0:
+    raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction!r}")
+
+
+# ------------------------------------------------------------------------------ answers in text
+
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+_ANSWER_LINE = re.compile(r"answer\s*(?:is)?\s*[:：]\s*(.*)", re.IGNORECASE)
+
+
+def extract_final_answer(response: str) -> str:
+  r"""The model's final answer: the last `<answer>...</answer>`, else the rest of the line after the
+  last `Answer:`, else the last `\boxed{...}`, else the last non-empty line."""
+  tags = _ANSWER_TAG.findall(response)
+  if tags:
+    return _clean(tags[-1])
+  lines = _ANSWER_LINE.findall(response)
+  if lines:
+    return _clean(lines[-1])
+  boxed = _last_boxed(response)
+  if boxed is not None:
+    return _clean(boxed)
+  nonempty = [line for line in response.splitlines() if line.strip()]
+  return _clean(nonempty[-1]) if nonempty else ""
+
+
+def _last_boxed(text: str) -> str | None:
+  start = text.rfind("\\boxed{")
+  if start < 0:
+    return None
+  depth, begin = 0, start + len("\\boxed{")
+  for i in range(begin, len(text)):
+    depth += {"{": 1, "}": -1}.get(text[i], 0)
+    if depth < 0:
+      return text[begin:i]
+  return None
+
+
+def _clean(answer: str) -> str:
+  answer = answer.strip().strip("*").strip()
+  if answer.startswith("$") and answer.endswith("$") and len(answer) > 1:
+    answer = answer.strip("$").strip()
+  return answer[:-1].rstrip() if answer.endswith(".") else answer
+
+
+def normalize_answer(answer: str) -> str:
+  """Lower case, whitespace collapsed, thousands separators in numbers dropped."""
+  answer = " ".join(answer.lower().split())
+  return re.sub(r"(?<=\d),(?=\d{3}\b)", "", answer)
+
+
+def answers_match(predicted: str, gold: str) -> bool:
+  """Equal after `normalize_answer`, or both numbers with the same value."""
+  predicted, gold = normalize_answer(predicted), normalize_answer(gold)
+  if predicted == gold:
+    return True
+  try:
+    a, b = float(predicted), float(gold)
+  except ValueError:
+    return False
+  return math.isfinite(a) and math.isclose(a, b, rel_tol=1e-9, abs_tol=1e-12)

@@ -1,0 +1,59 @@
+"""Rows from a JSONL/Parquet file (`data.load_rows`), scored by exact match after normalisation."""
+
+import pathlib
+from typing import Any
+
+import numpy as np
+
+from ebpo_jax.data import load_rows_and_clusters
+from ebpo_jax.tasks.base import (
+  Task,
+  answers_match,
+  check_fraction,
+  check_split,
+  extract_final_answer,
+  split_of,
+)
+
+
+def score_exact(response: str, row: dict[str, Any]) -> float:
+  """1.0 when the response's final answer matches row["answer"] (`base.answers_match`)."""
+  return float(answers_match(extract_final_answer(response), row["answer"]))
+
+
+class JsonlTask(Task):
+  """Prompts from files. The eval split is `eval_path`'s rows, or, without one, a fixed
+  `eval_fraction` of `path`'s prompts (by a hash of the prompt)."""
+
+  score = staticmethod(score_exact)
+
+  def __init__(
+    self, path: str, eval_path: str | None = None, eval_fraction: float = 0.1, instruction: str = ""
+  ):
+    if not path:
+      raise ValueError("task 'jsonl' needs path=<file.jsonl or file.parquet>")
+    check_fraction(eval_fraction)
+    rows, self.cluster_names = load_rows_and_clusters(path)
+    if eval_path:
+      eval_rows, eval_names = load_rows_and_clusters(eval_path)
+      if eval_names != self.cluster_names[: len(eval_names)]:
+        raise ValueError(
+          f"{eval_path}: clusters {eval_names} do not match those of {path}: {self.cluster_names}"
+        )
+      self._rows = {"train": rows, "eval": eval_rows}
+    else:
+      self._rows = {
+        s: [r for r in rows if split_of(r["prompt"], eval_fraction) == s] for s in ("train", "eval")
+      }
+    self.name = f"jsonl:{pathlib.Path(path).name}"
+    self.instruction = instruction
+
+  def rows(self, split: str, n: int, seed: int) -> list[dict[str, Any]]:
+    """At most n rows of the split (all when n <= 0), in an order shuffled by seed."""
+    check_split(split)
+    rows = self._rows[split]
+    order = np.random.default_rng(np.random.SeedSequence([seed])).permutation(len(rows))
+    return [rows[i] for i in (order if n <= 0 else order[:n])]
+
+  def format_prompt(self, row: dict[str, Any]) -> str:
+    return row["prompt"] + self.instruction

@@ -1,0 +1,254 @@
+"""Scoring responses on the host: verifier calls in a process pool, each with a timeout.
+
+A verifier call that raises, returns something other than a number in [0, 1], runs past the
+timeout, or kills its worker scores 0 and is counted as an error; a hung worker is killed and a
+crashed or killed one replaced, so the pool keeps working. Workers start with `forkserver` (or
+`spawn`), never `fork`: the trainer process runs JAX threads, which a forked child would inherit
+in an undefined state.
+
+The timeout of a call starts when the worker has unpickled it (importing the verifier's module the
+first time), so slow first imports do not count; unpickling has its own, long, `start_timeout_s`.
+So verifier modules should import their heavy dependencies at module level, not lazily inside
+the scoring function.
+
+`workers=0` scores inline in the calling process: exceptions still score 0 and are counted, but
+a timeout is enforced only on the main thread (SIGALRM via `signal.setitimer`; it would clash with a
+verifier that uses SIGALRM itself, like math-verify's own timeout), and a verifier that kills the
+process kills the trainer.
+"""
+
+import collections
+import contextlib
+import dataclasses
+import logging
+import math
+import multiprocessing
+import multiprocessing.connection
+import pickle
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+ScoreFn = Callable[[str, dict[str, Any]], float]
+_log = logging.getLogger(__name__)
+_CONTEXTS = ("forkserver", "spawn")
+
+
+class VerifierTimeout(Exception):
+  """An inline verifier call ran past its timeout."""
+
+
+class RewardPool:
+  """Scores responses with a verifier, in `workers` processes (0: inline), `timeout_s` per call."""
+
+  def __init__(
+    self,
+    workers: int,
+    timeout_s: float,
+    *,
+    context: str = "forkserver",
+    start_timeout_s: float = 120.0,
+  ):
+    if not isinstance(workers, int) or workers < 0:
+      raise ValueError(f"workers must be an int >= 0, got {workers!r}")
+    if not timeout_s > 0:
+      raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if context not in _CONTEXTS:
+      raise ValueError(f"context must be one of {_CONTEXTS}, got {context!r}")
+    self.timeout_s, self.start_timeout_s = float(timeout_s), float(start_timeout_s)
+    self.last_errors: list[str] = []  # messages of the last `score` call's errors (first 10)
+    self._ctx = multiprocessing.get_context(context)
+    if context == "forkserver":
+      # Keep the trainer's __main__ (and JAX) out of the fork server.
+      self._ctx.set_forkserver_preload([__name__])
+    self._workers = [_Worker.start(self._ctx) for _ in range(workers)]
+    self._finalizer = weakref.finalize(self, _stop_all, self._workers)
+
+  @property
+  def num_workers(self) -> int:
+    return len(self._workers)
+
+  def score(
+    self, score_fn: ScoreFn, responses: Sequence[str], rows: Sequence[dict[str, Any]]
+  ) -> tuple[np.ndarray, int]:
+    """(rewards float32 [N], number of calls that failed); failed calls score 0."""
+    if len(responses) != len(rows):
+      raise ValueError(f"{len(responses)} responses but {len(rows)} rows")
+    if not self._workers:
+      calls = zip(responses, rows, strict=True)
+      results = [_score_inline(score_fn, r, row, self.timeout_s) for r, row in calls]
+    else:
+      jobs = [pickle.dumps((score_fn, r, row)) for r, row in zip(responses, rows, strict=True)]
+      results = self._run(jobs)
+    errors = [message for ok, value, message in results if not ok]
+    self.last_errors = errors[:10]
+    if errors:
+      _log.warning("%d of %d verifier calls failed; first: %s", len(errors), len(rows), errors[0])
+    rewards = np.array([value if ok else 0.0 for ok, value, _ in results], dtype=np.float32)
+    return rewards, len(errors)
+
+  def _run(self, jobs: list[bytes]) -> list[tuple[bool, float, str]]:
+    """Hands jobs to idle workers and collects results, killing calls past their deadline."""
+    results: list[tuple[bool, float, str] | None] = [None] * len(jobs)
+    pending = collections.deque(range(len(jobs)))
+    idle = list(range(len(self._workers)))
+    busy: dict[int, _Call] = {}  # worker slot -> its current call
+    while pending or busy:
+      while pending and idle:
+        slot, index = idle.pop(), pending.popleft()
+        busy[slot] = self._send(slot, index, jobs[index])
+      now = time.monotonic()
+      timeout = max(0.0, min(call.deadline for call in busy.values()) - now)
+      by_conn = {self._workers[slot].conn: slot for slot in busy}
+      for conn in multiprocessing.connection.wait(list(by_conn), timeout):
+        slot = by_conn[conn]
+        finished = self._receive(slot, busy[slot])
+        if finished is not None:
+          results[busy.pop(slot).index] = finished
+          idle.append(slot)
+      now = time.monotonic()
+      for slot, call in list(busy.items()):
+        if now >= call.deadline:
+          phase = "running" if call.started else "starting"
+          limit = self.timeout_s if call.started else self.start_timeout_s
+          results[call.index] = (False, 0.0, f"timed out after {limit:g} s ({phase})")
+          self._replace(slot)
+          del busy[slot]
+          idle.append(slot)
+    return results  # type: ignore[return-value]
+
+  def _send(self, slot: int, index: int, job: bytes) -> "_Call":
+    try:
+      self._workers[slot].conn.send_bytes(job)
+    except OSError:  # the worker died while idle: replace it and try once more
+      self._replace(slot)
+      self._workers[slot].conn.send_bytes(job)
+    return _Call(index=index, deadline=time.monotonic() + self.start_timeout_s)
+
+  def _receive(self, slot: int, call: "_Call") -> tuple[bool, float, str] | None:
+    """The call's result when it has finished; None when the worker only said it started."""
+    try:
+      kind, value = self._workers[slot].conn.recv()
+    except (EOFError, OSError):
+      self._workers[slot].process.join(timeout=1)
+      code = self._workers[slot].process.exitcode
+      self._replace(slot)
+      return False, 0.0, f"worker died (exit code {code})"
+    if kind == "started":
+      call.started, call.deadline = True, time.monotonic() + self.timeout_s
+      return None
+    if kind == "ok":
+      return True, value, ""
+    return False, 0.0, value
+
+  def _replace(self, slot: int) -> None:
+    self._workers[slot].kill()
+    self._workers[slot] = _Worker.start(self._ctx)
+
+  def close(self) -> None:
+    """Stops the workers (also done when the pool is garbage-collected or at exit)."""
+    self._finalizer()
+
+  def __enter__(self) -> "RewardPool":
+    return self
+
+  def __exit__(self, *exc_info: Any) -> None:
+    self.close()
+
+
+@dataclasses.dataclass
+class _Call:
+  index: int
+  deadline: float
+  started: bool = False
+
+
+@dataclasses.dataclass
+class _Worker:
+  process: Any
+  conn: multiprocessing.connection.Connection
+
+  @classmethod
+  def start(cls, ctx: Any) -> "_Worker":
+    parent_conn, child_conn = ctx.Pipe(duplex=True)
+    process = ctx.Process(target=_worker_main, args=(child_conn,), daemon=True)
+    process.start()
+    child_conn.close()  # so that the worker's death reads as EOF here
+    return cls(process, parent_conn)
+
+  def kill(self) -> None:
+    self.process.kill()
+    self.process.join(timeout=5)
+    self.conn.close()
+
+  def stop(self) -> None:
+    with contextlib.suppress(OSError):
+      self.conn.send_bytes(b"")
+    self.process.join(timeout=1)
+    if self.process.is_alive():
+      self.process.kill()
+      self.process.join(timeout=5)
+    self.conn.close()
+
+
+def _stop_all(workers: list[_Worker]) -> None:
+  for worker in workers:
+    worker.stop()
+
+
+def _worker_main(conn: multiprocessing.connection.Connection) -> None:
+  """Worker loop: receive a pickled (fn, response, row), say "started", run it, send the result."""
+  signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+  while True:
+    try:
+      job = conn.recv_bytes()
+    except EOFError:
+      return
+    if not job:
+      return
+    try:
+      score_fn, response, row = pickle.loads(job)
+    except Exception as e:
+      conn.send(("error", f"cannot unpickle the call: {e!r}"))
+      continue
+    conn.send(("started", None))
+    ok, value, message = _call(score_fn, response, row)
+    conn.send(("ok", value) if ok else ("error", message))
+
+
+def _call(score_fn: ScoreFn, response: str, row: dict[str, Any]) -> tuple[bool, float, str]:
+  """(ok, reward, error message) of one verifier call."""
+  try:
+    value = score_fn(response, row)
+  except Exception as e:
+    return False, 0.0, f"{type(e).__name__}: {e}"
+  if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+    return False, 0.0, f"verifier returned {type(value).__name__} {value!r}, not a number"
+  value = float(value)
+  if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+    return False, 0.0, f"verifier returned {value}, outside [0, 1]"
+  return True, value, ""
+
+
+def _score_inline(
+  score_fn: ScoreFn, response: str, row: dict[str, Any], timeout_s: float
+) -> tuple[bool, float, str]:
+  """One call in this process, with a SIGALRM timeout when on the main thread."""
+  if threading.current_thread() is not threading.main_thread():
+    return _call(score_fn, response, row)
+
+  def on_alarm(signum: int, frame: Any) -> None:
+    raise VerifierTimeout(f"timed out after {timeout_s:g} s")
+
+  previous = signal.signal(signal.SIGALRM, on_alarm)
+  signal.setitimer(signal.ITIMER_REAL, timeout_s)
+  try:
+    return _call(score_fn, response, row)
+  finally:
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, previous)

@@ -1,0 +1,203 @@
+"""Tests for ebpo_jax.tasks: arithmetic + tokenizer, reasoning-gym, jsonl, answer extraction."""
+
+import json
+import pickle
+
+import numpy as np
+import pytest
+
+from ebpo_jax.tasks import extract_final_answer, get_task
+from ebpo_jax.tasks.arithmetic import CharTokenizer, score_arithmetic, sft_example
+from ebpo_jax.tasks.base import answers_match, split_of
+
+# ------------------------------------------------------------------------------ arithmetic
+
+
+def test_char_tokenizer_round_trip_and_special_ids():
+  tok = CharTokenizer()
+  assert tok.vocab_size == 18  # pad, bos, eos + 10 digits + "+-*= "
+  assert len({tok.pad_id, tok.bos_id, tok.eos_id}) == 3
+  ids = tok.encode("12+345= 6*7-8")
+  assert len(ids) == 13 and max(ids) < tok.vocab_size
+  assert tok.decode(ids) == "12+345= 6*7-8"
+  # decode drops pad and BOS and stops at the first EOS
+  assert tok.decode([tok.bos_id, *tok.encode("35"), tok.pad_id, *tok.encode("7")]) == "357"
+  assert tok.decode([*tok.encode("35"), tok.eos_id, *tok.encode("9")]) == "35"
+  with pytest.raises(ValueError, match="'x' is not in the vocabulary"):
+    tok.encode("3x4")
+  with pytest.raises(ValueError, match="outside the vocabulary"):
+    tok.decode([99])
+
+
+def _evaluate(prompt: str) -> int:
+  """Independent check of a prompt like '12*34=' with Python's own arithmetic."""
+  for symbol, op in (("+", int.__add__), ("-", int.__sub__), ("*", int.__mul__)):
+    if symbol in prompt:
+      a, b = prompt.rstrip("=").split(symbol)
+      return op(int(a), int(b))
+  raise AssertionError(prompt)
+
+
+def test_arithmetic_rows_are_correct_balanced_and_deterministic():
+  task = get_task("arithmetic", ops=("add", "sub", "mul"), digits=(1, 3))
+  assert task.cluster_names == ["add_1", "add_3", "sub_1", "sub_3", "mul_1", "mul_3"]
+  rows = task.rows("train", 600, seed=0)
+  assert len(rows) == 600
+  assert np.bincount([r["cluster"] for r in rows]).tolist() == [100] * 6
+  for row in rows:
+    op, digits = task.cluster_names[row["cluster"]].split("_")
+    a, b = row["prompt"].rstrip("=").split({"add": "+", "sub": "-", "mul": "*"}[op])
+    assert row["answer"] == str(_evaluate(row["prompt"]))
+    assert len(a) == len(b) == int(digits)
+    assert int(row["answer"]) >= 0
+    d = int(digits)
+    assert row["difficulty"] == {"add": d, "sub": d + 0.5, "mul": 2 * d}[op]
+  assert task.rows("train", 600, seed=0) == rows
+  assert task.rows("train", 600, seed=1) != rows
+
+
+def test_train_and_eval_prompts_are_disjoint():
+  task = get_task("arithmetic", digits=(1, 2))
+  train = {r["prompt"] for r in task.rows("train", 4000, seed=0)}
+  evals = {r["prompt"] for r in task.rows("eval", 400, seed=5)}
+  assert train and evals and not train & evals
+  # add_1 has only 100 problems: about eval_fraction = 20% of them are held out.
+  one_digit = {f"{a}+{b}=" for a in range(10) for b in range(10)}
+  assert 10 <= len(one_digit & evals) <= 30
+  assert all(split_of(p, 0.2) == "eval" for p in evals)
+
+
+def test_arithmetic_score_and_sft_example():
+  row = {"prompt": "12+345=", "answer": "357"}
+  assert score_arithmetic("357", row) == 1.0
+  assert score_arithmetic(" 357 \n12+3", row) == 1.0  # only the first line counts
+  assert score_arithmetic("3570", row) == 0.0
+  assert score_arithmetic("35", row) == 0.0
+  assert score_arithmetic("", row) == 0.0
+  tok = CharTokenizer()
+  prompt_ids, target_ids = sft_example(row, tok)
+  assert tok.decode(prompt_ids) == "12+345="
+  assert target_ids[-1] == tok.eos_id and tok.decode(target_ids) == "357"
+  task = get_task("arithmetic")
+  assert task.format_prompt(row) == "12+345=" and task.format_target(row) == "357"
+  assert pickle.loads(pickle.dumps(task.score)) is score_arithmetic
+
+
+def test_get_task_errors():
+  with pytest.raises(ValueError, match="unknown task 'sudoku'; known: arithmetic, reasoning_gym"):
+    get_task("sudoku")
+  with pytest.raises(ValueError, match=r"unknown option\(s\) \['digit'\]; options: ops, digits"):
+    get_task("arithmetic", digit=(1,))
+  with pytest.raises(ValueError, match="'div_2' must be <op>_<digits>"):
+    get_task("arithmetic", clusters=("add_1", "div_2"))
+  with pytest.raises(ValueError, match="split must be one of"):
+    get_task("arithmetic").rows("test", 4, 0)
+
+
+# ------------------------------------------------------------------------------ answers
+
+
+@pytest.mark.parametrize(
+  "response, expected",
+  [
+    ("Let me think.\n<answer>42</answer>\nAnswer: 7", "42"),
+    ("<answer>1</answer> then <answer> 2 </answer>", "2"),
+    ("Work...\nAnswer: 17\nso the Answer: -3.", "-3"),
+    ("The answer is: 12", "12"),
+    ("so $x = \\boxed{\\frac{1}{2}}$ done", "\\frac{1}{2}"),
+    ("step one\nstep two\n  **19**  \n\n", "19"),
+    ("", ""),
+  ],
+)
+def test_extract_final_answer(response, expected):
+  assert extract_final_answer(response) == expected
+
+
+def test_answers_match():
+  assert answers_match("1,000", "1000")
+  assert answers_match("3.0", "3")
+  assert answers_match("  Paris ", "paris")
+  assert not answers_match("3.01", "3")
+  assert answers_match("nan", "NaN")  # equal strings after normalisation
+  assert not answers_match("12", "21")
+
+
+# ------------------------------------------------------------------------------ reasoning-gym
+
+
+@pytest.fixture(scope="module")
+def chain_sum():
+  return get_task("reasoning_gym:chain_sum")
+
+
+def test_reasoning_gym_levels_as_clusters(chain_sum):
+  assert chain_sum.cluster_names == ["chain_sum_L0", "chain_sum_L1", "chain_sum_L2"]
+  rows = chain_sum.rows("train", 30, seed=0)
+  assert np.bincount([r["cluster"] for r in rows]).tolist() == [10, 10, 10]
+  for row in rows:
+    json.dumps(row)  # JSON-serialisable, meta included
+    level = row["cluster"]
+    assert row["difficulty"] == level
+    # Level L of the curriculum: L+2 terms of L+1 digits each.
+    terms = row["meta"]["entry"]["metadata"]["expression"].split()[::2]
+    assert len(terms) == level + 2 and {len(t) for t in terms} == {level + 1}
+    assert row["prompt"] in chain_sum.format_prompt(row)
+  assert chain_sum.rows("train", 30, seed=0) == rows
+
+
+def test_reasoning_gym_scores_with_the_datasets_scorer(chain_sum):
+  row = chain_sum.rows("eval", 1, seed=3)[0]
+  gold = row["answer"]
+  wrong = str(int(gold) + 1)
+  row = pickle.loads(pickle.dumps(row))  # as a worker process receives it
+  assert chain_sum.score(f"I add them up.\nAnswer: {gold}", row) == 1.0
+  assert chain_sum.score(f"<answer>{gold}</answer>", row) == 1.0
+  assert chain_sum.score(f"Answer: {wrong}", row) == 0.0
+  assert chain_sum.score(chain_sum.format_target(row), row) == 1.0
+
+
+def test_reasoning_gym_train_eval_disjoint(chain_sum):
+  train = {r["prompt"] for r in chain_sum.rows("train", 300, seed=0)}
+  evals = {r["prompt"] for r in chain_sum.rows("eval", 60, seed=0)}
+  assert not train & evals
+
+
+def test_reasoning_gym_several_datasets_as_clusters():
+  task = get_task(
+    "reasoning_gym:chain_sum+basic_arithmetic", dataset_cfg={"chain_sum": {"max_terms": 2}}
+  )
+  assert task.cluster_names == ["chain_sum", "basic_arithmetic"]
+  rows = task.rows("train", 8, seed=0)
+  assert [r["meta"]["dataset"] for r in rows] == ["chain_sum", "basic_arithmetic"] * 4
+  for row in rows:
+    assert task.score(f"Answer: {row['answer']}", row) == 1.0
+    if row["cluster"] == 0:
+      assert len(row["meta"]["entry"]["metadata"]["expression"].split()) == 3  # "a + b"
+
+
+def test_reasoning_gym_bad_names():
+  with pytest.raises(ValueError, match="unknown reasoning_gym dataset.*'chain_summ'.*chain_sum"):
+    get_task("reasoning_gym:chain_summ")
+  with pytest.raises(ValueError, match="arc_agi' is not supported: its entries do not survive"):
+    get_task("reasoning_gym:arc_agi", levels=1)
+
+
+# ------------------------------------------------------------------------------ jsonl
+
+
+def test_jsonl_task(tmp_path):
+  path = tmp_path / "qa.jsonl"
+  lines = [{"prompt": f"What is {i} times 1000?", "answer": f"{i * 1000}"} for i in range(200)]
+  path.write_text("\n".join(json.dumps(x) for x in lines))
+  task = get_task("jsonl", path=str(path), eval_fraction=0.25)
+  train, evals = task.rows("train", 0, seed=0), task.rows("eval", 0, seed=0)
+  assert len(train) + len(evals) == 200 and 25 <= len(evals) <= 75
+  assert not {r["prompt"] for r in train} & {r["prompt"] for r in evals}
+  assert len(task.rows("train", 10, seed=1)) == 10
+  assert task.cluster_names == ["0"]
+  row = train[0]
+  number = int(row["answer"])
+  assert task.score(f"Thinking...\nAnswer: {number:,}", row) == 1.0
+  assert task.score(f"Answer: {number + 1}", row) == 0.0
+  with pytest.raises(ValueError, match="needs path="):
+    get_task("jsonl", path="")
