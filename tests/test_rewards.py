@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from ebpo_jax.tasks import get_task
+from ebpo_jax.tasks import get_task, rewards
 from ebpo_jax.tasks.arithmetic import score_arithmetic
 from ebpo_jax.tasks.rewards import RewardPool
 
@@ -34,6 +34,11 @@ def crashing_verifier(response: str, row: dict) -> float:
   if response == "bad":
     os._exit(3)
   return 1.0
+
+
+def slow_verifier(response: str, row: dict) -> float:
+  time.sleep(0.2)
+  return 0.25
 
 
 def out_of_range_verifier(response: str, row: dict) -> float:
@@ -104,6 +109,24 @@ def test_reasoning_gym_rows_through_the_pool(pool):
   rewards, errors = pool.score(task.score, responses, rows)
   np.testing.assert_array_equal(rewards, [0, 1, 0, 1, 0, 1])
   assert errors == 0
+
+
+def test_interrupted_call_leaves_no_stale_results(pool, monkeypatch):
+  real_wait = rewards.multiprocessing.connection.wait
+  calls = []
+
+  def interrupt_once(*args, **kwargs):  # Process.join waits with it too: only the first raises
+    calls.append(1)
+    if len(calls) == 1:
+      raise KeyboardInterrupt
+    return real_wait(*args, **kwargs)
+
+  with monkeypatch.context() as patch:
+    patch.setattr(rewards.multiprocessing.connection, "wait", interrupt_once)
+    with pytest.raises(KeyboardInterrupt):
+      pool.score(slow_verifier, ["a", "b"], [{}, {}])  # both workers get a call, then Ctrl-C
+  # Without replacing the busy workers, this call would read their 0.25 results.
+  _arithmetic_check(pool)
 
 
 def test_length_mismatch(pool):

@@ -9,6 +9,7 @@ import pytest
 from ebpo_jax.tasks import extract_final_answer, get_task
 from ebpo_jax.tasks.arithmetic import CharTokenizer, score_arithmetic, sft_example
 from ebpo_jax.tasks.base import answers_match, split_of
+from ebpo_jax.tasks.tokenizers import ByteTokenizer
 
 # ------------------------------------------------------------------------------ arithmetic
 
@@ -27,6 +28,17 @@ def test_char_tokenizer_round_trip_and_special_ids():
     tok.encode("3x4")
   with pytest.raises(ValueError, match="outside the vocabulary"):
     tok.decode([99])
+
+
+def test_byte_tokenizer_round_trip():
+  tok = ByteTokenizer()
+  assert tok.vocab_size == 259
+  text = "Calculate 3 × 4 = ?\nAnswer: 12 ✓"
+  ids = tok.encode(text)
+  assert min(ids) >= 3 and max(ids) < tok.vocab_size
+  assert tok.decode([tok.bos_id, *ids, tok.eos_id, *tok.encode("junk")]) == text
+  assert tok.decode(ids[:-1]).endswith("\ufffd")  # a cut multi-byte character is replaced
+  assert get_task("reasoning_gym:chain_sum", levels=1).tokenizer.vocab_size == 259
 
 
 def _evaluate(prompt: str) -> int:

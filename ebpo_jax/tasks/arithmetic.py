@@ -20,44 +20,11 @@ from ebpo_jax.tasks.base import (
   interleave,
   take_split,
 )
+from ebpo_jax.tasks.tokenizers import CharTokenizer
 
 OPS = {"add": "+", "sub": "-", "mul": "*"}
 _DIFFICULTY = {"add": lambda d: float(d), "sub": lambda d: d + 0.5, "mul": lambda d: 2.0 * d}
 MAX_DIGITS = 9
-
-
-class CharTokenizer:
-  """Characters of arithmetic prompts and answers; ids 0-2 are pad, BOS and EOS.
-
-  `encode(text)` gives the characters' ids only (add BOS/EOS yourself); `decode(ids)` stops at the
-  first EOS and drops pad and BOS.
-  """
-
-  CHARS = "0123456789+-*= "
-
-  def __init__(self):
-    self.pad_id, self.bos_id, self.eos_id = 0, 1, 2
-    self._id_of = {c: i + 3 for i, c in enumerate(self.CHARS)}
-    self.vocab_size = 3 + len(self.CHARS)
-
-  def encode(self, text: str) -> list[int]:
-    try:
-      return [self._id_of[c] for c in text]
-    except KeyError as e:
-      raise ValueError(f"character {e.args[0]!r} is not in the vocabulary {self.CHARS!r}") from e
-
-  def decode(self, ids: Sequence[int]) -> str:
-    out = []
-    for i in ids:
-      i = int(i)
-      if i == self.eos_id:
-        break
-      if i in (self.pad_id, self.bos_id):
-        continue
-      if not 3 <= i < self.vocab_size:
-        raise ValueError(f"token id {i} is outside the vocabulary (size {self.vocab_size})")
-      out.append(self.CHARS[i - 3])
-    return "".join(out)
 
 
 def score_arithmetic(response: str, row: dict[str, Any]) -> float:
@@ -89,7 +56,7 @@ class ArithmeticTask(Task):
     self.tokenizer = CharTokenizer()
 
   def rows(self, split: str, n: int, seed: int) -> list[dict[str, Any]]:
-    check_split(split)
+    check_split(split, n)
     per_cluster = [
       take_split(
         self._candidates(k, seed),

@@ -16,9 +16,9 @@ class Task(abc.ABC):
   `rows(split, n, seed)` gives rows `{"prompt", "answer", "cluster", "difficulty", ...}`; the train
   and eval splits never share a prompt. `score(response, row) -> float in [0, 1]` is a top-level
   function (picklable, so it runs in a process pool); subclasses set it as
-  `score = staticmethod(fn)`. `tokenizer` is the task's own tokenizer for random-init models, or
-  None. `format_prompt(row)` is the text the model sees, `format_target(row)` the text a supervised
-  warm start teaches it to produce (the caller appends EOS).
+  `score = staticmethod(fn)`. `tokenizer` is the task's own tokenizer for random-init models
+  (arithmetic: characters; the others: UTF-8 bytes). `format_prompt(row)` is the text the model
+  sees, `format_target(row)` the text a supervised warm start teaches it (the caller appends EOS).
   """
 
   name: str
@@ -29,7 +29,7 @@ class Task(abc.ABC):
 
   @abc.abstractmethod
   def rows(self, split: str, n: int, seed: int) -> list[dict[str, Any]]:
-    """n rows of `split` ('train' or 'eval'), balanced over clusters, deterministic in seed."""
+    """n rows of `split` ('train' or 'eval'), deterministic in seed."""
 
   def format_prompt(self, row: dict[str, Any]) -> str:
     return row["prompt"]
@@ -38,9 +38,11 @@ class Task(abc.ABC):
     return row["answer"]
 
 
-def check_split(split: str) -> None:
+def check_split(split: str, n: int) -> None:
   if split not in SPLITS:
     raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+  if not isinstance(n, int) or n < 0:
+    raise ValueError(f"the number of rows must be an int >= 0, got {n!r}")
 
 
 def split_of(key: str, eval_fraction: float) -> str:

@@ -14,6 +14,7 @@ from ebpo_jax.tasks.base import (
   extract_final_answer,
   split_of,
 )
+from ebpo_jax.tasks.tokenizers import ByteTokenizer
 
 
 def score_exact(response: str, row: dict[str, Any]) -> float:
@@ -46,11 +47,12 @@ class JsonlTask(Task):
         s: [r for r in rows if split_of(r["prompt"], eval_fraction) == s] for s in ("train", "eval")
       }
     self.name = f"jsonl:{pathlib.Path(path).name}"
+    self.tokenizer = ByteTokenizer()
     self.instruction = instruction
 
   def rows(self, split: str, n: int, seed: int) -> list[dict[str, Any]]:
     """At most n rows of the split (all when n <= 0), in an order shuffled by seed."""
-    check_split(split)
+    check_split(split, max(n, 0))
     rows = self._rows[split]
     order = np.random.default_rng(np.random.SeedSequence([seed])).permutation(len(rows))
     return [rows[i] for i in (order if n <= 0 else order[:n])]

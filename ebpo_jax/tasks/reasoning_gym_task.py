@@ -28,6 +28,7 @@ from ebpo_jax.tasks.base import (
   interleave,
   take_split,
 )
+from ebpo_jax.tasks.tokenizers import ByteTokenizer
 
 INSTRUCTION = "\n\nGive your final answer on the last line, as 'Answer: <answer>'."
 _CHUNK = 1000  # items per generated dataset; a row stream is a sequence of such chunks
@@ -89,6 +90,7 @@ class ReasoningGymTask(Task):
       )
     check_fraction(eval_fraction)
     self.name = "reasoning_gym:" + "+".join(datasets)
+    self.tokenizer = ByteTokenizer()
     self.eval_fraction = eval_fraction
     self.instruction = instruction
     self.clusters = [
@@ -101,7 +103,7 @@ class ReasoningGymTask(Task):
       self._check_scoring_round_trip(k)
 
   def rows(self, split: str, n: int, seed: int) -> list[dict[str, Any]]:
-    check_split(split)
+    check_split(split, n)
     per_cluster = [
       take_split(
         self._candidates(k, seed),

@@ -84,7 +84,7 @@ class RewardPool:
       results = [_score_inline(score_fn, r, row, self.timeout_s) for r, row in calls]
     else:
       jobs = [pickle.dumps((score_fn, r, row)) for r, row in zip(responses, rows, strict=True)]
-      results = self._run(jobs)
+      results = self._run_all(jobs)
     errors = [message for ok, value, message in results if not ok]
     self.last_errors = errors[:10]
     if errors:
@@ -92,12 +92,22 @@ class RewardPool:
     rewards = np.array([value if ok else 0.0 for ok, value, _ in results], dtype=np.float32)
     return rewards, len(errors)
 
-  def _run(self, jobs: list[bytes]) -> list[tuple[bool, float, str]]:
+  def _run_all(self, jobs: list[bytes]) -> list[tuple[bool, float, str]]:
+    """Runs the jobs; if interrupted (e.g. Ctrl-C), replaces the busy workers before re-raising,
+    so that no stale result is read by a later call."""
+    busy: dict[int, _Call] = {}  # worker slot -> its current call
+    try:
+      return self._run(jobs, busy)
+    except BaseException:
+      for slot in busy:
+        self._replace(slot)
+      raise
+
+  def _run(self, jobs: list[bytes], busy: dict[int, "_Call"]) -> list[tuple[bool, float, str]]:
     """Hands jobs to idle workers and collects results, killing calls past their deadline."""
     results: list[tuple[bool, float, str] | None] = [None] * len(jobs)
     pending = collections.deque(range(len(jobs)))
     idle = list(range(len(self._workers)))
-    busy: dict[int, _Call] = {}  # worker slot -> its current call
     while pending or busy:
       while pending and idle:
         slot, index = idle.pop(), pending.popleft()
