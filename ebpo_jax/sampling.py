@@ -1,0 +1,390 @@
+"""Jitted generation with a KV cache: prefill once per prompt, then a `lax.while_loop` decode.
+
+`generate` prefills B left-padded prompts, repeats the cache G times (group rollouts share one
+prefill), and decodes up to `max_new_tokens` tokens per row until every row has drawn a stop token.
+Rows are prompt-major: row `b * G + g` is sample g of prompt b. One compiled program per (model,
+batch, prompt length, static settings); `pad_prompts` rounds prompt lengths up to buckets so a
+training run compiles a handful of times, and `compile_count` lets a test check that.
+
+Sampling runs on CPU as well as on accelerators, which shaped two choices: a token is drawn by
+inverse-CDF from one uniform per row (a Gumbel draw needs V random numbers per row, ~5x slower on
+CPU), and top-p finds its cut-off by bisection over the float order (XLA's CPU sort of a whole
+vocabulary costs ~0.1 s per step).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from ebpo_jax import sharding
+from ebpo_jax.models import KVCache, init_cache
+
+_BLOCK = 256  # vocabulary block of the two-level inverse-CDF draw
+
+
+class SampleOutput(NamedTuple):
+  """Completions, `[B*G, N]`, prompt-major rows (`b * G + g`)."""
+
+  tokens: jax.Array  # [B*G, N] int32; pad_id after the end
+  logprobs: jax.Array  # [B*G, N] float32: log_softmax(logits)[token], the policy at temperature 1
+  sampling_logprobs: jax.Array  # [B*G, N] float32: log q(token), q the distribution drawn from
+  mask: jax.Array  # [B*G, N] bool: completion tokens, the stop token included
+  lengths: jax.Array  # [B*G] int32: mask.sum(-1)
+  truncated: jax.Array  # [B*G] bool: reached max_new_tokens without a stop token
+
+
+# ----------------------------------------------------------------------------- prompts and buckets
+
+
+def bucket_length(n: int, buckets: Sequence[int]) -> int:
+  """The smallest bucket `>= n`; raises when `n` exceeds the largest bucket."""
+  fitting = [b for b in buckets if b >= n]
+  if not fitting:
+    raise ValueError(f"length {n} exceeds the largest bucket {max(buckets, default=None)}")
+  return min(fitting)
+
+
+def pad_prompts(
+  prompts: Sequence[Sequence[int]], pad_id: int, buckets: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:
+  """Left-pads token lists to the bucket of the longest: `(ids [B, P] int32, mask [B, P] bool)`."""
+  if not prompts or any(len(p) == 0 for p in prompts):
+    raise ValueError("pad_prompts needs at least one prompt and no empty prompt")
+  width = bucket_length(max(len(p) for p in prompts), buckets)
+  ids = np.full((len(prompts), width), pad_id, np.int32)
+  mask = np.zeros((len(prompts), width), bool)
+  for row, prompt in enumerate(prompts):
+    ids[row, width - len(prompt) :] = prompt
+    mask[row, width - len(prompt) :] = True
+  return ids, mask
+
+
+def prompt_positions(mask_bp: jax.Array) -> jax.Array:
+  """RoPE positions of left-padded prompts: 0 at the first real token (pads get 0 too)."""
+  return jnp.maximum(jnp.cumsum(mask_bp.astype(jnp.int32), axis=-1) - 1, 0)
+
+
+# ----------------------------------------------------------------------------- drawing one token
+
+
+def _float_order_key(x: jax.Array) -> jax.Array:
+  """int32 keys ordered like the float32 values (an order-preserving bit map)."""
+  bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32)
+  return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def top_k_filter(logits_bv: jax.Array, k: int) -> jax.Array:
+  """Keeps the k largest logits per row (and any tied with the k-th), the rest -> -inf."""
+  # min over the top-k values, not [..., -1]: XLA CPU rewrites that slice into a full sort.
+  kth_b = jax.lax.top_k(logits_bv, k)[0].min(axis=-1)
+  return jnp.where(logits_bv >= kth_b[:, None], logits_bv, -jnp.inf)
+
+
+def top_p_filter(logits_bv: jax.Array, top_p: jax.Array) -> jax.Array:
+  """Nucleus filter: keeps the most likely tokens whose total probability first reaches `top_p`.
+
+  Finds the largest threshold t with `sum(p[logit >= t]) >= top_p` by bisection over the 2^32
+  float orders (32 masked sums; exact, and no sort).
+  """
+  probs_bv = jax.nn.softmax(logits_bv, axis=-1)
+  keys_bv = _float_order_key(logits_bv)
+
+  def halve(_, bounds):
+    lo, hi = bounds  # invariant: mass(lo) >= top_p > mass(hi)
+    mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2) without overflow
+    mass = jnp.sum(jnp.where(keys_bv >= mid[:, None], probs_bv, 0.0), axis=-1)
+    keep = mass >= top_p
+    return jnp.where(keep, mid, lo), jnp.where(keep, hi, mid)
+
+  lo = keys_bv.min(axis=-1)
+  hi = keys_bv.max(axis=-1) + 1
+  lo, _ = jax.lax.fori_loop(0, 32, halve, (lo, hi))
+  return jnp.where(keys_bv >= lo[:, None], logits_bv, -jnp.inf)
+
+
+def _first_true_or_last(cond_bv: jax.Array, fallback_bv: jax.Array) -> jax.Array:
+  """Index of the first True of `cond` per row, else of the last True of `fallback`."""
+  last = fallback_bv.shape[-1] - 1 - jnp.argmax(fallback_bv[:, ::-1], axis=-1)
+  return jnp.where(cond_bv.any(axis=-1), jnp.argmax(cond_bv, axis=-1), last)
+
+
+def inverse_cdf_draw(probs_bv: jax.Array, u_b: jax.Array) -> jax.Array:
+  """Index i with `cdf[i-1] <= u * total < cdf[i]`, for unnormalised `probs >= 0` and u in [0, 1).
+
+  Two levels (blocks of 256, then within the block) keep the prefix sums short. Never returns an
+  index of probability 0, rounding included.
+  """
+  b, v = probs_bv.shape
+  width = -(-v // _BLOCK) * _BLOCK
+  blocks_bnk = jnp.pad(probs_bv, ((0, 0), (0, width - v))).reshape(b, width // _BLOCK, _BLOCK)
+  block_mass_bn = blocks_bnk.sum(axis=-1)
+  block_cdf_bn = jnp.cumsum(block_mass_bn, axis=-1)
+  target_b = u_b * block_cdf_bn[:, -1]
+  block_b = _first_true_or_last(
+    (block_cdf_bn > target_b[:, None]) & (block_mass_bn > 0), block_mass_bn > 0
+  )
+  inner_bk = jnp.take_along_axis(blocks_bnk, block_b[:, None, None], axis=1)[:, 0]
+  pick = functools.partial(jnp.take_along_axis, indices=block_b[:, None], axis=1)
+  residual_b = target_b - (pick(block_cdf_bn)[:, 0] - pick(block_mass_bn)[:, 0])
+  inner_cdf_bk = jnp.cumsum(inner_bk, axis=-1)
+  within_b = _first_true_or_last(
+    (inner_cdf_bk > residual_b[:, None]) & (inner_bk > 0), inner_bk > 0
+  )
+  return block_b * _BLOCK + within_b
+
+
+class _Drawn(NamedTuple):
+  token: jax.Array  # [B] int32
+  logprob: jax.Array  # [B] float32, under the policy at temperature 1
+  sampling_logprob: jax.Array  # [B] float32, under the distribution drawn from
+
+
+def _draw(
+  logits_bv: jax.Array,
+  key: jax.Array,
+  temperature: jax.Array,
+  top_p: jax.Array,
+  *,
+  top_k: int,
+  greedy: bool,
+) -> _Drawn:
+  """Draws one token per row: temperature, then top-k, then top-p (HF's order); or argmax."""
+  logits_bv = logits_bv.astype(jnp.float32)
+  rows = jnp.arange(logits_bv.shape[0])
+  if greedy:
+    token = jnp.argmax(logits_bv, axis=-1)
+    sampling_logprob = jnp.zeros(token.shape, jnp.float32)  # a point mass
+  else:
+    scaled_bv = logits_bv / temperature
+    if top_k:
+      scaled_bv = top_k_filter(scaled_bv, top_k)
+    scaled_bv = jax.lax.cond(top_p < 1.0, top_p_filter, lambda x, _: x, scaled_bv, top_p)
+    shifted_bv = scaled_bv - scaled_bv.max(axis=-1, keepdims=True)
+    probs_bv = jnp.exp(shifted_bv)
+    token = inverse_cdf_draw(probs_bv, jax.random.uniform(key, rows.shape))
+    sampling_logprob = shifted_bv[rows, token] - jnp.log(probs_bv.sum(axis=-1))
+  logprob = logits_bv[rows, token] - jax.nn.logsumexp(logits_bv, axis=-1)
+  return _Drawn(token.astype(jnp.int32), logprob, sampling_logprob)
+
+
+# ----------------------------------------------------------------------------- the decode loop
+
+
+class _Carry(NamedTuple):
+  step: jax.Array  # int32: index of the token drawn next
+  cache: KVCache
+  last_token: jax.Array  # [R] int32: token drawn at step - 1
+  done: jax.Array  # [R] bool: a stop token has been drawn
+  lengths: jax.Array  # [R] int32
+  tokens: jax.Array  # [R, N] int32
+  logprobs: jax.Array  # [R, N] float32
+  sampling_logprobs: jax.Array  # [R, N] float32
+
+
+def _repeat_rows(cache: KVCache, group_size: int) -> KVCache:
+  return cache.replace(
+    k=jnp.repeat(cache.k, group_size, axis=1),
+    v=jnp.repeat(cache.v, group_size, axis=1),
+    mask=jnp.repeat(cache.mask, group_size, axis=0),
+  )
+
+
+def _constrain_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
+  if mesh is None:
+    return cache
+  names = (None, "batch", "length", "kv_heads", "head_dim")
+  kv = NamedSharding(mesh, sharding.logical_to_spec(cache.k.shape, names, mesh))
+  rows = NamedSharding(mesh, sharding.logical_to_spec(cache.mask.shape, ("batch", None), mesh))
+  return cache.replace(
+    k=jax.lax.with_sharding_constraint(cache.k, kv),
+    v=jax.lax.with_sharding_constraint(cache.v, kv),
+    mask=jax.lax.with_sharding_constraint(cache.mask, rows),
+  )
+
+
+def _constrain_rows(x: jax.Array, mesh: Mesh | None) -> jax.Array:
+  if mesh is None:
+    return x
+  names = ("batch",) + (None,) * (x.ndim - 1)
+  return jax.lax.with_sharding_constraint(
+    x, NamedSharding(mesh, sharding.logical_to_spec(x.shape, names, mesh))
+  )
+
+
+def _record(carry: _Carry, drawn: _Drawn, stop_ids: tuple[int, ...], pad_id: int) -> _Carry:
+  """Writes the token drawn at `carry.step` (pad and 0 for rows already done)."""
+  live = ~carry.done
+  token = jnp.where(live, drawn.token, pad_id)
+  column = (slice(None), carry.step)
+  return carry._replace(
+    step=carry.step + 1,
+    last_token=token,
+    done=carry.done | (live & jnp.isin(token, jnp.asarray(stop_ids, jnp.int32))),
+    lengths=carry.lengths + live,
+    tokens=carry.tokens.at[column].set(token),
+    logprobs=carry.logprobs.at[column].set(jnp.where(live, drawn.logprob, 0.0)),
+    sampling_logprobs=carry.sampling_logprobs.at[column].set(
+      jnp.where(live, drawn.sampling_logprob, 0.0)
+    ),
+  )
+
+
+@functools.partial(
+  jax.jit,
+  static_argnames=(
+    "model",
+    "group_size",
+    "max_new_tokens",
+    "greedy",
+    "stop_ids",
+    "top_k",
+    "pad_id",
+    "mesh",
+  ),
+)
+def _generate(
+  params,
+  prompt_ids_bp: jax.Array,
+  prompt_mask_bp: jax.Array,
+  rng: jax.Array,
+  temperature: jax.Array,
+  top_p: jax.Array,
+  *,
+  model: nn.Module,
+  group_size: int,
+  max_new_tokens: int,
+  greedy: bool,
+  stop_ids: tuple[int, ...],
+  top_k: int,
+  pad_id: int,
+  mesh: Mesh | None,
+) -> SampleOutput:
+  num_prompts, prompt_len = prompt_ids_bp.shape
+  rows, width = num_prompts * group_size, max_new_tokens
+  draw = functools.partial(_draw, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
+  apply = functools.partial(model.apply, {"params": params})
+
+  # Prefill: the last token never enters the cache, so P + N - 1 slots suffice.
+  cache = init_cache(model.config, num_prompts, prompt_len + width - 1)
+  positions_bp = prompt_positions(prompt_mask_bp)
+  logits_bpv, cache = apply(prompt_ids_bp, positions_bp, prompt_mask_bp, cache=cache)
+  cache = _constrain_cache(_repeat_rows(cache, group_size), mesh)
+  first_logits_rv = _constrain_rows(jnp.repeat(logits_bpv[:, -1], group_size, axis=0), mesh)
+  next_position_r = jnp.repeat(positions_bp[:, -1] + 1, group_size)
+
+  zeros = functools.partial(jnp.zeros, (rows, width))
+  carry = _Carry(
+    step=jnp.zeros((), jnp.int32),
+    cache=cache,
+    last_token=jnp.zeros((rows,), jnp.int32),
+    done=jnp.zeros((rows,), bool),
+    lengths=jnp.zeros((rows,), jnp.int32),
+    tokens=jnp.full((rows, width), pad_id, jnp.int32),
+    logprobs=zeros(jnp.float32),
+    sampling_logprobs=zeros(jnp.float32),
+  )
+  carry = _record(carry, draw(first_logits_rv, jax.random.fold_in(rng, 0)), stop_ids, pad_id)
+
+  def keep_going(c: _Carry) -> jax.Array:
+    return (c.step < width) & ~jnp.all(c.done)
+
+  def decode_one(c: _Carry) -> _Carry:
+    positions = (next_position_r + c.step - 1)[:, None]
+    logits_r1v, cache = apply(c.last_token[:, None], positions, cache=c.cache)
+    c = c._replace(cache=_constrain_cache(cache, mesh))
+    return _record(c, draw(logits_r1v[:, 0], jax.random.fold_in(rng, c.step)), stop_ids, pad_id)
+
+  carry = jax.lax.while_loop(keep_going, decode_one, carry)
+  mask = jnp.arange(width)[None, :] < carry.lengths[:, None]
+  return SampleOutput(
+    tokens=carry.tokens,
+    logprobs=carry.logprobs,
+    sampling_logprobs=carry.sampling_logprobs,
+    mask=mask,
+    lengths=carry.lengths,
+    truncated=~carry.done,
+  )
+
+
+def generate(
+  model: nn.Module,
+  params,
+  prompt_ids_bp: jax.Array,
+  prompt_mask_bp: jax.Array,
+  rng: jax.Array,
+  *,
+  group_size: int = 1,
+  max_new_tokens: int,
+  temperature: float | jax.Array = 1.0,
+  top_p: float | jax.Array = 1.0,
+  top_k: int = 0,
+  greedy: bool = False,
+  stop_ids: Sequence[int] = (),
+  pad_id: int = 0,
+  mesh: Mesh | None = None,
+) -> SampleOutput:
+  """Samples `group_size` completions of each left-padded prompt (prefilled once, cache shared).
+
+  Args:
+    model: the linen decoder (`model.apply({"params": p}, ids, positions, mask, cache=...)`).
+    params: its parameters (placed by the caller; sharded as the model's rules say).
+    prompt_ids_bp, prompt_mask_bp: `[B, P]` left-padded prompts and their mask (`pad_prompts`).
+    rng: a PRNG key; step t draws with `fold_in(rng, t)`, so outputs are a function of the key.
+    group_size: samples per prompt (G); output rows `b * G + g`.
+    max_new_tokens: N, the width of the output.
+    temperature, top_p: may be traced (no recompile when they change); temperature > 0.
+    top_k: 0 for no top-k filter. greedy: argmax instead of sampling (sampling_logprobs are 0).
+    stop_ids: token ids that end a completion (kept in it, masked after).
+    mesh: when given, rows and the cache are sharded over ('data', 'fsdp') of this mesh.
+
+  Returns:
+    `SampleOutput` with `[B * G, N]` tokens, log-probs and mask, `[B * G]` lengths and truncated.
+  """
+  prompt_ids_bp = jnp.asarray(prompt_ids_bp, jnp.int32)
+  prompt_mask_bp = jnp.asarray(prompt_mask_bp, bool)
+  if prompt_ids_bp.ndim != 2 or prompt_ids_bp.shape != prompt_mask_bp.shape:
+    raise ValueError(
+      f"prompt ids {prompt_ids_bp.shape} and mask {prompt_mask_bp.shape} must both be [B, P]"
+    )
+  if group_size < 1 or max_new_tokens < 1:
+    raise ValueError(f"group_size={group_size} and max_new_tokens={max_new_tokens} must be >= 1")
+  vocab_size = model.config.vocab_size
+  if not 0 <= top_k <= vocab_size:
+    raise ValueError(f"top_k={top_k} must be in [0, vocab_size={vocab_size}]")
+  if isinstance(temperature, int | float) and not greedy and temperature <= 0:
+    raise ValueError(f"temperature={temperature} must be > 0 (use greedy=True for argmax)")
+  if isinstance(top_p, int | float) and not 0 < top_p <= 1:
+    raise ValueError(f"top_p={top_p} must be in (0, 1]")
+  if mesh is not None:
+    spec = sharding.logical_to_spec(prompt_ids_bp.shape, ("batch", None), mesh)
+    prompt_ids_bp = jax.device_put(prompt_ids_bp, NamedSharding(mesh, spec))
+    prompt_mask_bp = jax.device_put(prompt_mask_bp, NamedSharding(mesh, spec))
+  return _generate(
+    params,
+    prompt_ids_bp,
+    prompt_mask_bp,
+    rng,
+    jnp.asarray(temperature, jnp.float32),
+    jnp.asarray(top_p, jnp.float32),
+    model=model,
+    group_size=int(group_size),
+    max_new_tokens=int(max_new_tokens),
+    greedy=bool(greedy),
+    stop_ids=tuple(int(s) for s in stop_ids),
+    top_k=int(top_k),
+    pad_id=int(pad_id),
+    mesh=mesh,
+  )
+
+
+def compile_count() -> int:
+  """How many programs `generate` has compiled so far in this process (one per shape bucket)."""
+  return _generate._cache_size()

@@ -1,0 +1,303 @@
+"""Sampler: greedy = stepwise argmax, log-probs = full forward, filters, stops, sharding."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from ebpo_jax import sampling, sharding
+from ebpo_jax.models import Decoder, ModelConfig
+
+TINY = ModelConfig(
+  vocab_size=64,
+  hidden_size=32,
+  intermediate_size=48,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=8,
+)
+PROMPTS = [[5, 9, 2, 7, 11, 3], [8], [12, 4, 4]]
+BUCKETS = (4, 8)
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def policy():
+  model = Decoder(TINY)
+  params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+  params = nn.meta.unbox(params)
+  # A larger scale than the init's 0.02 gives peaked next-token distributions (few near-ties).
+  return model, jax.tree.map(lambda x: 6.0 * x, params)
+
+
+def _full_forward_logits(model, params, ids_bt, mask_bt):
+  """Logits of one uncached forward over left-padded prompts followed by their completions."""
+  positions = sampling.prompt_positions(mask_bt)
+  return model.apply({"params": params}, ids_bt, positions, mask_bt)
+
+
+def _reference_greedy(model, params, prompt, num_tokens):
+  """Argmax of a full forward, one token at a time (right-padded to a fixed width: one compile)."""
+  width = len(prompt) + num_tokens
+  forward = jax.jit(lambda ids, mask: _full_forward_logits(model, params, ids, mask))
+  seq = list(prompt)
+  for _ in range(num_tokens):
+    ids = np.zeros((1, width), np.int32)
+    ids[0, : len(seq)] = seq
+    mask = np.arange(width)[None] < len(seq)
+    logits = forward(ids, mask)
+    seq.append(int(jnp.argmax(logits[0, len(seq) - 1])))
+  return seq[len(prompt) :]
+
+
+def test_bucket_length_and_pad_prompts():
+  assert sampling.bucket_length(3, (4, 8)) == 4
+  assert sampling.bucket_length(4, (8, 4)) == 4
+  assert sampling.bucket_length(5, (4, 8)) == 8
+  with pytest.raises(ValueError, match="exceeds the largest bucket 8"):
+    sampling.bucket_length(9, (4, 8))
+  ids, mask = sampling.pad_prompts([[1, 2, 3, 4, 5], [6]], pad_id=0, buckets=(4, 8))
+  np.testing.assert_array_equal(ids, [[0, 0, 0, 1, 2, 3, 4, 5], [0, 0, 0, 0, 0, 0, 0, 6]])
+  np.testing.assert_array_equal(mask.sum(-1), [5, 1])
+  assert ids.dtype == np.int32 and mask.dtype == bool
+  with pytest.raises(ValueError, match="no empty prompt"):
+    sampling.pad_prompts([[1], []], pad_id=0, buckets=(4,))
+
+
+def _greedy(model, params, prompts):
+  ids, mask = sampling.pad_prompts(prompts, PAD, BUCKETS)
+  return sampling.generate(
+    model, params, ids, mask, jax.random.key(0), group_size=2, max_new_tokens=6, greedy=True,
+    pad_id=PAD,
+  )  # fmt: skip
+
+
+def test_greedy_equals_stepwise_argmax_of_full_forwards(policy):
+  model, params = policy
+  out = _greedy(model, params, PROMPTS)
+  for row, prompt in enumerate(PROMPTS):
+    expected = _reference_greedy(model, params, prompt, 6)
+    # Rows are prompt-major: both samples of prompt b are rows 2b and 2b + 1.
+    assert out.tokens[2 * row].tolist() == expected, row
+    assert out.tokens[2 * row + 1].tolist() == expected, row
+  assert out.mask.all() and out.truncated.all()
+  np.testing.assert_array_equal(out.lengths, 6)
+  np.testing.assert_array_equal(out.sampling_logprobs, 0.0)  # a point mass
+
+
+def test_greedy_output_of_a_prompt_does_not_depend_on_the_batch(policy):
+  model, params = policy
+  alone = _greedy(model, params, [PROMPTS[1]])  # bucket 4, no neighbours
+  crowded = _greedy(model, params, [PROMPTS[0], PROMPTS[2], PROMPTS[1]])  # bucket 8, more padding
+  np.testing.assert_array_equal(crowded.tokens[4:6], alone.tokens)
+  np.testing.assert_allclose(crowded.logprobs[4:6], alone.logprobs, atol=1e-5)
+
+
+def _logsumexp(x):
+  top = np.max(x, -1, keepdims=True)
+  return top + np.log(np.sum(np.exp(x - top), -1, keepdims=True))
+
+
+def _assert_logprobs_match_full_forward(
+  model, params, out, prompt_ids, prompt_mask, *, temperature, top_k, top_p
+):
+  """Both log-probs of `out` against one uncached forward, the filters rebuilt in NumPy."""
+  group = out.tokens.shape[0] // prompt_ids.shape[0]
+  steps = out.tokens.shape[1]
+  ids = np.concatenate([np.repeat(prompt_ids, group, 0), np.asarray(out.tokens)], 1)
+  mask = np.concatenate([np.repeat(prompt_mask, group, 0), np.asarray(out.mask)], 1)
+  # Logits at position P - 1 + t predict completion token t.
+  logits = np.asarray(_full_forward_logits(model, params, ids, mask))[:, prompt_ids.shape[1] - 1 :]
+  logits = logits[:, :steps].astype(np.float64)
+  tokens, valid = np.asarray(out.tokens)[..., None], np.asarray(out.mask)
+  expected = np.take_along_axis(logits - _logsumexp(logits), tokens, -1)[..., 0]
+  np.testing.assert_allclose(
+    np.where(valid, out.logprobs, 0), np.where(valid, expected, 0), atol=1e-4
+  )
+  np.testing.assert_array_equal(np.where(valid, 0, out.logprobs), 0)
+  # The sampling distribution: temperature, then top-k, then top-p.
+  scaled = logits / temperature
+  if top_k:
+    kth = np.sort(scaled, -1)[..., -top_k][..., None]
+    scaled = np.where(scaled >= kth, scaled, -np.inf)
+  probs = np.exp(scaled - _logsumexp(scaled))
+  order = np.argsort(-probs, -1)
+  sorted_probs = np.take_along_axis(probs, order, -1)
+  keep = np.zeros_like(probs, bool)
+  np.put_along_axis(keep, order, np.cumsum(sorted_probs, -1) - sorted_probs < top_p, -1)
+  scaled = np.where(keep, scaled, -np.inf)
+  expected_q = np.take_along_axis(scaled - _logsumexp(scaled), tokens, -1)[..., 0]
+  assert np.isfinite(expected_q[valid]).all(), "drew a token the filters remove"
+  np.testing.assert_allclose(out.sampling_logprobs[valid], expected_q[valid], atol=1e-4)
+
+
+STOPS = tuple(range(1, 64, 3))  # about a third of the vocabulary
+
+
+def _sample(model, params, key, stop_ids=()):
+  ids, mask = sampling.pad_prompts(PROMPTS, PAD, BUCKETS)
+  out = sampling.generate(
+    model, params, ids, mask, key, group_size=4, max_new_tokens=12, stop_ids=stop_ids, pad_id=PAD
+  )
+  return out, ids, mask
+
+
+def test_stop_tokens_end_sequences_and_mask_the_rest(policy):
+  model, params = policy
+  free, _, _ = _sample(model, params, jax.random.key(7))
+  out, ids, mask = _sample(model, params, jax.random.key(7), STOPS)
+  tokens, free_tokens = np.asarray(out.tokens), np.asarray(free.tokens)
+  lengths = []
+  for row in range(tokens.shape[0]):
+    hits = np.flatnonzero(np.isin(free_tokens[row], STOPS))
+    length = hits[0] + 1 if hits.size else 12
+    lengths.append(length)
+    # Up to and including the stop token the draws are those of the run without stops.
+    np.testing.assert_array_equal(tokens[row, :length], free_tokens[row, :length])
+    assert (tokens[row, length:] == PAD).all()
+    assert bool(out.truncated[row]) == (hits.size == 0)
+  np.testing.assert_array_equal(out.lengths, lengths)
+  np.testing.assert_array_equal(out.mask, np.arange(12)[None] < np.array(lengths)[:, None])
+  assert len(set(lengths)) > 3, lengths  # a real mix of ends
+  _assert_logprobs_match_full_forward(
+    model, params, out, ids, mask, temperature=1.0, top_k=0, top_p=1.0
+  )
+
+
+def test_filtered_sampling_logprobs_equal_those_of_a_full_forward(policy):
+  model, params = policy
+  ids, mask = sampling.pad_prompts(PROMPTS, PAD, BUCKETS)
+  settings = dict(temperature=0.7, top_k=5, top_p=0.9)
+  out = sampling.generate(
+    model, params, ids, mask, jax.random.key(3), group_size=3, max_new_tokens=7,
+    stop_ids=(1, 2, 3), pad_id=PAD, **settings,
+  )  # fmt: skip
+  _assert_logprobs_match_full_forward(model, params, out, ids, mask, **settings)
+
+
+def test_stops_early_when_every_sequence_is_done(policy):
+  model, params = policy
+  ids, mask = sampling.pad_prompts(PROMPTS, PAD, BUCKETS)
+  everything = tuple(range(TINY.vocab_size))  # the first token always stops
+  out = sampling.generate(
+    model, params, ids, mask, jax.random.key(1), max_new_tokens=9, stop_ids=everything
+  )
+  np.testing.assert_array_equal(out.lengths, 1)
+  assert not out.truncated.any()
+  assert (np.asarray(out.tokens)[:, 1:] == PAD).all()
+
+
+def test_same_key_same_output_other_key_other_output(policy):
+  model, params = policy
+  first, again, other = (_sample(model, params, jax.random.key(k))[0] for k in (5, 5, 6))
+  for a, b in zip(first, again, strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert (np.asarray(first.tokens) != np.asarray(other.tokens)).mean() > 0.5
+  assert (first.tokens[0] != first.tokens[1]).any()  # samples of one group differ
+
+
+# ----------------------------------------------------------------------------- the token draw
+
+
+TARGET = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+
+
+def _draw_counts(logits_v, num_draws, *, temperature=1.0, top_k=0, top_p=1.0, vocab=None):
+  """Draws `num_draws` tokens from one row of logits (one key; each row its own uniform)."""
+  logits = jnp.broadcast_to(jnp.asarray(logits_v, jnp.float32), (num_draws, len(logits_v)))
+  drawn = jax.jit(sampling._draw, static_argnames=("top_k", "greedy"))(
+    logits, jax.random.key(0), jnp.float32(temperature), jnp.float32(top_p), top_k=top_k,
+    greedy=False,
+  )  # fmt: skip
+  counts = np.bincount(np.asarray(drawn.token), minlength=len(logits_v))
+  return counts, np.asarray(drawn.sampling_logprob), np.asarray(drawn.token)
+
+
+def _assert_frequencies(counts, target_probs):
+  """Chi-square goodness of fit at the 0.1% level (fixed seed, so the test is deterministic)."""
+  support = target_probs > 0
+  assert counts[~support].sum() == 0, "drew a token the filter should have removed"
+  expected = target_probs[support] * counts.sum()
+  _, p_value = stats.chisquare(counts[support], expected)
+  assert p_value > 1e-3, (counts, expected)
+
+
+@pytest.mark.parametrize(
+  ("kwargs", "target"),
+  [
+    # Plain: the target itself.
+    (dict(), TARGET),
+    # Temperature 2: p^(1/2) renormalised.
+    (dict(temperature=2.0), np.sqrt(TARGET) / np.sqrt(TARGET).sum()),
+    # Top-k 3: [0.4, 0.25, 0.15] / 0.8 = [0.5, 0.3125, 0.1875].
+    (dict(top_k=3), np.array([0.5, 0.3125, 0.1875, 0, 0, 0])),
+    # Top-p 0.6: 0.4 < 0.6 so the second token is needed; 0.65 >= 0.6 so the third is not.
+    (dict(top_p=0.6), np.array([0.4, 0.25, 0, 0, 0, 0]) / 0.65),
+    # Top-k 4 then top-p 0.8 on the renormalised [0.4, 0.25, 0.15, 0.1] / 0.9: mass before the
+    # third is 0.722 < 0.8, before the fourth 0.889 -> keep three.
+    (dict(top_k=4, top_p=0.8), np.array([0.5, 0.3125, 0.1875, 0, 0, 0])),
+  ],
+  ids=["plain", "temperature", "top_k", "top_p", "top_k_top_p"],
+)
+def test_draw_matches_target_frequencies(kwargs, target):
+  counts, sampling_logprobs, tokens = _draw_counts(np.log(TARGET), 20_000, **kwargs)
+  _assert_frequencies(counts, target)
+  np.testing.assert_allclose(sampling_logprobs, np.log(target[tokens]), atol=1e-5)
+
+
+def test_draw_over_many_vocabulary_blocks():
+  # 1000 tokens = 4 blocks of 256 (the last one padded); mass on a few tokens across blocks,
+  # the rest exactly zero (-inf logits) so any off-support draw is a bug.
+  target = np.zeros(1000)
+  target[[3, 255, 256, 511, 700, 999]] = [0.3, 0.1, 0.2, 0.05, 0.25, 0.1]
+  with np.errstate(divide="ignore"):
+    logits = np.log(target)
+  counts, _, _ = _draw_counts(logits, 20_000)
+  _assert_frequencies(counts, target)
+
+
+def test_inverse_cdf_draw_never_returns_a_zero_probability_token():
+  # u at the edges: 0 picks the first nonzero token, u -> 1 the last nonzero one.
+  probs = jnp.array([[0.0, 0.0, 0.5, 0.0, 0.5, 0.0]] * 3)
+  u = jnp.array([0.0, 0.5, np.nextafter(np.float32(1), np.float32(0))])
+  np.testing.assert_array_equal(sampling.inverse_cdf_draw(probs, u), [2, 4, 4])
+
+
+# ----------------------------------------------------------------------------- compiles, sharding
+
+
+def test_compiles_once_per_bucket(policy):
+  model, params = policy
+  common = dict(group_size=2, max_new_tokens=2, stop_ids=(1,), pad_id=PAD)
+  run = lambda prompts, **kw: sampling.generate(
+    model, params, *sampling.pad_prompts(prompts, PAD, (4, 8)), jax.random.key(0), **common, **kw
+  )
+  run([[1, 2], [3, 4, 5]])
+  before = sampling.compile_count()
+  run([[7], [8, 9, 10, 11]])  # same bucket (4), other prompts
+  run([[7, 7, 7], [6]], temperature=0.5, top_p=0.9)  # traced settings change
+  assert sampling.compile_count() == before
+  run([[1, 2, 3, 4, 5], [6]])  # prompt bucket 8
+  assert sampling.compile_count() == before + 1
+
+
+def test_sharded_over_eight_devices_equals_single_device(policy):
+  model, params = policy
+  assert jax.device_count() == 8, "conftest forces 8 CPU devices"
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
+  abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+  placed = jax.device_put(params, sharding.logical_shardings(abstract["params"], mesh))
+  prompts = [PROMPTS[i % 3][: 1 + i % 5] for i in range(8)]
+  ids, mask = sampling.pad_prompts(prompts, PAD, BUCKETS)
+  common = dict(group_size=2, max_new_tokens=6, temperature=0.8, stop_ids=(1, 2), pad_id=PAD)
+  single = sampling.generate(model, params, ids, mask, jax.random.key(2), **common)
+  sharded = sampling.generate(model, placed, ids, mask, jax.random.key(2), mesh=mesh, **common)
+  assert len(sharded.tokens.sharding.device_set) == 8
+  assert sharded.tokens.addressable_shards[0].data.shape == (2, 6)  # 16 rows over 8 devices
+  np.testing.assert_array_equal(sharded.tokens, single.tokens)
+  np.testing.assert_array_equal(sharded.mask, single.mask)
+  np.testing.assert_allclose(sharded.logprobs, single.logprobs, atol=1e-5)
+  np.testing.assert_allclose(sharded.sampling_logprobs, single.sampling_logprobs, atol=1e-5)
