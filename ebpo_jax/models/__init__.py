@@ -1,5 +1,6 @@
-"""The policy model: one config-driven decoder and its weight I/O."""
+"""The policy model: one config-driven decoder, its HF/GGUF weight I/O, and the packaged SmolLM2."""
 
+from ebpo_jax.models.convert import convert_gguf, smollm2_135m_instruct
 from ebpo_jax.models.decoder import Decoder, KVCache, ModelConfig, init_cache
 from ebpo_jax.models.hf_io import from_pretrained, load_tokenizer, save_pretrained
 
@@ -7,8 +8,10 @@ __all__ = [
   "Decoder",
   "KVCache",
   "ModelConfig",
+  "convert_gguf",
   "from_pretrained",
   "init_cache",
   "load_tokenizer",
   "save_pretrained",
+  "smollm2_135m_instruct",
 ]
