@@ -115,9 +115,12 @@ def test_get_task_errors():
     ("Let me think.\n<answer>42</answer>\nAnswer: 7", "42"),
     ("<answer>1</answer> then <answer> 2 </answer>", "2"),
     ("Work...\nAnswer: 17\nso the Answer: -3.", "-3"),
+    ("Answer:\n1 2\n3 4\n", "1 2\n3 4"),  # answers may span lines
     ("The answer is: 12", "12"),
     ("so $x = \\boxed{\\frac{1}{2}}$ done", "\\frac{1}{2}"),
     ("step one\nstep two\n  **19**  \n\n", "19"),
+    ("Answer: The cat sat.", "The cat sat."),  # only a number loses its final period
+    ("Answer: 3.25.", "3.25"),
     ("", ""),
   ],
 )
@@ -128,7 +131,7 @@ def test_extract_final_answer(response, expected):
 def test_answers_match():
   assert answers_match("1,000", "1000")
   assert answers_match("3.0", "3")
-  assert answers_match("  Paris ", "paris")
+  assert answers_match("  Paris. ", "paris")
   assert not answers_match("3.01", "3")
   assert answers_match("nan", "NaN")  # equal strings after normalisation
   assert not answers_match("12", "21")
@@ -190,7 +193,7 @@ def test_reasoning_gym_several_datasets_as_clusters():
 def test_reasoning_gym_bad_names():
   with pytest.raises(ValueError, match="unknown reasoning_gym dataset.*'chain_summ'.*chain_sum"):
     get_task("reasoning_gym:chain_summ")
-  with pytest.raises(ValueError, match="arc_agi' is not supported: its entries do not survive"):
+  with pytest.raises(ValueError, match="arc_agi' is not supported: its gold answer scores 1.0"):
     get_task("reasoning_gym:arc_agi", levels=1)
 
 

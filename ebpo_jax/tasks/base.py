@@ -95,18 +95,19 @@ def check_fraction(eval_fraction: float) -> None:
 # ------------------------------------------------------------------------------ answers in text
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
-_ANSWER_LINE = re.compile(r"answer\s*(?:is)?\s*[:：]\s*(.*)", re.IGNORECASE)
+_ANSWER_AFTER = re.compile(r"answer\s*(?:is)?\s*[:：]", re.IGNORECASE)
 
 
 def extract_final_answer(response: str) -> str:
-  r"""The model's final answer: the last `<answer>...</answer>`, else the rest of the line after the
-  last `Answer:`, else the last `\boxed{...}`, else the last non-empty line."""
+  r"""The model's final answer: the last `<answer>...</answer>`, else all text after the last
+  `Answer:` (answers may span lines, e.g. grids), else the last `\boxed{...}`, else the last
+  non-empty line. Leading/trailing space, `**` and `$`, and a period after a number are dropped."""
   tags = _ANSWER_TAG.findall(response)
   if tags:
     return _clean(tags[-1])
-  lines = _ANSWER_LINE.findall(response)
-  if lines:
-    return _clean(lines[-1])
+  markers = list(_ANSWER_AFTER.finditer(response))
+  if markers:
+    return _clean(response[markers[-1].end() :])
   boxed = _last_boxed(response)
   if boxed is not None:
     return _clean(boxed)
@@ -130,12 +131,15 @@ def _clean(answer: str) -> str:
   answer = answer.strip().strip("*").strip()
   if answer.startswith("$") and answer.endswith("$") and len(answer) > 1:
     answer = answer.strip("$").strip()
-  return answer[:-1].rstrip() if answer.endswith(".") else answer
+  return _NUMBER_AND_PERIOD.sub(r"\1", answer)
+
+
+_NUMBER_AND_PERIOD = re.compile(r"^(-?[\d,]*\.?\d+)\.$")  # "42." -> "42" (a sentence keeps its ".")
 
 
 def normalize_answer(answer: str) -> str:
-  """Lower case, whitespace collapsed, thousands separators in numbers dropped."""
-  answer = " ".join(answer.lower().split())
+  """Lower case, whitespace collapsed, a final period and thousands separators dropped."""
+  answer = " ".join(answer.lower().split()).removesuffix(".")
   return re.sub(r"(?<=\d),(?=\d{3}\b)", "", answer)
 
 

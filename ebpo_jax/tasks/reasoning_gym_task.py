@@ -147,17 +147,20 @@ class ReasoningGymTask(Task):
     }
 
   def _check_scoring_round_trip(self, k: int) -> None:
-    """Scoring a JSON copy of an entry must agree with scoring the entry itself."""
+    """The gold answer, written as `format_target` writes it and scored from a row (JSON copy of the
+    entry), must score as the dataset scores it directly."""
     cluster = self.clusters[k]
     dataset = reasoning_gym.create_dataset(cluster.dataset, **cluster.config, seed=0, size=1)
     entry = dataset[0]
     answer = "" if entry.get("answer") is None else str(entry["answer"])
     direct = dataset.score_answer(answer, entry)
-    via_row = score_reasoning_gym(f"Answer: {answer}", self._row(k, entry))
+    row = self._row(k, entry)
+    via_row = score_reasoning_gym(self.format_target(row), row)
     if not math.isclose(direct, via_row):
       raise ValueError(
-        f"reasoning_gym dataset {cluster.dataset!r} is not supported: its entries do not survive "
-        f"a JSON round trip (gold answer scores {direct} directly, {via_row} from a row)"
+        f"reasoning_gym dataset {cluster.dataset!r} is not supported: its gold answer scores "
+        f"{direct} directly but {via_row} from a row (entries that do not survive a JSON round "
+        "trip, or answers that 'Answer: ...' cannot carry)"
       )
 
 

@@ -80,8 +80,7 @@ class RewardPool:
     if len(responses) != len(rows):
       raise ValueError(f"{len(responses)} responses but {len(rows)} rows")
     if not self._workers:
-      calls = zip(responses, rows, strict=True)
-      results = [_score_inline(score_fn, r, row, self.timeout_s) for r, row in calls]
+      results = _score_inline(score_fn, responses, rows, self.timeout_s)
     else:
       jobs = [pickle.dumps((score_fn, r, row)) for r, row in zip(responses, rows, strict=True)]
       results = self._run_all(jobs)
@@ -246,19 +245,29 @@ def _call(score_fn: ScoreFn, response: str, row: dict[str, Any]) -> tuple[bool, 
 
 
 def _score_inline(
-  score_fn: ScoreFn, response: str, row: dict[str, Any], timeout_s: float
-) -> tuple[bool, float, str]:
-  """One call in this process, with a SIGALRM timeout when on the main thread."""
+  score_fn: ScoreFn, responses: Sequence[str], rows: Sequence[dict[str, Any]], timeout_s: float
+) -> list[tuple[bool, float, str]]:
+  """The calls in this process, each with a SIGALRM timeout when on the main thread."""
+  calls = list(zip(responses, rows, strict=True))
   if threading.current_thread() is not threading.main_thread():
-    return _call(score_fn, response, row)
+    return [_call(score_fn, response, row) for response, row in calls]
 
   def on_alarm(signum: int, frame: Any) -> None:
     raise VerifierTimeout(f"timed out after {timeout_s:g} s")
 
   previous = signal.signal(signal.SIGALRM, on_alarm)
-  signal.setitimer(signal.ITIMER_REAL, timeout_s)
   try:
-    return _call(score_fn, response, row)
+    results = []
+    for response, row in calls:
+      try:  # the alarm may also fire just after the call returns, before it is disarmed
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        try:
+          result = _call(score_fn, response, row)
+        finally:
+          signal.setitimer(signal.ITIMER_REAL, 0)
+      except VerifierTimeout as e:
+        result = (False, 0.0, f"VerifierTimeout: {e}")
+      results.append(result)
+    return results
   finally:
-    signal.setitimer(signal.ITIMER_REAL, 0)
     signal.signal(signal.SIGALRM, previous)
