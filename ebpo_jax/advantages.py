@@ -71,6 +71,7 @@ class _Groups(NamedTuple):
   count: Array  # [B] number of valid responses G_q
   total: Array  # [B] sum of valid rewards
   mean: Array  # [B] group mean (0 for an empty group)
+  m2: Array  # [B] sum of squared deviations from the group mean
   var: Array  # [B] unbiased group variance (0 for groups with fewer than 2 responses)
 
 
@@ -79,9 +80,9 @@ def _groups(rewards_bg: Array, mask_bg: Array) -> _Groups:
   count_b = weights_bg.sum(-1)
   total_b = (rewards_bg * weights_bg).sum(-1)
   mean_b = total_b / jnp.maximum(count_b, 1.0)
-  sq_dev_b = (jnp.square(rewards_bg - mean_b[:, None]) * weights_bg).sum(-1)
-  var_b = sq_dev_b / jnp.maximum(count_b - 1.0, 1.0)
-  return _Groups(count_b, total_b, mean_b, var_b)
+  m2_b = (jnp.square(rewards_bg - mean_b[:, None]) * weights_bg).sum(-1)
+  var_b = m2_b / jnp.maximum(count_b - 1.0, 1.0)
+  return _Groups(count_b, total_b, mean_b, m2_b, var_b)
 
 
 def _masked(values_bg: Array, mask_bg: Array) -> Array:
@@ -209,13 +210,18 @@ def js_shrinkage(rewards: Array, mask: Array | None = None, eps: float | Array =
 # The EBPO prior: per-cluster Welford accumulators, batched by Chan's parallel merge.
 
 
-def _segment_welford(values: Array, weights: Array, segment_ids: Array, k: int) -> Welford:
-  """Exact moments of each segment's weighted values (two-pass within the batch)."""
-  count = jax.ops.segment_sum(weights, segment_ids, k)
-  total = jax.ops.segment_sum(weights * values, segment_ids, k)
+def _segment_moments(parts: Welford, segment_ids: Array, k: int) -> Welford:
+  """Pool per-prompt moments [B, A] into per-cluster moments [K, A] (exact: law of total variance).
+
+  Segment sums run over prompts, not responses: M2 of a cluster is the sum of its prompts' M2
+  plus count * (prompt mean - cluster mean)^2. The A accumulators share each segment sum.
+  """
+  stacked = jnp.stack([parts.count, parts.count * parts.mean], axis=1)  # [B, 2, A]
+  sums = jax.ops.segment_sum(stacked, segment_ids, k)
+  count, total = sums[:, 0], sums[:, 1]
   mean = total / jnp.maximum(count, 1e-30)
-  deviation = values - mean.at[segment_ids].get(mode="fill", fill_value=0.0)
-  m2 = jax.ops.segment_sum(weights * jnp.square(deviation), segment_ids, k)
+  deviation = parts.mean - mean.at[segment_ids].get(mode="fill", fill_value=0.0)
+  m2 = jax.ops.segment_sum(parts.m2 + parts.count * jnp.square(deviation), segment_ids, k)
   return Welford(count, mean, m2)
 
 
@@ -236,18 +242,20 @@ def _merge(old: Welford, new: Welford, decay: float | Array) -> Welford:
 
 
 def _update_prior(
-  prior: PriorState, rewards_bg: Array, mask_bg: Array, cluster_ids_b: Array, decay: float | Array
+  prior: PriorState, groups: _Groups, cluster_ids_b: Array, decay: float | Array
 ) -> PriorState:
   k = prior.rewards.count.shape[0]
-  groups = _groups(rewards_bg, mask_bg)
-  ids_bg = jnp.broadcast_to(cluster_ids_b[:, None], rewards_bg.shape)
-  rewards_batch = _segment_welford(
-    rewards_bg.ravel(), mask_bg.ravel().astype(jnp.float32), ids_bg.ravel(), k
-  )
+  # Both accumulators side by side, [B, 2]: the prompt's rewards; its group mean as one value.
   has_data_b = (groups.count > 0).astype(jnp.float32)
-  means_batch = _segment_welford(groups.mean, has_data_b, cluster_ids_b, k)
+  parts = Welford(
+    jnp.stack([groups.count, has_data_b], -1),
+    jnp.stack([groups.mean, groups.mean], -1),
+    jnp.stack([groups.m2, jnp.zeros_like(groups.m2)], -1),
+  )
+  batch = _segment_moments(parts, cluster_ids_b, k)  # [K, 2]
+  rewards_new, means_new = (jax.tree.map(lambda x, i=i: x[:, i], batch) for i in range(2))
   return PriorState(
-    _merge(prior.rewards, rewards_batch, decay), _merge(prior.group_means, means_batch, decay)
+    _merge(prior.rewards, rewards_new, decay), _merge(prior.group_means, means_new, decay)
   )
 
 
@@ -268,7 +276,7 @@ def _check_decay(decay: float | Array) -> None:
 
 @jax.jit
 def _update_prior_jit(prior, rewards_bg, mask_bg, cluster_ids_b, decay):
-  return _update_prior(prior, rewards_bg, mask_bg, cluster_ids_b, decay)
+  return _update_prior(prior, _groups(rewards_bg, mask_bg), cluster_ids_b, decay)
 
 
 def update_prior(
@@ -315,19 +323,24 @@ def _normalize(
   raw_bg: Array,
   mask_bg: Array,
   how: str,
-  group_std_b: Array,
+  groups: _Groups,
+  baseline_b: Array,
   cluster_std_b: Array,
   eps: float | Array,
 ) -> Array:
   if how == "none":
     return raw_bg
   if how == "batch":
-    weights_bg = mask_bg.astype(jnp.float32)
-    count = weights_bg.sum()
-    mean = (raw_bg * weights_bg).sum() / jnp.maximum(count, 1.0)
-    var = (jnp.square(raw_bg - mean) * weights_bg).sum() / jnp.maximum(count - 1.0, 1.0)
-    return _masked((raw_bg - mean) / (jnp.sqrt(var) + eps), mask_bg)
+    # Batch mean and unbiased variance of raw, from group moments (no extra pass over [B, G]):
+    # raw has mean (group mean - V) and the group's M2 within each group.
+    offset_b = groups.mean - baseline_b
+    count = groups.count.sum()
+    mean = (groups.count * offset_b).sum() / jnp.maximum(count, 1.0)
+    m2 = (groups.m2 + groups.count * jnp.square(offset_b - mean)).sum()
+    std = jnp.sqrt(m2 / jnp.maximum(count - 1.0, 1.0))
+    return (raw_bg - mean) / (std + eps)
   if how == "group":
+    group_std_b = jnp.sqrt(groups.var)
     scale_b = jnp.where(group_std_b > eps, group_std_b, cluster_std_b)
   else:
     scale_b = cluster_std_b
@@ -345,25 +358,26 @@ def _ebpo(
   mode: str,
   normalize: str,
 ) -> tuple[Array, PriorState, Stats]:
-  new_prior = _update_prior(prior, rewards_bg, mask_bg, cluster_ids_b, decay)
-  if mode == "running":
-    read_from = new_prior
-  else:
-    empty = init_prior(prior.rewards.count.shape[0])
-    read_from = _update_prior(empty, rewards_bg, mask_bg, cluster_ids_b, 1.0)
-  # Out-of-range cluster ids read NaN, so they surface as non-finite advantages.
-  mu_glob_b, sigma2_b, tau2_b = (
-    x.at[cluster_ids_b].get(mode="fill", fill_value=jnp.nan, wrap_negative_indices=False)
-    for x in prior_moments(read_from)
-  )
+  k = prior.rewards.count.shape[0]
   groups = _groups(rewards_bg, mask_bg)
+  new_prior = _update_prior(prior, groups, cluster_ids_b, decay)
+  read_from = (
+    new_prior if mode == "running" else _update_prior(init_prior(k), groups, cluster_ids_b, 1.0)
+  )
+  # Out-of-range cluster ids read NaN, so they surface as non-finite advantages.
+  moments_b3 = (
+    jnp.stack(prior_moments(read_from), -1)
+    .at[cluster_ids_b]
+    .get(mode="fill", fill_value=jnp.nan, wrap_negative_indices=False)
+  )
+  mu_glob_b, sigma2_b, tau2_b = moments_b3[:, 0], moments_b3[:, 1], moments_b3[:, 2]
   noise_b = sigma2_b / jnp.maximum(groups.count, 1.0)
   total_b = noise_b + tau2_b
   flat_prior_b = (total_b <= MIN_PRIOR_VARIANCE) | (groups.count == 0)
   shrinkage_b = jnp.where(flat_prior_b, 1.0, noise_b / jnp.where(flat_prior_b, 1.0, total_b))
   baseline_b = (1.0 - shrinkage_b) * groups.mean + shrinkage_b * mu_glob_b
-  raw_bg = _masked(rewards_bg - baseline_b[:, None], mask_bg)
-  adv_bg = _normalize(raw_bg, mask_bg, normalize, jnp.sqrt(groups.var), jnp.sqrt(sigma2_b), eps)
+  raw_bg = rewards_bg - baseline_b[:, None]
+  adv_bg = _normalize(raw_bg, mask_bg, normalize, groups, baseline_b, jnp.sqrt(sigma2_b), eps)
   adv_bg = _masked(adv_bg, mask_bg)
   stats = {
     "shrinkage": shrinkage_b,
