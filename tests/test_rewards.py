@@ -129,9 +129,15 @@ def test_interrupted_call_leaves_no_stale_results(pool, monkeypatch):
   _arithmetic_check(pool)
 
 
-def test_length_mismatch(pool):
+def test_misuse(pool):
   with pytest.raises(ValueError, match="2 responses but 1 rows"):
     pool.score(score_arithmetic, ["1", "2"], [{"answer": "1"}])
+  with pytest.raises(ValueError, match="cannot be sent to a worker process: use a top-level"):
+    pool.score(lambda response, row: 1.0, ["1"], [{}])
+  closed = RewardPool(workers=0, timeout_s=1.0)
+  closed.close()
+  with pytest.raises(RuntimeError, match="closed"):
+    closed.score(score_arithmetic, ["1"], [{"answer": "1"}])
 
 
 def test_inline_catches_and_times_out_on_the_main_thread():

@@ -79,9 +79,12 @@ class RewardPool:
     """(rewards float32 [N], number of calls that failed); failed calls score 0."""
     if len(responses) != len(rows):
       raise ValueError(f"{len(responses)} responses but {len(rows)} rows")
+    if not self._finalizer.alive:
+      raise RuntimeError("this RewardPool is closed")
     if not self._workers:
       results = _score_inline(score_fn, responses, rows, self.timeout_s)
     else:
+      _check_picklable(score_fn)
       jobs = [pickle.dumps((score_fn, r, row)) for r, row in zip(responses, rows, strict=True)]
       results = self._run_all(jobs)
     errors = [message for ok, value, message in results if not ok]
@@ -203,6 +206,16 @@ class _Worker:
       self.process.kill()
       self.process.join(timeout=5)
     self.conn.close()
+
+
+def _check_picklable(score_fn: ScoreFn) -> None:
+  try:
+    pickle.dumps(score_fn)
+  except (pickle.PicklingError, AttributeError, TypeError) as e:
+    raise ValueError(
+      f"the verifier {score_fn!r} cannot be sent to a worker process: use a top-level "
+      f"function ({e})"
+    ) from e
 
 
 def _stop_all(workers: list[_Worker]) -> None:
