@@ -110,26 +110,34 @@ class BatchIndexer:
     cluster = int(self.clusters[k])
 
     def perm(epoch: int) -> np.ndarray:
-      return members[self._permutation((cluster, epoch), len(members))]
+      return self._cached(
+        (cluster, epoch), lambda: members[self._permutation((cluster, epoch), len(members))]
+      )
 
     return _take(visit * self.batch_size, self.batch_size, len(members), perm)
 
   def _shuffled_epoch(self, epoch: int) -> np.ndarray:
-    return self._permutation((epoch,), self.num_rows)
+    return self._cached((epoch,), lambda: self._permutation((epoch,), self.num_rows))
 
   def _sorted_epoch(self, epoch: int) -> np.ndarray:
-    shuffled = self._permutation((epoch,), self.num_rows)
-    return shuffled[np.argsort(self.difficulties[shuffled], kind="stable")]
+    def build() -> np.ndarray:
+      shuffled = self._permutation((epoch,), self.num_rows)
+      return shuffled[np.argsort(self.difficulties[shuffled], kind="stable")]
+
+    return self._cached((epoch,), build)
 
   def _permutation(self, key: tuple[int, ...], n: int) -> np.ndarray:
-    """A permutation of range(n) drawn from a generator seeded by (seed, *key), cached."""
-    perm = self._cache.get(key)
-    if perm is None:
+    """A permutation of range(n) drawn from a generator seeded by (seed, *key)."""
+    return np.random.default_rng(np.random.SeedSequence([self.seed, *key])).permutation(n)
+
+  def _cached(self, key: tuple[int, ...], build: Callable[[], np.ndarray]) -> np.ndarray:
+    """The row order of an epoch (of a cluster), built once while in use."""
+    order = self._cache.get(key)
+    if order is None:
       if len(self._cache) >= _CACHE_SIZE:
         self._cache.clear()
-      rng = np.random.default_rng(np.random.SeedSequence([self.seed, *key]))
-      perm = self._cache[key] = rng.permutation(n)
-    return perm
+      order = self._cache[key] = build()
+    return order
 
 
 def _take(start: int, count: int, n: int, epoch_perm: Callable[[int], np.ndarray]) -> np.ndarray:
