@@ -2,6 +2,8 @@
 
     python bench/advantages.py [--batch_sizes=64,512] [--group_sizes=4,8,32] [--num_clusters=10]
 
+(from the repository root, after `pip install -e .`; or with PYTHONPATH=. instead of installing).
+
 For each (B, G) and estimator (through the registry, EBPO in its default running mode with the
 paper's batch normalisation and K clusters) two numbers, each the best of --repeats timings:
 - call_us: one jitted call from Python, dispatch included, results blocked on;

@@ -64,7 +64,8 @@ def _prepare(rewards: Array, mask: Array | None) -> tuple[Array, Array]:
   mask_bg = jnp.asarray(mask, bool)
   if mask_bg.shape != rewards_bg.shape:
     raise ValueError(f"mask shape {mask_bg.shape} != rewards shape {rewards_bg.shape}")
-  return rewards_bg, mask_bg
+  # Masked rewards may be anything (a failed verifier's NaN); they must not reach any statistic.
+  return jnp.where(mask_bg, rewards_bg, 0.0), mask_bg
 
 
 class _Groups(NamedTuple):

@@ -113,6 +113,14 @@ def test_masked_entries_get_zero_and_enter_no_statistic():
   np.testing.assert_allclose(prior.rewards.count, [11.0])
   assert float(prior.rewards.mean[0]) == pytest.approx(6 / 11, rel=1e-6)  # the 5 is not in it
   assert float(stats["zero_frac"]) == 0.0  # the masked zero is not counted
+  # A masked NaN reward (a failed verifier) changes nothing either.
+  nan_rewards = np.where(mask, rewards, np.nan).astype(np.float32)
+  for name in adv_lib.ESTIMATORS:
+    fn = adv_lib.get(name)
+    nan_adv, nan_prior, _ = fn(nan_rewards, mask, ONE_CLUSTER, adv_lib.init_prior(1))
+    clean_adv, clean_prior, _ = fn(rewards, mask, ONE_CLUSTER, adv_lib.init_prior(1))
+    np.testing.assert_array_equal(nan_adv, clean_adv)
+    jax.tree.map(np.testing.assert_array_equal, nan_prior, clean_prior)
 
 
 # ---------------------------------------------------------------------------------------------
