@@ -216,3 +216,17 @@ def test_jsonl_task(tmp_path):
   assert task.score(f"Answer: {number + 1}", row) == 0.0
   with pytest.raises(ValueError, match="needs path="):
     get_task("jsonl", path="")
+
+
+def test_jsonl_task_eval_file_clusters_follow_the_training_file(tmp_path):
+  train, evals, bad = tmp_path / "train.jsonl", tmp_path / "eval.jsonl", tmp_path / "bad.jsonl"
+  row = {"prompt": "q", "answer": "a"}
+  train.write_text("\n".join(json.dumps({**row, "cluster": c}) for c in ("alg", "geo")))
+  evals.write_text(json.dumps({**row, "cluster": "geo"}))  # "geo" is cluster 0 in this file
+  bad.write_text(json.dumps({**row, "cluster": "topology"}))
+  task = get_task("jsonl", path=str(train), eval_path=str(evals))
+  assert task.cluster_names == ["alg", "geo"]
+  assert [r["cluster"] for r in task.rows("eval", 0, seed=0)] == [1]
+  assert len(task.rows("train", 0, seed=0)) == 2
+  with pytest.raises(ValueError, match=r"clusters \['topology'\] are not among"):
+    get_task("jsonl", path=str(train), eval_path=str(bad))

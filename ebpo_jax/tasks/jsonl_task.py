@@ -36,11 +36,7 @@ class JsonlTask(Task):
     check_fraction(eval_fraction)
     rows, self.cluster_names = load_rows_and_clusters(path)
     if eval_path:
-      eval_rows, eval_names = load_rows_and_clusters(eval_path)
-      if eval_names != self.cluster_names[: len(eval_names)]:
-        raise ValueError(
-          f"{eval_path}: clusters {eval_names} do not match those of {path}: {self.cluster_names}"
-        )
+      eval_rows = _with_cluster_ids(eval_path, self.cluster_names, path)
       self._rows = {"train": rows, "eval": eval_rows}
     else:
       self._rows = {
@@ -59,3 +55,15 @@ class JsonlTask(Task):
 
   def format_prompt(self, row: dict[str, Any]) -> str:
     return row["prompt"] + self.instruction
+
+
+def _with_cluster_ids(eval_path: str, cluster_names: list[str], path: str) -> list[dict[str, Any]]:
+  """The rows of eval_path with cluster ids renumbered to match those of the training file."""
+  rows, names = load_rows_and_clusters(eval_path)
+  id_of = {name: i for i, name in enumerate(cluster_names)}
+  unknown = sorted(set(names[r["cluster"]] for r in rows) - set(id_of))
+  if unknown:
+    raise ValueError(
+      f"{eval_path}: clusters {unknown} are not among those of {path}: {cluster_names}"
+    )
+  return [{**r, "cluster": id_of[names[r["cluster"]]]} for r in rows]
