@@ -272,12 +272,20 @@ def _generate(
   draw = functools.partial(_draw, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
   apply = functools.partial(model.apply, {"params": params})
 
-  # Prefill: the last token never enters the cache, so P + N - 1 slots suffice.
+  # Prefill all but the last prompt token, whose logits go unused (so XLA drops the [B, P, V] LM
+  # head), then run the last token alone for the first draw. The last drawn token never enters the
+  # cache, so P + N - 1 slots suffice.
   cache = init_cache(model.config, num_prompts, prompt_len + width - 1)
   positions_bp = prompt_positions(prompt_mask_bp)
-  logits_bpv, cache = apply(prompt_ids_bp, positions_bp, prompt_mask_bp, cache=cache)
+  if prompt_len > 1:
+    _, cache = apply(
+      prompt_ids_bp[:, :-1], positions_bp[:, :-1], prompt_mask_bp[:, :-1], cache=cache
+    )
+  last_logits_b1v, cache = apply(
+    prompt_ids_bp[:, -1:], positions_bp[:, -1:], prompt_mask_bp[:, -1:], cache=cache
+  )
   cache = _constrain_cache(_repeat_rows(cache, group_size), mesh)
-  first_logits_rv = _constrain_rows(jnp.repeat(logits_bpv[:, -1], group_size, axis=0), mesh)
+  first_logits_rv = _constrain_rows(jnp.repeat(last_logits_b1v[:, 0], group_size, axis=0), mesh)
   next_position_r = jnp.repeat(positions_bp[:, -1] + 1, group_size)
 
   zeros = functools.partial(jnp.zeros, (rows, width))

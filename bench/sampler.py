@@ -1,0 +1,205 @@
+"""Sampler throughput: our jitted KV-cache loop vs transformers' `generate` on the same weights.
+
+  python bench/sampler.py            # tiny and SmolLM2-135M, batch 16 and 64 (a few minutes)
+  python bench/sampler.py --quick    # tiny at batch 16 only (CI smoke run, under a minute)
+
+Both sides: the same weights (a random-init `LlamaForCausalLM` saved and loaded back by
+`ebpo_jax.models.from_pretrained`; SmolLM2-135M-Instruct from the packaged GGUF), the same random
+prompts (no padding), temperature 1, no top-k/top-p, no stop token, exactly `--new-tokens` tokens.
+Ours excludes compilation (a warm-up call; its time is reported apart); transformers gets a warm-up
+call too. Runs alternate between the two so background load hits both alike; the best of `--reps`
+counts. Also reports our achieved FLOP/s as a share of a large float32 matmul's rate in this run.
+Prints a table, then last a JSON line for the tiny config at batch 16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import tempfile
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from ebpo_jax import sampling  # noqa: E402
+from ebpo_jax.models import ModelConfig, from_pretrained, smollm2_135m_instruct  # noqa: E402
+
+# The tiny shape of the issue (4 layers, d=256) with the byte-level vocabulary of the project's tiny
+# tasks (ebpo_jax.tasks.tokenizers.ByteTokenizer: 3 specials + 256 bytes).
+TINY_HF = dict(
+  vocab_size=259,
+  hidden_size=256,
+  intermediate_size=1024,
+  num_hidden_layers=4,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+  head_dim=64,
+  tie_word_embeddings=False,
+)
+
+
+@dataclasses.dataclass
+class Row:
+  model: str
+  batch: int
+  ours_tok_s: float
+  transformers_tok_s: float
+  compile_s: float
+  ours_gflop_s: float
+  matmul_share: float
+
+  @property
+  def speedup(self) -> float:
+    return self.ours_tok_s / self.transformers_tok_s
+
+
+def flops_per_token(config: ModelConfig, context: float) -> float:
+  """Forward FLOPs of one decoded token: 2 x matmul weights + QK^T and PV over `context` keys."""
+  c = config
+  attn = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads)
+  mlp = 3 * c.hidden_size * c.intermediate_size
+  head = c.hidden_size * c.vocab_size
+  return (
+    2 * (c.num_layers * (attn + mlp) + head) + 4 * c.num_layers * c.num_heads * c.head_dim * context
+  )
+
+
+def matmul_flop_s(size: int = 2048, reps: int = 3) -> float:
+  """float32 FLOP/s of one large square matmul under XLA (the same-run reference rate)."""
+  a = jax.random.normal(jax.random.key(0), (size, size), jnp.float32)
+  dot = jax.jit(jnp.dot)
+  dot(a, a).block_until_ready()
+  best = min(_timed(lambda: dot(a, a).block_until_ready()) for _ in range(reps))
+  return 2 * size**3 / best
+
+
+def _timed(fn) -> float:
+  start = time.perf_counter()
+  fn()
+  return time.perf_counter() - start
+
+
+def tiny_checkpoint(directory: str) -> str:
+  torch.manual_seed(0)
+  hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_HF))
+  hf_model.save_pretrained(directory)
+  return directory
+
+
+def load_torch(path: str) -> torch.nn.Module:
+  return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def bench_one(name, path, batch, args, matmul_rate) -> Row:
+  model, params = from_pretrained(path)
+  torch_model = load_torch(path)
+  vocab = model.config.vocab_size
+  prompts = np.random.default_rng(batch).integers(3, vocab, (batch, args.prompt_len), np.int32)
+  ids, mask = jnp.asarray(prompts), jnp.ones(prompts.shape, bool)
+  new = args.new_tokens
+
+  def ours(key):
+    out = sampling.generate(model, params, ids, mask, key, max_new_tokens=new, temperature=1.0)
+    tokens = jax.block_until_ready(out.tokens)
+    if tokens.shape != (batch, new) or not bool(out.mask.all()):
+      raise RuntimeError(f"ours produced {tokens.shape} / {int(out.mask.sum())} tokens")
+
+  generation = transformers.GenerationConfig(
+    do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new,
+    eos_token_id=None, pad_token_id=0,
+  )  # fmt: skip
+  torch_ids = torch.from_numpy(prompts.astype(np.int64))
+
+  def theirs():
+    with torch.no_grad():
+      out = torch_model.generate(
+        torch_ids, attention_mask=torch.ones_like(torch_ids), generation_config=generation
+      )
+    if out.shape != (batch, args.prompt_len + new):
+      raise RuntimeError(f"transformers produced {tuple(out.shape)}")
+
+  compile_s = _timed(lambda: ours(jax.random.key(0)))
+  theirs()
+  ours_best = theirs_best = float("inf")
+  for rep in range(args.reps):
+    ours_best = min(ours_best, _timed(lambda rep=rep: ours(jax.random.key(rep + 1))))
+    theirs_best = min(theirs_best, _timed(theirs))
+  tokens = batch * new
+  flops = tokens * flops_per_token(model.config, args.prompt_len + new / 2)
+  return Row(
+    model=name,
+    batch=batch,
+    ours_tok_s=tokens / ours_best,
+    transformers_tok_s=tokens / theirs_best,
+    compile_s=compile_s,
+    ours_gflop_s=flops / ours_best / 1e9,
+    matmul_share=flops / ours_best / matmul_rate,
+  )
+
+
+def print_table(rows: list[Row], matmul_rate: float, args) -> None:
+  print(
+    f"\nsampler: {args.new_tokens} new tokens, prompt {args.prompt_len}, temperature 1, "
+    f"best of {args.reps}; {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}; "
+    f"large matmul {matmul_rate / 1e9:.1f} GFLOP/s"
+  )
+  header = (
+    "model        batch  ours tok/s  transformers tok/s  speedup  compile s  GFLOP/s  %matmul"
+  )
+  print(header)
+  print("-" * len(header))
+  for r in rows:
+    print(
+      f"{r.model:<12} {r.batch:>5}  {r.ours_tok_s:>10.0f}  {r.transformers_tok_s:>18.0f}  "
+      f"{r.speedup:>7.2f}  {r.compile_s:>9.1f}  {r.ours_gflop_s:>7.1f}  {r.matmul_share:>7.1%}"
+    )
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="tiny config at batch 16 only")
+  parser.add_argument("--new-tokens", type=int, default=64)
+  parser.add_argument("--prompt-len", type=int, default=16)
+  parser.add_argument("--reps", type=int, default=3)
+  parser.add_argument("--batches", default="16,64")
+  parser.add_argument("--models", default="tiny,smollm2-135m")
+  args = parser.parse_args()
+  models = ["tiny"] if args.quick else args.models.split(",")
+  batches = [16] if args.quick else [int(b) for b in args.batches.split(",")]
+  if args.quick:
+    args.reps = min(args.reps, 2)
+  matmul_rate = matmul_flop_s()
+  rows = []
+  with tempfile.TemporaryDirectory() as tmp:
+    paths = {"tiny": lambda: tiny_checkpoint(tmp), "smollm2-135m": smollm2_135m_instruct}
+    for name in models:
+      path = paths[name]()
+      for batch in batches:
+        rows.append(bench_one(name, path, batch, args, matmul_rate))
+        print(f"  {rows[-1]}", flush=True)
+  print_table(rows, matmul_rate, args)
+  headline = next((r for r in rows if r.model == "tiny" and r.batch == 16), rows[0])
+  print(
+    json.dumps(
+      {
+        "model": headline.model,
+        "batch": headline.batch,
+        "ours_tok_s": round(headline.ours_tok_s, 1),
+        "transformers_tok_s": round(headline.transformers_tok_s, 1),
+        "speedup": round(headline.speedup, 3),
+      }
+    )
+  )
+
+
+if __name__ == "__main__":
+  main()
