@@ -262,7 +262,7 @@ def _accumulated_grads(params, mini: dict, *, num_micro: int, loss_fn):
 
   zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
   (loss, grads), aux = jax.lax.scan(body, zeros, micro)
-  return loss, grads, jax.tree.map(jnp.mean, aux)
+  return loss, grads, jax.tree.map(jnp.sum, aux)  # each chunk holds its share of the total
 
 
 def train_step(
@@ -316,8 +316,9 @@ def train_step(
 
   del num_mini
   (params, opt_state), upd = jax.lax.scan(update, (state.params, state.opt_state), order)
+  bad = upd.pop("bad")
   metrics = {k: v.mean() for k, v in upd.items()}
-  metrics["bad_updates"] = upd["bad"].sum()
+  metrics["bad_updates"] = bad.sum()
   metrics.update(_rollout_metrics(batch, adv_bg, adv_stats, prior, rl.advantage))
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, prior=prior)
   return new_state, metrics
@@ -599,7 +600,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     max_to_keep=config.checkpoint.max_to_keep,
     save_every=config.checkpoint.every_steps,
   )
-  writer = metrics_lib.MetricsWriter(workdir, enabled=is_main)
   rollouts = Rollouts(
     model,
     task,
@@ -609,6 +609,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     mesh,
   )
   latest = ckpt.latest_step()
+  writer = metrics_lib.MetricsWriter(workdir, enabled=is_main, resume_step=latest)
   if latest is None:
     state = warm_start(config, model, state, rows, rollouts)
     if config.rl.loss.kl_coef > 0:
@@ -617,7 +618,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     ckpt.save(0, state, data_iter=batches, config=config.to_dict(), force=True)
   else:
     state, _ = ckpt.restore(latest, abstract, data_iter=batches)
-    metrics_lib.truncate_after(workdir, latest)
     last_eval = {}
 
   # The loop.

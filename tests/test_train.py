@@ -1,4 +1,5 @@
-"""The trainer end to end on the tiny arithmetic config: CLI, resume, SIGTERM, devices, bad input."""
+"""The trainer end to end on the tiny arithmetic config: CLI, resume, SIGTERM, devices, bad
+input."""
 
 import json
 import os
