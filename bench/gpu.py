@@ -1,0 +1,188 @@
+"""Decode throughput on a GPU: tokens/s and the share of the HBM-bandwidth roofline, bf16.
+
+  PYTHONPATH=. python bench/gpu.py                   # SmolLM2-135M, Qwen3-0.6B shapes, batch 1..256
+  PYTHONPATH=. python bench/gpu.py --results bench/RESULTS.md  # also append a dated table there
+  PYTHONPATH=. python bench/gpu.py --dry-run         # a tiny shape on any backend (smoke test)
+
+Random bf16 weights of each shape (throughput does not depend on the values; no stop token, so
+every row decodes all `--new-tokens`). Each timing is one `sampling.generate` call (prefill of a
+short prompt + the decode loop), compiled beforehand, best of `--reps`.
+
+Roofline: a decode step must read every weight once and the keys/values of the tokens so far, so
+its time is at least `(param bytes + KV bytes at the mean context) / HBM bandwidth`; the roofline
+tokens/s is `batch / that time`. Prefill is counted in our time but not in the roofline, so the
+share is a lower bound. Our sampler reads the whole preallocated cache each step, which the share
+then shows as lost bandwidth at large batch x context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ebpo_jax import sampling
+from ebpo_jax.models import Decoder, ModelConfig
+
+# HBM bandwidth (bytes/s) by the vendors' datasheets, matched in order against `device_kind`.
+HBM_BYTES_PER_S = (
+  ("H200", 4.8e12),
+  ("H100 PCIe", 2.0e12),
+  ("H100", 3.35e12),
+  ("A100-SXM4-80GB", 2.039e12),
+  ("A100", 1.555e12),
+  ("L40S", 0.864e12),
+  ("L4", 0.3e12),
+  ("A10G", 0.6e12),
+  ("RTX 4090", 1.008e12),
+  ("V100", 0.9e12),
+  ("T4", 0.32e12),
+)
+
+BF16 = dict(dtype="bfloat16", param_dtype="bfloat16")
+MODELS = {
+  "smollm2-135m": ModelConfig(
+    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+    num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+    **BF16,
+  ),
+  "qwen3-0.6b": ModelConfig(
+    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
+    num_kv_heads=8, head_dim=128, rope_theta=1e6, tie_word_embeddings=True, qk_norm=True,
+    architecture="qwen3", **BF16,
+  ),
+  "tiny": ModelConfig(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+    num_kv_heads=2, head_dim=16, **BF16,
+  ),
+}  # fmt: skip
+
+
+@dataclasses.dataclass
+class Row:
+  model: str
+  batch: int
+  tok_s: float
+  roofline_tok_s: float
+  compile_s: float
+
+  @property
+  def share(self) -> float:
+    return self.tok_s / self.roofline_tok_s
+
+
+def hbm_bandwidth(device: jax.Device, override_gb_s: float | None) -> float:
+  if override_gb_s:
+    return override_gb_s * 1e9
+  for name, rate in HBM_BYTES_PER_S:
+    if name in device.device_kind:
+      return rate
+  raise SystemExit(f"unknown HBM bandwidth for {device.device_kind!r}; pass --hbm-gb-s")
+
+
+def param_bytes(params) -> int:
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+
+def roofline_tok_s(config: ModelConfig, params, batch: int, context: float, bandwidth: float):
+  """`batch` tokens per (weights + KV of `context` tokens per row) read at `bandwidth`."""
+  kv_per_token = 2 * config.num_layers * config.num_kv_heads * config.head_dim
+  kv_bytes = batch * context * kv_per_token * jnp.dtype(config.dtype).itemsize
+  return batch * bandwidth / (param_bytes(params) + kv_bytes)
+
+
+def bench_model(name: str, batches, args, bandwidth: float) -> list[Row]:
+  config = MODELS[name]
+  model = Decoder(config)
+  params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+  params = nn.meta.unbox(params)
+  rows = []
+  for batch in batches:
+    prompts = np.random.default_rng(batch).integers(0, config.vocab_size, (batch, args.prompt_len))
+    ids, mask = jnp.asarray(prompts, jnp.int32), jnp.ones(prompts.shape, bool)
+
+    def run(seed, batch=batch, ids=ids, mask=mask):
+      key = jax.random.key(seed)
+      out = sampling.generate(model, params, ids, mask, key, max_new_tokens=args.new_tokens)
+      return jax.block_until_ready(out.lengths)
+
+    start = time.perf_counter()
+    lengths = run(0)
+    compile_s = time.perf_counter() - start
+    if int(np.asarray(lengths).min()) != args.new_tokens:
+      raise RuntimeError(f"{name} batch {batch}: rows ended early ({lengths})")
+    best = float("inf")
+    for rep in range(args.reps):
+      start = time.perf_counter()
+      run(rep + 1)
+      best = min(best, time.perf_counter() - start)
+    context = args.prompt_len + args.new_tokens / 2
+    row = Row(
+      model=name,
+      batch=batch,
+      tok_s=batch * args.new_tokens / best,
+      roofline_tok_s=roofline_tok_s(config, params, batch, context, bandwidth),
+      compile_s=compile_s,
+    )
+    rows.append(row)
+    print(json.dumps(dataclasses.asdict(row) | {"share": round(row.share, 4)}), flush=True)
+  return rows
+
+
+def markdown(rows: list[Row], device: jax.Device, bandwidth: float, args) -> str:
+  lines = [
+    f"### bench/gpu.py, {datetime.date.today().isoformat()}, {device.device_kind} "
+    f"({jax.default_backend()}, HBM {bandwidth / 1e12:.2f} TB/s assumed)",
+    "",
+    f"bf16, random weights, prompt {args.prompt_len}, {args.new_tokens} new tokens, "
+    f"best of {args.reps}; jax {jax.__version__}.",
+    "",
+    "| model | batch | decode tok/s | roofline tok/s | share | compile s |",
+    "| --- | ---: | ---: | ---: | ---: | ---: |",
+  ]
+  for r in rows:
+    lines.append(
+      f"| {r.model} | {r.batch} | {r.tok_s:,.0f} | {r.roofline_tok_s:,.0f} | {r.share:.1%} "
+      f"| {r.compile_s:.1f} |"
+    )
+  return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument(
+    "--dry-run", action="store_true", help="tiny shape, batch 1 and 2, any backend"
+  )
+  parser.add_argument("--models", default="smollm2-135m,qwen3-0.6b")
+  parser.add_argument("--batches", default="1,4,16,64,256")
+  parser.add_argument("--prompt-len", type=int, default=32)
+  parser.add_argument("--new-tokens", type=int, default=256)
+  parser.add_argument("--reps", type=int, default=3)
+  parser.add_argument("--hbm-gb-s", type=float, default=None, help="override the HBM bandwidth")
+  parser.add_argument("--results", default=None, help="append the markdown table to this file")
+  args = parser.parse_args()
+  if args.dry_run:
+    args.models, args.batches, args.prompt_len, args.new_tokens, args.reps = "tiny", "1,2", 8, 8, 1
+    args.hbm_gb_s = args.hbm_gb_s or 20.0  # a placeholder: the dry run checks the plumbing only
+  device = jax.devices()[0]
+  bandwidth = hbm_bandwidth(device, args.hbm_gb_s)
+  batches = [int(b) for b in args.batches.split(",")]
+  rows = []
+  for name in args.models.split(","):
+    rows.extend(bench_model(name, batches, args, bandwidth))
+  table = markdown(rows, device, bandwidth, args)
+  print(table)
+  if args.results:
+    with open(args.results, "a") as f:
+      f.write("\n" + table)
+
+
+if __name__ == "__main__":
+  main()
