@@ -58,7 +58,7 @@ def test_cached_prefill_and_decode_equal_full_forward(config):
   prompt_mask = mask.at[:, prompt_len:].set(True)
   ids = jnp.where(prompt_mask, ids, 0)
   positions = _positions(prompt_mask)
-  full = model.apply({"params": params}, ids, positions, prompt_mask)
+  full = jax.jit(model.apply)({"params": params}, ids, positions, prompt_mask)
 
   apply = jax.jit(model.apply)
   cache = init_cache(config, batch_size=3, max_len=16)
@@ -81,9 +81,95 @@ def test_left_padding_does_not_change_real_token_logits():
   model, params = _init(TINY)
   rng = np.random.default_rng(1)
   ids = jnp.asarray(rng.integers(0, TINY.vocab_size, (1, 5)), jnp.int32)
-  alone = model.apply({"params": params}, ids)
+  alone = jax.jit(model.apply)({"params": params}, ids)
   padded_ids = jnp.concatenate([jnp.full((1, 3), 7, jnp.int32), ids], axis=1)
   mask = jnp.arange(8)[None] >= 3
-  padded = model.apply({"params": params}, padded_ids, _positions(mask), mask)
+  padded = jax.jit(model.apply)({"params": params}, padded_ids, _positions(mask), mask)
   np.testing.assert_allclose(np.asarray(padded[:, 3:]), np.asarray(alone), rtol=1e-5, atol=1e-5)
   assert np.isfinite(np.asarray(padded)).all()
+
+
+def test_remat_keeps_loss_and_grads():
+  model, params = _init(TINY)
+  ids = jnp.asarray(np.random.default_rng(2).integers(0, TINY.vocab_size, (2, 7)), jnp.int32)
+
+  def value_and_grad(remat):
+    module = model.clone(config=dataclasses.replace(TINY, remat=remat))
+    loss = lambda p: jnp.mean(jax.nn.log_softmax(module.apply({"params": p}, ids))[..., 0])
+    assert ("remat" in str(jax.make_jaxpr(loss)(params))) == (remat != "none")
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+  value, grads = value_and_grad("none")
+  for remat in ("full", "dots"):
+    remat_value, remat_grads = value_and_grad(remat)
+    np.testing.assert_allclose(remat_value, value, rtol=1e-6)
+    check = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    jax.tree.map(check, remat_grads, grads)
+
+
+def test_every_param_has_logical_axes():
+  config = dataclasses.replace(TINY, attention_bias=True, qk_norm=True)
+  boxed = jax.eval_shape(Decoder(config).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+  leaves = jax.tree.leaves(boxed["params"], is_leaf=lambda x: isinstance(x, nn.Partitioned))
+  assert all(isinstance(leaf, nn.Partitioned) for leaf in leaves)
+  allowed = {"layers", "vocab", "embed", "mlp", "heads", "kv_heads", "head_dim"}
+  for leaf in leaves:
+    assert len(leaf.names) == leaf.value.ndim and set(leaf.names) <= allowed
+  q = boxed["params"]["layers"]["self_attn"]["q_proj"]["kernel"]
+  assert q.names == ("layers", "embed", "heads", "head_dim") and q.value.shape == (2, 32, 4, 8)
+
+
+def test_from_hf_reads_old_rope_keys_and_defaults():
+  hf = {
+    "model_type": "llama",
+    "vocab_size": 10,
+    "hidden_size": 8,
+    "intermediate_size": 16,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "rope_theta": 5e5,
+    "rope_scaling": {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+  }  # fmt: skip
+  config = ModelConfig.from_hf(hf, remat="full")
+  assert (config.num_kv_heads, config.head_dim, config.rope_theta, config.remat) == (
+    2,
+    4,
+    5e5,
+    "full",
+  )
+  assert dict(config.rope_scaling)["rope_type"] == "llama3" and "type" not in dict(
+    config.rope_scaling
+  )
+  assert hash(config) == hash(ModelConfig.from_hf(hf, remat="full"))
+  assert ModelConfig.from_hf(config.to_hf(), remat="full") == config
+
+
+@pytest.mark.parametrize(
+  "change, message",
+  [
+    ({"remat": "some"}, "remat='some'"),
+    ({"num_kv_heads": 3}, "not a multiple"),
+    ({"dtype": "float17"}, "float17"),
+    ({"rope_scaling": (("rope_type", "yarn"),)}, "yarn"),
+  ],
+)
+def test_config_rejects_bad_values(change, message):
+  with pytest.raises((ValueError, TypeError), match=message):
+    dataclasses.replace(TINY, **change)
+
+
+def test_unknown_model_type_is_rejected():
+  with pytest.raises(ValueError, match="model_type='gpt2'"):
+    ModelConfig.from_hf({"model_type": "gpt2"})
+
+
+def test_bfloat16_cache_and_compute():
+  config = dataclasses.replace(TINY, dtype="bfloat16", param_dtype="bfloat16")
+  model, params = _init(config)
+  cache = init_cache(config, batch_size=2, max_len=8)
+  assert cache.k.shape == (2, 2, 8, 2, 8) and cache.k.dtype == jnp.bfloat16
+  logits, cache = jax.jit(model.apply)({"params": params}, jnp.ones((2, 3), jnp.int32), cache=cache)
+  assert logits.dtype == jnp.float32 and cache.k.dtype == jnp.bfloat16 and int(cache.index) == 3
+  full = jax.jit(model.apply)({"params": params}, jnp.ones((2, 3), jnp.int32))
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(full), rtol=0.05, atol=0.05)

@@ -245,15 +245,27 @@ class Projection(nn.Module):
     return y
 
 
-def _attention(q_bthd, k_bshd, v_bshd, valid_bts) -> jax.Array:
-  """Softmax attention with GQA; `valid_bts` marks allowed (query, key) pairs. Returns [B,T,H,D]."""
+def _attention(q_bthd, kv_blocks, valid_btk) -> jax.Array:
+  """Softmax attention with GQA over key/value blocks (e.g. cached slots, then new tokens).
+
+  `valid_btk` marks allowed (query, key) pairs over the blocks' keys in order. Scores are
+  computed per block so the KV cache is read in place, never concatenated. Returns [B,T,H,D].
+  """
   b, t, h, d = q_bthd.shape
-  kv_heads = k_bshd.shape[2]
+  kv_heads = kv_blocks[0][0].shape[2]
   q = q_bthd.reshape(b, t, kv_heads, h // kv_heads, d)
-  scores = jnp.einsum("btkgd,bskd->bkgts", q, k_bshd, preferred_element_type=jnp.float32)
-  scores = jnp.where(valid_bts[:, None, None], scores * d**-0.5, _NEG_INF)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_bshd.dtype)
-  out = jnp.einsum("bkgts,bskd->btkgd", probs, v_bshd)
+  scores = [
+    jnp.einsum("btkgd,bskd->bkgts", q.astype(k.dtype), k, preferred_element_type=jnp.float32)
+    for k, _ in kv_blocks
+  ]
+  scores = jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
+  scores = jnp.where(valid_btk[:, None, None], scores * d**-0.5, _NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1)
+  out, offset = 0.0, 0
+  for k, v in kv_blocks:
+    block = probs[..., offset : offset + k.shape[1]].astype(v.dtype)
+    out = out + jnp.einsum("bkgts,bskd->btkgd", block, v, preferred_element_type=jnp.float32)
+    offset += k.shape[1]
   return out.reshape(b, t, h, d)
 
 
@@ -276,14 +288,13 @@ class Attention(nn.Module):
       k = RMSNorm(c, "head_dim", name="k_norm")(k)
     q, k = apply_rope(q, sin_btd, cos_btd), apply_rope(k, sin_btd, cos_btd)
     if layer_cache is None:
-      out = _attention(q, k, v, valid_bts)
+      out = _attention(q, [(k, v)], valid_bts)
     else:
-      # Keys = the cached slots followed by the T new tokens; the cache itself is written once,
-      # after the layer scan, so no per-layer copy of it is made here.
+      # Keys = the cached slots, then the T new tokens. The cache is written once, after the
+      # layer scan, so it is only read here.
       cache_k, cache_v = layer_cache
-      keys = jnp.concatenate([cache_k, k.astype(cache_k.dtype)], axis=1)
-      values = jnp.concatenate([cache_v, v.astype(cache_v.dtype)], axis=1)
-      out = _attention(q.astype(cache_k.dtype), keys, values, valid_bts)
+      new_kv = (k.astype(cache_k.dtype), v.astype(cache_v.dtype))
+      out = _attention(q, [(cache_k, cache_v), new_kv], valid_bts)
     out = out.astype(x_bte.dtype)
     y = Projection(c, "bthd,hde->bte", (h, d, e), ("heads", "head_dim", "embed"), name="o_proj")(
       out
