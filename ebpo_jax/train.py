@@ -10,6 +10,7 @@ function that computes the advantages (threading the EBPO prior), builds the seq
 `rl.num_iterations` epochs of PPO-clip mini-batch updates.
 """
 
+import collections
 import functools
 import math
 import sys
@@ -431,20 +432,23 @@ def load_tokenizer(config, task):
   return task.tokenizer
 
 
-def create_state(config, params, optimizer, num_clusters: int) -> TrainState:
-  """The initial TrainState, built directly in its shardings."""
-  mesh = jax.tree.leaves(params)[0].sharding.mesh
-  params_sharding = jax.tree.map(lambda x: x.sharding, params)
-  replicated = NamedSharding(mesh, PartitionSpec())
-  opt_shape = jax.eval_shape(optimizer.init, params)
+def init_opt_state(optimizer: optax.GradientTransformation, params):
+  """The optimizer state, sharded: moments follow their parameters, counters are replicated."""
+  replicated = NamedSharding(jax.tree.leaves(params)[0].sharding.mesh, PartitionSpec())
   opt_sharding = optax.tree_map_params(
     optimizer,
     lambda _, s: s,
-    opt_shape,
-    params_sharding,
+    jax.eval_shape(optimizer.init, params),
+    jax.tree.map(lambda x: x.sharding, params),
     transform_non_params=lambda _: replicated,
   )
-  opt_state = jax.jit(optimizer.init, out_shardings=opt_sharding)(params)
+  return jax.jit(optimizer.init, out_shardings=opt_sharding)(params)
+
+
+def create_state(config, params, optimizer, num_clusters: int) -> TrainState:
+  """The initial TrainState, built directly in its shardings."""
+  replicated = NamedSharding(jax.tree.leaves(params)[0].sharding.mesh, PartitionSpec())
+  opt_state = init_opt_state(optimizer, params)
   # Built under jit so every leaf gets its own buffer (the state is donated each step).
   prior, rng, step = jax.jit(
     lambda: (
@@ -483,7 +487,7 @@ def warm_start(config, model, state: TrainState, rows, rollouts) -> TrainState:
     return optax.apply_updates(params, updates), opt_state, loss
 
   params = jax.tree.map(jnp.copy, state.params)
-  opt_state = jax.jit(optimizer.init)(params)
+  opt_state = init_opt_state(optimizer, params)
   rng = np.random.default_rng(config.seed)
   for _ in tqdm.trange(sc.num_steps, desc="warm start", disable=jax.process_index() != 0):
     batch_rows = [rows[i] for i in rng.integers(0, len(rows), sc.batch_size)]
@@ -551,6 +555,17 @@ def finish(workdir: str, last_eval: dict, cluster_names) -> None:
   print(f"{len(plots)} plots in {workdir}/plots/")
 
 
+def _counting(fn, counter: collections.Counter, name: str):
+  """`fn` that adds 1 to `counter[name]` each time it runs in Python, i.e. each time jit traces."""
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    counter[name] += 1
+    return fn(*args, **kwargs)
+
+  return wrapped
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -589,8 +604,16 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   abstract = jax.tree.map(
     lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
   )
+  state_sharding = jax.tree.map(lambda x: x.sharding, state)
+  traces = collections.Counter()  # Python runs only while tracing: counts (re)compiles
   step_fn = jax.jit(
-    functools.partial(train_step, model=model, optimizer=optimizer, config=config),
+    _counting(
+      functools.partial(train_step, model=model, optimizer=optimizer, config=config),
+      traces,
+      "train_step",
+    ),
+    in_shardings=(state_sharding, sharding.batch_sharding(mesh)),
+    out_shardings=(state_sharding, NamedSharding(mesh, PartitionSpec())),
     donate_argnums=(0,),
   )
 
@@ -650,7 +673,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       "rewards": rewards,
       "cluster_ids": np.array([r["cluster"] for r in batch_rows], np.int32),
     }
-    state, step_metrics = step_fn(state, jax.device_put(batch, sharding.batch_sharding(mesh)))
+    state, step_metrics = step_fn(state, batch)
     step_metrics = jax.device_get(step_metrics)
     t2 = time.perf_counter()
     bad_in_a_row = bad_in_a_row + 1 if step_metrics["bad_updates"] > 0 else 0
@@ -667,8 +690,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         "time/step_s": t2 - t0,
         "time/sample_s": t1 - t0,
         "time/update_s": t2 - t1,
-        "compiles/train_step": step_fn._cache_size(),
-        "compiles/sampler": sampling.compile_count(),
+        "compiles/train_step": traces["train_step"],
         "time/tokens_per_s": float(np.asarray(out.mask).sum()) / (t2 - t0),
       }
     )
