@@ -163,3 +163,94 @@ def test_smollm2_cache_converts_once(tmp_path, monkeypatch):
 def test_convert_cli_reports_a_missing_file(tmp_path, capsys):
   assert convert.main(["--gguf", str(tmp_path / "nope.gguf"), "--out", str(tmp_path / "o")]) == 1
   assert "nope.gguf" in capsys.readouterr().err
+
+
+_GGUF_LAYER_NAMES = {hf: gguf for gguf, hf in convert._LAYER_TENSORS.items()}
+TINY_GGUF_CASES = {
+  "llama": dict(num_key_value_heads=2, tie_word_embeddings=False),
+  "qwen2": dict(num_key_value_heads=2, tie_word_embeddings=False),
+  "qwen3": dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+}
+
+
+def _byte_level_vocab() -> tuple[list[str], list[str]]:
+  from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+  tokens = ["<|endoftext|>", *sorted(bytes_to_unicode().values())]
+  merges = ["Ġ t", "h e", "Ġt he"]
+  return [*tokens, "Ġt", "he", "Ġthe"], merges
+
+
+def _write_tiny_gguf(arch: str, path: str) -> tuple[torch.nn.Module, str]:
+  """A random transformers model written as a GGUF file the way llama.cpp lays it out."""
+  import gguf
+
+  tokens, merges = _byte_level_vocab()
+  name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[arch]
+  kwargs = dict(vocab_size=len(tokens), hidden_size=32, intermediate_size=48, num_hidden_layers=2)
+  kwargs.update(num_attention_heads=4, rms_norm_eps=1e-5, **TINY_GGUF_CASES[arch])
+  model = getattr(transformers, f"{name}ForCausalLM")(
+    getattr(transformers, f"{name}Config")(**kwargs)
+  )
+  gen = torch.Generator().manual_seed(0)
+  with torch.no_grad():
+    for pname, p in model.named_parameters():
+      p.copy_((1.0 if "norm" in pname else 0.0) + 0.2 * torch.randn(p.shape, generator=gen))
+  config = model.config
+  writer = gguf.GGUFWriter(path, arch)
+  writer.add_block_count(2)
+  writer.add_context_length(64)
+  writer.add_embedding_length(32)
+  writer.add_feed_forward_length(48)
+  writer.add_head_count(4)
+  writer.add_head_count_kv(config.num_key_value_heads)
+  writer.add_key_length(TINY_GGUF_CASES[arch].get("head_dim", 32 // 4))
+  writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+  writer.add_layer_norm_rms_eps(1e-5)
+  writer.add_tokenizer_model("gpt2")
+  writer.add_tokenizer_pre("qwen2" if arch != "llama" else "llama-bpe")
+  writer.add_token_list(tokens)
+  writer.add_token_merges(merges)
+  writer.add_token_types([3] + [1] * (len(tokens) - 1))
+  writer.add_eos_token_id(0)
+  for hf_name, tensor in model.state_dict().items():
+    value = tensor.numpy()
+    if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+      continue
+    if hf_name.startswith("model.layers."):
+      _, _, layer, *module, suffix = hf_name.split(".")
+      gguf_name = f"blk.{layer}.{_GGUF_LAYER_NAMES['.'.join(module)]}.{suffix}"
+      if arch == "llama" and module[-1] in ("q_proj", "k_proj"):
+        heads = config.num_attention_heads if module[-1] == "q_proj" else config.num_key_value_heads
+        value = _llama_cpp_permute(value, heads)
+    else:
+      gguf_name = {v: k for k, v in convert._GLOBAL_TENSORS.items()}[hf_name]
+    writer.add_tensor(gguf_name, np.ascontiguousarray(value))
+  writer.write_header_to_file()
+  writer.write_kv_data_to_file()
+  writer.write_tensors_to_file()
+  writer.close()
+  return model.eval(), path
+
+
+@pytest.mark.parametrize("arch", list(TINY_GGUF_CASES))
+def test_tiny_gguf_round_trip(arch, tmp_path):
+  torch_model, gguf_file = _write_tiny_gguf(arch, str(tmp_path / "tiny.gguf"))
+  out = convert.convert_gguf(gguf_file, str(tmp_path / "hf"))
+  ours = load_file(os.path.join(out, "model.safetensors"))
+  expected = {k: v.numpy() for k, v in torch_model.state_dict().items()}
+  if torch_model.config.tie_word_embeddings:
+    expected.pop("lm_head.weight")
+  assert set(ours) == set(expected)
+  for name, value in expected.items():
+    np.testing.assert_array_equal(ours[name], value, err_msg=name)
+  model, params = from_pretrained(out)
+  assert model.config.architecture == arch
+  ids = np.random.default_rng(0).integers(0, len(_byte_level_vocab()[0]), (1, 12))
+  logits = np.asarray(jax.jit(model.apply)({"params": params}, jnp.asarray(ids, jnp.int32)))
+  with torch.no_grad():
+    ref = torch_model(torch.as_tensor(ids)).logits.numpy()
+  assert np.max(np.abs(logits - ref)) / np.max(np.abs(ref)) <= 1e-4
+  tokenizer = load_tokenizer(out)
+  # Merges "Ġ t", "h e", "Ġt he": no "t he", so the leading "the" stays split.
+  assert tokenizer.convert_ids_to_tokens(tokenizer("the the")["input_ids"]) == ["t", "he", "Ġthe"]

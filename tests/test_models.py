@@ -45,9 +45,10 @@ def _positions(mask):
   "config",
   [
     TINY,
-    dataclasses.replace(TINY, qk_norm=True, attention_bias=True, tie_word_embeddings=True),
+    dataclasses.replace(TINY, architecture="qwen2", attention_bias=True, tie_word_embeddings=True),
+    dataclasses.replace(TINY, architecture="qwen3", qk_norm=True),
   ],
-  ids=["llama", "bias_qknorm_tied"],
+  ids=["llama", "qwen2_bias_tied", "qwen3_qknorm"],
 )
 def test_cached_prefill_and_decode_equal_full_forward(config):
   model, params = _init(config)
@@ -108,9 +109,13 @@ def test_remat_keeps_loss_and_grads():
 
 
 def test_every_param_has_logical_axes():
-  config = dataclasses.replace(TINY, attention_bias=True, qk_norm=True)
-  boxed = jax.eval_shape(Decoder(config).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
-  leaves = jax.tree.leaves(boxed["params"], is_leaf=lambda x: isinstance(x, nn.Partitioned))
+  leaves = []
+  for arch in ("qwen2", "qwen3"):
+    config = dataclasses.replace(
+      TINY, architecture=arch, attention_bias=arch == "qwen2", qk_norm=arch == "qwen3"
+    )
+    boxed = jax.eval_shape(Decoder(config).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+    leaves += jax.tree.leaves(boxed["params"], is_leaf=lambda x: isinstance(x, nn.Partitioned))
   assert all(isinstance(leaf, nn.Partitioned) for leaf in leaves)
   allowed = {"layers", "vocab", "embed", "mlp", "heads", "kv_heads", "head_dim"}
   for leaf in leaves:
@@ -152,6 +157,8 @@ def test_from_hf_reads_old_rope_keys_and_defaults():
     ({"num_kv_heads": 3}, "not a multiple"),
     ({"dtype": "float17"}, "float17"),
     ({"rope_scaling": (("rope_type", "yarn"),)}, "yarn"),
+    ({"qk_norm": True}, "qk_norm=True with architecture='llama'"),
+    ({"architecture": "qwen2"}, "attention_bias=False with architecture='qwen2'"),
   ],
 )
 def test_config_rejects_bad_values(change, message):
@@ -159,9 +166,13 @@ def test_config_rejects_bad_values(change, message):
     dataclasses.replace(TINY, **change)
 
 
-def test_unknown_model_type_is_rejected():
+def test_unsupported_hf_configs_are_rejected():
   with pytest.raises(ValueError, match="model_type='gpt2'"):
     ModelConfig.from_hf({"model_type": "gpt2"})
+  with pytest.raises(ValueError, match="use_sliding_window=True"):
+    ModelConfig.from_hf({"model_type": "qwen2", "use_sliding_window": True})
+  with pytest.raises(ValueError, match="attention_bias=True is not supported for 'llama'"):
+    ModelConfig.from_hf({"model_type": "llama", "attention_bias": True})
 
 
 def test_bfloat16_cache_and_compute():

@@ -69,6 +69,13 @@ class ModelConfig:
       raise ValueError(
         f"architecture={self.architecture!r}; expected one of {sorted(ARCHITECTURES)}"
       )
+    # HF ties these to the architecture; keeping them consistent keeps save_pretrained exact.
+    for flag, arch in (("attention_bias", "qwen2"), ("qk_norm", "qwen3")):
+      if getattr(self, flag) != (self.architecture == arch):
+        raise ValueError(
+          f"{flag}={getattr(self, flag)} with architecture={self.architecture!r}: "
+          f"{flag} is set exactly when architecture={arch!r}"
+        )
     for name in ("dtype", "param_dtype"):
       jnp.dtype(getattr(self, name))  # raises on an unknown dtype name
     if self.rope_scaling is not None:
@@ -84,6 +91,7 @@ class ModelConfig:
       raise ValueError(
         f"model_type={model_type!r} is not supported; expected one of {sorted(ARCHITECTURES)}"
       )
+    _check_supported(hf_config, model_type)
     rope = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
     rope_theta = rope.pop("rope_theta", hf_config.get("rope_theta", 10000.0))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -105,7 +113,7 @@ class ModelConfig:
       rope_scaling=rope_scaling,
       rms_norm_eps=hf_config.get("rms_norm_eps", 1e-6),
       tie_word_embeddings=hf_config.get("tie_word_embeddings", False),
-      attention_bias=model_type == "qwen2" or hf_config.get("attention_bias", False),
+      attention_bias=model_type == "qwen2",
       qk_norm=model_type == "qwen3",
       max_position_embeddings=hf_config.get("max_position_embeddings", 2048),
       architecture=model_type,
@@ -140,9 +148,23 @@ class ModelConfig:
     if self.rope_scaling is not None:
       hf["rope_scaling"] = rope_parameters
     if self.architecture == "llama":
-      hf["attention_bias"] = self.attention_bias
+      hf["attention_bias"] = False
       hf["mlp_bias"] = False
     return hf
+
+
+def _check_supported(hf_config: dict, model_type: str) -> None:
+  """Rejects config.json features this decoder does not implement, instead of ignoring them."""
+  unsupported = {
+    "hidden_act": hf_config.get("hidden_act", "silu") != "silu",
+    "mlp_bias": bool(hf_config.get("mlp_bias")),
+    "use_sliding_window": bool(hf_config.get("use_sliding_window")),
+    # Llama/Qwen3 `attention_bias` also biases o_proj; only Qwen2's q/k/v bias is implemented.
+    "attention_bias": model_type != "qwen2" and bool(hf_config.get("attention_bias")),
+  }
+  for key, bad in unsupported.items():
+    if bad:
+      raise ValueError(f"config.json {key}={hf_config[key]!r} is not supported for {model_type!r}")
 
 
 class KVCache(flax.struct.PyTreeNode):
