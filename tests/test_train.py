@@ -132,7 +132,7 @@ def test_one_device_matches_eight(straight_run, tmp_path):
     ("--config.rl.group_size=1", "config.rl.group_size=1: must be >= 2"),
     ("--config.rl.advantage=ppo", "config.rl.advantage='ppo': must be one of"),
     ("--config.rl.ebpo.decay=1.5", "config.rl.ebpo.decay=1.5: must lie in (0, 1]"),
-    ("--config.train.batch_size=6", "must be divisible by the mesh's data x fsdp = 8"),
+    ("--config.train.batch_size=12", "must be divisible by the mesh's data x fsdp = 8"),
     ("--config.data.order=random", "config.data.order='random'"),
   ],
 )
