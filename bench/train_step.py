@@ -1,0 +1,164 @@
+"""Train-step cost: EBPO vs GRPO in the same jitted step, and achieved FLOP/s vs a plain matmul.
+
+    python bench/train_step.py [--shapes tiny,135m] [--rows 8] [--prompt_len 32] [--new_tokens 32]
+    python bench/train_step.py --quick        # CI smoke run: tiny shape, one timed step
+
+The step is the trainer's own `train_step` (advantages, sequence assembly, PPO-clip update with
+AdamW), compiled once per estimator. The 135m shape is SmolLM2-135M's (30 layers, d=576, 9/3 heads,
+vocab 49152), randomly initialised. FLOPs come from XLA's cost analysis of the compiled step; the
+reference rate is a square float32 matmul timed in the same process. Prints a table, then last a
+JSON line with the EBPO/GRPO time ratio (goal <= 1.02: the prior must be free) and the FLOP/s share.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from ebpo_jax import sharding, train  # noqa: E402
+
+SHAPES = {
+  "tiny": dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=4,
+    head_dim=32,
+    vocab_size=18,
+  ),  # fmt: skip
+  "135m": dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    vocab_size=49152,
+  ),  # fmt: skip
+}
+
+
+class _Vocab:
+  def __init__(self, size: int):
+    self.vocab_size = size
+
+
+def load_config(shape: dict, advantage: str, args) -> "train.ml_collections.ConfigDict":
+  import importlib.util
+
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  spec = importlib.util.spec_from_file_location("cfg", os.path.join(root, "configs/arith_ebpo.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config()
+  for key, value in shape.items():
+    if key != "vocab_size":
+      config.model[key] = value
+  config.rl.advantage = advantage
+  config.rl.group_size = args.group_size
+  config.train.batch_size = args.rows // args.group_size
+  config.train.mini_batch_size = config.train.batch_size
+  config.train.micro_batch_size = 0
+  config.mesh.data, config.mesh.fsdp = 1, -1
+  return config
+
+
+def synthetic_batch(args, vocab: int, seed: int = 0) -> dict:
+  rng = np.random.default_rng(seed)
+  prompts = args.rows // args.group_size
+  return {
+    "prompt_ids": rng.integers(3, vocab, (prompts, args.prompt_len)).astype(np.int32),
+    "prompt_mask": np.ones((prompts, args.prompt_len), bool),
+    "tokens": rng.integers(3, vocab, (args.rows, args.new_tokens)).astype(np.int32),
+    "completion_mask": np.ones((args.rows, args.new_tokens), bool),
+    "old_logps": np.full((args.rows, args.new_tokens), -np.log(vocab), np.float32),
+    "truncated": np.zeros(args.rows, bool),
+    "rewards": rng.integers(0, 2, (prompts, args.group_size)).astype(np.float32),
+    "cluster_ids": (np.arange(prompts) % 3).astype(np.int32),
+  }
+
+
+def time_step(shape_name: str, advantage: str, args) -> tuple[float, float]:
+  """Seconds per step (median of `repeats`) and the step's FLOPs."""
+  shape = SHAPES[shape_name]
+  config = load_config(shape, advantage, args)
+  mesh = sharding.make_mesh(dict(config.mesh))
+  model, params = train.build_model(config, _Vocab(shape["vocab_size"]), mesh)
+  optimizer = train.make_optimizer(config.train, 100)
+  state = train.create_state(config, params, optimizer, num_clusters=3)
+  state_sharding = jax.tree.map(lambda x: x.sharding, state)
+  step = jax.jit(
+    lambda s, b: train.train_step(s, b, model=model, optimizer=optimizer, config=config),
+    in_shardings=(state_sharding, sharding.batch_sharding(mesh)),
+    out_shardings=(state_sharding, None),
+    donate_argnums=(0,),
+  )
+  batch = synthetic_batch(args, shape["vocab_size"])
+  compiled = step.lower(state, batch).compile()
+  flops = float(compiled.cost_analysis().get("flops", float("nan")))
+  state, metrics = compiled(state, batch)  # warm-up
+  jax.block_until_ready(metrics)
+  times = []
+  for _ in range(args.repeats):
+    start = time.perf_counter()
+    state, metrics = compiled(state, batch)
+    jax.block_until_ready((state, metrics))
+    times.append(time.perf_counter() - start)
+  return float(np.median(times)), flops
+
+
+def matmul_flops_per_s(n: int = 2048, repeats: int = 5) -> float:
+  a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
+  dot = jax.jit(lambda x: x @ x)
+  jax.block_until_ready(dot(a))
+  start = time.perf_counter()
+  for _ in range(repeats):
+    jax.block_until_ready(dot(a))
+  return 2 * n**3 * repeats / (time.perf_counter() - start)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--shapes", default="tiny,135m")
+  parser.add_argument("--rows", type=int, default=8, help="responses per step (B * G)")
+  parser.add_argument("--group_size", type=int, default=4)
+  parser.add_argument("--prompt_len", type=int, default=32)
+  parser.add_argument("--new_tokens", type=int, default=32)
+  parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--quick", action="store_true", help="CI smoke run")
+  args = parser.parse_args()
+  if args.quick:
+    args.shapes, args.rows, args.prompt_len, args.new_tokens, args.repeats = "tiny", 8, 8, 8, 1
+
+  matmul = matmul_flops_per_s(512 if args.quick else 2048)
+  print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; "
+        f"f32 matmul {matmul / 1e9:.1f} GFLOP/s")  # fmt: skip
+  print(f"{'shape':6} {'estimator':10} {'step ms':>9} {'GFLOP':>8} {'GFLOP/s':>9} {'of matmul':>9}")
+  results = {}
+  for shape_name in args.shapes.split(","):
+    for advantage in ("grpo", "ebpo"):
+      seconds, flops = time_step(shape_name, advantage, args)
+      results[shape_name, advantage] = seconds, flops
+      rate = flops / seconds
+      print(f"{shape_name:6} {advantage:10} {seconds * 1e3:9.1f} {flops / 1e9:8.2f} "
+            f"{rate / 1e9:9.2f} {rate / matmul:9.1%}")  # fmt: skip
+  summary = {
+    shape: {
+      "ebpo_over_grpo": results[shape, "ebpo"][0] / results[shape, "grpo"][0],
+      "flops_share_of_matmul": results[shape, "grpo"][1] / results[shape, "grpo"][0] / matmul,
+    }
+    for shape in args.shapes.split(",")
+  }
+  print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+  main()
