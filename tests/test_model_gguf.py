@@ -13,7 +13,7 @@ from safetensors.numpy import load_file
 from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from ebpo_jax.models import convert, from_pretrained, init_cache, load_tokenizer
+from ebpo_jax.models import convert, from_pretrained, gguf_io, init_cache, load_tokenizer
 
 NEW_TOKENS = 32
 CHAT = [{"role": "user", "content": "Write a short poem about the sea and the stars."}]
@@ -31,7 +31,7 @@ def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
 def test_unpermute_inverts_llama_cpp_permutation():
   weight = np.arange(3 * 8 * 5, dtype=np.float32).reshape(24, 5)  # 3 heads of head_dim 8
   np.testing.assert_array_equal(
-    convert.unpermute_rope_rows(_llama_cpp_permute(weight, 3), 3), weight
+    gguf_io.unpermute_rope_rows(_llama_cpp_permute(weight, 3), 3), weight
   )
   # Rows of head 0 after permuting: 0,4,1,5,2,6,3,7 (the rotate-half halves interleaved).
   assert _llama_cpp_permute(weight, 3)[:8, 0].tolist() == [0, 20, 5, 25, 10, 30, 15, 35]
@@ -39,7 +39,7 @@ def test_unpermute_inverts_llama_cpp_permutation():
 
 @pytest.fixture(scope="module")
 def gguf_path():
-  return convert.packaged_smollm2_gguf()
+  return gguf_io.packaged_smollm2_gguf()
 
 
 @pytest.fixture(scope="module")
@@ -153,9 +153,9 @@ def test_smollm2_cache_converts_once(tmp_path, monkeypatch):
     return out
 
   monkeypatch.setenv("EBPO_JAX_CACHE", str(tmp_path))
-  monkeypatch.setattr(convert, "convert_gguf", fake_convert)
-  first = convert.smollm2_135m_instruct()
-  assert convert.smollm2_135m_instruct() == first
+  monkeypatch.setattr(gguf_io, "convert_gguf", fake_convert)
+  first = gguf_io.smollm2_135m_instruct()
+  assert gguf_io.smollm2_135m_instruct() == first
   assert first.startswith(str(tmp_path)) and len(calls) == 1
   assert os.listdir(tmp_path) == [os.path.basename(first)]  # no staging directory left behind
 
@@ -165,7 +165,7 @@ def test_convert_cli_reports_a_missing_file(tmp_path, capsys):
   assert "nope.gguf" in capsys.readouterr().err
 
 
-_GGUF_LAYER_NAMES = {hf: gguf for gguf, hf in convert._LAYER_TENSORS.items()}
+_GGUF_LAYER_NAMES = {hf: gguf for gguf, hf in gguf_io._LAYER_TENSORS.items()}
 TINY_GGUF_CASES = {
   "llama": dict(num_key_value_heads=2, tie_word_embeddings=False),
   "qwen2": dict(num_key_value_heads=2, tie_word_embeddings=False),
@@ -224,7 +224,7 @@ def _write_tiny_gguf(arch: str, path: str) -> tuple[torch.nn.Module, str]:
         heads = config.num_attention_heads if module[-1] == "q_proj" else config.num_key_value_heads
         value = _llama_cpp_permute(value, heads)
     else:
-      gguf_name = {v: k for k, v in convert._GLOBAL_TENSORS.items()}[hf_name]
+      gguf_name = {v: k for k, v in gguf_io._GLOBAL_TENSORS.items()}[hf_name]
     writer.add_tensor(gguf_name, np.ascontiguousarray(value))
   writer.write_header_to_file()
   writer.write_kv_data_to_file()
@@ -236,7 +236,7 @@ def _write_tiny_gguf(arch: str, path: str) -> tuple[torch.nn.Module, str]:
 @pytest.mark.parametrize("arch", list(TINY_GGUF_CASES))
 def test_tiny_gguf_round_trip(arch, tmp_path):
   torch_model, gguf_file = _write_tiny_gguf(arch, str(tmp_path / "tiny.gguf"))
-  out = convert.convert_gguf(gguf_file, str(tmp_path / "hf"))
+  out = gguf_io.convert_gguf(gguf_file, str(tmp_path / "hf"))
   ours = load_file(os.path.join(out, "model.safetensors"))
   expected = {k: v.numpy() for k, v in torch_model.state_dict().items()}
   if torch_model.config.tie_word_embeddings:

@@ -30,15 +30,8 @@ def _init(config: ModelConfig, seed: int = 0):
   return model, nn.meta.unbox(params)
 
 
-def _left_padded_batch(rng: np.random.Generator, lengths: list[int], width: int, vocab: int):
-  ids = rng.integers(0, vocab, (len(lengths), width)).astype(np.int32)
-  mask = np.arange(width)[None] >= (width - np.array(lengths))[:, None]
-  ids = np.where(mask, ids, 0)
-  return jnp.asarray(ids), jnp.asarray(mask)
-
-
-def _positions(mask):
-  return jnp.maximum(jnp.cumsum(mask, -1) - 1, 0).astype(jnp.int32)
+def _positions(mask: np.ndarray) -> np.ndarray:
+  return np.maximum(np.cumsum(mask, -1) - 1, 0).astype(np.int32)
 
 
 @pytest.mark.parametrize(
@@ -52,39 +45,39 @@ def _positions(mask):
 )
 def test_cached_prefill_and_decode_equal_full_forward(config):
   model, params = _init(config)
-  rng = np.random.default_rng(0)
   prompt_len, decode_steps = 6, 5
-  ids, mask = _left_padded_batch(rng, [6, 3, 1], prompt_len + decode_steps, config.vocab_size)
-  # The batch is left-padded over the prompt part only; decode tokens are all real.
-  prompt_mask = mask.at[:, prompt_len:].set(True)
-  ids = jnp.where(prompt_mask, ids, 0)
-  positions = _positions(prompt_mask)
-  full = jax.jit(model.apply)({"params": params}, ids, positions, prompt_mask)
-
+  width = prompt_len + decode_steps
+  # Prompts of 6, 3 and 1 real tokens, left-padded to 6; the decoded tokens are all real.
+  lengths = np.array([6, 3, 1])
+  mask = np.arange(width)[None] >= (prompt_len - lengths)[:, None]
+  ids = np.where(mask, np.random.default_rng(0).integers(0, config.vocab_size, (3, width)), 0)
+  ids, positions = ids.astype(np.int32), _positions(mask)
   apply = jax.jit(model.apply)
+  full = apply({"params": params}, ids, positions, mask)
+
   cache = init_cache(config, batch_size=3, max_len=16)
   p = slice(0, prompt_len)
-  logits, cache = apply({"params": params}, ids[:, p], positions[:, p], prompt_mask[:, p], cache)
+  logits, cache = apply({"params": params}, ids[:, p], positions[:, p], mask[:, p], cache)
   steps = [logits]
-  for t in range(prompt_len, prompt_len + decode_steps):
+  for t in range(prompt_len, width):
     s = slice(t, t + 1)
-    logits, cache = apply({"params": params}, ids[:, s], positions[:, s], prompt_mask[:, s], cache)
+    logits, cache = apply({"params": params}, ids[:, s], positions[:, s], mask[:, s], cache)
     steps.append(logits)
-  cached = jnp.concatenate(steps, axis=1)
-  assert int(cache.index) == prompt_len + decode_steps
-  np.testing.assert_array_equal(np.asarray(cache.mask[:, : prompt_len + decode_steps]), prompt_mask)
-  real = np.asarray(prompt_mask)
-  np.testing.assert_allclose(np.asarray(cached)[real], np.asarray(full)[real], rtol=1e-5, atol=1e-5)
-  assert cached.dtype == jnp.float32
+  cached = np.concatenate([np.asarray(x) for x in steps], axis=1)
+  assert int(cache.index) == width
+  np.testing.assert_array_equal(np.asarray(cache.mask)[:, :width], mask)
+  assert not np.asarray(cache.mask)[:, width:].any()
+  np.testing.assert_allclose(cached[mask], np.asarray(full)[mask], rtol=1e-5, atol=1e-5)
+  assert cached.dtype == np.float32
 
 
 def test_left_padding_does_not_change_real_token_logits():
   model, params = _init(TINY)
   rng = np.random.default_rng(1)
-  ids = jnp.asarray(rng.integers(0, TINY.vocab_size, (1, 5)), jnp.int32)
+  ids = rng.integers(0, TINY.vocab_size, (1, 5)).astype(np.int32)
   alone = jax.jit(model.apply)({"params": params}, ids)
-  padded_ids = jnp.concatenate([jnp.full((1, 3), 7, jnp.int32), ids], axis=1)
-  mask = jnp.arange(8)[None] >= 3
+  padded_ids = np.concatenate([np.full((1, 3), 7, np.int32), ids], axis=1)
+  mask = np.arange(8)[None] >= 3
   padded = jax.jit(model.apply)({"params": params}, padded_ids, _positions(mask), mask)
   np.testing.assert_allclose(np.asarray(padded[:, 3:]), np.asarray(alone), rtol=1e-5, atol=1e-5)
   assert np.isfinite(np.asarray(padded)).all()

@@ -1,7 +1,7 @@
 """The policy model: one config-driven decoder, its HF/GGUF weight I/O, and the packaged SmolLM2."""
 
-from ebpo_jax.models.convert import convert_gguf, smollm2_135m_instruct
 from ebpo_jax.models.decoder import Decoder, KVCache, ModelConfig, init_cache
+from ebpo_jax.models.gguf_io import convert_gguf, smollm2_135m_instruct
 from ebpo_jax.models.hf_io import from_pretrained, load_tokenizer, save_pretrained
 
 __all__ = [
