@@ -1,6 +1,7 @@
 """The trainer end to end on the tiny arithmetic config: CLI, resume, SIGTERM, devices, bad
 input."""
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -11,7 +12,7 @@ import time
 
 import pytest
 
-from ebpo_jax import train
+from ebpo_jax import checkpoint, train
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "arith_ebpo.py")
@@ -150,3 +151,26 @@ def test_malformed_data_row_names_file_and_line(tmp_path):
   assert result.returncode != 0
   assert f"{rows}:2:" in result.stderr.strip().splitlines()[-1]
   assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_non_finite_steps_in_a_row_abort_with_a_clear_message(tmp_path, monkeypatch):
+  # Every update reports itself non-finite (as a NaN loss would): the run stops after
+  # max_bad_steps in a row with one line, keeping the last good checkpoint (step 0).
+  real_step = train.train_step
+
+  def always_bad(state, batch, **kwargs):
+    state, metrics = real_step(state, batch, **kwargs)
+    return state, {**metrics, "bad_updates": metrics["bad_updates"] + 1.0}
+
+  monkeypatch.setattr(train, "train_step", always_bad)
+  spec = importlib.util.spec_from_file_location("arith_ebpo", CONFIG)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config("runlocal")
+  config.train.num_steps, config.train.max_bad_steps = 6, 2
+  with pytest.raises(SystemExit) as exit_info:
+    train.run(config, str(tmp_path))
+  message = str(exit_info.value.code)
+  assert "non-finite loss or grad norm in 2 steps in a row" in message
+  assert "train.max_bad_steps=2" in message
+  assert checkpoint.Checkpointer(tmp_path / "checkpoints").latest_step() == 0
