@@ -86,8 +86,8 @@ def synthetic_batch(args, vocab: int, seed: int = 0) -> dict:
   }
 
 
-def time_step(shape_name: str, advantage: str, args) -> tuple[float, float]:
-  """Seconds per step (median of `repeats`) and the step's FLOPs."""
+def compiled_step(shape_name: str, advantage: str, args):
+  """The trainer's train_step for this shape and estimator, compiled, with its state and batch."""
   shape = SHAPES[shape_name]
   config = load_config(shape, advantage, args)
   mesh = sharding.make_mesh(dict(config.mesh))
@@ -102,17 +102,38 @@ def time_step(shape_name: str, advantage: str, args) -> tuple[float, float]:
     donate_argnums=(0,),
   )
   batch = synthetic_batch(args, shape["vocab_size"])
-  compiled = step.lower(state, batch).compile()
-  flops = float(compiled.cost_analysis().get("flops", float("nan")))
-  state, metrics = compiled(state, batch)  # warm-up
-  jax.block_until_ready(metrics)
-  times = []
-  for _ in range(args.repeats):
-    start = time.perf_counter()
-    state, metrics = compiled(state, batch)
-    jax.block_until_ready((state, metrics))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times)), flops
+  return step.lower(state, batch).compile(), state, batch, params
+
+
+def step_flops(params, shape: dict, args) -> float:
+  """Model FLOPs of one step: 6 per weight per token (forward + backward) plus attention.
+
+  Counted by hand because XLA's cost analysis counts the scanned layer body once, not L times.
+  Every matrix is a matmul weight (the tied embedding is the LM head; its lookup is free).
+  """
+  weights = sum(x.size for x in jax.tree.leaves(params) if x.ndim >= 2)
+  tokens = args.rows * (args.prompt_len + args.new_tokens)
+  seq = args.prompt_len + args.new_tokens
+  heads_dim = shape["num_heads"] * shape["head_dim"]
+  attention = 12 * shape["num_layers"] * args.rows * seq * seq * heads_dim
+  return 6.0 * weights * tokens + attention
+
+
+def time_steps(shape_name: str, args) -> dict[str, float]:
+  """Median seconds per step of each estimator, timed alternately so load drift hits both."""
+  runs = {adv: list(compiled_step(shape_name, adv, args)) for adv in ("grpo", "ebpo")}
+  times = {adv: [] for adv in runs}
+  for repeat in range(args.repeats + 1):  # the first round warms up
+    for adv, run in runs.items():
+      fn, state, batch, _ = run
+      start = time.perf_counter()
+      state, metrics = fn(state, batch)
+      jax.block_until_ready((state, metrics))
+      run[1] = state
+      if repeat:
+        times[adv].append(time.perf_counter() - start)
+  flops = step_flops(runs["grpo"][3], SHAPES[shape_name], args)
+  return {adv: float(np.median(t)) for adv, t in times.items()} | {"flops": flops}
 
 
 def matmul_flops_per_s(n: int = 2048, repeats: int = 5) -> float:
@@ -142,21 +163,17 @@ def main() -> None:
   print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; "
         f"f32 matmul {matmul / 1e9:.1f} GFLOP/s")  # fmt: skip
   print(f"{'shape':6} {'estimator':10} {'step ms':>9} {'GFLOP':>8} {'GFLOP/s':>9} {'of matmul':>9}")
-  results = {}
+  summary = {}
   for shape_name in args.shapes.split(","):
+    timed = time_steps(shape_name, args)
     for advantage in ("grpo", "ebpo"):
-      seconds, flops = time_step(shape_name, advantage, args)
-      results[shape_name, advantage] = seconds, flops
-      rate = flops / seconds
+      seconds, flops = timed[advantage], timed["flops"]
       print(f"{shape_name:6} {advantage:10} {seconds * 1e3:9.1f} {flops / 1e9:8.2f} "
-            f"{rate / 1e9:9.2f} {rate / matmul:9.1%}")  # fmt: skip
-  summary = {
-    shape: {
-      "ebpo_over_grpo": results[shape, "ebpo"][0] / results[shape, "grpo"][0],
-      "flops_share_of_matmul": results[shape, "grpo"][1] / results[shape, "grpo"][0] / matmul,
+            f"{flops / seconds / 1e9:9.2f} {flops / seconds / matmul:9.1%}")  # fmt: skip
+    summary[shape_name] = {
+      "ebpo_over_grpo": timed["ebpo"] / timed["grpo"],
+      "flops_share_of_matmul": timed["flops"] / timed["grpo"] / matmul,
     }
-    for shape in args.shapes.split(",")
-  }
   print(json.dumps(summary))
 
 
