@@ -1,0 +1,39 @@
+"""Every benchmark runs at smoke sizes and prints its summary; CI does not time them."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+SMOKE_RUNS = {
+  "advantages": ["--batch_sizes=64", "--group_sizes=4", "--repeats=1", "--loop_iters=2"],
+  "forward": ["--models=tiny", "--batch=2", "--seq=16", "--seconds=0.2"],
+  "sampler": ["--quick", "--reps=1", "--new-tokens=8"],
+  "train_step": ["--quick"],
+  "gpu": ["--dry-run"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SMOKE_RUNS))
+def test_benchmark_runs_and_ends_with_json(name):
+  env = dict(
+    os.environ,
+    XLA_FLAGS="--xla_force_host_platform_device_count=1",
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=str(ROOT),
+  )
+  result = subprocess.run(
+    [sys.executable, str(ROOT / "bench" / f"{name}.py"), *SMOKE_RUNS[name]],
+    env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
+  )  # fmt: skip
+  assert result.returncode == 0, result.stderr[-3000:]
+  if name == "gpu":  # a markdown table for bench/RESULTS.md
+    assert "| tiny | 2 |" in result.stdout, result.stdout[-2000:]
+    return
+  summary = json.loads(result.stdout.strip().splitlines()[-1])
+  assert summary, result.stdout[-2000:]
