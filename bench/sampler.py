@@ -6,10 +6,11 @@
 Both sides: the same weights (a random-init `LlamaForCausalLM` saved and loaded back by
 `ebpo_jax.models.from_pretrained`; SmolLM2-135M-Instruct from the packaged GGUF), the same random
 prompts (no padding), temperature 1, no top-k/top-p, no stop token, exactly `--new-tokens` tokens.
-Ours excludes compilation (a warm-up call; its time is reported apart); transformers gets a warm-up
-call too. Runs alternate between the two so background load hits both alike; the best of `--reps`
-counts. Also reports our achieved FLOP/s as a share of a large float32 matmul's rate in this run.
-Prints a table, then last a JSON line for the tiny config at batch 16.
+Ours excludes compilation (a warm-up call; its time is reported apart); transformers gets warm-up
+calls too, and the faster of 1 thread and torch's default thread count. Runs alternate between the
+two so background load hits both alike; the best of `--reps` counts. Also reports our achieved
+FLOP/s as a share of a large float32 matmul's rate in this run. Prints a table, then last a JSON
+line for the tiny config at batch 16.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import transformers  # noqa: E402
 from ebpo_jax import sampling  # noqa: E402
 from ebpo_jax.models import ModelConfig, from_pretrained, smollm2_135m_instruct  # noqa: E402
 
+DEFAULT_TORCH_THREADS = torch.get_num_threads()
+
 # The tiny shape of the issue (4 layers, d=256) with the byte-level vocabulary of the project's tiny
 # tasks (ebpo_jax.tasks.tokenizers.ByteTokenizer: 3 specials + 256 bytes).
 TINY_HF = dict(
@@ -53,6 +56,7 @@ class Row:
   batch: int
   ours_tok_s: float
   transformers_tok_s: float
+  torch_threads: int
   compile_s: float
   ours_gflop_s: float
   matmul_share: float
@@ -99,68 +103,95 @@ def load_torch(path: str) -> torch.nn.Module:
   return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
-def bench_one(name, path, batch, args, matmul_rate) -> Row:
-  model, params = from_pretrained(path)
-  torch_model = load_torch(path)
-  vocab = model.config.vocab_size
-  prompts = np.random.default_rng(batch).integers(3, vocab, (batch, args.prompt_len), np.int32)
+def _ours(model, params, prompts: np.ndarray, new_tokens: int):
   ids, mask = jnp.asarray(prompts), jnp.ones(prompts.shape, bool)
-  new = args.new_tokens
 
-  def ours(key):
-    out = sampling.generate(model, params, ids, mask, key, max_new_tokens=new, temperature=1.0)
-    tokens = jax.block_until_ready(out.tokens)
-    if tokens.shape != (batch, new) or not bool(out.mask.all()):
-      raise RuntimeError(f"ours produced {tokens.shape} / {int(out.mask.sum())} tokens")
+  def run(seed: int) -> None:
+    key = jax.random.key(seed)
+    out = sampling.generate(model, params, ids, mask, key, max_new_tokens=new_tokens)
+    if jax.block_until_ready(out.tokens).shape != (len(prompts), new_tokens) or not out.mask.all():
+      raise RuntimeError(f"ours produced {int(out.mask.sum())} tokens")
 
+  return run
+
+
+def _theirs(torch_model, prompts: np.ndarray, new_tokens: int):
   generation = transformers.GenerationConfig(
-    do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new,
+    do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=new_tokens,
     eos_token_id=None, pad_token_id=0,
   )  # fmt: skip
-  torch_ids = torch.from_numpy(prompts.astype(np.int64))
+  ids = torch.from_numpy(prompts.astype(np.int64))
 
-  def theirs():
+  def run() -> None:
     with torch.no_grad():
       out = torch_model.generate(
-        torch_ids, attention_mask=torch.ones_like(torch_ids), generation_config=generation
+        ids, attention_mask=torch.ones_like(ids), generation_config=generation
       )
-    if out.shape != (batch, args.prompt_len + new):
+    if out.shape != (len(prompts), prompts.shape[1] + new_tokens):
       raise RuntimeError(f"transformers produced {tuple(out.shape)}")
 
-  compile_s = _timed(lambda: ours(jax.random.key(0)))
-  theirs()
-  ours_best = theirs_best = float("inf")
-  for rep in range(args.reps):
-    ours_best = min(ours_best, _timed(lambda rep=rep: ours(jax.random.key(rep + 1))))
-    theirs_best = min(theirs_best, _timed(theirs))
-  tokens = batch * new
-  flops = tokens * flops_per_token(model.config, args.prompt_len + new / 2)
+  return run
+
+
+def best_torch_threads(torch_model, prompts: np.ndarray) -> int:
+  """The faster of 1 thread and torch's default on an 8-token probe (sets it).
+
+  On a shared machine torch's default (one thread per core) can run 10x slower than 1 thread
+  (OpenMP workers spinning against other processes); the baseline gets its better setting.
+  """
+  probe = _theirs(torch_model, prompts, 8)
+  times = {}
+  for threads in sorted({1, DEFAULT_TORCH_THREADS}):
+    torch.set_num_threads(threads)
+    probe()
+    times[threads] = _timed(probe)
+  best = min(times, key=times.get)
+  torch.set_num_threads(best)
+  return best
+
+
+def bench_one(name, model, params, torch_model, batch, args, matmul_rate) -> Row:
+  vocab = model.config.vocab_size
+  prompts = np.random.default_rng(batch).integers(3, vocab, (batch, args.prompt_len), np.int32)
+  ours = _ours(model, params, prompts, args.new_tokens)
+  theirs = _theirs(torch_model, prompts, args.new_tokens)
+  compile_s = _timed(lambda: ours(0))
+  threads = best_torch_threads(torch_model, prompts)
+  ours_s = theirs_s = float("inf")
+  for rep in range(args.reps):  # alternating, so background load hits both alike
+    ours_s = min(ours_s, _timed(lambda rep=rep: ours(rep + 1)))
+    theirs_s = min(theirs_s, _timed(theirs))
+  tokens = batch * args.new_tokens
+  flop_s = tokens * flops_per_token(model.config, args.prompt_len + args.new_tokens / 2) / ours_s
   return Row(
     model=name,
     batch=batch,
-    ours_tok_s=tokens / ours_best,
-    transformers_tok_s=tokens / theirs_best,
+    ours_tok_s=tokens / ours_s,
+    transformers_tok_s=tokens / theirs_s,
+    torch_threads=threads,
     compile_s=compile_s,
-    ours_gflop_s=flops / ours_best / 1e9,
-    matmul_share=flops / ours_best / matmul_rate,
+    ours_gflop_s=flop_s / 1e9,
+    matmul_share=flop_s / matmul_rate,
   )
 
 
 def print_table(rows: list[Row], matmul_rate: float, args) -> None:
   print(
     f"\nsampler: {args.new_tokens} new tokens, prompt {args.prompt_len}, temperature 1, "
-    f"best of {args.reps}; {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}; "
+    f"best of {args.reps}; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; "
     f"large matmul {matmul_rate / 1e9:.1f} GFLOP/s"
   )
   header = (
-    "model        batch  ours tok/s  transformers tok/s  speedup  compile s  GFLOP/s  %matmul"
+    "model        batch  ours tok/s  transformers tok/s (torch threads)  speedup  compile s"
+    "  GFLOP/s  %matmul"
   )
   print(header)
   print("-" * len(header))
   for r in rows:
     print(
-      f"{r.model:<12} {r.batch:>5}  {r.ours_tok_s:>10.0f}  {r.transformers_tok_s:>18.0f}  "
-      f"{r.speedup:>7.2f}  {r.compile_s:>9.1f}  {r.ours_gflop_s:>7.1f}  {r.matmul_share:>7.1%}"
+      f"{r.model:<12} {r.batch:>5}  {r.ours_tok_s:>10.0f}  {r.transformers_tok_s:>18.0f}"
+      f" ({r.torch_threads:>2})             {r.speedup:>7.2f}  {r.compile_s:>9.1f}"
+      f"  {r.ours_gflop_s:>7.1f}  {r.matmul_share:>7.1%}"
     )
 
 
@@ -183,8 +214,10 @@ def main() -> None:
     paths = {"tiny": lambda: tiny_checkpoint(tmp), "smollm2-135m": smollm2_135m_instruct}
     for name in models:
       path = paths[name]()
+      model, params = from_pretrained(path)
+      torch_model = load_torch(path)
       for batch in batches:
-        rows.append(bench_one(name, path, batch, args, matmul_rate))
+        rows.append(bench_one(name, model, params, torch_model, batch, args, matmul_rate))
         print(f"  {rows[-1]}", flush=True)
   print_table(rows, matmul_rate, args)
   headline = next((r for r in rows if r.model == "tiny" and r.batch == 16), rows[0])

@@ -189,6 +189,38 @@ class _Carry(NamedTuple):
   sampling_logprobs: jax.Array  # [R, N] float32
 
 
+def _prefill(apply, config, prompt_ids_bp, prompt_mask_bp, max_new_tokens: int):
+  """Caches the prompts once; returns `(cache with P + N - 1 slots, next-token logits [B, V])`.
+
+  All but the last prompt token go through a cache of just P - 1 slots (attention over the prompt,
+  not over the empty slots to come) and their logits go unused, so XLA drops the [B, P, V] LM head.
+  The cache then grows to P + N - 1 slots (the last drawn token never enters it) and the last
+  prompt token runs alone for the first draw.
+  """
+  num_prompts, prompt_len = prompt_ids_bp.shape
+  positions_bp = prompt_positions(prompt_mask_bp)
+  cache = init_cache(config, num_prompts, prompt_len - 1)
+  if prompt_len > 1:
+    head = slice(None), slice(None, -1)
+    _, cache = apply(prompt_ids_bp[head], positions_bp[head], prompt_mask_bp[head], cache=cache)
+  cache = _grow_cache(cache, max_new_tokens)
+  tail = slice(None), slice(-1, None)
+  logits_b1v, cache = apply(
+    prompt_ids_bp[tail], positions_bp[tail], prompt_mask_bp[tail], cache=cache
+  )
+  return cache, logits_b1v[:, 0]
+
+
+def _grow_cache(cache: KVCache, extra_slots: int) -> KVCache:
+  """Appends empty (invalid) slots to a `[L, B, S, Hkv, D]` cache."""
+  kv_pad = ((0, 0), (0, 0), (0, extra_slots), (0, 0), (0, 0))
+  return cache.replace(
+    k=jnp.pad(cache.k, kv_pad),
+    v=jnp.pad(cache.v, kv_pad),
+    mask=jnp.pad(cache.mask, ((0, 0), (0, extra_slots))),
+  )
+
+
 def _repeat_rows(cache: KVCache, group_size: int) -> KVCache:
   return cache.replace(
     k=jnp.repeat(cache.k, group_size, axis=1),
@@ -271,22 +303,10 @@ def _generate(
   rows, width = num_prompts * group_size, max_new_tokens
   draw = functools.partial(_draw, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
   apply = functools.partial(model.apply, {"params": params})
-
-  # Prefill all but the last prompt token, whose logits go unused (so XLA drops the [B, P, V] LM
-  # head), then run the last token alone for the first draw. The last drawn token never enters the
-  # cache, so P + N - 1 slots suffice.
-  cache = init_cache(model.config, num_prompts, prompt_len + width - 1)
-  positions_bp = prompt_positions(prompt_mask_bp)
-  if prompt_len > 1:
-    _, cache = apply(
-      prompt_ids_bp[:, :-1], positions_bp[:, :-1], prompt_mask_bp[:, :-1], cache=cache
-    )
-  last_logits_b1v, cache = apply(
-    prompt_ids_bp[:, -1:], positions_bp[:, -1:], prompt_mask_bp[:, -1:], cache=cache
-  )
+  cache, first_logits_rv = _prefill(apply, model.config, prompt_ids_bp, prompt_mask_bp, width)
   cache = _constrain_cache(_repeat_rows(cache, group_size), mesh)
-  first_logits_rv = _constrain_rows(jnp.repeat(last_logits_b1v[:, 0], group_size, axis=0), mesh)
-  next_position_r = jnp.repeat(positions_bp[:, -1] + 1, group_size)
+  first_logits_rv = _constrain_rows(jnp.repeat(first_logits_rv, group_size, axis=0), mesh)
+  next_position_r = jnp.repeat(prompt_positions(prompt_mask_bp)[:, -1] + 1, group_size)
 
   zeros = functools.partial(jnp.zeros, (rows, width))
   carry = _Carry(
