@@ -4,7 +4,9 @@
 prefill), and decodes up to `max_new_tokens` tokens per row until every row has drawn a stop token.
 Rows are prompt-major: row `b * G + g` is sample g of prompt b. One compiled program per (model,
 batch, prompt length, static settings); `pad_prompts` rounds prompt lengths up to buckets so a
-training run compiles a handful of times, and `compile_count` lets a test check that.
+training run compiles a handful of times, and `compile_count` lets a test check that. The KV cache
+never crosses the jit boundary: it is built by the prefill and then carried by the while loop, which
+XLA updates in place, so there is no cache buffer for a caller to donate.
 
 Sampling runs on CPU as well as on accelerators, which shaped two choices: a token is drawn by
 inverse-CDF from one uniform per row (a Gumbel draw needs V random numbers per row, ~5x slower on
