@@ -1,5 +1,7 @@
 """Sampler: greedy = stepwise argmax, log-probs = full forward, filters, stops, sharding."""
 
+import re
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -301,3 +303,17 @@ def test_sharded_over_eight_devices_equals_single_device(policy):
   np.testing.assert_array_equal(sharded.mask, single.mask)
   np.testing.assert_allclose(sharded.logprobs, single.logprobs, atol=1e-5)
   np.testing.assert_allclose(sharded.sampling_logprobs, single.sampling_logprobs, atol=1e-5)
+
+
+def test_decode_loop_updates_the_cache_in_place(policy):
+  model, params = policy
+  ids, mask = sampling.pad_prompts(PROMPTS, PAD, BUCKETS)
+  static = dict(model=model, group_size=2, max_new_tokens=5, greedy=False, stop_ids=(1,))
+  compiled = sampling._generate.lower(
+    params, ids, mask, jax.random.key(0), jnp.float32(1), jnp.float32(1), top_k=0, pad_id=PAD,
+    mesh=None, **static,
+  ).compile()  # fmt: skip
+  # Cache k/v: [layers, rows, P + N - 1 slots, kv heads, head dim] = [2, 6, 12, 2, 8].
+  hlo = compiled.as_text()
+  assert "f32[2,6,12,2,8]" in hlo  # the cache is there...
+  assert not re.search(r"= f32\[2,6,12,2,8\]\{[0-9,]*\} copy\(", hlo)  # ...and never copied whole
