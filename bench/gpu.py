@@ -1,4 +1,4 @@
-"""Decode throughput on a GPU: tokens/s and the share of the HBM-bandwidth roofline, bf16.
+"""Decode throughput and train-step MFU on a GPU, bf16.
 
   PYTHONPATH=. python bench/gpu.py                   # SmolLM2-135M, Qwen3-0.6B shapes, batch 1..256
   PYTHONPATH=. python bench/gpu.py --results bench/RESULTS.md  # also append a dated table there
@@ -7,6 +7,11 @@
 Random bf16 weights of each shape (throughput does not depend on the values; no stop token, so
 every row decodes all `--new-tokens`). Each timing is one `sampling.generate` call (prefill of a
 short prompt + the decode loop), compiled beforehand, best of `--reps`.
+
+Train step: the trainer's own `train_step` (EBPO advantages + PPO-clip update with AdamW, via
+bench/train_step.py) for the Qwen3-0.6B shape, `--train-rows` responses of prompt + new tokens, in
+micro-batches of `--train-micro` rows; MFU = model FLOPs (6 per weight per token + attention) /
+step time / the device's dense bf16 peak. Goal: >= 40% on an H200.
 
 Roofline: a decode step must read every weight once and the keys/values of the tokens so far, so
 its time is at least `(param bytes + KV bytes at the mean context) / HBM bandwidth`; the roofline
@@ -44,6 +49,18 @@ HBM_BYTES_PER_S = (
   ("RTX 4090", 1.008e12),
   ("V100", 0.9e12),
   ("T4", 0.32e12),
+)
+
+# Dense bf16 peak FLOP/s by the vendors' datasheets (no sparsity), matched like HBM_BYTES_PER_S.
+BF16_PEAK_FLOPS = (
+  ("H200", 989e12),
+  ("H100 PCIe", 756e12),
+  ("H100", 989e12),
+  ("A100", 312e12),
+  ("L40S", 362e12),
+  ("L4", 121e12),
+  ("A10G", 70e12),
+  ("RTX 4090", 165e12),
 )
 
 BF16 = dict(dtype="bfloat16", param_dtype="bfloat16")
@@ -155,6 +172,33 @@ def markdown(rows: list[Row], device: jax.Device, bandwidth: float, args) -> str
   return "\n".join(lines) + "\n"
 
 
+def bench_train_step(args, device: jax.Device) -> str:
+  """MFU of the trainer's step at the Qwen3-0.6B shape (tiny on a dry run), as markdown."""
+  import train_step as train_bench  # bench/train_step.py, beside this file
+
+  peak = next((rate for name, rate in BF16_PEAK_FLOPS if name in device.device_kind), None)
+  shape = "tiny" if args.dry_run else "0.6b"
+  step_args = argparse.Namespace(
+    rows=args.train_rows, group_size=8 if args.train_rows % 8 == 0 else 2,
+    prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.reps,
+    micro_rows=args.train_micro, dtype="bfloat16",
+  )  # fmt: skip
+  timed = train_bench.time_steps(shape, step_args)
+  lines = [
+    "| shape | rows x tokens | estimator | step s | TFLOP/s | MFU |",
+    "| --- | --- | --- | ---: | ---: | ---: |",
+  ]
+  for advantage in ("grpo", "ebpo"):
+    rate = timed["flops"] / timed[advantage]
+    mfu = f"{rate / peak:.1%}" if peak else "n/a"
+    tokens = args.prompt_len + args.new_tokens
+    lines.append(
+      f"| {shape} | {args.train_rows} x {tokens} | {advantage} | {timed[advantage]:.3f} "
+      f"| {rate / 1e12:.1f} | {mfu} |"
+    )
+  return "\n".join(lines) + "\n"
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument(
@@ -167,9 +211,12 @@ def main() -> None:
   parser.add_argument("--reps", type=int, default=3)
   parser.add_argument("--hbm-gb-s", type=float, default=None, help="override the HBM bandwidth")
   parser.add_argument("--results", default=None, help="append the markdown table to this file")
+  parser.add_argument("--train-rows", type=int, default=64, help="responses per train step")
+  parser.add_argument("--train-micro", type=int, default=8, help="rows per micro-batch")
   args = parser.parse_args()
   if args.dry_run:
     args.models, args.batches, args.prompt_len, args.new_tokens, args.reps = "tiny", "1,2", 8, 8, 1
+    args.train_rows, args.train_micro = 8, 4
     args.hbm_gb_s = args.hbm_gb_s or 20.0  # a placeholder: the dry run checks the plumbing only
   device = jax.devices()[0]
   bandwidth = hbm_bandwidth(device, args.hbm_gb_s)
@@ -177,7 +224,7 @@ def main() -> None:
   rows = []
   for name in args.models.split(","):
     rows.extend(bench_model(name, batches, args, bandwidth))
-  table = markdown(rows, device, bandwidth, args)
+  table = markdown(rows, device, bandwidth, args) + "\n" + bench_train_step(args, device)
   print(table)
   if args.results:
     with open(args.results, "a") as f:

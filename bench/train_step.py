@@ -66,7 +66,8 @@ def load_config(shape: dict, advantage: str, args) -> "train.ml_collections.Conf
   config.rl.group_size = args.group_size
   config.train.batch_size = args.rows // args.group_size
   config.train.mini_batch_size = config.train.batch_size
-  config.train.micro_batch_size = 0
+  config.train.micro_batch_size = args.micro_rows
+  config.model.dtype = config.model.param_dtype = args.dtype
   config.mesh.data, config.mesh.fsdp = 1, -1
   return config
 
@@ -154,6 +155,8 @@ def main() -> None:
   parser.add_argument("--prompt_len", type=int, default=32)
   parser.add_argument("--new_tokens", type=int, default=32)
   parser.add_argument("--repeats", type=int, default=3)
+  parser.add_argument("--micro_rows", type=int, default=0, help="rows per micro-batch; 0: all")
+  parser.add_argument("--dtype", default="float32")
   parser.add_argument("--quick", action="store_true", help="CI smoke run")
   args = parser.parse_args()
   if args.quick:
