@@ -8,6 +8,11 @@ training run compiles a handful of times, and `compile_count` lets a test check 
 never crosses the jit boundary: it is built by the prefill and then carried by the while loop, which
 XLA updates in place, so there is no cache buffer for a caller to donate.
 
+The prefill runs the scanned decoder on the stacked params; the decode loop runs
+`Decoder(scan_layers=False)` on params unstacked once per call, outside the loop, with a per-layer
+cache: XLA CPU copies every stacked weight slice (and a stacked cache's layer slices) on every
+scanned step, which cost ~40% of a decode step at the tiny config.
+
 Sampling runs on CPU as well as on accelerators, which shaped two choices: a token is drawn by
 inverse-CDF from one uniform per row (a Gumbel draw needs V random numbers per row, ~5x slower on
 CPU), and top-p finds its cut-off by bisection over the float order (XLA's CPU sort of a whole
@@ -28,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from ebpo_jax import sharding
 from ebpo_jax.models import KVCache, init_cache
+from ebpo_jax.models.decoder import unstack_cache, unstack_layers
 
 _BLOCK = 256  # vocabulary block of the two-level inverse-CDF draw
 
@@ -224,22 +230,24 @@ def _grow_cache(cache: KVCache, extra_slots: int) -> KVCache:
 
 
 def _repeat_rows(cache: KVCache, group_size: int) -> KVCache:
+  """Repeats each row of a per-layer cache `group_size` times (prompt-major)."""
+  repeat = functools.partial(jnp.repeat, repeats=group_size, axis=0)
   return cache.replace(
-    k=jnp.repeat(cache.k, group_size, axis=1),
-    v=jnp.repeat(cache.v, group_size, axis=1),
-    mask=jnp.repeat(cache.mask, group_size, axis=0),
+    k=tuple(map(repeat, cache.k)), v=tuple(map(repeat, cache.v)), mask=repeat(cache.mask)
   )
 
 
 def _constrain_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
+  """Shards a per-layer cache's rows over the mesh's batch axes."""
   if mesh is None:
     return cache
-  names = (None, "batch", "length", "kv_heads", "head_dim")
-  kv = NamedSharding(mesh, sharding.logical_to_spec(cache.k.shape, names, mesh))
+  names = ("batch", "kv_heads", "length", "head_dim")
+  kv = NamedSharding(mesh, sharding.logical_to_spec(cache.k[0].shape, names, mesh))
   rows = NamedSharding(mesh, sharding.logical_to_spec(cache.mask.shape, ("batch", None), mesh))
+  constrain = functools.partial(jax.lax.with_sharding_constraint, shardings=kv)
   return cache.replace(
-    k=jax.lax.with_sharding_constraint(cache.k, kv),
-    v=jax.lax.with_sharding_constraint(cache.v, kv),
+    k=tuple(map(constrain, cache.k)),
+    v=tuple(map(constrain, cache.v)),
     mask=jax.lax.with_sharding_constraint(cache.mask, rows),
   )
 
@@ -306,7 +314,10 @@ def _generate(
   draw = functools.partial(_draw, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
   apply = functools.partial(model.apply, {"params": params})
   cache, first_logits_rv = _prefill(apply, model.config, prompt_ids_bp, prompt_mask_bp, width)
-  cache = _constrain_cache(_repeat_rows(cache, group_size), mesh)
+  cache = _constrain_cache(_repeat_rows(unstack_cache(cache), group_size), mesh)
+  decode_apply = functools.partial(
+    model.clone(scan_layers=False).apply, {"params": unstack_layers(params)}
+  )
   first_logits_rv = _constrain_rows(jnp.repeat(first_logits_rv, group_size, axis=0), mesh)
   next_position_r = jnp.repeat(prompt_positions(prompt_mask_bp)[:, -1] + 1, group_size)
 
@@ -328,7 +339,7 @@ def _generate(
 
   def decode_one(c: _Carry) -> _Carry:
     positions = (next_position_r + c.step - 1)[:, None]
-    logits_r1v, cache = apply(c.last_token[:, None], positions, cache=c.cache)
+    logits_r1v, cache = decode_apply(c.last_token[:, None], positions, cache=c.cache)
     c = c._replace(cache=_constrain_cache(cache, mesh))
     return _record(c, draw(logits_r1v[:, 0], jax.random.fold_in(rng, c.step)), stop_ids, pad_id)
 
@@ -364,7 +375,7 @@ def generate(
   """Samples `group_size` completions of each left-padded prompt (prefilled once, cache shared).
 
   Args:
-    model: the linen decoder (`model.apply({"params": p}, ids, positions, mask, cache=...)`).
+    model: the scanned linen decoder (`model.apply({"params": p}, ids, positions, mask, cache=c)`).
     params: its parameters (placed by the caller; sharded as the model's rules say).
     prompt_ids_bp, prompt_mask_bp: `[B, P]` left-padded prompts and their mask (`pad_prompts`).
     rng: a PRNG key; step t draws with `fold_in(rng, t)`, so outputs are a function of the key.
@@ -386,6 +397,8 @@ def generate(
     )
   if group_size < 1 or max_new_tokens < 1:
     raise ValueError(f"group_size={group_size} and max_new_tokens={max_new_tokens} must be >= 1")
+  if not model.scan_layers:
+    raise ValueError("generate takes the scanned Decoder (stacked params); it unstacks them itself")
   vocab_size = model.config.vocab_size
   if not 0 <= top_k <= vocab_size:
     raise ValueError(f"top_k={top_k} must be in [0, vocab_size={vocab_size}]")

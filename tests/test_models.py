@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from ebpo_jax.models import Decoder, ModelConfig, init_cache
+from ebpo_jax.models.decoder import stack_layers, unstack_cache, unstack_layers
 
 TINY = ModelConfig(
   vocab_size=64,
@@ -69,6 +70,49 @@ def test_cached_prefill_and_decode_equal_full_forward(config):
   assert not np.asarray(cache.mask)[:, width:].any()
   np.testing.assert_allclose(cached[mask], np.asarray(full)[mask], rtol=1e-5, atol=1e-5)
   assert cached.dtype == np.float32
+
+
+def test_unscanned_decoder_with_per_layer_cache_equals_scanned():
+  config = dataclasses.replace(TINY, architecture="qwen3", qk_norm=True, num_layers=3)
+  model, params = _init(config)
+  unscanned = Decoder(config, scan_layers=False)
+  layer_params = unstack_layers(params)
+  fresh = jax.eval_shape(unscanned.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+  assert jax.tree.structure(nn.meta.unbox(fresh["params"])) == jax.tree.structure(layer_params)
+  np.testing.assert_array_equal(layer_params["layers_2"]["mlp"]["up_proj"]["kernel"],
+                                params["layers"]["mlp"]["up_proj"]["kernel"][2])  # fmt: skip
+  jax.tree.map(np.testing.assert_array_equal, stack_layers(layer_params), params)
+  # Two left-padded rows (5 and 2 real prompt tokens), then 3 decoded tokens each.
+  mask = np.arange(8)[None] >= np.array([[0], [3]])
+  ids = np.random.default_rng(3).integers(0, config.vocab_size, (2, 8)).astype(np.int32)
+  ids, positions = np.where(mask, ids, 0), _positions(mask)
+  full = jax.jit(model.apply)({"params": params}, ids, positions, mask)
+  apply = jax.jit(unscanned.apply)
+  full_unscanned = apply({"params": layer_params}, ids, positions, mask)
+  np.testing.assert_allclose(full_unscanned[mask], full[mask], rtol=1e-5, atol=1e-5)
+
+  # A stacked prefill converted to the per-layer layout, then per-layer decode (as the sampler).
+  cache = init_cache(config, batch_size=2, max_len=10)
+  p = slice(0, 5)
+  logits, cache = jax.jit(model.apply)({"params": params}, ids[:, p], positions[:, p], mask[:, p],
+                                       cache)  # fmt: skip
+  cache = unstack_cache(cache)
+  assert len(cache.k) == 3 and cache.k[0].shape == (2, 2, 10, 8)  # [B, Hkv, S, D]
+  steps = [logits]
+  for t in range(5, 8):
+    s = slice(t, t + 1)
+    logits, cache = apply({"params": layer_params}, ids[:, s], positions[:, s], mask[:, s], cache)
+    steps.append(logits)
+  cached = np.concatenate([np.asarray(x) for x in steps], axis=1)
+  np.testing.assert_allclose(cached[mask], np.asarray(full)[mask], rtol=1e-5, atol=1e-5)
+  assert int(cache.index) == 8 and not np.asarray(cache.mask)[:, 8:].any()
+  assert np.abs(np.asarray(cache.k[1])[:, :, 8:]).max() == 0  # nothing written past the index
+  # A per-layer cache straight from init_cache works too; the wrong layout fails loudly.
+  empty = init_cache(config, batch_size=2, max_len=10, stacked=False)
+  logits, _ = apply({"params": layer_params}, ids, positions, mask, empty)
+  np.testing.assert_allclose(logits[mask], full[mask], rtol=1e-5, atol=1e-5)
+  with pytest.raises(ValueError, match="stacked cache given to a Decoder with scan_layers=False"):
+    unscanned.apply({"params": layer_params}, ids, positions, mask, init_cache(config, 2, 10))
 
 
 def test_left_padding_does_not_change_real_token_logits():

@@ -305,6 +305,14 @@ def test_sharded_over_eight_devices_equals_single_device(policy):
   np.testing.assert_allclose(sharded.sampling_logprobs, single.sampling_logprobs, atol=1e-5)
 
 
+def _while_body(hlo: str, carried: str) -> str:
+  """The text of the body computation of the while loop whose carry holds `carried`."""
+  loop = next(line for line in hlo.splitlines() if " while(" in line and carried in line)
+  body = re.search(r"body=(%[\w.\-]+)", loop).group(1)
+  start = hlo.index(f"\n{body} ") + 1
+  return hlo[start : hlo.index("\n}", start)]
+
+
 def test_decode_loop_updates_the_cache_in_place(policy):
   model, params = policy
   ids, mask = sampling.pad_prompts(PROMPTS, PAD, BUCKETS)
@@ -313,7 +321,14 @@ def test_decode_loop_updates_the_cache_in_place(policy):
     params, ids, mask, jax.random.key(0), jnp.float32(1), jnp.float32(1), top_k=0, pad_id=PAD,
     mesh=None, **static,
   ).compile()  # fmt: skip
-  # Cache k/v: [layers, rows, P + N - 1 slots, kv heads, head dim] = [2, 6, 12, 2, 8].
-  hlo = compiled.as_text()
-  assert "f32[2,6,12,2,8]" in hlo  # the cache is there...
-  assert not re.search(r"= f32\[2,6,12,2,8\]\{[0-9,]*\} copy\(", hlo)  # ...and never copied whole
+  # The decode loop carries one cache buffer per layer and k/v: [rows, kv heads, P + N - 1 slots,
+  # head dim] = [6, 2, 12, 8], and per-layer weights (q_proj [32, 4, 8]) instead of the stack.
+  body = _while_body(compiled.as_text(), "f32[6,2,12,8]")
+  assert body.count("f32[6,2,12,8]") >= 2 * TINY.num_layers
+  assert "f32[32,4,8]" in body and "f32[2,32,4,8]" not in body
+  # No instruction of the loop copies or transposes a whole cache buffer (any axis order) or
+  # slices a weight out of a stack: every step works on the buffers in place.
+  for name, dims, op in re.findall(r"(%[\w.\-]+) = f32\[([\d,]*)\]\S* (\w[\w-]*)\(", body):
+    if sorted(dims.split(",")) == sorted(["6", "2", "12", "8"]):
+      assert op != "copy" and "copy" not in name and "transpose" not in name, (name, dims, op)
+    assert "dynamic-slice" not in op and "dynamic_slice" not in name, (name, dims, op)

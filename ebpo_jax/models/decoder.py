@@ -1,7 +1,12 @@
 """One config-driven decoder-only transformer: Llama 3, Qwen2, Qwen3 and SmolLM2.
 
 Layers are scanned (`nn.scan`): every per-layer parameter carries a leading `layers` axis and the KV
-cache is stored as `[L, B, S, Hkv, D]`. Parameter layout (HF name -> ours):
+cache is stored as `[L, B, S, Hkv, D]`. This stacked layout is the one of checkpoints and training.
+`Decoder(config, scan_layers=False)` runs the same math over modules `layers_0 ... layers_{L-1}`
+with a per-layer cache (`unstack_layers`, `unstack_cache` convert); the sampler decodes with it
+since XLA CPU copies every stacked weight slice on every scanned step.
+
+Parameter layout (HF name -> ours):
   embed_tokens.weight [V, E]            -> embed_tokens/embedding      (vocab, embed)
   layers.i.self_attn.q_proj [H*D, E]    -> layers/self_attn/q_proj/kernel [L, E, H, D]
   layers.i.self_attn.o_proj [E, H*D]    -> layers/self_attn/o_proj/kernel [L, H, D, E]
@@ -13,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -168,24 +174,69 @@ def _check_supported(hf_config: dict, model_type: str) -> None:
 
 
 class KVCache(flax.struct.PyTreeNode):
-  """Keys and values of every layer for `S` slots; slots `< index` are written."""
+  """Keys and values of every layer for `S` slots; slots `< index` are written.
 
-  k: jax.Array  # [L, B, S, Hkv, D]
-  v: jax.Array  # [L, B, S, Hkv, D]
+  `k` and `v` are stacked `[L, B, S, Hkv, D]` arrays for the scanned decoder, or tuples of L
+  `[B, Hkv, S, D]` arrays (one buffer per layer, heads first as the attention matmuls read them)
+  for `Decoder(scan_layers=False)`.
+  """
+
+  k: jax.Array | tuple[jax.Array, ...]  # [L, B, S, Hkv, D], or L x [B, Hkv, S, D]
+  v: jax.Array | tuple[jax.Array, ...]  # [L, B, S, Hkv, D], or L x [B, Hkv, S, D]
   mask: jax.Array  # [B, S] bool: slot holds a valid (non-pad) key
   index: jax.Array  # int32 scalar: next slot to write
 
 
-def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: Any = None) -> KVCache:
-  """An empty cache of `max_len` slots (dtype defaults to the compute dtype)."""
+def init_cache(
+  config: ModelConfig, batch_size: int, max_len: int, dtype: Any = None, *, stacked: bool = True
+) -> KVCache:
+  """An empty cache of `max_len` slots (dtype defaults to the compute dtype).
+
+  `stacked=False` gives the per-layer layout of `Decoder(scan_layers=False)`.
+  """
   shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
   dtype = jnp.dtype(dtype or config.dtype)
-  return KVCache(
+  cache = KVCache(
     k=jnp.zeros(shape, dtype),
     v=jnp.zeros(shape, dtype),
     mask=jnp.zeros((batch_size, max_len), bool),
     index=jnp.zeros((), jnp.int32),
   )
+  return cache if stacked else unstack_cache(cache)
+
+
+def unstack_cache(cache: KVCache) -> KVCache:
+  """A stacked `[L, B, S, Hkv, D]` cache -> the per-layer layout (L arrays `[B, Hkv, S, D]`)."""
+  if isinstance(cache.k, tuple):
+    raise ValueError("the cache is already per-layer")
+  per_layer = lambda x: tuple(jnp.swapaxes(x[i], 1, 2) for i in range(x.shape[0]))  # noqa: E731
+  return cache.replace(k=per_layer(cache.k), v=per_layer(cache.v))
+
+
+def unstack_layers(params: Mapping[str, Any]) -> dict[str, Any]:
+  """Scanned params (`layers` with a leading `[L]` axis) -> `layers_0 ... layers_{L-1}`.
+
+  Under jit this copies the weights once; `Decoder(scan_layers=False)` then reads each layer's
+  weights in place instead of slicing the stack on every call.
+  """
+  if "layers" not in params:
+    raise ValueError(f"no stacked 'layers' in params (keys {sorted(params)})")
+  unstacked = {name: value for name, value in params.items() if name != "layers"}
+  num_layers = jax.tree.leaves(params["layers"])[0].shape[0]
+  for i in range(num_layers):
+    unstacked[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], params["layers"])
+  return unstacked
+
+
+def stack_layers(params: Mapping[str, Any]) -> dict[str, Any]:
+  """The inverse of `unstack_layers`: `layers_0 ... layers_{L-1}` -> `layers` with an `[L]` axis."""
+  names = [name for name in params if name.startswith("layers_")]
+  expected = [f"layers_{i}" for i in range(len(names))]
+  if not names or sorted(names) != sorted(expected):
+    raise ValueError(f"expected per-layer params layers_0 ... layers_<L-1>, got {sorted(params)}")
+  stacked = {name: value for name, value in params.items() if name not in expected}
+  stacked["layers"] = jax.tree.map(lambda *xs: jnp.stack(xs), *(params[n] for n in expected))
+  return stacked
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:
@@ -267,17 +318,19 @@ class Projection(nn.Module):
     return y
 
 
-def _attention(q_bthd, kv_blocks, valid_btk) -> jax.Array:
+def _attention(q_bthd, kv_blocks, valid_btk, kv_axes: str = "bskd") -> jax.Array:
   """Softmax attention with GQA over key/value blocks (e.g. cached slots, then new tokens).
 
   `valid_btk` marks allowed (query, key) pairs over the blocks' keys in order. Scores are
-  computed per block so the KV cache is read in place, never concatenated. Returns [B,T,H,D].
+  computed per block so the KV cache is read in place, never concatenated. Keys and values are
+  laid out as `kv_axes` says (`bskd` = [B, S, Hkv, D], `bksd` = [B, Hkv, S, D]). Returns [B,T,H,D].
   """
   b, t, h, d = q_bthd.shape
-  kv_heads = kv_blocks[0][0].shape[2]
+  kv_heads = kv_blocks[0][0].shape[kv_axes.index("k")]
+  length = lambda x: x.shape[kv_axes.index("s")]  # noqa: E731
   q = q_bthd.reshape(b, t, kv_heads, h // kv_heads, d)
   scores = [
-    jnp.einsum("btkgd,bskd->bkgts", q.astype(k.dtype), k, preferred_element_type=jnp.float32)
+    jnp.einsum(f"btkgd,{kv_axes}->bkgts", q.astype(k.dtype), k, preferred_element_type=jnp.float32)
     for k, _ in kv_blocks
   ]
   scores = jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
@@ -285,14 +338,19 @@ def _attention(q_bthd, kv_blocks, valid_btk) -> jax.Array:
   probs = jax.nn.softmax(scores, axis=-1)
   out, offset = 0.0, 0
   for k, v in kv_blocks:
-    block = probs[..., offset : offset + k.shape[1]].astype(v.dtype)
-    out = out + jnp.einsum("bkgts,bskd->btkgd", block, v, preferred_element_type=jnp.float32)
-    offset += k.shape[1]
+    block = probs[..., offset : offset + length(k)].astype(v.dtype)
+    out = out + jnp.einsum(f"bkgts,{kv_axes}->btkgd", block, v, preferred_element_type=jnp.float32)
+    offset += length(k)
   return out.reshape(b, t, h, d)
 
 
 class Attention(nn.Module):
+  """GQA self-attention with RoPE. With a cache, `layer_cache` is `(k, v)` slots to read (the
+  caller writes the returned new `(k, v)`), or with `write_first` `(k, v, index)`: the new keys go
+  into their slots, attention reads the written cache, and the updated `(k, v)` is returned."""
+
   config: ModelConfig
+  write_first: bool = False
 
   @nn.compact
   def __call__(self, x_bte, sin_btd, cos_btd, valid_bts, layer_cache):
@@ -310,10 +368,16 @@ class Attention(nn.Module):
       k = RMSNorm(c, "head_dim", name="k_norm")(k)
     q, k = apply_rope(q, sin_btd, cos_btd), apply_rope(k, sin_btd, cos_btd)
     if layer_cache is None:
-      out = _attention(q, [(k, v)], valid_bts)
+      out, new_kv = _attention(q, [(k, v)], valid_bts), None
+    elif self.write_first:
+      # The attention reads the written buffer, so it runs after the write and XLA updates the
+      # per-layer buffer in place (a read of the old buffer beside the write would force a copy).
+      cache_k, cache_v, index = layer_cache
+      new_kv = (_write_heads_first(cache_k, k, index), _write_heads_first(cache_v, v, index))
+      out = _attention(q, [new_kv], valid_bts, kv_axes="bksd")
     else:
-      # Keys = the cached slots, then the T new tokens. The cache is written once, after the
-      # layer scan, so it is only read here.
+      # Keys = the cached slots, then the T new tokens. The stacked cache is written once, after
+      # the layer scan, so it is only read here.
       cache_k, cache_v = layer_cache
       new_kv = (k.astype(cache_k.dtype), v.astype(cache_v.dtype))
       out = _attention(q, [(cache_k, cache_v), new_kv], valid_bts)
@@ -321,7 +385,7 @@ class Attention(nn.Module):
     y = Projection(c, "bthd,hde->bte", (h, d, e), ("heads", "head_dim", "embed"), name="o_proj")(
       out
     )
-    return y, None if layer_cache is None else (k, v)
+    return y, new_kv
 
 
 class MLP(nn.Module):
@@ -338,20 +402,34 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-  """Pre-norm block; scanned, so it maps `(x, context, layer_cache) -> (x, new_kv)`."""
+  """Pre-norm block `(x, context, layer_cache) -> (x, new (k, v) or None)` (scan-compatible)."""
 
   config: ModelConfig
+  write_first: bool = False  # see Attention
 
   @nn.compact
   def __call__(self, x_bte, context, layer_cache):
     sin, cos, valid = context
     attn_in = RMSNorm(self.config, name="input_layernorm")(x_bte)
-    attn_out, new_kv = Attention(self.config, name="self_attn")(
+    attn_out, new_kv = Attention(self.config, self.write_first, name="self_attn")(
       attn_in, sin, cos, valid, layer_cache
     )
     x_bte = x_bte + attn_out
     mlp_in = RMSNorm(self.config, name="post_attention_layernorm")(x_bte)
     return x_bte + MLP(self.config, name="mlp")(mlp_in), new_kv
+
+
+def _written_mask(cache: KVCache, attention_mask_bt: jax.Array) -> jax.Array:
+  """`cache.mask` with the T new tokens' validity in slots `[index, index + T)`."""
+  return jax.lax.dynamic_update_slice(cache.mask, attention_mask_bt, (0, cache.index))
+
+
+def _valid_slots(attention_mask_bt: jax.Array, cache: KVCache) -> jax.Array:
+  """`[B, T, S]` bool over a cache the T new tokens are already written to: query t sees the
+  valid slots `s <= index + t`."""
+  t, s = attention_mask_bt.shape[1], cache.mask.shape[1]
+  causal_ts = jnp.arange(s)[None, :] <= cache.index + jnp.arange(t)[:, None]
+  return causal_ts[None] & _written_mask(cache, attention_mask_bt)[:, None, :]
 
 
 def _valid_pairs(attention_mask_bt: jax.Array, cache: KVCache | None) -> jax.Array:
@@ -369,9 +447,13 @@ def _valid_pairs(attention_mask_bt: jax.Array, cache: KVCache | None) -> jax.Arr
 
 
 class Decoder(nn.Module):
-  """Causal LM: `(input_ids [B,T], positions, attention_mask, cache) -> logits [B,T,V] float32`."""
+  """Causal LM: `(input_ids [B,T], positions, attention_mask, cache) -> logits [B,T,V] float32`.
+
+  `scan_layers=False`: the same model with per-layer params and cache (see the module docstring).
+  """
 
   config: ModelConfig
+  scan_layers: bool = True
 
   @nn.compact
   def __call__(
@@ -398,9 +480,19 @@ class Decoder(nn.Module):
                        nn.initializers.normal(0.02))  # fmt: skip
     x = jnp.take(embedding, input_ids, axis=0)
     sin, cos = rope_tables(c, positions)
-    context = (sin, cos, _valid_pairs(attention_mask, cache))
-    layer_caches = None if cache is None else (cache.k, cache.v)
-    x, new_kv = self._layers()(x, context, layer_caches)
+    if cache is not None and isinstance(cache.k, tuple) == self.scan_layers:
+      layout = "per-layer" if isinstance(cache.k, tuple) else "stacked"
+      raise ValueError(f"a {layout} cache given to a Decoder with scan_layers={self.scan_layers}")
+    if self.scan_layers:
+      context = (sin, cos, _valid_pairs(attention_mask, cache))
+      layer_caches = None if cache is None else (cache.k, cache.v)
+      x, new_kv = self._scanned_layers()(x, context, layer_caches)
+      new_cache = None if cache is None else _write_cache(cache, *new_kv, attention_mask)
+    else:
+      valid = (
+        _valid_pairs(attention_mask, None) if cache is None else _valid_slots(attention_mask, cache)
+      )
+      x, new_cache = self._layer_loop(x, (sin, cos, valid), cache, attention_mask)
     x = RMSNorm(c, name="norm")(x)
     if c.tie_word_embeddings:
       logits = jnp.einsum("bte,ve->btv", x, embedding, preferred_element_type=jnp.float32)
@@ -409,17 +501,36 @@ class Decoder(nn.Module):
                        nn.initializers.normal(0.02))  # fmt: skip
       logits = jnp.einsum("bte,ev->btv", x, lm_head, preferred_element_type=jnp.float32)
     logits = logits.astype(jnp.float32)
-    if cache is None:
-      return logits
-    return logits, _write_cache(cache, *new_kv, attention_mask)
+    return logits if cache is None else (logits, new_cache)
 
-  def _layers(self) -> nn.Module:
+  def _layer_cls(self) -> type[nn.Module]:
+    if self.config.remat == "none":
+      return DecoderLayer
+    return nn.remat(DecoderLayer, policy=REMAT_POLICIES[self.config.remat], prevent_cse=False)
+
+  def _layer_loop(self, x_bte, context, cache: KVCache | None, attention_mask_bt):
+    """The layers one by one over a per-layer cache: `(x, the written cache or None)`."""
+    layer_cls, new_k, new_v = self._layer_cls(), [], []
+    for i in range(self.config.num_layers):
+      layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.index)
+      layer = layer_cls(self.config, write_first=True, name=f"layers_{i}")
+      x_bte, kv = layer(x_bte, context, layer_cache)
+      if cache is not None:
+        new_k.append(kv[0])
+        new_v.append(kv[1])
+    if cache is None:
+      return x_bte, None
+    return x_bte, KVCache(
+      k=tuple(new_k),
+      v=tuple(new_v),
+      mask=_written_mask(cache, attention_mask_bt),
+      index=cache.index + attention_mask_bt.shape[1],
+    )
+
+  def _scanned_layers(self) -> nn.Module:
     c = self.config
-    layer_cls = DecoderLayer
-    if c.remat != "none":
-      layer_cls = nn.remat(DecoderLayer, policy=REMAT_POLICIES[c.remat], prevent_cse=False)
     scanned = nn.scan(
-      layer_cls,
+      self._layer_cls(),
       variable_axes={"params": 0},
       split_rngs={"params": True},
       in_axes=(nn.broadcast, 0),
@@ -429,10 +540,23 @@ class Decoder(nn.Module):
     return scanned(c, name="layers")
 
 
+def _write_slots(old: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
+  """Writes `[L, B, T, Hkv, D]` keys or values into slots `[index, index + T)` of `old`."""
+  return jax.lax.dynamic_update_slice(old, new.astype(old.dtype), (0, 0, index, 0, 0))
+
+
+def _write_heads_first(old_bksd: jax.Array, new_btkd: jax.Array, index: jax.Array) -> jax.Array:
+  """Writes `[B, T, Hkv, D]` keys or values into slots `[index, index + T)` of a per-layer
+  `[B, Hkv, S, D]` cache."""
+  new_bktd = jnp.swapaxes(new_btkd, 1, 2).astype(old_bksd.dtype)
+  return jax.lax.dynamic_update_slice(old_bksd, new_bktd, (0, 0, index, 0))
+
+
 def _write_cache(cache: KVCache, new_k, new_v, attention_mask_bt) -> KVCache:
   """Writes the `[L, B, T, Hkv, D]` new keys/values into slots `[index, index + T)`."""
-  start = (0, 0, cache.index, 0, 0)
-  k = jax.lax.dynamic_update_slice(cache.k, new_k.astype(cache.k.dtype), start)
-  v = jax.lax.dynamic_update_slice(cache.v, new_v.astype(cache.v.dtype), start)
-  mask = jax.lax.dynamic_update_slice(cache.mask, attention_mask_bt, (0, cache.index))
-  return KVCache(k=k, v=v, mask=mask, index=cache.index + attention_mask_bt.shape[1])
+  return KVCache(
+    k=_write_slots(cache.k, new_k, cache.index),
+    v=_write_slots(cache.v, new_v, cache.index),
+    mask=_written_mask(cache, attention_mask_bt),
+    index=cache.index + attention_mask_bt.shape[1],
+  )
