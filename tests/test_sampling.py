@@ -301,8 +301,10 @@ def test_sharded_over_eight_devices_equals_single_device(policy):
   assert sharded.tokens.addressable_shards[0].data.shape == (2, 6)  # 16 rows over 8 devices
   np.testing.assert_array_equal(sharded.tokens, single.tokens)
   np.testing.assert_array_equal(sharded.mask, single.mask)
-  np.testing.assert_allclose(sharded.logprobs, single.logprobs, atol=1e-5)
-  np.testing.assert_allclose(sharded.sampling_logprobs, single.sampling_logprobs, atol=1e-5)
+  # float32 sums split across devices differ in the last bits (log-probs reach ~-6 here).
+  close = dict(rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(sharded.logprobs, single.logprobs, **close)
+  np.testing.assert_allclose(sharded.sampling_logprobs, single.sampling_logprobs, **close)
 
 
 def _while_body(hlo: str, carried: str) -> str:

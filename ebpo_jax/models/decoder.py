@@ -306,11 +306,14 @@ class Projection(nn.Module):
   shape: tuple[int, ...]
   axes: tuple[str, ...]
   bias_axes: tuple[str, ...] | None = None
+  einsum_shape: tuple[int, ...] | None = None  # the kernel reshaped to this for the einsum
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     init = nn.initializers.normal(0.02)
     kernel = _param(self, "kernel", self.shape, self.axes, init)
+    if self.einsum_shape is not None:
+      kernel = kernel.reshape(self.einsum_shape)
     y = jnp.einsum(self.spec, x, kernel)
     if self.bias_axes is not None:
       bias_shape = self.shape[len(self.shape) - len(self.bias_axes) :]
@@ -318,19 +321,17 @@ class Projection(nn.Module):
     return y
 
 
-def _attention(q_bthd, kv_blocks, valid_btk, kv_axes: str = "bskd") -> jax.Array:
+def _attention(q_bthd, kv_blocks, valid_btk) -> jax.Array:
   """Softmax attention with GQA over key/value blocks (e.g. cached slots, then new tokens).
 
   `valid_btk` marks allowed (query, key) pairs over the blocks' keys in order. Scores are
-  computed per block so the KV cache is read in place, never concatenated. Keys and values are
-  laid out as `kv_axes` says (`bskd` = [B, S, Hkv, D], `bksd` = [B, Hkv, S, D]). Returns [B,T,H,D].
+  computed per block so the KV cache is read in place, never concatenated. Returns [B,T,H,D].
   """
   b, t, h, d = q_bthd.shape
-  kv_heads = kv_blocks[0][0].shape[kv_axes.index("k")]
-  length = lambda x: x.shape[kv_axes.index("s")]  # noqa: E731
+  kv_heads = kv_blocks[0][0].shape[2]
   q = q_bthd.reshape(b, t, kv_heads, h // kv_heads, d)
   scores = [
-    jnp.einsum(f"btkgd,{kv_axes}->bkgts", q.astype(k.dtype), k, preferred_element_type=jnp.float32)
+    jnp.einsum("btkgd,bskd->bkgts", q.astype(k.dtype), k, preferred_element_type=jnp.float32)
     for k, _ in kv_blocks
   ]
   scores = jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
@@ -338,10 +339,26 @@ def _attention(q_bthd, kv_blocks, valid_btk, kv_axes: str = "bskd") -> jax.Array
   probs = jax.nn.softmax(scores, axis=-1)
   out, offset = 0.0, 0
   for k, v in kv_blocks:
-    block = probs[..., offset : offset + length(k)].astype(v.dtype)
-    out = out + jnp.einsum(f"bkgts,{kv_axes}->btkgd", block, v, preferred_element_type=jnp.float32)
-    offset += length(k)
+    block = probs[..., offset : offset + k.shape[1]].astype(v.dtype)
+    out = out + jnp.einsum("bkgts,bskd->btkgd", block, v, preferred_element_type=jnp.float32)
+    offset += k.shape[1]
   return out.reshape(b, t, h, d)
+
+
+def _attention_heads_first(q_bthd, k_bksd, v_bksd, valid_bts) -> jax.Array:
+  """`_attention` over one heads-first `[B, Hkv, S, D]` key/value block. Both matmuls run in the
+  natural batched order (batch b, k; the query's (g, t) rows), so XLA CPU transposes only the small
+  query and output, never the keys, values or scores. Returns [B,T,H,D]."""
+  b, t, h, d = q_bthd.shape
+  kv_heads = k_bksd.shape[1]
+  q_bkgtd = q_bthd.reshape(b, t, kv_heads, h // kv_heads, d).transpose(0, 2, 3, 1, 4)
+  scores = jnp.einsum(
+    "bkgtd,bksd->bkgts", q_bkgtd.astype(k_bksd.dtype), k_bksd, preferred_element_type=jnp.float32
+  )
+  scores = jnp.where(valid_bts[:, None, None], scores * d**-0.5, _NEG_INF)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_bksd.dtype)
+  out = jnp.einsum("bkgts,bksd->bkgtd", probs, v_bksd, preferred_element_type=jnp.float32)
+  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
 class Attention(nn.Module):
@@ -374,17 +391,18 @@ class Attention(nn.Module):
       # per-layer buffer in place (a read of the old buffer beside the write would force a copy).
       cache_k, cache_v, index = layer_cache
       new_kv = (_write_heads_first(cache_k, k, index), _write_heads_first(cache_v, v, index))
-      out = _attention(q, [new_kv], valid_bts, kv_axes="bksd")
+      out = _attention_heads_first(q, *new_kv, valid_bts)
     else:
       # Keys = the cached slots, then the T new tokens. The stacked cache is written once, after
       # the layer scan, so it is only read here.
       cache_k, cache_v = layer_cache
       new_kv = (k.astype(cache_k.dtype), v.astype(cache_v.dtype))
       out = _attention(q, [(cache_k, cache_v), new_kv], valid_bts)
-    out = out.astype(x_bte.dtype)
-    y = Projection(c, "bthd,hde->bte", (h, d, e), ("heads", "head_dim", "embed"), name="o_proj")(
-      out
-    )
+    # One flat (h d) contraction: with two contracting axes XLA CPU transposed the o_proj kernel
+    # on every call (inside the decode loop too).
+    out = out.astype(x_bte.dtype).reshape(*out.shape[:2], h * d)
+    y = Projection(c, "btf,fe->bte", (h, d, e), ("heads", "head_dim", "embed"),
+                   einsum_shape=(h * d, e), name="o_proj")(out)  # fmt: skip
     return y, new_kv
 
 
