@@ -280,7 +280,7 @@ def _hardest_cluster(results: Sequence[dict]) -> str | None:
 
 def _steps_to(curve: dict, key: str, target: float) -> int | None:
   for step, value in zip(curve["step"], curve[key], strict=True):
-    if value is not None and value >= target:
+    if value is not None and value >= target - 1e-9:  # 0.2 + 0.1 > 0.3 in floats
       return step
   return None
 
@@ -440,7 +440,7 @@ def plot_ablation(workdir: str | os.PathLike, results: Sequence[dict]) -> list[s
         runs = [r for r in results if r["group_size"] == g and r["variant"] == variant]
         if not runs:
           continue
-        steps, mean = _mean_curve(runs, key)
+        steps, mean = mean_curve(runs, key)
         ax.plot(steps, mean, marker="o", markersize=3, label=variant)
       ax.set_title(f"G={g}: held-out accuracy, {'all clusters' if key == 'all' else key}")
       ax.set_xlabel("RL step")
@@ -452,8 +452,9 @@ def plot_ablation(workdir: str | os.PathLike, results: Sequence[dict]) -> list[s
   return paths
 
 
-def _mean_curve(runs: Sequence[dict], key: str) -> tuple[list[int], list[float]]:
-  """Mean over runs at the evaluation steps all of them share."""
+def mean_curve(runs: Sequence[dict], key: str) -> tuple[list[int], list[float]]:
+  """Mean over runs (summaries from `summarize_run`) of the accuracy curve `key` ("all" or a
+  cluster name), at the evaluation steps all of them share."""
   shared = set(runs[0]["curve"]["step"])
   for r in runs[1:]:
     shared &= set(r["curve"]["step"])

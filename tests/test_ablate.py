@@ -1,0 +1,179 @@
+"""ebpo_jax.ablate: the plan, the report arithmetic, a real two-variant ablation on :runlocal."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from ebpo_jax import ablate
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIG = f"{ROOT / 'configs' / 'arith_ebpo.py'}:runlocal"
+
+
+def fake_result(variant, seed, hard_curve, easy_curve, *, zero_frac=0.5, g=8):
+  steps = [0, 10, 20][: len(hard_curve)]
+  overall = [(a + b) / 2 for a, b in zip(hard_curve, easy_curve, strict=True)]
+  return {
+    "variant": variant,
+    "group_size": g,
+    "seed": seed,
+    "name": f"{variant}_G{g}_s{seed}",
+    "clusters": ["easy", "hard"],
+    "curve": {"step": steps, "all": overall, "easy": easy_curve, "hard": hard_curve},
+    "zero_frac": zero_frac,
+    "entropy_final": 0.3,
+    "grad_norm": 1.0,
+    "shrinkage": None,
+  }
+
+
+def test_plan_is_seed_major_and_validates_names():
+  runs = ablate.plan(["grpo", "ebpo_running"], [4, 8], [0, 1])
+  assert [r.name for r in runs[:4]] == [
+    "grpo_G4_s0",
+    "ebpo_running_G4_s0",
+    "grpo_G8_s0",
+    "ebpo_running_G8_s0",
+  ]
+  assert len(runs) == 8 and {r.seed for r in runs[4:]} == {1}
+  with pytest.raises(ValueError, match="unknown variant.*'ppo'"):
+    ablate.plan(["ppo"], [8], [0])
+  with pytest.raises(ValueError, match="group sizes must be >= 2"):
+    ablate.plan(["grpo"], [1], [0])
+
+
+def test_every_variant_sets_a_known_estimator():
+  for name, overrides in ablate.VARIANTS.items():
+    assert overrides["rl.advantage"] in ("grpo", "dr_grpo", "rloo", "js_shrinkage", "ebpo"), name
+    if overrides["rl.advantage"] == "ebpo":
+      # Every EBPO variant pins mode, normalisation and decay: the base config cannot leak in.
+      assert {"rl.ebpo.mode", "rl.ebpo.normalize", "rl.ebpo.decay"} <= set(overrides), name
+
+
+def test_child_env_gives_one_device_and_keeps_other_flags():
+  env = ablate.child_env(
+    {"XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_cpu_foo=1", "A": "b"}
+  )
+  assert env["XLA_FLAGS"].split() == [
+    "--xla_cpu_foo=1",
+    "--xla_force_host_platform_device_count=1",
+  ]
+  assert env["A"] == "b"
+
+
+def test_report_arithmetic():
+  # Two seeds per variant. 'hard' starts lowest (0.1 and 0.2 at step 0), so it is the hardest.
+  results = [
+    fake_result("grpo", 0, [0.1, 0.15, 0.3], [0.9, 0.9, 0.9]),
+    fake_result("grpo", 1, [0.2, 0.2, 0.2], [0.8, 0.9, 1.0]),
+    fake_result("ebpo_running", 0, [0.1, 0.25, 0.5], [0.9, 1.0, 1.0], zero_frac=0.0),
+    fake_result("ebpo_running", 1, [0.2, 0.3, 0.4], [0.8, 0.8, 0.8], zero_frac=0.0),
+  ]
+  report = ablate.build_report(results, target_gain=0.10)
+  assert report["hard_cluster"] == "hard"
+  rows = {r["variant"]: r for r in report["rows"]}
+  grpo, ebpo = rows["grpo"], rows["ebpo_running"]
+  # grpo final overall: (0.3+0.9)/2 = 0.6 and (0.2+1.0)/2 = 0.6 -> mean 0.6, std 0.
+  assert grpo["acc_mean"] == pytest.approx(0.6) and grpo["acc_std"] == pytest.approx(0.0)
+  # grpo hard gains: 0.3-0.1 = 0.2 and 0.2-0.2 = 0 -> mean 0.1, population std 0.1.
+  assert grpo["hard_gain_mean"] == pytest.approx(0.1)
+  assert grpo["hard_gain_std"] == pytest.approx(0.1)
+  # Steps to +0.10: seed 0 reaches 0.2 at step 20 (0.15 at step 10 is short); seed 1 never.
+  assert grpo["reached"] == 1 and grpo["steps_to_target"] == 20
+  # ebpo: gains 0.4 and 0.2 (mean 0.3); +0.10 reached at step 10 by both -> median 10.
+  assert ebpo["hard_gain_mean"] == pytest.approx(0.3)
+  assert ebpo["reached"] == 2 and ebpo["steps_to_target"] == 10
+  # Per-cluster final means: ebpo easy (1.0 + 0.8) / 2 = 0.9.
+  assert ebpo["per_cluster"]["easy"] == pytest.approx(0.9)
+  assert ebpo["zero_frac"] == 0.0 and grpo["zero_frac"] == 0.5
+  assert any("EBPO minus GRPO: ebpo_running +0.200" in line for line in report["summary"])
+  markdown = ablate.render_markdown(report, {"config": "c.py", "date": "2026-11-30"})
+  assert "| ebpo_running | 8 | 2 |" in markdown
+  assert "+0.300 (+0.40, +0.20)" in markdown
+
+
+def test_hardest_cluster_ties_go_to_the_later_cluster():
+  results = [fake_result("grpo", 0, [0.0, 0.0], [0.0, 0.0])]
+  assert ablate.build_report(results)["hard_cluster"] == "hard"
+
+
+@pytest.fixture(scope="module")
+def small_ablation(tmp_path_factory):
+  """grpo and ebpo_running, G=4, one seed, 2 RL steps each on :runlocal (about 30 s)."""
+  workdir = tmp_path_factory.mktemp("ablation")
+  env = ablate.child_env()
+  env["JAX_COMPILATION_CACHE_DIR"] = str(workdir / "jax_cache")  # the runs share compiles
+  env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+  kwargs = dict(
+    variants=["grpo", "ebpo_running"],
+    group_sizes=[4],
+    seeds=1,
+    workers=2,
+    overrides=["--config.train.num_steps=2"],
+    progress=False,
+    env=env,
+  )
+  report = ablate.run_ablation(CONFIG, workdir, **kwargs)
+  return workdir, report, kwargs
+
+
+def test_ablation_writes_report_plots_and_runs(small_ablation):
+  workdir, report, _ = small_ablation
+  markdown = (workdir / "ablation.md").read_text()
+  assert "| grpo | 4 | 1 |" in markdown and "| ebpo_running | 4 | 1 |" in markdown
+  assert "## Summary" in markdown
+  assert (workdir / "plots" / "ablation_accuracy_G4.png").stat().st_size > 1000
+  saved = json.loads((workdir / "ablation.json").read_text())
+  assert {r["variant"] for r in saved["rows"]} == {"grpo", "ebpo_running"}
+  assert len(report["runs"]) == 2
+
+
+def test_variants_share_the_warm_start_and_differ_in_estimator(small_ablation):
+  workdir, _, _ = small_ablation
+  runs = {name: workdir / "runs" / f"{name}_G4_s0" for name in ("grpo", "ebpo_running")}
+  # The warm start ran once, in its own directory; the variants started from its checkpoint.
+  assert "warm start:" in (workdir / "warm_start" / "s0" / "log.txt").read_text()
+  for run_dir in runs.values():
+    assert "warm start:" not in (run_dir / "log.txt").read_text()
+  lines = {name: [json.loads(x) for x in (d / "metrics.jsonl").open()] for name, d in runs.items()}
+  step0 = {name: next(m for m in ls if m["step"] == 0) for name, ls in lines.items()}
+  assert step0["grpo"] == step0["ebpo_running"]
+  train = {name: [m for m in ls if "reward/mean" in m] for name, ls in lines.items()}
+  assert [m["step"] for m in train["grpo"]] == [1, 2]
+  assert "ebpo/shrinkage_mean" in train["ebpo_running"][0]
+  assert "ebpo/shrinkage_mean" not in train["grpo"][0]
+  # Same seed: the same prompts and rollout keys at step 1, so the same rewards.
+  assert train["grpo"][0]["reward/mean"] == train["ebpo_running"][0]["reward/mean"]
+
+
+def test_a_second_call_skips_finished_runs(small_ablation):
+  workdir, report, kwargs = small_ablation
+  logs = {p: p.stat().st_mtime_ns for p in workdir.glob("**/log.txt")}
+  again = ablate.run_ablation(CONFIG, workdir, **kwargs)
+  assert {p: p.stat().st_mtime_ns for p in workdir.glob("**/log.txt")} == logs
+  assert again["rows"] == report["rows"]
+
+
+def test_cli_rejects_an_unknown_variant(tmp_path):
+  result = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "ebpo_jax.ablate",
+      f"--config={CONFIG}",
+      f"--workdir={tmp_path}",
+      "--variants=grpo,ppo",
+    ],
+    cwd=ROOT,
+    env=dict(os.environ),
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert result.returncode != 0
+  assert "unknown variant(s) ['ppo']" in result.stderr.strip().splitlines()[-1]
+  assert not (tmp_path / "runs").exists()
