@@ -65,6 +65,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.rl.ebpo = ml_collections.ConfigDict()
   config.rl.ebpo.mode = "running"
   config.rl.ebpo.decay = 1.0
+  config.rl.ebpo.per_cluster = True  # one prior per cluster; False: one global prior
   config.rl.ebpo.normalize = "batch"
   config.rl.loss = ml_collections.ConfigDict()
   config.rl.loss.clip_low = 0.2

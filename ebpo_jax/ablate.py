@@ -38,29 +38,41 @@ from ml_collections import config_flags
 from ebpo_jax import metrics as metrics_lib
 
 # Each variant sets every estimator key, so the base config's choice does not leak into it.
-_EBPO = {"rl.advantage": "ebpo", "rl.ebpo.decay": 1.0}
+_EBPO = {"rl.advantage": "ebpo", "rl.ebpo.decay": 1.0, "rl.ebpo.per_cluster": True}
 VARIANTS: dict[str, dict[str, Any]] = {
   "grpo": {"rl.advantage": "grpo"},
   "dr_grpo": {"rl.advantage": "dr_grpo"},
   "rloo": {"rl.advantage": "rloo"},
   "js_shrinkage": {"rl.advantage": "js_shrinkage"},
-  # The authors' released code: prior from the current batch only, batch normalisation.
-  "ebpo_batch": {**_EBPO, "rl.ebpo.mode": "batch", "rl.ebpo.normalize": "batch"},
-  # The paper's Algorithm 1: running per-cluster prior, batch normalisation.
+  # The authors' released code: one global prior from the current batch only, batch normalisation.
+  "ebpo_batch": {
+    **_EBPO,
+    "rl.ebpo.mode": "batch",
+    "rl.ebpo.normalize": "batch",
+    "rl.ebpo.per_cluster": False,
+  },  # fmt: skip
+  # The paper's Algorithm 1 with a prior per cluster (running), batch normalisation.
   "ebpo_running": {**_EBPO, "rl.ebpo.mode": "running", "rl.ebpo.normalize": "batch"},
+  # The same with one global running prior (paper claim: per-cluster priors help).
+  "ebpo_global": {
+    **_EBPO,
+    "rl.ebpo.mode": "running",
+    "rl.ebpo.normalize": "batch",
+    "rl.ebpo.per_cluster": False,
+  },  # fmt: skip
   "ebpo_decay": {
     **_EBPO,
     "rl.ebpo.mode": "running",
     "rl.ebpo.normalize": "batch",
     "rl.ebpo.decay": 0.9,
   },  # fmt: skip
-  # Running prior, other scalings of r - V (see advantages.ebpo).
+  # Running per-cluster prior, other scalings of r - V (see advantages.ebpo).
   "ebpo_group": {**_EBPO, "rl.ebpo.mode": "running", "rl.ebpo.normalize": "group"},
   "ebpo_cluster": {**_EBPO, "rl.ebpo.mode": "running", "rl.ebpo.normalize": "cluster"},
   "ebpo_none": {**_EBPO, "rl.ebpo.mode": "running", "rl.ebpo.normalize": "none"},
 }
 DEFAULT_VARIANTS = ("grpo", "dr_grpo", "rloo", "js_shrinkage", "ebpo_batch", "ebpo_running",
-                    "ebpo_decay", "ebpo_group")  # fmt: skip
+                    "ebpo_global", "ebpo_decay", "ebpo_group")  # fmt: skip
 RESULT_FILE = "result.json"  # written in a run's directory when the run finished
 
 

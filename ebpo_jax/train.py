@@ -82,6 +82,7 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   _choice(config, "rl.advantage", advantages.ESTIMATORS)
   _choice(config, "rl.ebpo.mode", ("running", "batch"))
   _choice(config, "rl.ebpo.normalize", advantages.NORMALIZATIONS)
+  _choice(config, "rl.ebpo.per_cluster", (True, False))
   _choice(config, "rl.loss.aggregation", losses.AGG_MODES)
   _choice(config, "rl.loss.kl_kind", losses.KL_KINDS)
   _choice(config, "data.order", data.ORDERS)
@@ -277,8 +278,11 @@ def train_step(
   rl, tc = config.rl, config.train
   group_size = rl.group_size
   estimator = advantages.get(rl.advantage)
+  cluster_ids = batch["cluster_ids"]
+  if rl.advantage == "ebpo" and not rl.ebpo.per_cluster:
+    cluster_ids = jnp.zeros_like(cluster_ids)  # one global prior, in slot 0 (authors' code)
   adv_bg, prior, adv_stats = estimator(
-    batch["rewards"], None, batch["cluster_ids"], state.prior, **_estimator_kwargs(rl)
+    batch["rewards"], None, cluster_ids, state.prior, **_estimator_kwargs(rl)
   )
   seqs = build_sequences(
     batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["completion_mask"], group_size
