@@ -131,10 +131,12 @@ def test_report_arithmetic():
   # Per-cluster final means: ebpo easy (1.0 + 0.8) / 2 = 0.9.
   assert ebpo["per_cluster"]["easy"] == pytest.approx(0.9)
   assert ebpo["zero_frac"] == 0.0 and grpo["zero_frac"] == 0.5
-  assert any("EBPO minus GRPO: ebpo_running +0.200" in line for line in report["summary"])
+  # Paired by seed: ebpo minus grpo gains, seed 0: 0.4 - 0.2 = 0.2, seed 1: 0.2 - 0 = 0.2.
+  assert ebpo["vs_grpo_mean"] == pytest.approx(0.2) and ebpo["vs_grpo_std"] == pytest.approx(0.0)
+  assert any("paired by seed: ebpo_running +0.200 (std 0.000)" in x for x in report["summary"])
   markdown = ablate.render_markdown(report, {"config": "c.py", "date": "2026-11-30"})
   assert "| ebpo_running | 8 | 2 |" in markdown
-  assert "+0.300 (+0.40, +0.20)" in markdown
+  assert "+0.300 (+0.40, +0.20) | +0.200 ± 0.000 |" in markdown
 
 
 def test_hardest_cluster_ties_go_to_the_later_cluster():
