@@ -2,8 +2,9 @@
 
 A supervised warm start (450 steps) teaches the answer format, 1-digit addition and part of 2-digit
 addition; then 200 RL steps with the paper's EBPO advantage (running per-cluster prior, batch
-normalisation) raise the held-out greedy accuracy of the hard cluster, add_2. About 2-3.5 minutes
-on 2 CPU cores; the trainer ends with the per-cluster before/after table and WORKDIR/plots/.
+normalisation) raise the held-out greedy accuracy of the hard cluster, add_2. About 1 minute on 2
+idle CPU cores (2-3.5 with other jobs running); the trainer ends with the per-cluster before/after
+table and WORKDIR/plots/.
 
   python -m ebpo_jax.train --config=configs/arith_ebpo.py --workdir=/tmp/arith_ebpo
   python -m ebpo_jax.train --config=configs/arith_ebpo.py:runlocal --workdir=/tmp/arith_local
@@ -15,25 +16,31 @@ jobs running; `XLA_FLAGS=--xla_force_host_platform_device_count=1`):
 - RL learning rate 1e-4. The earlier 3e-4 lowered the warm-started policy's held-out accuracy within
   10-25 RL steps (Adam's first steps are sign-like on every weight, and RL gradients are mostly
   noise) and left add_2 flat or lower after 150 steps, for GRPO and EBPO alike; 1e-3 collapsed both
-  (training reward 0.45 -> 0.03 in 100 steps, also with 50 warmup steps). At 1e-4 both learn, and
-  paper-exact EBPO (batch normalisation, grad clip 1.0) learns as well as GRPO: FINDINGS.md's
-  failure of that form was, on this task, a learning-rate effect.
-- Clusters add_1 and add_2, no 3-digit cluster: within 700 warm-start steps (5 minutes) neither a
-  d=128 nor this d=64 model got add_3 above 3%, so RL would have had no signal there. 2-digit
-  addition is learned in a sharp transition around warm-start steps 300-550 (depending on the seed);
-  450 steps leave add_2 at 35-40% greedy, where RL has signal on most prompts.
-- d=64 / 2 heads / 3 layers (160k parameters) instead of d=128: about 3x cheaper per step and it
-  learns 2-digit addition in about as many steps. Answers have at most 3 digits, so 4 new tokens;
-  a 6-token prompt bucket keeps sequences at 10 tokens.
-- 32 prompts x G=8 per step (the FINDINGS prototype saw no learning at G <= 4 with rare successes);
-  128 held-out prompts per cluster (binomial s.e. about 4 points), evaluated every 25 steps.
+  (training reward 0.41 -> 0.03 in 100 steps; with 50 warmup steps 0.54 -> 0.07-0.19 in 150). At
+  1e-4 both learn, and paper-exact EBPO (batch normalisation, grad clip 1.0) learns as well as
+  GRPO: FINDINGS.md's failure of that form was, on this task, a learning-rate effect.
+- Clusters add_1 and add_2, no 3-digit cluster, for time: warm-started on add_2 + add_3, this d=64
+  model stayed at <= 3% on add_3 for 700 steps; a d=128 model learned both in a sharp transition
+  at steps 450-600, but its steps cost about 3x as much (far past 5 minutes), and on add_1..add_3 it
+  was still at <= 3% on add_3 after 600 steps. 2-digit addition is learned in a similar transition
+  around warm-start steps 300-550 (depending on the seed); 450 steps leave add_2 at 35-40% greedy,
+  where RL has signal on most prompts.
+- d=64 / 2 heads / 3 layers (160k parameters) instead of d=128: about 3x cheaper per step; it
+  learns 2-digit addition a little later (seed 0: steps 450-550 against 350-450). Answers have at
+  most 3 digits, so 4 new tokens; a 6-token prompt bucket keeps sequences at 10 tokens.
+- 32 prompts x G=8 per step, as in the FINDINGS prototype (G=4 learned as well here: see the
+  ablation); 128 held-out prompts per cluster (binomial s.e. about 4 points), evaluated every 25
+  steps.
 
 Results of this config (held-out greedy accuracy of add_2 at RL step 0 -> 200; add_1 reaches 1.0):
   EBPO (default)                      seed 0: 0.367 -> 0.789   seed 1: 0.391 -> 0.914
-                                      seed 2: 0.375 -> 0.469
+                                      seed 2: 0.375 -> 0.469 (0.563 in the ablation's run)
   GRPO (--config.rl.advantage=grpo)   seed 0: 0.367 -> 0.734   seed 1: 0.391 -> 0.914
+                                      seed 2: 0.375 -> 0.523 (ablation)
   control, learning rate 1e-12        seed 0: 0.367 -> 0.367 (50 steps: the gain is RL's)
-  wall time 129-199 s per run with two runs sharing the two cores.
+  wall time, including compiles: 63 s alone on the quiet machine; 129-199 s with two runs sharing
+  the two cores and other jobs running. Runs agree only to float rounding across processes, so a
+  rerun can end a few points apart (seed 2 above).
 The ablation over estimators, group sizes and seeds is in bench/RESULTS.md.
 """
 
