@@ -143,7 +143,9 @@ def build_model(config, tokenizer, mesh) -> tuple[models.Decoder, Any]:
   """The policy and its sharded parameters: a Hugging Face directory or a random-init decoder."""
   mc = config.model
   if mc.path:
-    return models.from_pretrained(mc.path, dtype=jnp.dtype(mc.dtype), mesh=mesh)
+    return models.from_pretrained(
+      mc.path, dtype=jnp.dtype(mc.dtype), param_dtype=mc.param_dtype, remat=mc.remat, mesh=mesh
+    )
   model_config = models.ModelConfig(
     vocab_size=tokenizer.vocab_size,
     hidden_size=mc.hidden_size,
