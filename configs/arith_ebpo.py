@@ -75,6 +75,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.model.dtype = "float32"
   config.model.param_dtype = "float32"
   config.model.remat = "none"
+  config.model.chat_template = True  # a model directory's chat template wraps the prompts
 
   config.sft = ml_collections.ConfigDict()  # supervised warm start before RL (0 steps: none)
   config.sft.num_steps = 450
@@ -98,6 +99,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.rl.group_size = 8
   config.rl.advantage = "ebpo"  # grpo | dr_grpo | rloo | js_shrinkage | ebpo
   config.rl.num_iterations = 1
+  config.rl.dynamic_sampling = False  # DAPO: drop groups whose rewards are all equal, refill
+  config.rl.max_refill_rounds = 0  # extra rollout rounds per step to refill dropped groups
+  config.rl.overlong_buffer = 0  # DAPO soft overlong penalty over the last N tokens; 0: off
+  config.rl.overlong_penalty = 1.0  # the penalty at max_new_tokens
   config.rl.ebpo = ml_collections.ConfigDict()
   config.rl.ebpo.mode = "running"  # running (paper, Algorithm 1) | batch (authors' released code)
   config.rl.ebpo.decay = 1.0
@@ -126,6 +131,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.eval = ml_collections.ConfigDict()
   config.eval.every_steps = 25
   config.eval.greedy = True
+  config.eval.num_samples = 1  # k samples per problem for `python -m ebpo_jax.evaluate`
+  config.eval.path = ""  # rows file for `ebpo_jax.evaluate`; empty: the task's eval split
 
   config.checkpoint = ml_collections.ConfigDict()
   config.checkpoint.every_steps = 50
