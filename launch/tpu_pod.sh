@@ -1,0 +1,195 @@
+#!/usr/bin/env bash
+# Runs the trainer on every worker of a Cloud TPU VM slice (one process per host, the same command
+# on each; jax.distributed.initialize() finds the other hosts from the TPU metadata).
+#
+#   TPU_NAME=ebpo ZONE=us-east5-a WORKDIR=gs://BUCKET/runs/arith launch/tpu_pod.sh [--dry-run]
+#   launch/tpu_pod.sh --attach    # stream worker 0's log again (after Ctrl-C or a dropped link)
+#   launch/tpu_pod.sh --stop      # SIGTERM the trainers on all workers (they checkpoint and exit)
+#
+# Steps: create the slice, or reuse it if `describe` finds it; copy this checkout to every worker
+# (or clone a git branch there); `pip install -e .` plus jax[tpu] on every worker; start the trainer
+# on all workers at once, detached (nohup, log in ~/$LOG on each worker); stream worker 0's log
+# until its trainer exits, and exit with its status. Ctrl-C stops the stream, not the run.
+#
+# Variables (required ones marked *):
+#   TPU_NAME*         name of the TPU VM slice
+#   ZONE*             its zone, e.g. us-east5-a (v5p), us-west4-a (v5e)
+#   PROJECT           GCP project (default: gcloud's configured project)
+#   ACCELERATOR_TYPE  slice type, used when creating it (default v5p-64: 8 hosts x 4 chips)
+#   RUNTIME_VERSION   TPU VM image (default v2-alpha-tpuv5; v5e: v2-alpha-tpuv5-lite,
+#                     v6e: v2-alpha-tpuv6e, v4: tpu-ubuntu2204-base)
+#   SPOT              1: create the slice as Spot capacity (default 0)
+#   CODE              copy: tar this checkout (tracked and untracked, not ignored files) and scp it
+#                     to every worker (default); git: clone REPO_URL at BRANCH on every worker
+#   REPO_URL, BRANCH  the git remote and branch for CODE=git (BRANCH default main)
+#   REPO_DIR          the code's directory on the workers, relative to the home directory
+#                     (default ebpo-jax)
+#   INSTALL           1: pip install -e . and JAX_PIP_SPEC on every worker (default 1)
+#   JAX_PIP_SPEC      the JAX build to install (default "jax[tpu]"; requirements.txt pins the version)
+#   CONFIG            experiment config, relative to REPO_DIR (default configs/arith_ebpo.py);
+#                     CONFIG=configs/NAME.py:ARG passes ARG to get_config
+#   WORKDIR*          checkpoints, metrics and plots; a gs:// path so that every host sees it
+#   EXTRA_ARGS        more trainer flags, split on spaces, e.g. "--config.train.num_steps=500"
+#   LOG               the trainer's log file on each worker, in the home directory (default
+#                     ebpo_train.log; LOG.pid and LOG.rc hold its process id and exit status)
+#   DRY_RUN           1: print every command instead of running it (same as --dry-run); with
+#                     DRY_RUN_TPU_EXISTS=1 the dry run takes the reuse branch, else the create one
+set -euo pipefail
+
+usage() {
+  sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2
+  exit 2
+}
+
+fail() {
+  echo "error: $*" >&2
+  exit 2
+}
+
+# Prints a command with shell quoting only where a word needs it, so it can be pasted back.
+print_command() {
+  local word out=""
+  for word in "$@"; do
+    if [[ $word =~ ^[A-Za-z0-9_./:=@,+%^-]+$ ]]; then
+      out+="$word "
+    else
+      out+="'${word//\'/\'\\\'\'}' "
+    fi
+  done
+  echo "+ ${out% }"
+}
+
+# Runs a command, or prints it under DRY_RUN=1.
+run() {
+  print_command "$@"
+  if [[ $DRY_RUN != 1 ]]; then
+    "$@"
+  fi
+}
+
+action=launch
+DRY_RUN=${DRY_RUN:-0}
+for arg in "$@"; do
+  case $arg in
+    --dry-run) DRY_RUN=1 ;;
+    --attach) action=attach ;;
+    --stop) action=stop ;;
+    -h | --help) usage ;;
+    *) fail "unknown argument $arg (known: --dry-run, --attach, --stop, --help)" ;;
+  esac
+done
+
+[[ -n ${TPU_NAME:-} ]] || fail "TPU_NAME is not set (the TPU VM slice's name); see $0 --help"
+[[ -n ${ZONE:-} ]] || fail "ZONE is not set (e.g. us-east5-a); see $0 --help"
+PROJECT=${PROJECT:-}
+ACCELERATOR_TYPE=${ACCELERATOR_TYPE:-v5p-64}
+RUNTIME_VERSION=${RUNTIME_VERSION:-v2-alpha-tpuv5}
+SPOT=${SPOT:-0}
+CODE=${CODE:-copy}
+REPO_URL=${REPO_URL:-}
+BRANCH=${BRANCH:-main}
+REPO_DIR=${REPO_DIR:-ebpo-jax}
+INSTALL=${INSTALL:-1}
+JAX_PIP_SPEC=${JAX_PIP_SPEC:-jax[tpu]}
+CONFIG=${CONFIG:-configs/arith_ebpo.py}
+WORKDIR=${WORKDIR:-}
+EXTRA_ARGS=${EXTRA_ARGS:-}
+LOG=${LOG:-ebpo_train.log}
+if [[ $action == launch ]]; then
+  [[ -n $WORKDIR ]] || fail "WORKDIR is not set (a gs:// path that every host can write)"
+  [[ $WORKDIR == gs://* ]] ||
+    echo "# warning: WORKDIR=$WORKDIR is not a gs:// path; every host must see the same directory"
+fi
+
+tpu_vm=(gcloud compute tpus tpu-vm)
+where=(--zone="$ZONE")
+if [[ -n $PROJECT ]]; then
+  where+=(--project="$PROJECT")
+fi
+
+# Runs a shell command line on the workers ("all" or an index).
+on_workers() {
+  run "${tpu_vm[@]}" ssh "$TPU_NAME" "${where[@]}" --worker="$1" --command="$2"
+}
+
+create_or_reuse() {
+  local describe=("${tpu_vm[@]}" describe "$TPU_NAME" "${where[@]}" --format=value\(state\))
+  local state
+  print_command "${describe[@]}"
+  if [[ $DRY_RUN == 1 ]]; then
+    state=$([[ ${DRY_RUN_TPU_EXISTS:-0} == 1 ]] && echo READY || echo "")
+  else
+    state=$("${describe[@]}" 2>/dev/null || true)
+  fi
+  if [[ -n $state ]]; then
+    echo "# reusing TPU VM $TPU_NAME (state $state)"
+    [[ $state == READY ]] || fail "TPU VM $TPU_NAME is $state, not READY (start or delete it)"
+    return
+  fi
+  echo "# creating TPU VM $TPU_NAME ($ACCELERATOR_TYPE, $RUNTIME_VERSION)"
+  local create=("${tpu_vm[@]}" create "$TPU_NAME" "${where[@]}"
+    --accelerator-type="$ACCELERATOR_TYPE" --version="$RUNTIME_VERSION")
+  if [[ $SPOT == 1 ]]; then
+    create+=(--spot)
+  fi
+  run "${create[@]}"
+}
+
+ship_code() {
+  case $CODE in
+    copy)
+      local repo_root tarball=/tmp/ebpo_jax_code_$$.tgz
+      repo_root=$(cd "$(dirname "$0")/.." && pwd)
+      print_command git -C "$repo_root" ls-files -z --cached --others --exclude-standard \
+        "|" tar -C "$repo_root" -czf "$tarball" --null -T -
+      if [[ $DRY_RUN != 1 ]]; then
+        trap "rm -f $tarball" EXIT # expanded now: $tarball is local
+        git -C "$repo_root" ls-files -z --cached --others --exclude-standard |
+          tar -C "$repo_root" -czf "$tarball" --null -T -
+      fi
+      run "${tpu_vm[@]}" scp "$tarball" "$TPU_NAME:ebpo_jax_code.tgz" "${where[@]}" --worker=all
+      on_workers all "mkdir -p ~/$REPO_DIR && tar -xzf ~/ebpo_jax_code.tgz -C ~/$REPO_DIR"
+      ;;
+    git)
+      [[ -n $REPO_URL ]] || fail "CODE=git needs REPO_URL (the git remote to clone)"
+      on_workers all "if [ -d ~/$REPO_DIR/.git ]; then git -C ~/$REPO_DIR fetch origin $BRANCH \
+&& git -C ~/$REPO_DIR checkout -B $BRANCH FETCH_HEAD; \
+else git clone --branch $BRANCH $REPO_URL ~/$REPO_DIR; fi"
+      ;;
+    *) fail "CODE=$CODE: must be copy or git" ;;
+  esac
+}
+
+install_code() {
+  if [[ $INSTALL == 1 ]]; then
+    on_workers all "cd ~/$REPO_DIR && python3 -m pip install -q -e . \"$JAX_PIP_SPEC\""
+  fi
+}
+
+start_trainer() {
+  local args=(--config="$CONFIG" --workdir="$WORKDIR") extra train_cmd
+  read -ra extra <<<"$EXTRA_ARGS"
+  args+=("${extra[@]}")
+  train_cmd="python3 -m ebpo_jax.train$(printf ' %q' "${args[@]}")"
+  [[ $train_cmd != *\'* ]] || fail "CONFIG, WORKDIR and EXTRA_ARGS may not contain single quotes"
+  on_workers all "cd ~/$REPO_DIR && rm -f ~/$LOG.rc && setsid nohup bash -c \
+'$train_cmd; echo \$? > ~/$LOG.rc' > ~/$LOG 2>&1 < /dev/null & echo \$! > ~/$LOG.pid"
+}
+
+stream_worker0() {
+  echo "# streaming worker 0's ~/$LOG (Ctrl-C stops the stream; the run goes on: --attach)"
+  on_workers 0 "tail -n +1 --pid=\$(cat ~/$LOG.pid) -F ~/$LOG; \
+exit \$(cat ~/$LOG.rc 2>/dev/null || echo 1)"
+}
+
+case $action in
+  launch)
+    create_or_reuse
+    ship_code
+    install_code
+    start_trainer
+    stream_worker0
+    ;;
+  attach) stream_worker0 ;;
+  stop) on_workers all "kill -TERM -- -\$(cat ~/$LOG.pid) && echo stopping on \$(hostname)" ;;
+esac
