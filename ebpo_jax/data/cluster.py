@@ -1,7 +1,7 @@
 """Topic clusters for prompt rows: sentence embeddings + KMeans, or copied from a column.
 
     python -m ebpo_jax.data.cluster --input=ROWS.jsonl|.parquet --output=OUT.jsonl
-        [--num_clusters=10] [--seed=0] [--from_column=COL]
+        [--num_clusters=10] [--seed=0] [--num_restarts=10] [--from_column=COL] [--model_dir=DIR]
 
 As the EBPO authors did: each prompt is embedded with all-MiniLM-L6-v2 (mean pooling over the
 tokens, then L2 normalisation, as sentence-transformers does for that model) and the embeddings are
@@ -286,15 +286,25 @@ def _squared_distances(x_nd: np.ndarray, c_kd: np.ndarray) -> np.ndarray:
 
 
 def kmeans_plus_plus(x_nd: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
-  """k-means++ seeding (Arthur & Vassilvitskii 2007): next centre drawn with probability ~ D^2."""
+  """Greedy k-means++ seeding (Arthur & Vassilvitskii 2007, Sec. 6).
+
+  Each next centre: draw 2 + log(k) candidates with probability ~ D^2 (squared distance to the
+  nearest centre so far) and keep the one that lowers sum D^2 most; plain k-means++ draws one,
+  which lands in poor local optima more often.
+  """
+  num_candidates = 2 + int(math.log(k))
   centres = [x_nd[rng.integers(len(x_nd))]]
   closest_n = _squared_distances(x_nd, centres[0][None])[:, 0]
   for _ in range(1, k):
     total = closest_n.sum()
-    # All points sit on centres already (duplicates): any point will do.
-    index = rng.integers(len(x_nd)) if total <= 0 else rng.choice(len(x_nd), p=closest_n / total)
-    centres.append(x_nd[index])
-    closest_n = np.minimum(closest_n, _squared_distances(x_nd, x_nd[index][None])[:, 0])
+    if total <= 0:  # every point sits on a centre (duplicates): any point will do
+      candidates = rng.integers(len(x_nd), size=1)
+    else:
+      candidates = rng.choice(len(x_nd), size=num_candidates, p=closest_n / total)
+    closest_cn = np.minimum(closest_n[None], _squared_distances(x_nd, x_nd[candidates]).T)
+    best = closest_cn.sum(1).argmin()
+    centres.append(x_nd[candidates[best]])
+    closest_n = closest_cn[best]
   return np.stack(centres)
 
 
@@ -358,13 +368,19 @@ def names_by_size(labels: Sequence[int], prefix: str = "topic_") -> list[str]:
 
 
 def topic_clusters(
-  prompts: Sequence[str], *, num_clusters: int = 10, seed: int = 0, model_dir: str | None = None
+  prompts: Sequence[str],
+  *,
+  num_clusters: int = 10,
+  seed: int = 0,
+  num_restarts: int = 10,
+  model_dir: str | None = None,
 ) -> list[str]:
   """Cluster name ("topic_0" = largest) of each prompt, by all-MiniLM-L6-v2 embeddings + KMeans."""
   if not 1 <= num_clusters <= len(prompts):
     raise ValueError(f"num_clusters must be in [1, {len(prompts)}] (N prompts), got {num_clusters}")
   embeddings = embed(prompts, model_dir=model_dir)
-  return names_by_size(kmeans(embeddings, num_clusters, seed=seed).labels)
+  result = kmeans(embeddings, num_clusters, seed=seed, num_restarts=num_restarts)
+  return names_by_size(result.labels)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -442,13 +458,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--output", required=True, help="output rows file (.jsonl)")
   parser.add_argument("--num_clusters", type=int, default=10, help="KMeans clusters")
   parser.add_argument("--seed", type=int, default=0, help="KMeans seed")
+  parser.add_argument("--num_restarts", type=int, default=10, help="KMeans runs; best kept")
   parser.add_argument("--from_column", default=None, help="copy clusters from this column")
   parser.add_argument("--model_dir", default=None, help="sentence-transformers model directory")
   args = parser.parse_args(argv)
   if not args.output.endswith(".jsonl"):
     parser.error(f"--output must end in .jsonl, got {args.output!r}")
-  if args.num_clusters < 1:
-    parser.error(f"--num_clusters must be >= 1, got {args.num_clusters}")
+  for flag in ("num_clusters", "num_restarts"):
+    if getattr(args, flag) < 1:
+      parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
   return args
 
 
@@ -465,7 +483,11 @@ def main(argv: Sequence[str] | None = None) -> int:
       raise DataError(f"{args.input}: --num_clusters={args.num_clusters} but only {len(rows)} rows")
     else:
       clusters = topic_clusters(
-        prompts, num_clusters=args.num_clusters, seed=args.seed, model_dir=args.model_dir
+        prompts,
+        num_clusters=args.num_clusters,
+        seed=args.seed,
+        num_restarts=args.num_restarts,
+        model_dir=args.model_dir,
       )
     write_jsonl_atomic(with_clusters(rows, clusters), args.output)
   except (DataError, FileNotFoundError, ValueError) as e:
