@@ -4,6 +4,7 @@
 - `reasoning_gym:<dataset>[+<dataset>...]`: reasoning-gym generators and scorers; several datasets
   become clusters.
 - `jsonl`: rows from a file (`path=`), scored by exact match after normalisation.
+- `math`: math problems (a prepared file or a named source, e.g. CHAMP), scored by math-verify.
 """
 
 import inspect
@@ -11,7 +12,7 @@ from typing import Any
 
 from ebpo_jax.tasks.base import Task, extract_final_answer
 
-TASK_NAMES = ("arithmetic", "reasoning_gym:<dataset>[+<dataset>...]", "jsonl")
+TASK_NAMES = ("arithmetic", "reasoning_gym:<dataset>[+<dataset>...]", "jsonl", "math")
 
 __all__ = ["TASK_NAMES", "Task", "extract_final_answer", "get_task"]
 
@@ -26,6 +27,10 @@ def get_task(name: str, **cfg: Any) -> Task:
     from ebpo_jax.tasks.jsonl_task import JsonlTask
 
     return _construct(name, JsonlTask, cfg)
+  if name == "math":
+    from ebpo_jax.tasks.math_task import MathTask
+
+    return _construct(name, MathTask, cfg)
   if name.startswith("reasoning_gym:"):
     from ebpo_jax.tasks.reasoning_gym_task import ReasoningGymTask
 
