@@ -38,13 +38,13 @@ Command line (writes JSONL that `ebpo_jax.data.load_rows_and_clusters` reads bac
 
 import collections
 import dataclasses
+import functools
 import json
 import math
 import os
 import pathlib
 import re
 import sys
-import tempfile
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -55,6 +55,7 @@ from ebpo_jax.data.rows import DataError
 SOURCES = ("dapo_math_17k", "math500", "aime24", "aime25", "amc23", "olympiadbench", "champ")
 SUFFIXES = (".jsonl", ".json", ".parquet")
 _PARQUET_BATCH = 8192
+_METADATA_FILES = ("dataset_info.json", "dataset_infos.json", "state.json")  # not rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,16 +98,12 @@ _LAYOUTS = {
   ),
 }
 
-# Instruction wrappers around the problem text in some copies (DAPO, verl, lighteval prompts).
-_WRAPPER_PREFIXES = (
-  re.compile(r"^\s*Solve the following math problem step by step\..*?\n\s*\n", re.S),
-)
-_WRAPPER_SUFFIXES = (
-  re.compile(r"\s*Remember to put your answer on its own line after \"Answer:\".*$", re.S),
-  re.compile(
-    r"\s*(Please reason step by step, and put|Please output|Let's think step by step and output)"
-    r" (your|the) final answer within \\boxed\{\}\.?\s*$"
-  ),
+# Instruction wrappers around the problem text in some copies (DAPO, verl and lighteval prompts).
+_DAPO_INSTRUCTION = "Solve the following math problem step by step."  # ...then a blank line
+_DAPO_REMINDER = 'Remember to put your answer on its own line after "Answer:"'
+_BOXED_INSTRUCTION = re.compile(
+  r"(Please reason step by step, and put|Please output|Let's think step by step and output)"
+  r" (your|the) final answer within \\boxed\{\}\.?\s*$"
 )
 _ENCLOSINGS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
 
@@ -155,8 +152,9 @@ def _read(name: str, path: str | None) -> tuple[list[dict[str, Any]], collection
   if path is None:
     raise DataError(f"{name} needs a path to a local copy (a file or a directory)")
   rows = list(_unique(_source_rows(name, pathlib.Path(path), dropped), dropped))
-  if not rows and not dropped:
-    raise DataError(f"{path}: no rows")
+  if not rows:
+    left = f" left ({_describe_dropped(dropped)} dropped)" if dropped else ""
+    raise DataError(f"{path}: no rows{left}")
   return rows, dropped
 
 
@@ -175,30 +173,39 @@ def _unique(
   rows: Iterator[dict[str, Any]], dropped: collections.Counter
 ) -> Iterator[dict[str, Any]]:
   """The first row of each exactly repeated prompt (streamed: DAPO's file has ~1.8M rows)."""
-  seen = set()
+  answers = {}
   for row in rows:
-    if row["prompt"] in seen:
+    first_answer = answers.get(row["prompt"])
+    if first_answer is None:
+      answers[row["prompt"]] = row["answer"]
+      yield row
+    elif first_answer == row["answer"]:
       dropped["duplicate prompts"] += 1
     else:
-      seen.add(row["prompt"])
-      yield row
+      dropped["duplicate prompts (other answer)"] += 1
 
 
-def _champ_rows() -> list[dict[str, Any]]:
-  import champ_dataset
-
-  problems = champ_dataset.load("v0").problems.values()
-  return [
-    {
-      "prompt": problem.text.strip(),
-      "answer": problem.answer.strip(),
-      "cluster": problem.category,
+def _champ_rows() -> Iterator[dict[str, Any]]:
+  for identifier, text, answer, category in _champ_problems():
+    yield {
+      "prompt": text,
+      "answer": answer,
+      "cluster": category,
       "difficulty": math.nan,
       "source": "champ",
-      "id": problem.identifier,
+      "id": identifier,
     }
-    for problem in problems
-  ]
+
+
+@functools.cache
+def _champ_problems() -> tuple[tuple[str, str, str, str], ...]:
+  """(id, problem, answer, category) of the 270 CHAMP problems; loading takes ~1-3 s, so once."""
+  import champ_dataset
+
+  return tuple(
+    (p.identifier, p.text.strip(), p.answer.strip(), p.category)
+    for p in champ_dataset.load("v0").problems.values()
+  )
 
 
 def _row(name: str, layout: _Layout, record: Any, where: str, index: int) -> dict[str, Any]:
@@ -267,13 +274,23 @@ def _prompt_text(value: Any, where: str) -> str:
     value = users[-1]["content"]
   if not isinstance(value, str):
     raise DataError(f"{where}: prompt must be a string or a chat list, got {_describe(value)}")
-  text = value
-  for pattern in _WRAPPER_PREFIXES + _WRAPPER_SUFFIXES:
-    text = pattern.sub("", text)
-  text = text.strip()
+  text = _without_wrappers(value)
   if not text:
     raise DataError(f"{where}: empty prompt")
   return text
+
+
+def _without_wrappers(text: str) -> str:
+  """The problem text inside a DAPO or `\\boxed{}` instruction wrapper (string ops: ~1.8M rows)."""
+  text = text.strip()
+  if text.startswith(_DAPO_INSTRUCTION):
+    _, blank_line, problem = text.partition("\n\n")
+    text = problem if blank_line else text
+  reminder = text.find(_DAPO_REMINDER)
+  text = text[:reminder] if reminder >= 0 else text
+  if "final answer within \\boxed{}" in text:
+    text = _BOXED_INSTRUCTION.sub("", text)
+  return text.strip()
 
 
 def _answer_text(value: Any, where: str) -> str:
@@ -364,7 +381,10 @@ def _records(path: pathlib.Path) -> Iterator[tuple[str, Any]]:
     files = sorted(
       p
       for p in path.rglob("*")
-      if p.is_file() and p.suffix in SUFFIXES and not any(part.startswith(".") for part in p.parts)
+      if p.is_file()
+      and p.suffix in SUFFIXES
+      and p.name not in _METADATA_FILES
+      and not any(part.startswith(".") for part in p.relative_to(path).parts)
     )
     if not files:
       raise DataError(f"{path}: no {'/'.join(SUFFIXES)} files in this directory")
@@ -445,20 +465,17 @@ def _parquet_records(path: pathlib.Path) -> Iterator[tuple[str, Any]]:
 
 
 def _write_jsonl_atomically(path: pathlib.Path, rows: list[dict[str, Any]]) -> None:
-  """Writes rows as JSONL via a temporary file and a rename; NaN difficulties are left out."""
+  """Writes rows as JSONL to a temporary file renamed over `path`; NaN difficulties are left out."""
   path.parent.mkdir(parents=True, exist_ok=True)
-  with tempfile.NamedTemporaryFile(
-    "w", encoding="utf-8", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False
-  ) as f:
-    try:
+  temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+  try:
+    with temporary.open("w", encoding="utf-8") as f:
       for row in rows:
         record = {k: v for k, v in row.items() if not (k == "difficulty" and math.isnan(v))}
         f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    except BaseException:
-      f.close()
-      os.unlink(f.name)
-      raise
-  os.replace(f.name, path)
+    os.replace(temporary, path)
+  finally:
+    temporary.unlink(missing_ok=True)
 
 
 def _describe_dropped(dropped: collections.Counter) -> str:
