@@ -166,6 +166,20 @@ def test_aime25_opencompass_jsonl_gets_ids_from_positions(tmp_path):
   assert [(r["answer"], r["id"]) for r in rows] == [("70", "aime25-0"), ("588", "aime25-1")]
 
 
+def test_verl_layout_of_an_eval_set(tmp_path):
+  # verl-preprocessed copies (e.g. an AIME 2025 parquet for RL): chat prompt + boxed instruction.
+  content = "Find $n$. Let's think step by step and output the final answer within \\boxed{}."
+  record = {
+    "data_source": "aime25",
+    "prompt": [{"content": content, "role": "user"}],
+    "ability": "math",
+    "reward_model": {"ground_truth": "\\boxed{70}", "style": "rule"},
+    "extra_info": {"index": 7},
+  }
+  [row] = read_source("aime25", str(_write_parquet(tmp_path / "test.parquet", [record])))
+  assert (row["prompt"], row["answer"], row["id"]) == ("Find $n$.", "70", "7")
+
+
 def test_amc23_float_answers_become_plain_numbers(tmp_path):
   # zwhe99/amc23 and AI-MO copies store answers as float64.
   path = _write_parquet(
@@ -350,6 +364,25 @@ def test_cli_round_trip_through_load_rows_and_clusters(tmp_path):
     ("math500", "u2"),
   ]
   assert [p.name for p in out.parent.iterdir()] == ["math500.jsonl"]  # no temporary file left
+
+
+def test_several_sources_into_one_file(tmp_path):
+  raw = tmp_path / "raw"
+  (raw / "aime24").mkdir(parents=True)
+  _write_parquet(
+    raw / "aime24" / "train.parquet", [{"Problem": f"a{i}", "Answer": i} for i in range(3)]
+  )
+  _write_jsonl(raw / "amc23.jsonl", [{"question": "b", "answer": 2.0}])
+  out = tmp_path / "eval.jsonl"
+  summary = prepare("aime24,amc23,champ", str(raw), str(out), limit=2)
+  assert summary == (
+    f"aime24,amc23,champ: 5 rows (aime24 2, amc23 1, champ 2), 3 clusters, 0 dropped -> {out}"
+  )
+  rows, names = load_rows_and_clusters(out)
+  assert [r["source"] for r in rows] == ["aime24", "aime24", "amc23", "champ", "champ"]
+  assert names == ["aime24", "amc23", "Combinatorics"]
+  with pytest.raises(DataError, match=f"{raw}: no aime25 copy"):
+    prepare("aime24,aime25", str(raw), str(out))
 
 
 def test_prepare_champ_round_trip_keeps_nan_difficulty(tmp_path):

@@ -27,13 +27,17 @@ Ids: `extra_info.index` (DAPO), `unique_id` (MATH-500), else `id` or `ID`, else 
 Copies with these layouts: BytedTsinghua-SIA/DAPO-Math-17k and its verl re-uploads,
 HuggingFaceH4/MATH-500, Maxwell-Jia/AIME_2024, HuggingFaceH4/aime_2024, opencompass/AIME2025,
 yentinglin/aime_2025, math-ai/aime25, math-ai/amc23, zwhe99/amc23, Hothan/OlympiadBench,
-math-ai/olympiadbench. OlympiadBench rows with images (a non-empty `image_*` column) are skipped.
+math-ai/olympiadbench; every source also reads the verl RL layout of the DAPO row (copies
+preprocessed for verl). OlympiadBench rows with images (a non-empty `image_*` column) are skipped.
 Bad input (a missing column, a malformed line, an empty answer) raises `DataError` starting with
 `FILE:LINE:` (LINE is the row number in a Parquet file).
 
 Command line (writes JSONL that `ebpo_jax.data.load_rows_and_clusters` reads back):
 
   python -m ebpo_jax.data.prepare --source=math500 --path=MATH-500/test.jsonl --out=math500.jsonl
+  # several sources into one file; /data/raw holds math500/ (or math500.jsonl), aime24/, ...
+  python -m ebpo_jax.data.prepare --source=math500,aime24,aime25,amc23,olympiadbench \
+      --path=/data/raw --out=math_eval.jsonl
 """
 
 import collections
@@ -72,26 +76,42 @@ class _Layout:
   skip_images: bool = False
 
 
+# Every source also reads the verl RL layout (DAPO's): a `prompt` chat list, the answer in
+# `reward_model.ground_truth`, the id in `extra_info.index`; these come last among the candidates.
+_VERL_PROMPT, _VERL_ANSWER, _VERL_ID = "prompt", "reward_model.ground_truth", "extra_info.index"
 _LAYOUTS = {
   "dapo_math_17k": _Layout(
-    prompt=("prompt", "problem"),
-    answer=("reward_model.ground_truth", "answer", "solution"),
-    ids=("extra_info.index", "id"),
+    prompt=(_VERL_PROMPT, "problem"),
+    answer=(_VERL_ANSWER, "answer", "solution"),
+    ids=(_VERL_ID, "id"),
   ),
   "math500": _Layout(
-    prompt=("problem",),
-    answer=("answer",),
-    ids=("unique_id", "id"),
+    prompt=("problem", _VERL_PROMPT),
+    answer=("answer", _VERL_ANSWER),
+    ids=("unique_id", "id", _VERL_ID),
     cluster=("subject", "type"),
     difficulty=("level",),
     answer_in_solution=True,
   ),
-  "aime24": _Layout(prompt=("problem", "Problem", "question"), answer=("answer", "Answer")),
-  "aime25": _Layout(prompt=("problem", "question", "Problem"), answer=("answer", "Answer")),
-  "amc23": _Layout(prompt=("problem", "question"), answer=("answer",)),
+  "aime24": _Layout(
+    prompt=("problem", "Problem", "question", _VERL_PROMPT),
+    answer=("answer", "Answer", _VERL_ANSWER),
+    ids=("id", "ID", _VERL_ID),
+  ),
+  "aime25": _Layout(
+    prompt=("problem", "question", "Problem", _VERL_PROMPT),
+    answer=("answer", "Answer", _VERL_ANSWER),
+    ids=("id", "ID", _VERL_ID),
+  ),
+  "amc23": _Layout(
+    prompt=("problem", "question", _VERL_PROMPT),
+    answer=("answer", _VERL_ANSWER),
+    ids=("id", _VERL_ID),
+  ),
   "olympiadbench": _Layout(
-    prompt=("question", "problem"),
-    answer=("final_answer", "answer"),
+    prompt=("question", "problem", _VERL_PROMPT),
+    answer=("final_answer", "answer", _VERL_ANSWER),
+    ids=("id", _VERL_ID),
     cluster=("subfield", "subject"),
     context=("context",),
     skip_images=True,
@@ -120,21 +140,49 @@ def read_source(name: str, path: str | None = None) -> list[dict[str, Any]]:
 
 
 def prepare(source: str, path: str | None, out: str, limit: int | None = None) -> str:
-  """Writes the rows of `source` to the JSONL file `out` atomically; returns a one-line summary."""
+  """Writes the rows of `source` to the JSONL file `out` atomically; returns a one-line summary.
+
+  `source` may be a comma list (e.g. an evaluation file of several benchmarks): then `path` is a
+  directory holding each source's copy as `<source>` or `<source>.jsonl/.json/.parquet` (champ
+  needs none), and `limit` applies to each source.
+  """
   out_path = pathlib.Path(out)
   if out_path.suffix != ".jsonl":
     raise DataError(f"{out}: the output must be a .jsonl file")
   if limit is not None and limit < 1:
     raise DataError(f"--limit must be >= 1, got {limit}")
-  rows, dropped = _read(source, path)
-  rows = rows[:limit] if limit else rows
+  names = [name.strip() for name in source.split(",") if name.strip()]
+  rows, dropped, counts = [], collections.Counter(), []
+  for name in names:
+    source_path = _source_path(name, path) if len(names) > 1 else path
+    source_rows, source_dropped = _read(name, source_path)
+    kept = source_rows[:limit] if limit else source_rows
+    rows += kept
+    dropped += source_dropped
+    counts.append(f"{name} {len(kept)}")
   _write_jsonl_atomically(out_path, rows)
   clusters = len({row["cluster"] for row in rows})
+  per_source = f" ({', '.join(counts)})" if len(names) > 1 else ""
   detail = f" ({_describe_dropped(dropped)})" if dropped else ""
   return (
-    f"{source}: {len(rows)} rows, {clusters} clusters, {sum(dropped.values())} dropped{detail}"
-    f" -> {out_path}"
+    f"{','.join(names)}: {len(rows)} rows{per_source}, {clusters} clusters, "
+    f"{sum(dropped.values())} dropped{detail} -> {out_path}"
   )
+
+
+def _source_path(name: str, directory: str | None) -> str | None:
+  """The copy of `name` in `directory`: `<name>` or `<name>.<suffix>`; None for champ."""
+  if name == "champ":
+    return None
+  if directory is None or not pathlib.Path(directory).is_dir():
+    raise DataError(f"several sources need --path to be a directory of copies, got {directory}")
+  candidates = [pathlib.Path(directory) / f"{name}{suffix}" for suffix in ("", *SUFFIXES)]
+  found = next((c for c in candidates if c.exists()), None)
+  if found is None:
+    raise DataError(
+      f"{directory}: no {name} copy (expected {name}/ or {name}{{{','.join(SUFFIXES)}}})"
+    )
+  return str(found)
 
 
 # ----------------------------------------------------------------------------- reading
@@ -502,9 +550,14 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  flags.DEFINE_enum("source", None, list(SOURCES), "Math data set to read.")
-  flags.DEFINE_string("path", None, "Local copy: a .jsonl/.json/.parquet file or a directory.")
+  flags.DEFINE_string("source", None, f"Math data set, or a comma list, of: {', '.join(SOURCES)}.")
+  flags.DEFINE_string(
+    "path",
+    None,
+    "Local copy: a .jsonl/.json/.parquet file or a directory (several sources: a "
+    "directory holding <source> or <source>.jsonl/.json/.parquet for each).",
+  )
   flags.DEFINE_string("out", None, "Output .jsonl file of project rows.")
-  flags.DEFINE_integer("limit", None, "Keep only the first N rows (after deduplication).")
+  flags.DEFINE_integer("limit", None, "Keep only the first N rows of each source (after dedup).")
   flags.mark_flags_as_required(["source", "out"])
   app.run(main)
