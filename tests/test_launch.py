@@ -1,0 +1,310 @@
+"""launch/: the dry runs of tpu_pod.sh and gpu.sh, local_multiprocess.sh's usage errors and failure
+handling, and the multi-host check: 2 processes x 4 CPU devices match 1 process x 8 devices."""
+
+import json
+import os
+import pathlib
+import stat
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from ebpo_jax import train
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+LAUNCH = REPO / "launch"
+# Variables the scripts read; the tests' own environment must not leak into them.
+SCRIPT_VARS = frozenset(
+  {"TPU_NAME", "ZONE", "PROJECT", "ACCELERATOR_TYPE", "RUNTIME_VERSION", "SPOT", "CODE"}
+  | {"REPO_URL", "BRANCH", "REPO_DIR", "INSTALL", "JAX_PIP_SPEC", "CONFIG", "WORKDIR"}
+  | {"EXTRA_ARGS", "LOG", "DRY_RUN", "DRY_RUN_TPU_EXISTS", "NUM_GPUS", "CUDA_VISIBLE_DEVICES"}
+  | {"MEM_FRACTION", "PREALLOCATE", "PYTHON", "GRACE_S", "JAX_COORDINATOR_ADDRESS"}
+  | {"JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "XLA_FLAGS"}
+)
+TPU_VARS = {
+  "TPU_NAME": "ebpo-test",
+  "ZONE": "us-east5-a",
+  "PROJECT": "my-proj",
+  "ACCELERATOR_TYPE": "v5p-64",
+  "WORKDIR": "gs://bucket/runs/arith",
+  "CONFIG": "configs/arith_ebpo.py:runlocal",
+  "EXTRA_ARGS": "--config.train.num_steps=7 --config.seed=3",
+}
+TRAIN_ARGS = "--config=configs/arith_ebpo.py:runlocal --workdir=gs://bucket/runs/arith"
+
+
+def _run(argv: list[str], timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
+  clean = {k: v for k, v in os.environ.items() if k not in SCRIPT_VARS}
+  return subprocess.run(
+    [str(a) for a in argv],
+    cwd=REPO,
+    env={**clean, **env},
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
+
+
+def _commands(stdout: str) -> list[str]:
+  """The printed commands ("+ ..." lines; a quoted word may span lines)."""
+  return ["+" + c for c in ("\n" + stdout.rstrip("\n")).split("\n+")[1:]]
+
+
+def _executable(path: pathlib.Path, text: str) -> pathlib.Path:
+  path.write_text(text)
+  path.chmod(path.stat().st_mode | stat.S_IEXEC)
+  return path
+
+
+# ----------------------------------------------------------------------------- tpu_pod.sh
+
+
+def test_tpu_pod_dry_run_creates_copies_installs_and_runs_on_all_workers():
+  result = _run([LAUNCH / "tpu_pod.sh", "--dry-run"], **TPU_VARS)
+  assert result.returncode == 0, result.stderr
+  cmds = _commands(result.stdout)
+  where = "--zone=us-east5-a --project=my-proj"
+  assert cmds[0].startswith(f"+ gcloud compute tpus tpu-vm describe ebpo-test {where}")
+  assert cmds[1] == (
+    f"+ gcloud compute tpus tpu-vm create ebpo-test {where} "
+    "--accelerator-type=v5p-64 --version=v2-alpha-tpuv5"
+  )
+  assert "git" in cmds[2] and "tar" in cmds[2]
+  assert cmds[3].startswith("+ gcloud compute tpus tpu-vm scp /tmp/ebpo_jax_code_")
+  assert cmds[3].endswith(f"ebpo-test:ebpo_jax_code.tgz {where} --worker=all")
+  assert "--worker=all" in cmds[4] and "tar -xzf ~/ebpo_jax_code.tgz -C ~/ebpo-jax" in cmds[4]
+  assert "--worker=all" in cmds[5] and 'pip install -q -e . "jax[tpu]"' in cmds[5]
+  assert "--worker=all" in cmds[6]
+  assert (
+    f"python3 -m ebpo_jax.train {TRAIN_ARGS} --config.train.num_steps=7 --config.seed=3"
+    in (cmds[6])
+  )
+  assert "nohup" in cmds[6] and "> ~/ebpo_train.log" in cmds[6]
+  assert "--worker=0" in cmds[7] and "tail" in cmds[7] and "~/ebpo_train.log" in cmds[7]
+  assert len(cmds) == 8
+
+
+def test_tpu_pod_dry_run_reuses_an_existing_slice_and_clones_with_git():
+  result = _run(
+    [LAUNCH / "tpu_pod.sh"],
+    **TPU_VARS,
+    DRY_RUN="1",
+    DRY_RUN_TPU_EXISTS="1",
+    CODE="git",
+    REPO_URL="https://example.com/ebpo-jax.git",
+    BRANCH="dev",
+    INSTALL="0",
+  )
+  assert result.returncode == 0, result.stderr
+  cmds = _commands(result.stdout)
+  assert "reusing TPU VM ebpo-test" in result.stdout
+  assert not any(" create " in c or " scp " in c or "pip install" in c for c in cmds)
+  assert "--worker=all" in cmds[1]
+  assert "git clone --branch dev https://example.com/ebpo-jax.git ~/ebpo-jax" in cmds[1]
+  assert "--worker=all" in cmds[2] and f"python3 -m ebpo_jax.train {TRAIN_ARGS}" in cmds[2]
+
+
+def test_tpu_pod_runs_gcloud_and_ships_this_checkout(tmp_path):
+  """The real (not dry) path, against a fake gcloud that logs its calls and the tarball's files."""
+  log = tmp_path / "gcloud.log"
+  _executable(
+    tmp_path / "gcloud",
+    "#!/usr/bin/env bash\n"
+    'echo "gcloud $*" >> "$FAKE_GCLOUD_LOG"\n'
+    'case "$4" in\n'
+    '  describe) echo "NOT_FOUND: no such node" >&2; exit 1 ;;\n'
+    '  scp) tar -tzf "$5" > "$FAKE_GCLOUD_LOG.files" ;;\n'
+    "esac\n",
+  )
+  path = f"{tmp_path}:{os.environ['PATH']}"
+  result = _run([LAUNCH / "tpu_pod.sh"], **TPU_VARS, PATH=path, FAKE_GCLOUD_LOG=str(log))
+  assert result.returncode == 0, result.stderr
+  calls = log.read_text().splitlines()
+  assert [c.split()[4] for c in calls] == ["describe", "create", "scp", "ssh", "ssh", "ssh", "ssh"]
+  shipped = set(pathlib.Path(f"{log}.files").read_text().split())
+  assert {"setup.py", "ebpo_jax/train.py", "configs/arith_ebpo.py", "launch/tpu_pod.sh"} <= shipped
+  assert not any(p.startswith(".git/") or p.endswith(".pyc") for p in shipped)
+  tarball = calls[2].split()[5]
+  assert not pathlib.Path(tarball).exists()  # removed on exit
+
+
+@pytest.mark.parametrize(
+  ("drop", "args", "message"),
+  [
+    ("TPU_NAME", ["--dry-run"], "TPU_NAME is not set"),
+    ("WORKDIR", ["--dry-run"], "WORKDIR is not set"),
+    (None, ["--bogus"], "unknown argument --bogus"),
+  ],
+)
+def test_tpu_pod_usage_errors(drop, args, message):
+  variables = {k: v for k, v in TPU_VARS.items() if k != drop}
+  result = _run([LAUNCH / "tpu_pod.sh", *args], **variables)
+  assert result.returncode == 2
+  assert message in result.stderr
+  assert "gcloud" not in result.stdout
+
+
+# ----------------------------------------------------------------------------- gpu.sh
+
+
+def test_gpu_dry_run_one_process_for_all_gpus():
+  result = _run(
+    [LAUNCH / "gpu.sh", "--dry-run"],
+    NUM_GPUS="4",
+    WORKDIR="/tmp/gpu_run",
+    CONFIG="configs/arith_ebpo.py",
+    EXTRA_ARGS="--config.mesh.fsdp=4 --config.seed=2",
+    MEM_FRACTION="0.8",
+  )
+  assert result.returncode == 0, result.stderr
+  *checks, train_cmd = _commands(result.stdout)
+  assert len(checks) == 1 and "jax.device_count()" in checks[0]
+  assert train_cmd == (
+    "+ env CUDA_VISIBLE_DEVICES=0,1,2,3 JAX_PLATFORMS=cuda XLA_PYTHON_CLIENT_MEM_FRACTION=0.8 "
+    "XLA_PYTHON_CLIENT_PREALLOCATE=true python -m ebpo_jax.train "
+    "--config=configs/arith_ebpo.py --workdir=/tmp/gpu_run --config.mesh.fsdp=4 --config.seed=2"
+  )
+
+
+def test_gpu_dry_run_takes_the_count_from_cuda_visible_devices_and_installs():
+  result = _run(
+    [LAUNCH / "gpu.sh", "--dry-run"],
+    CUDA_VISIBLE_DEVICES="2,5",
+    WORKDIR="w",
+    INSTALL="1",
+    XLA_FLAGS="--xla_gpu_enable_latency_hiding_scheduler=true",
+  )
+  assert result.returncode == 0, result.stderr
+  install, check, train_cmd = _commands(result.stdout)
+  assert install == f"+ python -m pip install -e {REPO} 'jax[cuda12]'"
+  assert check.endswith(" 2 'jax[cuda12]'")
+  assert "CUDA_VISIBLE_DEVICES=2,5 " in train_cmd
+  assert "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true " in train_cmd
+
+
+def test_gpu_errors():
+  mismatch = _run(
+    [LAUNCH / "gpu.sh", "--dry-run"], CUDA_VISIBLE_DEVICES="0,1", NUM_GPUS="3", WORKDIR="w"
+  )
+  assert mismatch.returncode == 2
+  assert "NUM_GPUS=3 but CUDA_VISIBLE_DEVICES=0,1 lists 2" in mismatch.stderr
+  assert "WORKDIR is not set" in _run([LAUNCH / "gpu.sh", "--dry-run"], NUM_GPUS="1").stderr
+  # Not a dry run, on this CPU-only machine: the GPU check stops it before the trainer starts.
+  no_gpu = _run([LAUNCH / "gpu.sh"], NUM_GPUS="1", WORKDIR="w", PYTHON=sys.executable)
+  assert no_gpu.returncode == 1
+  assert "error: JAX has no GPU backend" in no_gpu.stderr
+  assert not (REPO / "w").exists()
+
+
+# ------------------------------------------------------------------------- local_multiprocess.sh
+
+
+@pytest.mark.parametrize(
+  ("args", "message"),
+  [
+    ([], "missing N"),
+    (["3", "--workdir=x"], "N=3 does not divide 8"),
+    (["0", "--workdir=x"], "N=0 is not a positive integer"),
+    (["two", "--workdir=x"], "N=two is not a positive integer"),
+    (["2"], "no trainer arguments"),
+  ],
+)
+def test_local_multiprocess_usage_errors(args, message):
+  result = _run([LAUNCH / "local_multiprocess.sh", *args])
+  assert result.returncode == 2
+  assert message in result.stderr and "usage:" in result.stderr
+
+
+def test_local_multiprocess_environment_and_stopping_the_others_on_a_failure(tmp_path):
+  """A stand-in for python: rank 1 fails at once, the others would run for a minute."""
+  stub = _executable(
+    tmp_path / "python",
+    "#!/usr/bin/env bash\n"
+    f'if [[ $1 == -c ]]; then exec {sys.executable} "$@"; fi\n'
+    'echo "env $JAX_COORDINATOR_ADDRESS $JAX_NUM_PROCESSES $JAX_PROCESS_ID $JAX_PLATFORMS"\n'
+    'echo "xla $XLA_FLAGS"\n'
+    'echo "args $*" >&2\n'
+    "if [[ $JAX_PROCESS_ID == 1 ]]; then sleep 0.5; exit 3; fi\n"
+    "exec sleep 60\n",
+  )
+  start = time.monotonic()
+  result = _run(
+    [LAUNCH / "local_multiprocess.sh", "4", "--config=c.py", "--workdir=w"],
+    PYTHON=str(stub),
+    XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/x",
+  )
+  assert time.monotonic() - start < 30  # not the 60 s of the other ranks
+  assert result.returncode == 3
+  assert "rank 1 " in result.stderr and "exited with status 3" in result.stderr
+  lines = result.stdout.splitlines()
+  for rank in range(4):
+    (env_line,) = [ln for ln in lines if ln.startswith(f"[rank {rank}] env ")]
+    address, num, rank_id, platform = env_line.split()[3:]
+    assert address.startswith("127.0.0.1:") and (num, rank_id, platform) == ("4", str(rank), "cpu")
+    (xla_line,) = [ln for ln in lines if ln.startswith(f"[rank {rank}] xla ")]
+    assert xla_line.split()[3:] == [
+      "--xla_dump_to=/tmp/x",
+      "--xla_force_host_platform_device_count=2",
+    ]
+    assert f"[rank {rank}] args -m ebpo_jax.train --config=c.py --workdir=w" in lines
+  assert len({ln.split()[3] for ln in lines if " env " in ln}) == 1  # one coordinator
+
+
+# ----------------------------------------------------------------------------- 2 processes = 1
+
+
+TINY_RUN = (
+  "--config=configs/arith_ebpo.py:runlocal",
+  "--config.train.num_steps=2",
+  "--config.sft.num_steps=2",
+  "--config.checkpoint.every_steps=2",
+  "--config.eval.every_steps=2",
+  "--config.rewards.workers=0",
+  # All rewards of the random model are 0, so only the entropy bonus moves the parameters.
+  "--config.rl.loss.entropy_coef=0.01",
+  "--config.mesh.data=1",
+  "--config.mesh.fsdp=8",
+  "--config.mesh.tensor=1",
+)
+
+
+def _metrics(workdir: pathlib.Path) -> list[dict]:
+  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_processes_match_one_process(tmp_path):
+  one, two = tmp_path / "one", tmp_path / "two"
+  single = _run(
+    [sys.executable, "-m", "ebpo_jax.train", *TINY_RUN, f"--workdir={one}"],
+    timeout=180,
+    XLA_FLAGS="--xla_force_host_platform_device_count=8",
+    JAX_PLATFORMS="cpu",
+  )
+  assert single.returncode == 0, single.stderr[-3000:]
+  multi = _run(
+    [LAUNCH / "local_multiprocess.sh", "2", *TINY_RUN, f"--workdir={two}"],
+    timeout=240,
+    PYTHON=sys.executable,
+  )
+  assert multi.returncode == 0, multi.stdout[-3000:] + multi.stderr[-1000:]
+  assert "[rank 0] " in multi.stdout and "[rank 1] " in multi.stdout
+
+  assert [p.relative_to(two) for p in two.rglob("metrics.jsonl")] == [pathlib.Path("metrics.jsonl")]
+  expected, got = _metrics(one), _metrics(two)
+  assert [m["step"] for m in got] == [m["step"] for m in expected] == [0, 1, 2]
+  timing = {k for m in expected for k in m if k.startswith("time/")}
+  assert set(train.TIMING_KEYS) <= timing
+  for want, have in zip(expected, got, strict=True):
+    assert have.keys() == want.keys()
+    keys = sorted(set(want) - timing)
+    np.testing.assert_allclose(
+      [have[k] for k in keys], [want[k] for k in keys], rtol=1e-5, atol=1e-7, err_msg=str(keys)
+    )
+  assert got[1]["grad_norm"] > 0  # the update did something that both runs had to agree on
+  assert len(list((two / "tensorboard").rglob("*tfevents*"))) == 1
+  steps = sorted(p.name for p in (two / "checkpoints").iterdir() if p.name.isdigit())
+  assert steps == sorted(p.name for p in (one / "checkpoints").iterdir() if p.name.isdigit())
+  assert steps == ["0", "2"]
