@@ -1,0 +1,124 @@
+"""Difficulty of each prompt: 1 - pass rate of the base model over k sampled rollouts.
+
+  python -m ebpo_jax.data.difficulty --config=configs/smollm2_135m_ebpo.py \
+      --input=rows.jsonl --output=rows_difficulty.jsonl [--k=8] [--run_dir=RUN --step=0]
+
+The base model is `config.model.path` (a Hugging Face directory) or, with `--run_dir`, a trainer
+checkpoint (e.g. step 0 of a run: the warm-started model), exactly as `python -m ebpo_jax.evaluate`
+picks it; rollouts are sampled with `config.sampling.*` and scored by the task's verifier through
+the same function evaluate uses. The output keeps every row and key of the input (clusters as the
+input wrote them), adding `pass_rate` (share of the k rollouts with the full reward) and
+`difficulty` = 1 - pass_rate (higher = harder, as `ebpo_jax.data.rows` documents), so that
+`--config.data.path=OUT --config.data.order=curriculum` trains easy to hard.
+
+This CLI runs the policy; the rest of `ebpo_jax.data` stays free of models (it is not imported by
+the package).
+"""
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+
+from ebpo_jax import data, evaluate, sharding, tasks, train
+from ebpo_jax.tasks import rewards as rewards_lib
+
+
+def with_difficulty(
+  rows: Sequence[dict[str, Any]], cluster_names: Sequence[str], rewards_nk: np.ndarray
+) -> list[dict[str, Any]]:
+  """The rows with `pass_rate` and `difficulty` from their k rewards, clusters written as the
+  file wrote them (names, or ids when the names are just the ids)."""
+  ids_only = list(cluster_names) == [str(i) for i in range(len(cluster_names))]
+  pass_rates = (rewards_nk >= evaluate.CORRECT_REWARD).mean(axis=1)
+  out = []
+  for row, pass_rate in zip(rows, pass_rates, strict=True):
+    cluster = row["cluster"] if ids_only else cluster_names[row["cluster"]]
+    out.append({**row, "cluster": cluster, "pass_rate": float(pass_rate)})
+    out[-1]["difficulty"] = 1.0 - float(pass_rate)
+  return out
+
+
+def write_rows(path: str, rows: Sequence[dict[str, Any]]) -> None:
+  """Rows as JSONL, atomically."""
+  text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+  evaluate.write_atomic(path, text)
+
+
+def run(
+  config,
+  input_path: str,
+  output_path: str,
+  *,
+  k: int = 8,
+  run_dir: str | None = None,
+  step: int | None = None,
+  batch_size: int = 64,
+) -> list[dict[str, Any]]:
+  """Measures the pass rate of every row of `input_path` and writes `output_path`."""
+  if k < 1:
+    raise evaluate.EvalError(f"--k={k}: must be >= 1")
+  if not output_path.endswith(".jsonl"):
+    raise evaluate.EvalError(f"--output={output_path}: must end in .jsonl")
+  if run_dir is not None:
+    step = evaluate.checkpoint_step(run_dir, step)
+    config = evaluate.with_run_model(config, evaluate.saved_config(run_dir, step))
+  elif step is not None:
+    raise evaluate.EvalError(f"--step={step} needs --run_dir")
+  train.check_config(config, jax.device_count())
+  rows, cluster_names = data.load_rows_and_clusters(input_path)
+  mesh = sharding.make_mesh(dict(config.mesh))
+  task = tasks.get_task(config.task.name, **config.task.options)
+  tokenizer = train.load_tokenizer(config, task)
+  model, params, origin = evaluate.load_policy(config, tokenizer, mesh, run_dir, step)
+  with rewards_lib.RewardPool(config.rewards.workers, config.rewards.timeout_s) as pool:
+    rollouts = train.Rollouts(model, task, tokenizer, config, pool, mesh)
+    _, rewards, errors = evaluate.sample_and_score(
+      rollouts, params, rows, num_samples=k, greedy=False, batch_size=batch_size, seed=config.seed
+    )
+  out = with_difficulty(rows, cluster_names, rewards)
+  if jax.process_index() == 0:
+    write_rows(output_path, out)
+    mean = float(np.mean([r["pass_rate"] for r in out]))
+    print(
+      f"{len(out)} prompts x {k} rollouts, params: {origin}, mean pass rate {mean:.3f}, "
+      f"{errors} verifier errors -> {os.path.abspath(output_path)}"
+    )
+  return out
+
+
+def main(argv: Sequence[str]) -> None:
+  del argv
+  logging.set_verbosity(logging.ERROR)  # orbax warns about the checkpoint items it skips
+  f = flags.FLAGS
+  try:
+    sharding.init_distributed()
+    run(
+      f.config,
+      f.input,
+      f.output,
+      k=f.k,
+      run_dir=f.run_dir,
+      step=f.step,
+      batch_size=f.batch_size,
+    )
+  except (evaluate.EvalError, train.ConfigError, data.DataError) as e:
+    sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+  if "config" not in flags.FLAGS:  # ebpo_jax.train defines --config on import
+    from ml_collections import config_flags
+
+    config_flags.DEFINE_config_file("config", None, "Experiment config file.")
+  flags.DEFINE_string("input", None, "Rows file (JSONL or Parquet) to measure.")
+  flags.DEFINE_string("output", None, "Output JSONL: the rows with pass_rate and difficulty.")
+  flags.DEFINE_integer("k", 8, "Rollouts per prompt.")
+  evaluate.define_policy_flags()
+  flags.mark_flags_as_required(["config", "input", "output"])
+  app.run(main)
