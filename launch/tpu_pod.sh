@@ -116,8 +116,10 @@ create_or_reuse() {
   local describe=("${tpu_vm[@]}" describe "$TPU_NAME" "${where[@]}" --format=value\(state\))
   local state
   print_command "${describe[@]}"
-  if [[ $DRY_RUN == 1 ]]; then
-    state=$([[ ${DRY_RUN_TPU_EXISTS:-0} == 1 ]] && echo READY || echo "")
+  if [[ $DRY_RUN == 1 && ${DRY_RUN_TPU_EXISTS:-0} == 1 ]]; then
+    state=READY
+  elif [[ $DRY_RUN == 1 ]]; then
+    state=""
   else
     state=$("${describe[@]}" 2>/dev/null || true)
   fi
@@ -143,7 +145,8 @@ ship_code() {
       print_command git -C "$repo_root" ls-files -z --cached --others --exclude-standard \
         "|" tar -C "$repo_root" -czf "$tarball" --null -T -
       if [[ $DRY_RUN != 1 ]]; then
-        trap "rm -f $tarball" EXIT # expanded now: $tarball is local
+        # shellcheck disable=SC2064 # expanded now: $tarball is local
+        trap "rm -f $tarball" EXIT
         git -C "$repo_root" ls-files -z --cached --others --exclude-standard |
           tar -C "$repo_root" -czf "$tarball" --null -T -
       fi
