@@ -219,6 +219,8 @@ def test_olympiadbench_answer_lists_subfields_and_images(tmp_path):
   )
   records[1]["is_multiple_answer"] = True
   records[2].update(image_1={"bytes": b"\x89PNG", "path": None}, modality="Multimodal")
+  proof = {**base, "id": 9, "question": "Prove that ...", "final_answer": None}
+  records.append({**proof, "subfield": "Algebra", "question_type": "Theorem proof"})
   path = _write_parquet(tmp_path / "OE_TO_maths_en_COMP.parquet", records)
   rows = read_source("olympiadbench", str(path))
   assert [(r["answer"], r["cluster"], r["id"]) for r in rows] == [
@@ -227,8 +229,8 @@ def test_olympiadbench_answer_lists_subfields_and_images(tmp_path):
   ]
   assert math.isnan(rows[0]["difficulty"])  # "Competition" is not a number
   summary = prepare("olympiadbench", str(path), str(tmp_path / "o.jsonl"))
-  assert "1 dropped (1 with images)" in summary
-  only_images = _write_parquet(tmp_path / "OE_MM_maths_en_COMP.parquet", records[2:])
+  assert "2 dropped (1 proofs, 1 with images)" in summary
+  only_images = _write_parquet(tmp_path / "OE_MM_maths_en_COMP.parquet", records[2:3])
   with pytest.raises(DataError, match="no rows left \\(1 with images dropped\\)"):
     read_source("olympiadbench", str(only_images))
 

@@ -28,7 +28,8 @@ Copies with these layouts: BytedTsinghua-SIA/DAPO-Math-17k and its verl re-uploa
 HuggingFaceH4/MATH-500, Maxwell-Jia/AIME_2024, HuggingFaceH4/aime_2024, opencompass/AIME2025,
 yentinglin/aime_2025, math-ai/aime25, math-ai/amc23, zwhe99/amc23, Hothan/OlympiadBench,
 math-ai/olympiadbench; every source also reads the verl RL layout of the DAPO row (copies
-preprocessed for verl). OlympiadBench rows with images (a non-empty `image_*` column) are skipped.
+preprocessed for verl). OlympiadBench rows with images (a non-empty `image_*` column) and theorem
+proofs (`question_type`) are skipped and counted.
 Bad input (a missing column, a malformed line, an empty answer) raises `DataError` starting with
 `FILE:LINE:` (LINE is the row number in a Parquet file).
 
@@ -73,7 +74,7 @@ class _Layout:
   difficulty: tuple[str, ...] = ()
   context: tuple[str, ...] = ()  # text placed before the prompt when present
   answer_in_solution: bool = False  # no answer column: the last \boxed{} of `solution`
-  skip_images: bool = False
+  skip_images_and_proofs: bool = False  # OlympiadBench: multimodal and theorem-proof rows
 
 
 # Every source also reads the verl RL layout (DAPO's): a `prompt` chat list, the answer in
@@ -114,7 +115,7 @@ _LAYOUTS = {
     ids=("id", _VERL_ID),
     cluster=("subfield", "subject"),
     context=("context",),
-    skip_images=True,
+    skip_images_and_proofs=True,
   ),
 }
 
@@ -211,8 +212,9 @@ def _source_rows(
 ) -> Iterator[dict[str, Any]]:
   layout = _LAYOUTS[name]
   for index, (where, record) in enumerate(_records(path)):
-    if layout.skip_images and _has_image(record):
-      dropped["with images"] += 1
+    skipped = _skipped(record) if layout.skip_images_and_proofs else None
+    if skipped:
+      dropped[skipped] += 1
     else:
       yield _row(name, layout, record, where, index)
 
@@ -417,10 +419,15 @@ def _difficulty(value: Any) -> float:
   return math.nan
 
 
-def _has_image(record: Any) -> bool:
-  return isinstance(record, dict) and any(
-    key.startswith("image") and value not in (None, "", [], {}) for key, value in record.items()
-  )
+def _skipped(record: Any) -> str | None:
+  """Why an OlympiadBench record has no use here (it shows images, or asks for a proof), or None."""
+  if not isinstance(record, dict):
+    return None
+  if any(k.startswith("image") and v not in (None, "", [], {}) for k, v in record.items()):
+    return "with images"
+  if str(record.get("question_type", "")).lower().startswith("theorem"):
+    return "proofs"
+  return None
 
 
 def _records(path: pathlib.Path) -> Iterator[tuple[str, Any]]:
