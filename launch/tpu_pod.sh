@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs the trainer on every worker of a Cloud TPU VM slice (one process per host, the same command
-# on each; jax.distributed.initialize() finds the other hosts from the TPU metadata).
+# on each; with EBPO_JAX_DISTRIBUTED=auto the trainer calls jax.distributed.initialize(), which
+# finds the other hosts from the TPU metadata).
 #
 #   TPU_NAME=ebpo ZONE=us-east5-a WORKDIR=gs://BUCKET/runs/arith launch/tpu_pod.sh [--dry-run]
 #   launch/tpu_pod.sh --attach    # stream worker 0's log again (after Ctrl-C or a dropped link)
@@ -173,7 +174,9 @@ start_trainer() {
   local args=(--config="$CONFIG" --workdir="$WORKDIR") extra train_cmd
   read -ra extra <<<"$EXTRA_ARGS"
   args+=("${extra[@]}")
-  train_cmd="python3 -m ebpo_jax.train$(printf ' %q' "${args[@]}")"
+  # EBPO_JAX_DISTRIBUTED=auto: the trainer calls jax.distributed.initialize(), which reads the
+  # slice's hosts from the TPU metadata.
+  train_cmd="EBPO_JAX_DISTRIBUTED=auto python3 -m ebpo_jax.train$(printf ' %q' "${args[@]}")"
   [[ $train_cmd != *\'* ]] || fail "CONFIG, WORKDIR and EXTRA_ARGS may not contain single quotes"
   on_workers all "cd ~/$REPO_DIR && rm -f ~/$LOG.rc && setsid nohup bash -c \
 '$train_cmd; echo \$? > ~/$LOG.rc' > ~/$LOG 2>&1 < /dev/null & echo \$! > ~/$LOG.pid"
