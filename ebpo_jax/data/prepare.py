@@ -277,7 +277,7 @@ def _row(name: str, layout: _Layout, record: Any, where: str, index: int) -> dic
   return {
     "prompt": prompt,
     "answer": _answer_text(value, where),
-    "cluster": str(cluster).strip() if cluster not in (None, "") else name,
+    "cluster": str(cluster).strip() or name if cluster is not None else name,
     "difficulty": _difficulty(_first(record, layout.difficulty)),
     "source": name,
     "id": str(identifier) if identifier not in (None, "") else f"{name}-{index}",
