@@ -229,7 +229,12 @@ def test_cli_copies_a_column(tmp_path, capsys):
 
   source, out = tmp_path / "rows.parquet", tmp_path / "out.jsonl"
   subjects = ["algebra", "geometry", "algebra", "number theory", "algebra"]
-  table = {"prompt": [f"q{i}" for i in range(5)], "answer": ["1"] * 5, "subject": subjects}
+  table = {
+    "prompt": [f"q{i}" for i in range(5)],
+    "answer": ["1"] * 5,
+    "subject": subjects,
+    "level": [3, 1, 1, 5, 3],
+  }
   pq.write_table(pa.table(table), source)
   assert cluster.main([f"--input={source}", f"--output={out}", "--from_column=subject"]) == 0
   rows, names = load_rows_and_clusters(out)
@@ -238,6 +243,11 @@ def test_cli_copies_a_column(tmp_path, capsys):
   assert all(np.isnan(r["difficulty"]) for r in rows)
   assert "difficulty" not in json.loads(out.read_text().splitlines()[0])  # NaN is left out
   assert "algebra: 3 rows" in capsys.readouterr().out
+  # Int values stay ids: names "0".."5", each row's cluster its level.
+  assert cluster.main([f"--input={source}", f"--output={out}", "--from_column=level"]) == 0
+  rows, names = load_rows_and_clusters(out)
+  assert [r["cluster"] for r in rows] == [3, 1, 1, 5, 3] and names == [str(i) for i in range(6)]
+  assert [r["subject"] for r in rows] == subjects
 
 
 def test_cli_errors(tmp_path, capsys):

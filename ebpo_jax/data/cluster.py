@@ -226,9 +226,8 @@ class SentenceEncoder:
     for start in range(0, len(texts), rows_per_batch):
       chosen = order[start : start + rows_per_batch]
       ids_bt, mask_bt = _pad_batch([token_ids[i] for i in chosen], rows_per_batch, max_length)
-      out[chosen] = np.asarray(_encode_jit(self.params, ids_bt, mask_bt, config=self.config))[
-        : len(chosen)
-      ]
+      embeddings_bd = _encode_jit(self.params, ids_bt, mask_bt, config=self.config)
+      out[chosen] = np.asarray(embeddings_bd)[: len(chosen)]
     return out
 
 
@@ -286,7 +285,7 @@ def _squared_distances(x_nd: np.ndarray, c_kd: np.ndarray) -> np.ndarray:
 
 
 def kmeans_plus_plus(x_nd: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
-  """Greedy k-means++ seeding (Arthur & Vassilvitskii 2007, Sec. 6).
+  """Greedy k-means++ seeding (k-means++: Arthur & Vassilvitskii 2007; greedy as in scikit-learn).
 
   Each next centre: draw 2 + log(k) candidates with probability ~ D^2 (squared distance to the
   nearest centre so far) and keep the one that lowers sum D^2 most; plain k-means++ draws one,
