@@ -233,3 +233,17 @@ def policy_loss(
     metrics["entropy"] = ent
   metrics["loss"] = loss
   return loss, metrics
+
+
+def overlong_penalty(lengths_b: Array, *, max_len: int, buffer: int, penalty: float = 1.0) -> Array:
+  """DAPO's soft overlong punishment (Yu et al. 2025, Eq. 13), added to the task reward.
+
+  0 for lengths up to max_len - buffer, then falling linearly to -penalty at max_len (a truncated
+  response has length max_len): -penalty * (len - (max_len - buffer)) / buffer. buffer = 0: off.
+  """
+  if buffer < 0 or buffer > max_len:
+    raise ValueError(f"overlong buffer must lie in [0, max_len={max_len}], got {buffer}")
+  if buffer == 0:
+    return jnp.zeros(jnp.shape(lengths_b), jnp.float32)
+  over = jnp.clip(jnp.asarray(lengths_b, jnp.float32) - (max_len - buffer), 0.0, buffer)
+  return -penalty * over / buffer

@@ -8,6 +8,7 @@ replicated along that dimension rather than refused, so one rule set serves ever
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -101,6 +102,38 @@ def logical_shardings(abstract_tree: Any, mesh: Mesh, rules: Rules = DEFAULT_RUL
     return NamedSharding(mesh, PartitionSpec())
 
   return jax.tree.map(leaf_sharding, abstract_tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+
+DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+def init_distributed() -> bool:
+  """Joins a multi-process run (one process per host, the same command on every host).
+
+  With `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID` set (as
+  launch/local_multiprocess.sh and launch/gpu.sh do) they are passed on explicitly; with
+  `EBPO_JAX_DISTRIBUTED=auto` (launch/tpu_pod.sh) JAX detects the cluster (TPU pod, SLURM).
+  Otherwise this is a single-process run and nothing happens. Returns whether it initialised.
+  Call it before anything touches a device.
+  """
+  given = [name for name in DISTRIBUTED_ENV if os.environ.get(name)]
+  if 0 < len(given) < len(DISTRIBUTED_ENV):
+    missing = sorted(set(DISTRIBUTED_ENV) - set(given))
+    raise ValueError(f"multi-process run: {', '.join(given)} set but {', '.join(missing)} not")
+  if given or os.environ.get("EBPO_JAX_DISTRIBUTED") == "auto":
+    # Cross-process collectives on CPU (loopback runs) need gloo; GPU and TPU ignore the option.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  if given:
+    jax.distributed.initialize(
+      coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
+      num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+      process_id=int(os.environ["JAX_PROCESS_ID"]),
+    )
+    return True
+  if os.environ.get("EBPO_JAX_DISTRIBUTED") == "auto":
+    jax.distributed.initialize()
+    return True
+  return False
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

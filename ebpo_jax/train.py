@@ -27,12 +27,14 @@ import numpy as np
 import optax
 import tqdm
 from absl import app, flags, logging
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import config_flags
 
 from ebpo_jax import advantages, checkpoint, data, losses, models, sampling, sharding, tasks
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.tasks import rewards as rewards_lib
+from ebpo_jax.tasks import tokenizers
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and plots.")
@@ -99,6 +101,15 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   _require(config.sampling.temperature > 0, config, "sampling.temperature", "must be > 0")
   _require(0 < config.sampling.top_p <= 1, config, "sampling.top_p", "must lie in (0, 1]")
   _require(config.sampling.max_new_tokens >= 1, config, "sampling.max_new_tokens", "must be >= 1")
+  _choice(config, "rl.dynamic_sampling", (True, False))
+  _require(rl.max_refill_rounds >= 0, config, "rl.max_refill_rounds", "must be >= 0")
+  _require(
+    0 <= rl.overlong_buffer <= config.sampling.max_new_tokens,
+    config,
+    "rl.overlong_buffer",
+    f"must lie in [0, sampling.max_new_tokens={config.sampling.max_new_tokens}]",
+  )
+  _require(rl.overlong_penalty >= 0, config, "rl.overlong_penalty", "must be >= 0")
   _require(config.rl.loss.clip_low >= 0, config, "rl.loss.clip_low", "must be >= 0")
   _require(config.rl.loss.clip_high >= 0, config, "rl.loss.clip_high", "must be >= 0")
   _require(
@@ -138,13 +149,33 @@ def _data_shards(config, num_devices: int) -> int:
 
 # ----------------------------------------------------------------------------- model, optimizer
 
+_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+def _architecture(mc) -> dict:
+  """ModelConfig fields of a random-init model's family (optional keys; llama, tied, by default)."""
+  arch = mc.get("architecture", "llama")
+  if arch not in _ARCHITECTURES:
+    raise ConfigError(f"config.model.architecture={arch!r}: must be one of {_ARCHITECTURES}")
+  return {
+    "architecture": arch,
+    "attention_bias": arch == "qwen2",
+    "qk_norm": arch == "qwen3",
+    "tie_word_embeddings": bool(mc.get("tie_word_embeddings", True)),
+    "rope_theta": float(mc.get("rope_theta", 10000.0)),
+  }
+
 
 def build_model(config, tokenizer, mesh) -> tuple[models.Decoder, Any]:
   """The policy and its sharded parameters: a Hugging Face directory or a random-init decoder."""
   mc = config.model
   if mc.path:
     return models.from_pretrained(
-      mc.path, dtype=jnp.dtype(mc.dtype), param_dtype=mc.param_dtype, remat=mc.remat, mesh=mesh
+      models.resolve_model_path(mc.path),
+      dtype=jnp.dtype(mc.dtype),
+      param_dtype=mc.param_dtype,
+      remat=mc.remat,
+      mesh=mesh,
     )
   model_config = models.ModelConfig(
     vocab_size=tokenizer.vocab_size,
@@ -154,7 +185,7 @@ def build_model(config, tokenizer, mesh) -> tuple[models.Decoder, Any]:
     num_heads=mc.num_heads,
     num_kv_heads=mc.num_kv_heads,
     head_dim=mc.head_dim,
-    tie_word_embeddings=True,
+    **_architecture(mc),
     dtype=mc.dtype,
     param_dtype=mc.param_dtype,
     remat=mc.remat,
@@ -363,8 +394,8 @@ class Rollouts:
     self.config, self.pool, self.mesh = config, pool, mesh
 
   def prompts(self, rows: list[dict]) -> tuple[np.ndarray, np.ndarray]:
-    bos = [self.tokenizer.bos_id]
-    token_lists = [bos + self.tokenizer.encode(self.task.format_prompt(row)) for row in rows]
+    system = self.task.system_prompt
+    token_lists = [self.tokenizer.prompt_ids(self.task.format_prompt(row), system) for row in rows]
     return sampling.pad_prompts(
       token_lists, self.tokenizer.pad_id, tuple(self.config.sampling.prompt_buckets)
     )
@@ -375,8 +406,8 @@ class Rollouts:
     out = sampling.generate(
       self.model,
       params,
-      jnp.asarray(prompt_ids),
-      jnp.asarray(prompt_mask),
+      prompt_ids,  # host arrays: `generate` places them on the mesh (every process has them)
+      prompt_mask,
       rng,
       group_size=group_size,
       max_new_tokens=sc.max_new_tokens,
@@ -384,18 +415,139 @@ class Rollouts:
       top_p=sc.top_p,
       top_k=sc.top_k,
       greedy=greedy,
-      stop_ids=(self.tokenizer.eos_id,),
+      stop_ids=self.tokenizer.stop_ids,
       pad_id=self.tokenizer.pad_id,
       mesh=self.mesh,
     )
     return prompt_ids, prompt_mask, out
 
+  def texts(self, out) -> list[str]:
+    """The decoded completions, in row order ([N * G]), on every process."""
+    tokens, mask = _to_host(out.tokens), _to_host(out.mask)
+    return [self.tokenizer.decode(t[m].tolist()) for t, m in zip(tokens, mask, strict=True)]
+
   def score(self, out, rows: list[dict], group_size: int) -> tuple[np.ndarray, int]:
-    tokens, mask = jax.device_get((out.tokens, out.mask))
-    texts = [self.tokenizer.decode(t[m].tolist()) for t, m in zip(tokens, mask, strict=True)]
+    """Rewards [N, G] and the number of failed verifier calls. With several processes each
+    scores its own contiguous share of the completions and all receive every reward."""
+    texts = self.texts(out)
     rows_g = [row for row in rows for _ in range(group_size)]
-    rewards, errors = self.pool.score(self.task.score, texts, rows_g)
+    share = -(-len(texts) // jax.process_count())
+    mine = slice(jax.process_index() * share, (jax.process_index() + 1) * share)
+    rewards, errors = self.pool.score(self.task.score, texts[mine], rows_g[mine])
+    if jax.process_count() > 1:
+      padded = np.zeros(share, np.float32)
+      padded[: len(rewards)] = rewards
+      gathered = multihost_utils.process_allgather(np.concatenate([padded, [errors]]))
+      rewards, errors = gathered[:, :share].reshape(-1)[: len(texts)], int(gathered[:, -1].sum())
     return rewards.reshape(len(rows), group_size), errors
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+  """The whole of a (possibly multi-process) global array, as NumPy on this process."""
+  if x.is_fully_addressable or x.is_fully_replicated:
+    return np.asarray(jax.device_get(x))
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def sample_part(rollouts: Rollouts, params, key, batch_rows: list[dict]) -> dict:
+  """B prompts x G sampled responses, scored (with DAPO's overlong penalty when configured)."""
+  config = rollouts.config
+  group_size = config.rl.group_size
+  prompt_ids, prompt_mask, out = rollouts.sample(
+    params, batch_rows, key, group_size=group_size, greedy=False
+  )
+  task_rewards, errors = rollouts.score(out, batch_rows, group_size)
+  penalty = losses.overlong_penalty(
+    out.lengths,
+    max_len=config.sampling.max_new_tokens,
+    buffer=config.rl.overlong_buffer,
+    penalty=config.rl.overlong_penalty,
+  )
+  penalty = np.asarray(penalty).reshape(task_rewards.shape)
+  return {
+    "rows": batch_rows,
+    "task_rewards": task_rewards,
+    "errors": errors,
+    "sampled_tokens": int(jnp.sum(out.mask)),
+    "overlong_penalty": float(penalty.mean()),
+    "batch": {
+      "prompt_ids": prompt_ids,
+      "prompt_mask": prompt_mask,
+      "tokens": out.tokens,
+      "completion_mask": out.mask,
+      "old_logps": out.logprobs,
+      "truncated": out.truncated,
+      "rewards": (task_rewards + penalty).astype(np.float32),
+      "cluster_ids": np.array([r["cluster"] for r in batch_rows], np.int32),
+    },
+  }
+
+
+def collect_batch(rollouts: Rollouts, params, key, rows, batches) -> tuple[dict, list[dict], dict]:
+  """One step's train_step batch (B prompts x G responses), its rows and rollout metrics.
+
+  With `rl.dynamic_sampling` (DAPO), groups whose task rewards are all equal are dropped and up
+  to `rl.max_refill_rounds` further batches of prompts are sampled to refill the batch; if it is
+  still short, the dropped groups of the first round fill it (counted in `dapo/filled_groups`).
+  """
+  rl = rollouts.config.rl
+  first = sample_part(
+    rollouts, params, jax.random.fold_in(key, 0), [rows[i] for i in next(batches)]
+  )
+  logs = {
+    "reward/errors": first["errors"],
+    "rollout/tokens": first["sampled_tokens"],
+    "reward/overlong_penalty": first["overlong_penalty"],
+  }
+  if not rl.dynamic_sampling:
+    return first["batch"], first["rows"], logs
+  num_prompts = len(first["rows"])
+  parts, rounds = [first], 1
+  while sum(_varied(p).sum() for p in parts) < num_prompts and rounds <= rl.max_refill_rounds:
+    batch_rows = [rows[i] for i in next(batches)]
+    parts.append(sample_part(rollouts, params, jax.random.fold_in(key, rounds), batch_rows))
+    logs["reward/errors"] += parts[-1]["errors"]
+    logs["rollout/tokens"] += parts[-1]["sampled_tokens"]
+    rounds += 1
+  picks = [(part, np.flatnonzero(_varied(part))) for part in parts]
+  kept = sum(len(idx) for _, idx in picks)
+  if kept < num_prompts:  # still short: the first round's dropped groups fill the rest
+    picks.append((first, np.flatnonzero(~_varied(first))[: num_prompts - kept]))
+  batch, batch_rows = _select_groups(picks, num_prompts, rl.group_size)
+  logs.update(
+    {
+      "dapo/kept_frac": float(_varied(first).mean()),
+      "dapo/rounds": rounds,
+      "dapo/filled_groups": max(num_prompts - kept, 0),
+    }
+  )
+  return batch, batch_rows, logs
+
+
+def _varied(part: dict) -> np.ndarray:
+  """[B] bool: the group's task rewards are not all equal (it carries a learning signal)."""
+  rewards = part["task_rewards"]
+  return rewards.max(axis=1) > rewards.min(axis=1)
+
+
+def _select_groups(picks, num_prompts: int, group_size: int) -> tuple[dict, list[dict]]:
+  """The first `num_prompts` picked groups of several parts as one batch of host arrays, prompts
+  left-padded to the widest part (pads are masked, so their id does not matter)."""
+  width = max(part["batch"]["prompt_ids"].shape[1] for part, _ in picks)
+  pieces, batch_rows = collections.defaultdict(list), []
+  for part, idx in picks:
+    idx = idx[: num_prompts - len(batch_rows)]
+    b = {k: _to_host(v) if isinstance(v, jax.Array) else v for k, v in part["batch"].items()}
+    pad = ((0, 0), (width - b["prompt_ids"].shape[1], 0))
+    responses = (idx[:, None] * group_size + np.arange(group_size)).reshape(-1)
+    pieces["prompt_ids"].append(np.pad(b["prompt_ids"][idx], pad))
+    pieces["prompt_mask"].append(np.pad(b["prompt_mask"][idx], pad))
+    for k in ("rewards", "cluster_ids"):
+      pieces[k].append(b[k][idx])
+    for k in ("tokens", "completion_mask", "old_logps", "truncated"):
+      pieces[k].append(b[k][responses])
+    batch_rows += [part["rows"][i] for i in idx]
+  return {k: np.concatenate(v) for k, v in pieces.items()}, batch_rows
 
 
 def evaluate_accuracy(rollouts: Rollouts, params, eval_rows, cluster_names, rng) -> dict:
@@ -434,7 +586,9 @@ def load_task_and_rows(config) -> tuple[Any, list[dict], list[str], list[dict]]:
 def load_tokenizer(config, task):
   """The model directory's tokenizer, or the task's own for a random-init model."""
   if config.model.path:
-    return models.load_tokenizer(config.model.path)
+    return tokenizers.HFTokenizer(
+      models.resolve_model_path(config.model.path), chat_template=config.model.chat_template
+    )
   return task.tokenizer
 
 
@@ -499,14 +653,16 @@ def warm_start(config, model, state: TrainState, rows, rollouts) -> TrainState:
     batch_rows = [rows[i] for i in rng.integers(0, len(rows), sc.batch_size)]
     prompt_ids, prompt_mask = rollouts.prompts(batch_rows)
     targets = np.full((len(batch_rows), max_len), tokenizer.pad_id, np.int32)
+    target_mask = np.zeros((len(batch_rows), max_len), bool)  # pad may equal EOS: mask by length
     for i, row in enumerate(batch_rows):
       ids = tokenizer.encode(rollouts.task.format_target(row))[: max_len - 1] + [tokenizer.eos_id]
       targets[i, : len(ids)] = ids
+      target_mask[i, : len(ids)] = True
     batch = {
       "prompt_ids": prompt_ids,
       "prompt_mask": prompt_mask,
       "targets": targets,
-      "target_mask": targets != tokenizer.pad_id,
+      "target_mask": target_mask,
     }
     params, opt_state, loss = sft_step(params, opt_state, batch)
   print(
@@ -582,6 +738,7 @@ def main(argv: Sequence[str]) -> None:
   if workdir is None:
     raise app.UsageError("--workdir is required")
   try:
+    sharding.init_distributed()
     check_config(config, jax.device_count())
     run(config, workdir)
   except (ConfigError, data.DataError) as e:
@@ -662,23 +819,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   )
   for step in bar:
     t0 = time.perf_counter()
-    batch_rows = [rows[i] for i in next(batches)]
-    key = jax.random.fold_in(jax.random.fold_in(state.rng, step), 0)
-    prompt_ids, prompt_mask, out = rollouts.sample(
-      state.params, batch_rows, key, group_size=config.rl.group_size, greedy=False
-    )
-    rewards, errors = rollouts.score(out, batch_rows, config.rl.group_size)
+    key = jax.random.fold_in(state.rng, step)
+    batch, batch_rows, rollout_logs = collect_batch(rollouts, state.params, key, rows, batches)
     t1 = time.perf_counter()
-    batch = {
-      "prompt_ids": prompt_ids,
-      "prompt_mask": prompt_mask,
-      "tokens": out.tokens,
-      "completion_mask": out.mask,
-      "old_logps": out.logprobs,
-      "truncated": out.truncated,
-      "rewards": rewards,
-      "cluster_ids": np.array([r["cluster"] for r in batch_rows], np.int32),
-    }
     state, step_metrics = step_fn(state, batch)
     step_metrics = jax.device_get(step_metrics)
     t2 = time.perf_counter()
@@ -689,15 +832,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         f"error: non-finite loss or grad norm in {bad_in_a_row} steps in a row "
         f"(train.max_bad_steps={config.train.max_bad_steps}); last good checkpoint kept"
       )
-    logged = host_metrics(step_metrics, batch_rows, rewards, cluster_names)
+    logged = host_metrics(step_metrics, batch_rows, batch["rewards"], cluster_names)
     logged.update(
       {
-        "reward/errors": errors,
+        **rollout_logs,
         "time/step_s": t2 - t0,
         "time/sample_s": t1 - t0,
         "time/update_s": t2 - t1,
         "compiles/train_step": traces["train_step"],
-        "time/tokens_per_s": float(np.asarray(out.mask).sum()) / (t2 - t0),
+        "time/tokens_per_s": rollout_logs["rollout/tokens"] / (t2 - t0),
       }
     )
     if (step + 1) % config.eval.every_steps == 0 or step + 1 == config.train.num_steps:
@@ -708,14 +851,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       reward=f"{logged['reward/mean']:.3f}",
       acc=f"{last_eval.get('eval/accuracy', float('nan')):.3f}",
     )
+    stop = sigterm.requested_anywhere()  # every process saves and stops at the same step
     ckpt.save(
       step + 1,
       state,
       data_iter=batches,
       config=config.to_dict(),
-      force=step + 1 == config.train.num_steps or sigterm.requested,
+      force=step + 1 == config.train.num_steps or stop,
     )
-    if sigterm.requested:
+    if stop:
       ckpt.wait()
       ckpt.close()
       writer.close()

@@ -1,7 +1,7 @@
 """The policy model: one config-driven decoder, its HF/GGUF weight I/O, and the packaged SmolLM2."""
 
 from ebpo_jax.models.decoder import Decoder, KVCache, ModelConfig, init_cache
-from ebpo_jax.models.gguf_io import convert_gguf, smollm2_135m_instruct
+from ebpo_jax.models.gguf_io import convert_gguf, resolve_model_path, smollm2_135m_instruct
 from ebpo_jax.models.hf_io import from_pretrained, load_tokenizer, save_pretrained
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
   "from_pretrained",
   "init_cache",
   "load_tokenizer",
+  "resolve_model_path",
   "save_pretrained",
   "smollm2_135m_instruct",
 ]

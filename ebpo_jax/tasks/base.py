@@ -37,6 +37,10 @@ class Task(abc.ABC):
   def format_target(self, row: dict[str, Any]) -> str:
     return row["answer"]
 
+  def extract_answer(self, response: str) -> str:
+    """The response's final answer, normalised: the key of a majority vote (maj@k)."""
+    return normalize_answer(extract_final_answer(response))
+
 
 def check_split(split: str, n: int) -> None:
   if split not in SPLITS:

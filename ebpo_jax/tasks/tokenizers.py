@@ -1,15 +1,36 @@
-"""Tokenizers for random-init models: characters of arithmetic, or UTF-8 bytes of any text.
+"""Tokenizers: characters of arithmetic or UTF-8 bytes (random-init models), or a model directory's.
 
-Both have `vocab_size`, `pad_id`, `bos_id`, `eos_id`; `encode(text)` gives the text's ids only
-(add BOS/EOS yourself); `decode(ids)` stops at the first EOS and drops pad and BOS.
+All have `vocab_size`, `pad_id`, `bos_id`, `eos_id`, `stop_ids`; `encode(text)` gives the text's ids
+only; `prompt_ids(text, system_prompt)` the ids the model sees before its completion (BOS + text, or
+a chat model's template); `decode(ids)` stops at the first stop id and drops pad and BOS.
 """
 
+import json
+import os
 from collections.abc import Sequence
+from typing import Any
 
 _SPECIALS = 3  # ids 0, 1, 2: pad, BOS, EOS
 
 
-class CharTokenizer:
+class _Own:
+  """Prompt ids and stop ids of the project's own tokenizers (subclasses define `encode`)."""
+
+  pad_id: int
+  bos_id: int
+  eos_id: int
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    return (self.eos_id,)
+
+  def prompt_ids(self, text: str, system_prompt: str | None = None) -> list[int]:
+    if system_prompt:
+      text = f"{system_prompt}\n{text}"
+    return [self.bos_id, *self.encode(text)]  # type: ignore[attr-defined]
+
+
+class CharTokenizer(_Own):
   """The characters of arithmetic prompts and answers (18 ids)."""
 
   CHARS = "0123456789+-*= "
@@ -29,7 +50,7 @@ class CharTokenizer:
     return "".join(self.CHARS[i - _SPECIALS] for i in _content_ids(ids, self))
 
 
-class ByteTokenizer:
+class ByteTokenizer(_Own):
   """UTF-8 bytes (259 ids): any text, for tiny models on reasoning-gym or file tasks."""
 
   def __init__(self):
@@ -56,3 +77,63 @@ def _content_ids(ids: Sequence[int], tokenizer: CharTokenizer | ByteTokenizer) -
       raise ValueError(f"token id {i} is outside the vocabulary (size {tokenizer.vocab_size})")
     out.append(i)
   return out
+
+
+class HFTokenizer:
+  """A model directory's tokenizer (transformers), with its chat template for instruct models.
+
+  `chat_template=True` wraps prompts in the directory's chat template (when it has one), with the
+  generation prompt appended; otherwise prompts are BOS (if the model has one) + text. Completions
+  stop at EOS or at any `eos_token_id` listed in the directory's generation_config.json.
+  """
+
+  def __init__(self, path: str, *, chat_template: bool = True):
+    from transformers import AutoTokenizer
+
+    self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if self._tok.eos_token_id is None:
+      raise ValueError(f"{path}: the tokenizer has no EOS token; completions could never stop")
+    self.eos_id = int(self._tok.eos_token_id)
+    pad = self._tok.pad_token_id
+    self.pad_id = self.eos_id if pad is None else int(pad)
+    self.bos_id = None if self._tok.bos_token_id is None else int(self._tok.bos_token_id)
+    self.vocab_size = len(self._tok)
+    self.stop_ids = _stop_ids(path, self.eos_id)
+    self.use_chat_template = bool(chat_template and self._tok.chat_template)
+
+  @property
+  def hf_tokenizer(self) -> Any:
+    return self._tok
+
+  def encode(self, text: str) -> list[int]:
+    return list(self._tok.encode(text, add_special_tokens=False))
+
+  def prompt_ids(self, text: str, system_prompt: str | None = None) -> list[int]:
+    if not self.use_chat_template:
+      bos = [] if self.bos_id is None else [self.bos_id]
+      prefix = f"{system_prompt}\n" if system_prompt else ""
+      return bos + self.encode(prefix + text)
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    messages.append({"role": "user", "content": text})
+    out = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+  def decode(self, ids: Sequence[int]) -> str:
+    ids = [int(i) for i in ids]
+    for n, i in enumerate(ids):
+      if i in self.stop_ids:
+        ids = ids[:n]
+        break
+    return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def _stop_ids(path: str, eos_id: int) -> tuple[int, ...]:
+  """EOS plus the `eos_token_id`s of generation_config.json (a chat model's end-of-turn ids)."""
+  ids = [eos_id]
+  config_path = os.path.join(path, "generation_config.json")
+  if os.path.isfile(config_path):
+    with open(config_path) as f:
+      extra = json.load(f).get("eos_token_id")
+    extra = [] if extra is None else [extra] if isinstance(extra, int) else extra
+    ids += [int(i) for i in extra if int(i) not in ids]
+  return tuple(ids)
