@@ -1,0 +1,312 @@
+"""The EBPO paper's runs (arXiv 2602.05165): three models x six methods x four group sizes.
+
+  --config=configs/paper.py:MODEL,METHOD[,gN][,runlocal]
+
+  MODEL   qwen3_8b | qwen3_14b | llama31_8b
+  METHOD  ebpo_topic  EBPO, a prior per topic cluster, batches in clustered sequences
+          ebpo_naive  EBPO, one global prior, shuffled data (paper: "EBPO-naive")
+          ebpo_diff   EBPO, one global running prior, one epoch ordered easy -> hard (curriculum)
+          grpo | dr_grpo | dapo   the paper's baselines
+  gN      group size G in {4, 8, 16, 32}; default 4 (the paper's default)
+  runlocal  the same method on a 2-layer random-init model of the same architecture (head layout,
+            qk-norm, untied head, MLP ratio): one RL step on integer arithmetic, seconds on a CPU
+
+All hyperparameters are the paper's as restated in the project's EBPO.md ("The rest of the recipe"),
+cited per key below; keys marked "assumed" are not given there.
+
+Data pipeline (rows files of {"prompt", "answer", "cluster", "difficulty", "source", "id"}):
+
+  # 1. DAPO-Math-17K (a local copy) and the evaluation sets -> the project's row format
+  python -m ebpo_jax.data.prepare --source=dapo_math_17k --input=/data/raw/dapo-math-17k \
+      --out=/data/ebpo/dapo_math_17k.jsonl
+  python -m ebpo_jax.data.prepare --source=math500,aime24,aime25,amc23,olympiadbench \
+      --input=/data/raw --out=/data/ebpo/math_eval.jsonl
+  # 2a. topic clusters (ebpo_topic; the authors: all-MiniLM-L6-v2 sentence embeddings, KMeans)
+  python -m ebpo_jax.data.cluster --rows=/data/ebpo/dapo_math_17k.jsonl \
+      --out=/data/ebpo/dapo_math_17k.topic.jsonl --num_clusters=10
+  # 2b. difficulty = the base model's pass rate over 16 rollouts at temperature 1.0 (ebpo_diff)
+  python -m ebpo_jax.data.difficulty --config=configs/paper.py:qwen3_8b,ebpo_diff \
+      --rows=/data/ebpo/dapo_math_17k.jsonl --out=/data/ebpo/dapo_math_17k.diff.qwen3_8b.jsonl \
+      --num_samples=16
+  # 3. train (the same command on every host of the slice; see launch/)
+  python -m ebpo_jax.train --config=configs/paper.py:qwen3_8b,ebpo_topic,g4 --workdir=gs://.../run
+  # 4. evaluate: Pass@1 averaged over eval.num_samples samples per problem, per benchmark
+  python -m ebpo_jax.evaluate --config=configs/paper.py:qwen3_8b,ebpo_topic,g4 --workdir=...
+
+Model weights: `model.path` is a local Hugging Face directory (config.json, safetensors, tokenizer),
+e.g. `huggingface-cli download Qwen/Qwen3-8B --local-dir /data/models/Qwen3-8B` beforehand;
+override with `--config.model.path=...`. The paper says "LLaMA-3.1-8B"; we assume the Instruct
+model (a chat template for the math prompts; the base model has none).
+
+Mesh and memory, sized for a v5p-64-class slice (32 chips, 95 GB HBM each; bench/MEMORY.md has the
+compiled numbers):
+- Parameters are float32 master weights (`model.param_dtype`): at lr 1e-6 an Adam update is about
+  1e-6 per weight, far below bfloat16's resolution (2^-8 relative) of weights of size ~1e-2, so
+  bfloat16 weights would not move. Matmuls run in bfloat16 (`model.dtype`).
+- FSDP x tensor = 8 x 4 (`mesh.fsdp=-1` gives 8 on 32 chips). The state (params, grads, two Adam
+  moments, the frozen KL reference: 5 x 4 bytes per parameter) of Qwen3-8B is 164 GB, 5.1 GB per
+  chip; Qwen3-14B 296 GB, 9.2 GB per chip. Tensor parallelism 4 splits the attention heads (32 or 40
+  query, 8 KV) and the vocabulary: a 12,288-token sequence (4,096 prompt + 8,192 response) has
+  float32 attention scores of 32 heads x 12,288^2 x 4 B = 19 GB per layer; over 4 chips 4.8 GB
+  (and its softmax and gradient are as large again). Pure FSDP over 32 chips would hold all 32
+  heads' scores on every chip.
+- `model.remat="full"`: each layer's activations are recomputed in the backward pass, only the layer
+  inputs are kept (12,288 x 4,096 x 2 B = 0.1 GB per layer and sequence). "dots" would save every
+  matmul output, the attention scores included: gigabytes per layer, times 36-40 layers.
+- `train.micro_batch_size=8` rows: one sequence per (data x fsdp) shard per gradient-accumulation
+  step; the 512 x G rows of a step go through in 128 x G / 8 micro-steps per mini-batch. The
+  logits of one sequence's response, 8,192 x 151,936 / 4 x 4 B = 1.2 GB per chip, are kept a few
+  times (log-softmax, entropy, their gradients).
+Runlocal: 8 fake CPU devices as fsdp x tensor = 4 x 2.
+"""
+
+import ml_collections
+
+MODELS = {  # the checkpoints' config.json values
+  "qwen3_8b": {
+    "path": "/data/models/Qwen3-8B",
+    "architecture": "qwen3",
+    "vocab_size": 151_936,
+    "hidden_size": 4096,
+    "intermediate_size": 12_288,
+    "num_layers": 36,
+    "num_heads": 32,
+    "num_kv_heads": 8,
+    "head_dim": 128,
+    "tie_word_embeddings": False,
+    "rope_theta": 1_000_000.0,
+  },
+  "qwen3_14b": {
+    "path": "/data/models/Qwen3-14B",
+    "architecture": "qwen3",
+    "vocab_size": 151_936,
+    "hidden_size": 5120,
+    "intermediate_size": 17_408,
+    "num_layers": 40,
+    "num_heads": 40,
+    "num_kv_heads": 8,
+    "head_dim": 128,
+    "tie_word_embeddings": False,
+    "rope_theta": 1_000_000.0,
+  },
+  "llama31_8b": {
+    "path": "/data/models/Llama-3.1-8B-Instruct",
+    "architecture": "llama",
+    "vocab_size": 128_256,
+    "hidden_size": 4096,
+    "intermediate_size": 14_336,
+    "num_layers": 32,
+    "num_heads": 32,
+    "num_kv_heads": 8,
+    "head_dim": 128,
+    "tie_word_embeddings": False,
+    "rope_theta": 500_000.0,  # plus HF's llama3 rope scaling, read from config.json
+  },
+}
+METHODS = ("ebpo_topic", "ebpo_naive", "ebpo_diff", "grpo", "dr_grpo", "dapo")
+GROUP_SIZES = (4, 8, 16, 32)
+TARGET_DEVICES = 32  # a v5p-64-class slice: 32 chips
+
+# DAPO-Math-17K: about 17.4K distinct prompts; one epoch at 512 prompts per step.
+PROMPTS_PER_EPOCH = 17_398
+BATCH_PROMPTS = 512  # EBPO.md: 512 prompts per step
+MAX_RESPONSE = 8192  # EBPO.md: max response 8192 tokens
+MAX_PROMPT = 4096  # EBPO.md: max prompt 4096 tokens
+# DAPO's overlong buffer: 4,096 of its 20,480-token maximum; the same fifth of ours.
+OVERLONG_BUFFER = MAX_RESPONSE * 4096 // 20_480
+
+_USAGE = "expected MODEL,METHOD[,gN][,runlocal], e.g. qwen3_8b,ebpo_topic,g16"
+
+
+def parse_arg(arg: str | None) -> tuple[str, str, int, bool]:
+  """`"MODEL,METHOD[,gN][,runlocal]"` -> (model, method, G, runlocal); errors name the part."""
+  parts = [p.strip() for p in (arg or "").split(",") if p.strip()]
+  if len(parts) < 2:
+    raise ValueError(f"configs/paper.py: argument {arg!r}: {_USAGE}")
+  model, method, *rest = parts
+  if model not in MODELS:
+    raise ValueError(f"configs/paper.py: unknown MODEL {model!r} (known: {', '.join(MODELS)})")
+  if method not in METHODS:
+    raise ValueError(f"configs/paper.py: unknown METHOD {method!r} (known: {', '.join(METHODS)})")
+  group_size, runlocal = 4, False  # EBPO.md: G = 4 by default
+  for part in rest:
+    if part == "runlocal" and not runlocal:
+      runlocal = True
+    elif part.startswith("g") and part[1:].isdigit() and int(part[1:]) in GROUP_SIZES:
+      group_size = int(part[1:])
+    else:
+      sizes = ", ".join(f"g{g}" for g in GROUP_SIZES)
+      raise ValueError(
+        f"configs/paper.py: unknown option {part!r} in {arg!r} (known: {sizes}, runlocal)"
+      )
+  return model, method, group_size, runlocal
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  """The config of `arg` = "MODEL,METHOD[,gN][,runlocal]" (see the module docstring)."""
+  model, method, group_size, runlocal = parse_arg(arg)
+  config = _paper_recipe(model, group_size)
+  _apply_method(config, model, method)
+  if runlocal:
+    _make_local(config, model, method)
+  return config
+
+
+def _paper_recipe(model: str, group_size: int) -> ml_collections.ConfigDict:
+  """The shared recipe: EBPO (topic clusters) on `model` with the paper's hyperparameters."""
+  spec = MODELS[model]
+  config = ml_collections.ConfigDict()
+  config.seed = 0
+
+  config.task = ml_collections.ConfigDict()
+  config.task.name = "math"  # math-verify equivalence of the final answer
+  config.task.num_train = PROMPTS_PER_EPOCH  # used only when data.path is empty
+  config.task.num_eval = 64  # held-out prompts per cluster for the in-training monitor
+  config.task.options = ml_collections.ConfigDict({"path": "/data/ebpo/dapo_math_17k.jsonl"})
+
+  config.data = ml_collections.ConfigDict()
+  config.data.path = "/data/ebpo/dapo_math_17k.topic.jsonl"  # EBPO.md: data DAPO-Math-17K
+  config.data.order = "clustered"  # EBPO.md: EBPO-topic, batches in clustered sequences
+
+  config.model = ml_collections.ConfigDict()
+  config.model.path = spec["path"]  # a local Hugging Face directory; shape from its config.json
+  config.model.architecture = spec["architecture"]
+  config.model.tie_word_embeddings = spec["tie_word_embeddings"]
+  config.model.rope_theta = spec["rope_theta"]
+  for key in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
+    config.model[key] = spec[key]  # the checkpoint's shape (bench/memory.py reads it)
+  config.model.head_dim = spec["head_dim"]
+  config.model.dtype = "bfloat16"  # compute
+  config.model.param_dtype = "float32"  # master weights: see the module docstring
+  config.model.remat = "full"  # see the module docstring
+  config.model.chat_template = True
+
+  config.sft = ml_collections.ConfigDict()  # none: RL starts from the released model
+  config.sft.num_steps = 0
+  config.sft.batch_size = 1
+  config.sft.learning_rate = 1e-6
+
+  config.train = ml_collections.ConfigDict()
+  # Assumed: EBPO.md gives one epoch only for EBPO-diff; every method gets the same single pass.
+  config.train.num_steps = -(-PROMPTS_PER_EPOCH // BATCH_PROMPTS)  # 34
+  config.train.batch_size = BATCH_PROMPTS  # EBPO.md: 512 prompts per step
+  config.train.mini_batch_size = 128  # EBPO.md: mini-batches of 128 (4 updates per step)
+  config.train.micro_batch_size = 8  # rows; one per data x fsdp shard (module docstring)
+  config.train.learning_rate = 1e-6  # EBPO.md: lr 1e-6 constant
+  config.train.warmup_steps = 0  # EBPO.md: constant
+  config.train.schedule = "constant"  # EBPO.md: constant
+  config.train.weight_decay = 0.01  # EBPO.md: weight decay 0.01
+  config.train.grad_clip = 1.0  # EBPO.md: grad clip 1.0
+  config.train.max_bad_steps = 3
+  config.train.log_every = 1
+
+  config.rl = ml_collections.ConfigDict()
+  config.rl.group_size = group_size  # EBPO.md: G = 4 by default; 8, 16, 32 in the G study
+  config.rl.advantage = "ebpo"
+  config.rl.num_iterations = 1  # EBPO.md: one update epoch per batch
+  config.rl.dynamic_sampling = False
+  config.rl.max_refill_rounds = 0
+  config.rl.overlong_buffer = 0
+  config.rl.overlong_penalty = 1.0
+  config.rl.ebpo = ml_collections.ConfigDict()
+  config.rl.ebpo.mode = "running"  # EBPO.md: Algorithm 1, state carried across steps
+  config.rl.ebpo.decay = 1.0  # EBPO.md: decay = 1 is the paper
+  config.rl.ebpo.per_cluster = True  # a prior per topic cluster (False: the paper's single prior)
+  config.rl.ebpo.normalize = "batch"  # EBPO.md: normalisation over the whole batch
+  config.rl.loss = ml_collections.ConfigDict()
+  config.rl.loss.clip_low = 0.2  # EBPO.md: clip 0.2 both sides
+  config.rl.loss.clip_high = 0.2
+  config.rl.loss.dual_clip = 3.0  # EBPO.md: dual-clip 3.0
+  config.rl.loss.aggregation = "token-mean"  # EBPO.md: token-level ratio, token-mean aggregation
+  config.rl.loss.kl_coef = 0.001  # EBPO.md: KL loss to a frozen reference, coefficient 0.001
+  config.rl.loss.kl_kind = "k3"  # EBPO.md: k3 "low-variance" estimator
+  config.rl.loss.entropy_coef = 0.0  # EBPO.md: no entropy bonus
+
+  config.sampling = ml_collections.ConfigDict()
+  config.sampling.temperature = 1.0  # EBPO.md: rollout temperature 1.0
+  config.sampling.top_p = 1.0  # EBPO.md: top-p 1.0
+  config.sampling.top_k = 0
+  config.sampling.max_new_tokens = MAX_RESPONSE  # EBPO.md: response 8192 tokens
+  config.sampling.prompt_buckets = (256, 512, 1024, 2048, MAX_PROMPT)  # EBPO.md: prompt 4096
+
+  config.rewards = ml_collections.ConfigDict()
+  config.rewards.workers = 32  # math-verify in a process pool
+  config.rewards.timeout_s = 10.0
+
+  config.eval = ml_collections.ConfigDict()
+  config.eval.every_steps = 10
+  config.eval.greedy = False  # EBPO.md: Pass@1 over samples, at the rollout temperature
+  config.eval.num_samples = 16  # EBPO.md: 16-32 samples per problem (32 for AIME/AMC: override)
+  config.eval.path = "/data/ebpo/math_eval.jsonl"  # EBPO.md: MATH-500, AIME24/25, AMC23, OlyBench
+
+  config.checkpoint = ml_collections.ConfigDict()
+  config.checkpoint.every_steps = 10
+  config.checkpoint.max_to_keep = 2
+
+  config.mesh = ml_collections.ConfigDict()
+  config.mesh.data = 1
+  config.mesh.fsdp = -1  # 8 on 32 chips
+  config.mesh.tensor = 4
+  return config
+
+
+def _apply_method(config: ml_collections.ConfigDict, model: str, method: str) -> None:
+  """The method's changes to the shared recipe."""
+  rl = config.rl
+  if method == "ebpo_naive":  # EBPO.md: the same estimator on randomly shuffled data
+    config.data.order = "shuffle"
+    config.data.path = "/data/ebpo/dapo_math_17k.jsonl"
+    rl.ebpo.per_cluster = False
+  elif method == "ebpo_diff":  # EBPO.md: pass rate over 16 rollouts; easy -> hard, one epoch
+    config.data.order = "curriculum"
+    config.data.path = f"/data/ebpo/dapo_math_17k.diff.{model}.jsonl"  # this model's pass rates
+    rl.ebpo.per_cluster = False  # one running prior that follows the stream
+  elif method in ("grpo", "dr_grpo", "dapo"):
+    config.data.order = "shuffle"
+    config.data.path = "/data/ebpo/dapo_math_17k.jsonl"
+    rl.advantage = "dr_grpo" if method == "dr_grpo" else "grpo"
+  if method == "dr_grpo":  # Dr.GRPO (Liu et al. 2025): no std, a constant length normaliser
+    rl.loss.aggregation = "seq-mean-token-sum-norm"
+  if method == "dapo":  # DAPO (Yu et al. 2025)
+    rl.loss.clip_high = 0.28  # clip-higher
+    rl.loss.kl_coef = 0.0  # DAPO drops the KL term
+    rl.dynamic_sampling = True  # drop groups whose rewards are all equal, refill
+    rl.max_refill_rounds = 3  # at most 3 extra rollout rounds per step
+    rl.overlong_buffer = OVERLONG_BUFFER  # soft overlong penalty over the last 1,638 tokens
+    rl.overlong_penalty = 1.0
+
+
+def _make_local(config: ml_collections.ConfigDict, model: str, method: str) -> None:
+  """A tiny random-init model of `model`'s architecture, one RL step on arithmetic, on 8 CPUs."""
+  spec = MODELS[model]
+  heads = spec["num_heads"] // spec["num_kv_heads"]  # one KV head, the model's GQA ratio
+  head_dim = 16
+  hidden = heads * head_dim  # hidden = heads x head_dim, as in all three models
+  mlp_ratio = spec["intermediate_size"] / spec["hidden_size"]
+  config.task.name = "arithmetic"  # clusters add/sub x 1/2 digits; difficulty for the curriculum
+  config.task.num_train = 256
+  config.task.num_eval = 2
+  config.task.options = ml_collections.ConfigDict({"ops": ("add", "sub"), "digits": (1, 2)})
+  config.data.path = ""
+  mc = config.model
+  mc.path = ""
+  mc.hidden_size, mc.num_layers = hidden, 2
+  mc.intermediate_size = int(round(mlp_ratio * hidden / 8)) * 8
+  mc.num_heads, mc.num_kv_heads, mc.head_dim = heads, 1, head_dim
+  mc.dtype = "float32"
+  mc.remat = "full"  # the full config's remat path, on a small graph
+  config.train.num_steps = 1
+  config.train.batch_size = 8
+  config.train.mini_batch_size = 4
+  config.train.micro_batch_size = 8  # 2 gradient-accumulation chunks at G = 4
+  config.sampling.max_new_tokens = 5
+  config.sampling.prompt_buckets = (8, 16)
+  if method == "dapo":
+    config.rl.max_refill_rounds = 1
+    config.rl.overlong_buffer = 1
+  config.rewards.workers = 0
+  config.eval.every_steps = 1
+  config.eval.num_samples = 2
+  config.eval.path = ""
+  config.checkpoint.every_steps = 1
+  config.mesh.tensor = 2  # fsdp 4 x tensor 2 on the 8 fake CPU devices
