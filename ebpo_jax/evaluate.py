@@ -209,18 +209,23 @@ def load_policy(config, tokenizer, mesh, run_dir: str | None, step: int | None):
 
   With `run_dir`, `config.model` must already be the run's (`with_run_model`).
   """
-  if run_dir is None and not config.model.path:
-    raise EvalError(
-      "nothing to evaluate: no trainer workdir with checkpoints/ (--run_dir, or --workdir "
-      "itself) and config.model.path is empty; pass --run_dir=RUN or "
-      "--config.model.path=HF_DIR"
-    )
+  check_policy_source(config, run_dir)
   model, params = train.build_model(config, tokenizer, mesh)
   if run_dir is None:
     path = models.resolve_model_path(config.model.path)
     return model, params, {"kind": "hf", "path": os.path.abspath(path)}
   params = restore_params(run_dir, step, params)
   return model, params, {"kind": "checkpoint", "run_dir": os.path.abspath(run_dir), "step": step}
+
+
+def check_policy_source(config, run_dir: str | None) -> None:
+  """Raises EvalError unless there is a run or a model directory to take the policy from."""
+  if run_dir is None and not config.model.path:
+    raise EvalError(
+      "nothing to evaluate: no trainer workdir with checkpoints/ (--run_dir, or --workdir "
+      "itself) and config.model.path is empty; pass --run_dir=RUN or "
+      "--config.model.path=HF_DIR"
+    )
 
 
 def resolve_run_dir(run_dir: str | None, workdir: str | None, step: int | None) -> str | None:
@@ -336,6 +341,7 @@ def run(
   """Evaluates the policy (see the module docstring); writes and returns the eval.json dict."""
   t0 = time.perf_counter()
   run_dir = resolve_run_dir(run_dir, workdir, step)
+  check_policy_source(config, run_dir)
   if run_dir is not None:
     step = checkpoint_step(run_dir, step)
     config = with_run_model(config, saved_config(run_dir, step))

@@ -70,6 +70,7 @@ def run(
     config = evaluate.with_run_model(config, evaluate.saved_config(run_dir, step))
   elif step is not None:
     raise evaluate.EvalError(f"--step={step} needs --run_dir")
+  evaluate.check_policy_source(config, run_dir)
   train.check_config(config, jax.device_count())
   rows, cluster_names = data.load_rows_and_clusters(input_path)
   mesh = sharding.make_mesh(dict(config.mesh))

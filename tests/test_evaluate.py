@@ -1,0 +1,303 @@
+"""Evaluation: pass@k / maj@k math against brute force and hand values, evaluate on a trained run's
+checkpoint (in process and by the CLI) and on a Hugging Face directory, the clear error when there
+is nothing to evaluate, and the difficulty CLI round trip."""
+
+import importlib.util
+import itertools
+import json
+import math
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+from fractions import Fraction
+
+import jax
+import numpy as np
+import pytest
+
+from ebpo_jax import advantages, checkpoint, data, evaluate, models, sharding, train
+from ebpo_jax.evaluate import (
+  majority_correct,
+  majority_vote,
+  pass_at_k,
+  problem_metrics,
+  sample_counts,
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIG = str(ROOT / "configs" / "arith_ebpo.py")
+
+
+def arith_config(**overrides):
+  spec = importlib.util.spec_from_file_location("arith_ebpo", CONFIG)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  config = module.get_config("runlocal")
+  for key, value in overrides.items():
+    node = config
+    *parents, leaf = key.split(".")
+    for part in parents:
+      node = node[part]
+    node[leaf] = value
+  return config
+
+
+def cli(module, *args, timeout=300):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+  cmd = [sys.executable, "-m", module, *args]
+  return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+# ----------------------------------------------------------------------------- metric math
+
+
+def brute_pass_at_k(correct: list[bool], k: int) -> float:
+  """Share of the k-subsets of the samples that hold a correct one."""
+  subsets = list(itertools.combinations(correct, k))
+  return sum(any(s) for s in subsets) / len(subsets)
+
+
+def test_pass_at_k_matches_enumerating_every_subset():
+  for n in range(1, 7):
+    for c in range(n + 1):
+      correct = [True] * c + [False] * (n - c)
+      for k in range(1, n + 1):
+        assert pass_at_k(n, c, k) == pytest.approx(brute_pass_at_k(correct, k), abs=1e-12)
+
+
+def test_pass_at_k_hand_values_and_large_n():
+  # n=5, c=2, k=2: 1 - C(3,2)/C(5,2) = 1 - 3/10 = 0.7 (the biased 1 - (1 - 2/5)^2 gives 0.64).
+  assert pass_at_k(5, 2, 2) == pytest.approx(0.7)
+  assert pass_at_k(4, 0, 4) == 0.0
+  assert pass_at_k(4, 1, 4) == 1.0
+  assert pass_at_k(10, 3, 1) == pytest.approx(0.3)  # pass@1 = c/n
+  # n=2000: C(n, k) overflows a float; the product form agrees with exact fractions.
+  exact = 1 - Fraction(math.comb(1990, 1000), math.comb(2000, 1000))
+  assert pass_at_k(2000, 10, 1000) == pytest.approx(float(exact), rel=1e-12)
+  with pytest.raises(ValueError, match="0 <= c <= n"):
+    pass_at_k(3, 4, 1)
+
+
+def test_sample_counts_are_powers_of_two_then_k():
+  assert sample_counts(1) == [1]
+  assert sample_counts(4) == [1, 2, 4]
+  assert sample_counts(6) == [1, 2, 4, 6]
+  assert sample_counts(8) == [1, 2, 4, 8]
+
+
+def test_majority_vote_ties_go_to_the_first_answer_and_empty_answers_abstain():
+  assert majority_vote(["5", "3", "5"]) == "5"
+  assert majority_vote(["3", "5", "5", "3"]) == "3"  # tie: "3" came first
+  assert majority_vote(["", "", "7"]) == "7"  # two responses without an answer do not win
+  assert majority_vote(["", ""]) is None
+  assert majority_correct(["5", "3", "5"], [True, False, True])
+  assert not majority_correct(["3", "3", "5"], [False, False, True])  # the right answer loses
+  assert not majority_correct(["", ""], [False, False])
+
+
+def test_problem_metrics_by_hand():
+  # answers 3, 5, 5, 5 with 5 right: avg@4 = 3/4; pass@1 = 3/4, pass@2 = 1 - C(1,2)/C(4,2) = 1;
+  # maj@1 votes "3" (wrong); maj@2 ties "3" vs "5" and takes "3" (wrong); maj@4 picks "5".
+  m = problem_metrics([0.0, 1.0, 1.0, 1.0], ["3", "5", "5", "5"])
+  assert m == {
+    "avg@4": 0.75,
+    "reward": 0.75,
+    "pass@1": 0.75,
+    "pass@2": 1.0,
+    "pass@4": 1.0,
+    "maj@1": 0.0,
+    "maj@2": 0.0,
+    "maj@4": 1.0,
+  }
+  # A partial reward (0.5) counts in `reward` but is not correct.
+  assert problem_metrics([0.5, 1.0], ["1", "2"])["avg@2"] == 0.5
+  assert problem_metrics([0.5, 1.0], ["1", "2"])["reward"] == 0.75
+
+
+def test_grouped_metrics_split_by_dataset_and_cluster():
+  per_problem = [problem_metrics(r, ["1"] * 2) for r in ([1, 1], [0, 1], [0, 0])]
+  grouped = evaluate.grouped_metrics(per_problem, ["a", "a", "b"], ["x", "y", "x"])
+  assert grouped["overall"]["avg@2"] == pytest.approx(0.5)
+  assert grouped["by_dataset"]["a"] == {**grouped["by_dataset"]["a"], "n": 2, "avg@2": 0.75}
+  assert grouped["by_dataset"]["b"]["pass@2"] == 0.0
+  assert grouped["by_cluster"]["x"]["avg@2"] == 0.5
+  assert grouped["by_cluster"]["y"]["n"] == 1
+
+
+# ----------------------------------------------------------------------------- on a trained run
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+  """A tiny arithmetic run: 5 warm-start steps and 2 RL steps; checkpoints at steps 0 and 2."""
+  workdir = tmp_path_factory.mktemp("run")
+  config = arith_config(**{"train.num_steps": 2})
+  with pytest.MonkeyPatch.context() as patch:
+    patch.setattr(train, "finish", lambda *args: None)  # no summary plots
+    train.run(config, str(workdir))
+  return workdir, config
+
+
+def test_restored_params_are_the_checkpoints(trained_run):
+  workdir, config = trained_run
+  mesh = sharding.make_mesh(dict(config.mesh))
+  task, _, cluster_names, _ = train.load_task_and_rows(config)
+  _, init_params = train.build_model(config, task.tokenizer, mesh)
+  # Reference: the whole TrainState restored by the trainer's Checkpointer (replicated).
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  optimizer = train.make_optimizer(config.train, 2)
+  state = train.TrainState(
+    step=np.int32(0),
+    params=init_params,
+    opt_state=jax.eval_shape(optimizer.init, init_params),
+    prior=advantages.init_prior(len(cluster_names)),
+    rng=jax.random.PRNGKey(0),
+    ref_params=None,
+  )
+  abstract = jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), state
+  )
+  with checkpoint.Checkpointer(workdir / "checkpoints") as ckpt:
+    reference, _ = ckpt.restore(2, abstract)
+  params = evaluate.restore_params(str(workdir), 2, init_params)
+  leaves, ref_leaves = jax.tree.leaves(params), jax.tree.leaves(reference.params)
+  assert len(leaves) == len(ref_leaves) == len(jax.tree.leaves(init_params))
+  for ours, ref, init in zip(leaves, ref_leaves, jax.tree.leaves(init_params), strict=True):
+    np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
+    assert ours.sharding == init.sharding  # placed as the model's rules say
+  assert not np.array_equal(  # trained, not the fresh init
+    np.asarray(params["embed_tokens"]), np.asarray(init_params["embed_tokens"])
+  )
+
+
+def test_evaluate_cli_on_a_trainer_workdir_writes_eval_json(trained_run, tmp_path):
+  workdir, _ = trained_run
+  run_dir = tmp_path / "run"
+  shutil.copytree(workdir / "checkpoints", run_dir / "checkpoints")
+  result = cli(
+    "ebpo_jax.evaluate",
+    f"--config={CONFIG}:runlocal",
+    f"--workdir={run_dir}",  # evaluates the workdir's own checkpoints
+    "--config.eval.num_samples=4",
+    "--batch_size=6",  # 16 problems: chunks of 6, 6 and 4 (+2 padding)
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  saved = json.loads((run_dir / "eval.json").read_text())
+  assert saved["params"] == {"kind": "checkpoint", "run_dir": str(run_dir), "step": 2}
+  assert saved["num_samples"] == 4 and not saved["greedy"]
+  assert saved["num_problems"] == 16 and saved["num_responses"] == 64  # 8 per cluster
+  assert saved["config"]["eval"]["num_samples"] == 4
+  metrics = saved["metrics"]
+  assert set(metrics["by_cluster"]) == {"add_1", "add_2"}
+  assert set(metrics["by_dataset"]) == {"arithmetic"}
+  assert set(metrics["overall"]) == {
+    "n", "avg@4", "reward", "pass@1", "pass@2", "pass@4", "maj@1", "maj@2", "maj@4"
+  }  # fmt: skip
+  assert metrics["by_cluster"]["add_1"]["n"] == 8
+  assert "cluster add_2" in result.stdout  # the table
+  # The metrics again, by brute force, from the per-problem records.
+  lines = (run_dir / "eval_samples.jsonl").read_text().splitlines()
+  records = [json.loads(line) for line in lines]
+  assert len(records) == 16 and all(len(r["responses"]) == 4 for r in records)
+  correct = [[reward == 1.0 for reward in r["rewards"]] for r in records]
+  assert metrics["overall"]["avg@4"] == pytest.approx(np.mean(correct))
+  for k in (2, 4):
+    brute = np.mean([brute_pass_at_k(c, k) for c in correct])
+    assert metrics["overall"][f"pass@{k}"] == pytest.approx(brute)
+  votes = [majority_correct(r["answers"], c) for r, c in zip(records, correct, strict=True)]
+  assert metrics["overall"]["maj@4"] == pytest.approx(np.mean(votes))
+
+
+def test_nothing_to_evaluate_is_one_clear_error(tmp_path):
+  with pytest.raises(
+    evaluate.EvalError, match="nothing to evaluate: .* config.model.path is empty"
+  ):
+    evaluate.run(arith_config(), str(tmp_path))
+  with pytest.raises(evaluate.EvalError, match="no checkpoints/ directory"):
+    evaluate.run(arith_config(), str(tmp_path), run_dir=str(tmp_path / "missing"))
+  assert not (tmp_path / "eval.json").exists()
+
+
+# ----------------------------------------------------------------------------- a model directory
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_dir(tmp_path_factory):
+  """A random tiny Llama (transformers) with SmolLM2's tokenizer files."""
+  import torch
+  import transformers
+
+  path = tmp_path_factory.mktemp("tiny_llama")
+  smollm2 = models.smollm2_135m_instruct()
+  torch.manual_seed(0)
+  hf_config = transformers.LlamaConfig(
+    vocab_size=49152,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    tie_word_embeddings=True,
+  )
+  transformers.LlamaForCausalLM(hf_config).save_pretrained(path)
+  for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    shutil.copy(os.path.join(smollm2, name), path / name)
+  return path
+
+
+def test_evaluate_a_hugging_face_directory(tiny_hf_dir, tmp_path):
+  config = arith_config(
+    **{
+      "model.path": str(tiny_hf_dir),
+      "task.num_eval": 2,
+      "eval.num_samples": 2,
+      "sampling.max_new_tokens": 4,
+    }
+  )
+  result = evaluate.run(config, str(tmp_path), batch_size=4)
+  assert result["params"] == {"kind": "hf", "path": str(tiny_hf_dir)}
+  assert result["num_problems"] == 4 and result["num_responses"] == 8
+  records = [
+    json.loads(line) for line in (tmp_path / "eval_samples.jsonl").read_text().splitlines()
+  ]
+  assert all(isinstance(t, str) for r in records for t in r["responses"])
+  assert any(t for r in records for t in r["responses"])  # BPE text, not empty
+  assert json.loads((tmp_path / "eval.json").read_text())["config"]["model"]["path"] == str(
+    tiny_hf_dir
+  )
+
+
+# ----------------------------------------------------------------------------- difficulty
+
+
+def test_difficulty_cli_round_trip(trained_run, tmp_path):
+  workdir, _ = trained_run
+  rows = [
+    {"prompt": "1+1=", "answer": "2", "cluster": "easy", "id": "a"},
+    {"prompt": "45+38=", "answer": "83", "cluster": "hard", "id": "b"},
+    {"prompt": "3+4=", "answer": "7", "cluster": "easy", "id": "c"},
+  ]
+  source = tmp_path / "rows.jsonl"
+  source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  out = tmp_path / "rows_difficulty.jsonl"
+  result = cli(
+    "ebpo_jax.data.difficulty",
+    f"--config={CONFIG}:runlocal",
+    f"--input={source}",
+    f"--output={out}",
+    "--k=4",
+    f"--run_dir={workdir}",
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  back, names = data.load_rows_and_clusters(out)
+  assert names == ["easy", "hard"]
+  assert [r["id"] for r in back] == ["a", "b", "c"] and [r["cluster"] for r in back] == [0, 1, 0]
+  for row in back:
+    assert row["pass_rate"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+    assert row["difficulty"] == pytest.approx(1.0 - row["pass_rate"])
+  order = data.make_batches(back, batch_size=3, order="curriculum", seed=0)
+  first = [back[i]["difficulty"] for i in next(order)]
+  assert first == sorted(first)  # easy to hard
