@@ -1,0 +1,195 @@
+"""Every config file loads and passes the trainer's checks; the paper's runlocal variants train.
+
+The paper's 18 (model, method) pairs share compiles where their programs are equal: a persistent
+XLA cache (module-scoped, in a temporary directory) serves the model init and the sampler of a
+model to each of its methods, and EBPO-topic's train step to EBPO-diff. All six methods run on
+Qwen3-8B's shape and EBPO-topic on the other two models; the remaining pairs differ from a run one
+only in config values that check_config validates, which every pair passes.
+"""
+
+import importlib.util
+import json
+import math
+import pathlib
+
+import jax
+import pytest
+from jax._src import compilation_cache
+
+from ebpo_jax import train
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def load_config_module(name: str):
+  spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+paper = load_config_module("paper")
+RUN_PAIRS = [("qwen3_8b", method) for method in paper.METHODS] + [
+  (model, "ebpo_topic") for model in paper.MODELS if model != "qwen3_8b"
+]
+ALL_ARGS = [
+  f"{model},{method},g{g}"
+  for model in paper.MODELS
+  for method in paper.METHODS
+  for g in paper.GROUP_SIZES
+]
+
+
+@pytest.fixture(scope="module")
+def xla_cache(tmp_path_factory):
+  """A persistent compilation cache for this module only; the previous settings come back."""
+  keys = (
+    "jax_compilation_cache_dir",
+    "jax_persistent_cache_min_compile_time_secs",
+    "jax_persistent_cache_min_entry_size_bytes",
+  )
+  before = {key: getattr(jax.config, key) for key in keys}
+  jax.config.update("jax_compilation_cache_dir", str(tmp_path_factory.mktemp("xla_cache")))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+  compilation_cache.reset_cache()
+  yield
+  for key, value in before.items():
+    jax.config.update(key, value)
+  compilation_cache.reset_cache()
+
+
+@pytest.mark.parametrize(("model", "method"), RUN_PAIRS)
+def test_runlocal_variant_runs_one_rl_step(model, method, xla_cache, tmp_path, monkeypatch):
+  # Plots are covered by test_train; here they would cost seconds per run.
+  monkeypatch.setattr(train.metrics_lib, "plot_metrics", lambda workdir: [])
+  config = paper.get_config(f"{model},{method},runlocal")
+  train.check_config(config, jax.device_count())
+  train.run(config, str(tmp_path))
+  lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  steps = [m for m in lines if "reward/mean" in m]
+  assert [m["step"] for m in steps] == [1]
+  step = steps[0]
+  for key in ("loss", "grad_norm", "entropy"):
+    assert math.isfinite(step[key]), (key, step[key])
+  assert step["bad_updates"] == 0
+  assert step["compiles/train_step"] == 1
+  assert ("ebpo/shrinkage_mean" in step) == method.startswith("ebpo")
+  assert ("dapo/rounds" in step) == (method == "dapo")  # dynamic sampling ran
+  if method == "dapo":
+    assert 1 <= step["dapo/rounds"] <= 1 + config.rl.max_refill_rounds
+  assert [m["step"] for m in lines if "eval/accuracy" in m] == [0, 1]
+
+
+@pytest.mark.parametrize("model", list(paper.MODELS))
+def test_runlocal_model_has_the_architecture_of_the_paper_model(model, xla_cache):
+  config = paper.get_config(f"{model},grpo,runlocal")
+  task = train.tasks.get_task(config.task.name, **config.task.options)
+  mesh = train.sharding.make_mesh(dict(config.mesh))
+  _, params = train.build_model(config, train.load_tokenizer(config, task), mesh)
+  spec = paper.MODELS[model]
+  attention = params["layers"]["self_attn"]
+  layers, hidden, heads, _ = attention["q_proj"]["kernel"].shape
+  assert (layers, hidden) == (2, config.model.hidden_size)
+  assert (
+    heads // attention["k_proj"]["kernel"].shape[2] == spec["num_heads"] // spec["num_kv_heads"]
+  )
+  assert ("q_norm" in attention) == (spec["architecture"] == "qwen3")
+  assert ("lm_head" in params) == (not spec["tie_word_embeddings"])
+
+
+@pytest.mark.parametrize("arg", ALL_ARGS)
+def test_full_and_runlocal_configs_pass_the_trainer_checks(arg):
+  full = paper.get_config(arg)
+  train.check_config(full, paper.TARGET_DEVICES)
+  assert train._data_shards(full, paper.TARGET_DEVICES) == 8  # fsdp 8 x tensor 4
+  train.check_config(paper.get_config(f"{arg},runlocal"), 8)
+
+
+def test_full_configs_hold_the_paper_hyperparameters():
+  config = paper.get_config("qwen3_8b,ebpo_topic")
+  tc, rl, loss = config.train, config.rl, config.rl.loss
+  assert (tc.learning_rate, tc.schedule, tc.weight_decay, tc.grad_clip) == (
+    1e-6,
+    "constant",
+    0.01,
+    1.0,
+  )
+  assert (tc.batch_size, tc.mini_batch_size, rl.num_iterations, rl.group_size) == (512, 128, 1, 4)
+  assert (loss.clip_low, loss.clip_high, loss.dual_clip) == (0.2, 0.2, 3.0)
+  assert (loss.kl_coef, loss.kl_kind, loss.entropy_coef, loss.aggregation) == (
+    0.001,
+    "k3",
+    0.0,
+    "token-mean",
+  )
+  assert (config.sampling.temperature, config.sampling.top_p) == (1.0, 1.0)
+  assert config.sampling.max_new_tokens == 8192
+  assert max(config.sampling.prompt_buckets) == 4096
+  assert (rl.advantage, rl.ebpo.mode, rl.ebpo.normalize, rl.ebpo.decay) == (
+    "ebpo",
+    "running",
+    "batch",
+    1.0,
+  )
+  assert config.data.order == "clustered" and rl.ebpo.per_cluster
+  assert (config.model.dtype, config.model.param_dtype, config.model.remat) == (
+    "bfloat16",
+    "float32",
+    "full",
+  )
+  assert config.model.path == "/data/models/Qwen3-8B" and config.model.chat_template
+  assert config.eval.num_samples == 16 and not config.eval.greedy
+  assert paper.get_config("qwen3_14b,ebpo_topic,g16").rl.group_size == 16
+
+
+def test_methods_change_only_what_they_define():
+  base = paper.get_config("llama31_8b,ebpo_topic").to_dict()
+  naive = paper.get_config("llama31_8b,ebpo_naive")
+  assert (naive.data.order, naive.rl.ebpo.per_cluster) == ("shuffle", False)
+  diff = paper.get_config("llama31_8b,ebpo_diff")
+  assert (diff.data.order, diff.rl.ebpo.per_cluster) == ("curriculum", False)
+  assert "llama31_8b" in diff.data.path  # the model's own pass rates
+  grpo = paper.get_config("llama31_8b,grpo")
+  assert grpo.rl.advantage == "grpo" and grpo.rl.loss.to_dict() == base["rl"]["loss"]
+  dr_grpo = paper.get_config("llama31_8b,dr_grpo")
+  assert dr_grpo.rl.advantage == "dr_grpo"
+  assert dr_grpo.rl.loss.aggregation == "seq-mean-token-sum-norm"
+  dapo = paper.get_config("llama31_8b,dapo")
+  assert (dapo.rl.loss.clip_low, dapo.rl.loss.clip_high, dapo.rl.loss.kl_coef) == (0.2, 0.28, 0.0)
+  assert dapo.rl.dynamic_sampling and dapo.rl.max_refill_rounds >= 1
+  assert (dapo.rl.overlong_buffer, dapo.rl.overlong_penalty) == (1638, 1.0)
+  assert dapo.rl.loss.aggregation == "token-mean"
+  for config in (naive, diff, grpo, dr_grpo, dapo):  # the shared recipe is untouched
+    assert config.train.to_dict() == base["train"]
+    assert config.sampling.to_dict() == base["sampling"]
+    assert config.model.to_dict() == base["model"]
+    assert not config.rl.dynamic_sampling or config is dapo
+
+
+@pytest.mark.parametrize(
+  ("arg", "message"),
+  [
+    ("", "expected MODEL,METHOD"),
+    ("qwen3_8b", "expected MODEL,METHOD"),
+    ("qwen2_7b,grpo", "unknown MODEL 'qwen2_7b'"),
+    ("qwen3_8b,ppo", "unknown METHOD 'ppo'"),
+    ("qwen3_8b,grpo,g3", "unknown option 'g3'"),
+    ("qwen3_8b,grpo,g64", "unknown option 'g64'"),
+    ("qwen3_8b,grpo,runlocal,runlocal", "unknown option 'runlocal'"),
+  ],
+)
+def test_bad_arguments_name_the_part(arg, message):
+  with pytest.raises(ValueError, match=message):
+    paper.get_config(arg)
+
+
+@pytest.mark.parametrize(
+  "name", sorted(p.stem for p in (ROOT / "configs").glob("*.py") if p.stem != "paper")
+)
+def test_other_configs_load_and_pass_the_trainer_checks(name):
+  module = load_config_module(name)
+  train.check_config(module.get_config(), 1)  # full configs: one device (a GPU) at least
+  train.check_config(module.get_config("runlocal"), 8)  # CI's 8 fake devices
+  with pytest.raises(ValueError, match="unknown argument"):
+    module.get_config("no_such_variant")
