@@ -191,7 +191,8 @@ def restore_params(run_dir: str, step: int, like: Any) -> Any:
     restored = _read_only_manager(run_dir).restore(step, args=ocp.args.Composite(state=args))
   except ValueError as e:
     raise EvalError(
-      f"checkpoint {step} of {run_dir} does not fit the model its config builds: {e}"
+      f"checkpoint {step} of {run_dir} does not fit the model its config builds (a random-init "
+      f"model's vocabulary is its task's tokenizer: is config.task the run's?): {e}"
     ) from e
   return restored["state"]["params"]
 
