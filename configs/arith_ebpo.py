@@ -122,6 +122,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.sampling.top_p = 1.0
   config.sampling.top_k = 0
   config.sampling.max_new_tokens = 4
+  config.sampling.prompts_per_call = 0  # prompts per sampler call (0: all)
   config.sampling.prompt_buckets = (6, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
   config.rewards = ml_collections.ConfigDict()

@@ -17,17 +17,17 @@ cited per key below; keys marked "assumed" are not given there.
 Data pipeline (rows files of {"prompt", "answer", "cluster", "difficulty", "source", "id"}):
 
   # 1. DAPO-Math-17K (a local copy) and the evaluation sets -> the project's row format
-  python -m ebpo_jax.data.prepare --source=dapo_math_17k --input=/data/raw/dapo-math-17k \
+  python -m ebpo_jax.data.prepare --source=dapo_math_17k --path=/data/raw/dapo-math-17k \
       --out=/data/ebpo/dapo_math_17k.jsonl
   python -m ebpo_jax.data.prepare --source=math500,aime24,aime25,amc23,olympiadbench \
-      --input=/data/raw --out=/data/ebpo/math_eval.jsonl
+      --path=/data/raw --out=/data/ebpo/math_eval.jsonl
   # 2a. topic clusters (ebpo_topic; the authors: all-MiniLM-L6-v2 sentence embeddings, KMeans)
-  python -m ebpo_jax.data.cluster --rows=/data/ebpo/dapo_math_17k.jsonl \
-      --out=/data/ebpo/dapo_math_17k.topic.jsonl --num_clusters=10
+  python -m ebpo_jax.data.cluster --input=/data/ebpo/dapo_math_17k.jsonl \
+      --output=/data/ebpo/dapo_math_17k.topic.jsonl --num_clusters=10
   # 2b. difficulty = the base model's pass rate over 16 rollouts at temperature 1.0 (ebpo_diff)
   python -m ebpo_jax.data.difficulty --config=configs/paper.py:qwen3_8b,ebpo_diff \
-      --rows=/data/ebpo/dapo_math_17k.jsonl --out=/data/ebpo/dapo_math_17k.diff.qwen3_8b.jsonl \
-      --num_samples=16
+      --input=/data/ebpo/dapo_math_17k.jsonl \
+      --output=/data/ebpo/dapo_math_17k.diff.qwen3_8b.jsonl --k=16
   # 3. train (the same command on every host of the slice; see launch/)
   python -m ebpo_jax.train --config=configs/paper.py:qwen3_8b,ebpo_topic,g4 --workdir=gs://.../run
   # 4. evaluate: Pass@1 averaged over eval.num_samples samples per problem, per benchmark
@@ -227,6 +227,7 @@ def _paper_recipe(model: str, group_size: int) -> ml_collections.ConfigDict:
   config.sampling.top_p = 1.0  # EBPO.md: top-p 1.0
   config.sampling.top_k = 0
   config.sampling.max_new_tokens = MAX_RESPONSE  # EBPO.md: response 8192 tokens
+  config.sampling.prompts_per_call = 64  # bounds the KV cache (bench/MEMORY.md)
   config.sampling.prompt_buckets = (256, 512, 1024, 2048, MAX_PROMPT)  # EBPO.md: prompt 4096
 
   config.rewards = ml_collections.ConfigDict()
@@ -300,6 +301,7 @@ def _make_local(config: ml_collections.ConfigDict, model: str, method: str) -> N
   config.train.mini_batch_size = 4
   config.train.micro_batch_size = 8  # 2 gradient-accumulation chunks at G = 4
   config.sampling.max_new_tokens = 5
+  config.sampling.prompts_per_call = 4  # two sampler calls per step, as in the full config
   config.sampling.prompt_buckets = (8, 16)
   if method == "dapo":
     config.rl.max_refill_rounds = 1

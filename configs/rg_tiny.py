@@ -86,6 +86,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.sampling.top_p = 1.0
   config.sampling.top_k = 0
   config.sampling.max_new_tokens = 16  # "Answer: " and a few digits, then EOS
+  config.sampling.prompts_per_call = 0  # prompts per sampler call (0: all)
   config.sampling.prompt_buckets = (160, 192, 256, 384, 512, 1024)
 
   config.rewards = ml_collections.ConfigDict()

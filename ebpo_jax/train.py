@@ -101,6 +101,13 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   _require(config.sampling.temperature > 0, config, "sampling.temperature", "must be > 0")
   _require(0 < config.sampling.top_p <= 1, config, "sampling.top_p", "must lie in (0, 1]")
   _require(config.sampling.max_new_tokens >= 1, config, "sampling.max_new_tokens", "must be >= 1")
+  ppc = config.sampling.prompts_per_call
+  _require(
+    ppc >= 0 and (ppc == 0 or tc.batch_size % ppc == 0),
+    config,
+    "sampling.prompts_per_call",
+    f"must be 0 (all) or divide train.batch_size={tc.batch_size}",
+  )
   _choice(config, "rl.dynamic_sampling", (True, False))
   _require(rl.max_refill_rounds >= 0, config, "rl.max_refill_rounds", "must be >= 0")
   _require(
@@ -258,7 +265,34 @@ def completion_logits(model, params, seqs: dict) -> jax.Array:
 # ----------------------------------------------------------------------------- train step
 
 
-def _loss_fn(params, mb, *, model, loss_cfg, num_tokens, num_seqs):
+def shard_rows(tree, mesh):
+  """Constrains the leading (row) dimension of every array to the mesh's batch axes, so that XLA
+  keeps micro-batches split over devices instead of spreading the weights' sharding onto them."""
+  if mesh is None:
+    return tree
+
+  def constrain(x):
+    names = ("batch",) + (None,) * (x.ndim - 1)
+    spec = sharding.logical_to_spec(x.shape, names, mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+  return jax.tree.map(constrain, tree)
+
+
+def _reference_logps(model, ref_params, seqs: dict, micro_rows: int, mesh) -> jax.Array:
+  """log pi_ref of the completions [R, N], one micro-batch at a time (bounded memory)."""
+  keys = ("input_ids", "positions", "attention_mask", "targets")
+  chunks = {k: seqs[k].reshape(-1, micro_rows, *seqs[k].shape[1:]) for k in keys}
+
+  def one(mb):
+    mb = shard_rows(mb, mesh)
+    return losses.token_logprobs(completion_logits(model, ref_params, mb), mb["targets"])
+
+  return jax.lax.map(one, chunks).reshape(seqs["targets"].shape)
+
+
+def _loss_fn(params, mb, *, model, loss_cfg, num_tokens, num_seqs, mesh=None):
+  mb = shard_rows(mb, mesh)
   logits = completion_logits(model, params, mb)
   logps = losses.token_logprobs(logits, mb["targets"])
   ent = losses.entropy(logits)
@@ -301,12 +335,13 @@ def _accumulated_grads(params, mini: dict, *, num_micro: int, loss_fn):
 
 
 def train_step(
-  state: TrainState, batch: dict, *, model, optimizer, config
+  state: TrainState, batch: dict, *, model, optimizer, config, mesh=None
 ) -> tuple[TrainState, dict]:
   """One RL step on a scored rollout batch: advantages, then PPO-clip updates. Pure; jitted once.
 
   batch: prompt_ids/prompt_mask [B, P], tokens/completion_mask/old_logps [B*G, N],
-  rewards [B, G], cluster_ids [B].
+  rewards [B, G], cluster_ids [B]. With `mesh`, micro-batch rows are kept sharded over its
+  batch axes.
   """
   rl, tc = config.rl, config.train
   group_size = rl.group_size
@@ -322,14 +357,12 @@ def train_step(
   )
   seqs["old_logps"] = batch["old_logps"]
   seqs["adv"] = adv_bg.reshape(-1)
-  if state.ref_params is not None:
-    ref_logits = completion_logits(model, state.ref_params, seqs)
-    seqs["ref_logps"] = losses.token_logprobs(ref_logits, seqs["targets"])
-
   num_rows = seqs["adv"].shape[0]
   mini_rows = tc.mini_batch_size * group_size
-  num_mini = num_rows // mini_rows
-  num_micro = mini_rows // (tc.micro_batch_size or mini_rows)
+  micro_rows = tc.micro_batch_size or mini_rows
+  num_micro = mini_rows // micro_rows
+  if state.ref_params is not None:
+    seqs["ref_logps"] = _reference_logps(model, state.ref_params, seqs, micro_rows, mesh)
   shuffle_key = jax.random.fold_in(jax.random.fold_in(state.rng, state.step), 1)
   perms = [
     jax.random.permutation(jax.random.fold_in(shuffle_key, i), num_rows)
@@ -338,7 +371,7 @@ def train_step(
     for i in range(rl.num_iterations)
   ]
   order = jnp.concatenate(perms).reshape(-1, mini_rows)  # [U, mini_rows], U updates
-  loss_fn = functools.partial(_loss_fn, model=model, loss_cfg=rl.loss)
+  loss_fn = functools.partial(_loss_fn, model=model, loss_cfg=rl.loss, mesh=mesh)
 
   def update(carry, idx):
     params, opt_state = carry
@@ -352,7 +385,6 @@ def train_step(
     carry = (keep(new_params, params), keep(new_opt_state, opt_state))
     return carry, {"loss": loss, "grad_norm": grad_norm, "bad": 1.0 - finite, **aux}
 
-  del num_mini
   (params, opt_state), upd = jax.lax.scan(update, (state.params, state.opt_state), order)
   bad = upd.pop("bad")
   metrics = {k: v.mean() for k, v in upd.items()}
@@ -401,9 +433,29 @@ class Rollouts:
     )
 
   def sample(self, params, rows, rng, *, group_size: int, greedy: bool):
-    sc = self.config.sampling
+    """Samples `group_size` completions per row, `sampling.prompts_per_call` prompts at a time."""
     prompt_ids, prompt_mask = self.prompts(rows)
-    out = sampling.generate(
+    chunk = self.config.sampling.prompts_per_call or len(rows)
+    if chunk >= len(rows):
+      out = self._generate(params, prompt_ids, prompt_mask, rng, group_size, greedy)
+      return prompt_ids, prompt_mask, out
+    outs = [
+      self._generate(
+        params,
+        prompt_ids[start : start + chunk],
+        prompt_mask[start : start + chunk],
+        jax.random.fold_in(rng, start // chunk),
+        group_size,
+        greedy,
+      )
+      for start in range(0, len(rows), chunk)
+    ]
+    out = sampling.SampleOutput(*(jnp.concatenate(parts) for parts in zip(*outs, strict=True)))
+    return prompt_ids, prompt_mask, out
+
+  def _generate(self, params, prompt_ids, prompt_mask, rng, group_size: int, greedy: bool):
+    sc = self.config.sampling
+    return sampling.generate(
       self.model,
       params,
       prompt_ids,  # host arrays: `generate` places them on the mesh (every process has them)
@@ -419,7 +471,6 @@ class Rollouts:
       pad_id=self.tokenizer.pad_id,
       mesh=self.mesh,
     )
-    return prompt_ids, prompt_mask, out
 
   def texts(self, out) -> list[str]:
     """The decoded completions, in row order ([N * G]), on every process."""
@@ -771,7 +822,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   traces = collections.Counter()  # Python runs only while tracing: counts (re)compiles
   step_fn = jax.jit(
     _counting(
-      functools.partial(train_step, model=model, optimizer=optimizer, config=config),
+      functools.partial(train_step, model=model, optimizer=optimizer, config=config, mesh=mesh),
       traces,
       "train_step",
     ),
