@@ -129,6 +129,10 @@ def test_save_pretrained_tied_single_file(hf_models, input_ids, tmp_path):
   out = str(tmp_path / "saved")
   save_pretrained(out, model, params)
   assert os.path.isfile(os.path.join(out, "model.safetensors"))
+  umask = os.umask(0)
+  os.umask(umask)
+  mode = os.stat(os.path.join(out, "model.safetensors")).st_mode & 0o777
+  assert mode == 0o666 & ~umask  # readable by others (a vLLM server as another user), not 0600
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
   ours = np.asarray(model.apply({"params": params}, jnp.asarray(input_ids)))
   assert _rel_err(_torch_logits(reloaded, input_ids), ours) <= MAX_REL_ERR

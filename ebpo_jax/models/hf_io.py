@@ -208,12 +208,12 @@ def save_pretrained(
     shard_bytes += tensor.nbytes
   metadata = {"format": "pt"}
   if len(shards) == 1:
-    save_file(shards[0], os.path.join(path, SINGLE_FILE), metadata=metadata)
+    _save_readable(shards[0], os.path.join(path, SINGLE_FILE), metadata)
   else:
     weight_map = {}
     for i, shard in enumerate(shards):
       file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-      save_file(shard, os.path.join(path, file), metadata=metadata)
+      _save_readable(shard, os.path.join(path, file), metadata)
       weight_map.update(dict.fromkeys(shard, file))
     index = {
       "metadata": {"total_size": sum(t.nbytes for _, t in tensors)},
@@ -227,6 +227,15 @@ def save_pretrained(
     json.dump(hf_config, f, indent=2)
   if tokenizer is not None:
     tokenizer.save_pretrained(path)
+
+
+def _save_readable(tensors: dict[str, np.ndarray], file: str, metadata: dict) -> None:
+  """safetensors' save_file, with the usual file mode (it writes 0600; other users, e.g. a vLLM
+  server, could not read the export)."""
+  save_file(tensors, file, metadata=metadata)
+  umask = os.umask(0)
+  os.umask(umask)
+  os.chmod(file, 0o666 & ~umask)
 
 
 def load_tokenizer(path: str) -> Any:
