@@ -37,7 +37,6 @@ import jax
 import ml_collections
 import numpy as np
 import orbax.checkpoint as ocp
-import tqdm
 from absl import app, flags, logging
 
 from ebpo_jax import data, models, sharding, tasks, train
@@ -139,8 +138,7 @@ def grouped_metrics(
 
 def answer_extractor(task: tasks.Task) -> Callable[[str], str]:
   """response -> normalised final answer: the task's own `extract_answer` when it has one."""
-  extract = getattr(task, "extract_answer", tasks.extract_final_answer)
-  return lambda response: tasks_base.normalize_answer(extract(response))
+  return lambda response: tasks_base.normalize_answer(task.extract_answer(response))
 
 
 # ----------------------------------------------------------------------------- the policy
@@ -242,36 +240,17 @@ def resolve_run_dir(run_dir: str | None, workdir: str | None, step: int | None) 
 
 
 def sample_and_score(
-  rollouts: train.Rollouts,
-  params: Any,
-  rows: Sequence[dict],
-  *,
-  num_samples: int,
-  greedy: bool,
-  batch_size: int,
-  seed: int,
+  rollouts: train.Rollouts, params: Any, rows: Sequence[dict], *, num_samples: int, greedy: bool
 ) -> tuple[list[list[str]], np.ndarray, int]:
   """k completions per row, decoded and scored: (texts [N][k], rewards float32 [N, k], errors).
 
-  Rows go to the sampler `batch_size` at a time; the last chunk is padded with copies of its last
-  row (dropped after scoring, though their verifier errors count) so that every call has the same
-  shape.
+  The sampler takes `sampling.prompts_per_call` rows per call (see `train.Rollouts.sample`).
   """
-  chunk = min(batch_size, len(rows))
-  texts, rewards, errors = [], [], 0
-  starts = range(0, len(rows), chunk)
-  bar = tqdm.tqdm(starts, desc="sampling", disable=jax.process_index() != 0 or len(starts) < 2)
-  for start in bar:
-    part = list(rows[start : start + chunk])
-    padded = part + [part[-1]] * (chunk - len(part))
-    key = jax.random.fold_in(jax.random.PRNGKey(seed), start)
-    _, _, out = rollouts.sample(params, padded, key, group_size=num_samples, greedy=greedy)
-    chunk_rewards, chunk_errors = rollouts.score(out, padded, num_samples)
-    chunk_texts = rollouts.texts(out)
-    texts += [chunk_texts[i * num_samples : (i + 1) * num_samples] for i in range(len(part))]
-    rewards.append(chunk_rewards[: len(part)])
-    errors += chunk_errors
-  return texts, np.concatenate(rewards), errors
+  key = jax.random.PRNGKey(rollouts.config.seed)
+  _, _, out = rollouts.sample(params, list(rows), key, group_size=num_samples, greedy=greedy)
+  rewards, errors = rollouts.score(out, list(rows), num_samples)
+  texts = rollouts.texts(out)
+  return [texts[i * num_samples : (i + 1) * num_samples] for i in range(len(rows))], rewards, errors
 
 
 # ----------------------------------------------------------------------------- files
@@ -337,7 +316,6 @@ def run(
   *,
   run_dir: str | None = None,
   step: int | None = None,
-  batch_size: int = 64,
 ) -> dict[str, Any]:
   """Evaluates the policy (see the module docstring); writes and returns the eval.json dict."""
   t0 = time.perf_counter()
@@ -349,8 +327,6 @@ def run(
   k = config.eval.num_samples
   if k < 1:
     raise train.ConfigError(f"config.eval.num_samples={k!r}: must be >= 1")
-  if batch_size < 1:
-    raise EvalError(f"--batch_size={batch_size}: must be >= 1")
   train.check_config(config, jax.device_count())
   mesh = sharding.make_mesh(dict(config.mesh))
   task = tasks.get_task(config.task.name, **config.task.options)
@@ -360,9 +336,7 @@ def run(
   greedy = bool(config.eval.greedy and k == 1)
   with rewards_lib.RewardPool(config.rewards.workers, config.rewards.timeout_s) as pool:
     rollouts = train.Rollouts(model, task, tokenizer, config, pool, mesh)
-    texts, rewards, errors = sample_and_score(
-      rollouts, params, rows, num_samples=k, greedy=greedy, batch_size=batch_size, seed=config.seed
-    )
+    texts, rewards, errors = sample_and_score(rollouts, params, rows, num_samples=k, greedy=greedy)
   extract = answer_extractor(task)
   answers = [[extract(t) for t in group] for group in texts]
   per_problem = [problem_metrics(r.tolist(), a) for r, a in zip(rewards, answers, strict=True)]
@@ -408,10 +382,9 @@ def run(
 
 
 def define_policy_flags() -> None:
-  """Flags shared by the evaluation CLIs: which run and step, and the sampler's batch."""
+  """Flags shared by the evaluation CLIs: which run and step."""
   flags.DEFINE_string("run_dir", None, "Trainer workdir whose checkpoint to evaluate.")
   flags.DEFINE_integer("step", None, "Checkpoint step of --run_dir (default: the latest).")
-  flags.DEFINE_integer("batch_size", 64, "Problems per sampler call (each with k samples).")
 
 
 def main(argv: Sequence[str]) -> None:
@@ -422,7 +395,7 @@ def main(argv: Sequence[str]) -> None:
     raise app.UsageError("--workdir is required")
   try:
     sharding.init_distributed()
-    run(f.config, f.workdir, run_dir=f.run_dir, step=f.step, batch_size=f.batch_size)
+    run(f.config, f.workdir, run_dir=f.run_dir, step=f.step)
   except (EvalError, train.ConfigError, data.DataError) as e:
     sys.exit(f"error: {e}")
 

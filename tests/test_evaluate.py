@@ -181,7 +181,7 @@ def test_evaluate_cli_on_a_trainer_workdir_writes_eval_json(trained_run, tmp_pat
     f"--config={CONFIG}:runlocal",
     f"--workdir={run_dir}",  # evaluates the workdir's own checkpoints
     "--config.eval.num_samples=4",
-    "--batch_size=6",  # 16 problems: chunks of 6, 6 and 4 (+2 padding)
+    "--config.sampling.prompts_per_call=6",  # 16 problems: calls of 6, 6 and 4 (+2 copies)
   )
   assert result.returncode == 0, result.stderr[-3000:]
   saved = json.loads((run_dir / "eval.json").read_text())
@@ -255,9 +255,10 @@ def test_evaluate_a_hugging_face_directory(tiny_hf_dir, tmp_path):
       "task.num_eval": 2,
       "eval.num_samples": 2,
       "sampling.max_new_tokens": 4,
+      "sampling.prompts_per_call": 4,
     }
   )
-  result = evaluate.run(config, str(tmp_path), batch_size=4)
+  result = evaluate.run(config, str(tmp_path))
   assert result["params"] == {"kind": "hf", "path": str(tiny_hf_dir)}
   assert result["num_problems"] == 4 and result["num_responses"] == 8
   records = [

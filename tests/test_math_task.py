@@ -7,11 +7,10 @@ import time
 import pytest
 
 from ebpo_jax.tasks import get_task
-from ebpo_jax.tasks.base import split_of
+from ebpo_jax.tasks.base import last_boxed, split_of
 from ebpo_jax.tasks.math_task import (
   INSTRUCTION,
   extract_math_answer,
-  last_boxed,
   math_answers_equivalent,
   math_score,
   normalize_math_answer,

@@ -58,7 +58,6 @@ def run(
   k: int = 8,
   run_dir: str | None = None,
   step: int | None = None,
-  batch_size: int = 64,
 ) -> list[dict[str, Any]]:
   """Measures the pass rate of every row of `input_path` and writes `output_path`."""
   if k < 1:
@@ -80,7 +79,7 @@ def run(
   with rewards_lib.RewardPool(config.rewards.workers, config.rewards.timeout_s) as pool:
     rollouts = train.Rollouts(model, task, tokenizer, config, pool, mesh)
     _, rewards, errors = evaluate.sample_and_score(
-      rollouts, params, rows, num_samples=k, greedy=False, batch_size=batch_size, seed=config.seed
+      rollouts, params, rows, num_samples=k, greedy=False
     )
   out = with_difficulty(rows, cluster_names, rewards)
   if jax.process_index() == 0:
@@ -99,15 +98,7 @@ def main(argv: Sequence[str]) -> None:
   f = flags.FLAGS
   try:
     sharding.init_distributed()
-    run(
-      f.config,
-      f.input,
-      f.output,
-      k=f.k,
-      run_dir=f.run_dir,
-      step=f.step,
-      batch_size=f.batch_size,
-    )
+    run(f.config, f.input, f.output, k=f.k, run_dir=f.run_dir, step=f.step)
   except (evaluate.EvalError, train.ConfigError, data.DataError) as e:
     sys.exit(f"error: {e}")
 

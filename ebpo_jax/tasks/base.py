@@ -112,18 +112,23 @@ def extract_final_answer(response: str) -> str:
   markers = list(_ANSWER_AFTER.finditer(response))
   if markers:
     return _clean(response[markers[-1].end() :])
-  boxed = _last_boxed(response)
+  boxed = last_boxed(response)
   if boxed is not None:
     return _clean(boxed)
   nonempty = [line for line in response.splitlines() if line.strip()]
   return _clean(nonempty[-1]) if nonempty else ""
 
 
-def _last_boxed(text: str) -> str | None:
-  start = text.rfind("\\boxed{")
-  if start < 0:
+BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+def last_boxed(text: str) -> str | None:
+  r"""The contents of the last `\boxed{...}` or `\fbox{...}` (braces nested), None if there is
+  none or it is not closed."""
+  starts = list(BOXED.finditer(text))
+  if not starts:
     return None
-  depth, begin = 0, start + len("\\boxed{")
+  begin, depth = starts[-1].end(), 0
   for i in range(begin, len(text)):
     depth += {"{": 1, "}": -1}.get(text[i], 0)
     if depth < 0:

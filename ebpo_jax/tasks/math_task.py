@@ -20,7 +20,7 @@ from math_verify import parse, verify  # at module level: a worker imports it wh
 
 from ebpo_jax.data import load_rows_and_clusters
 from ebpo_jax.data.prepare import read_source
-from ebpo_jax.tasks.base import Task, check_fraction, check_split, split_of
+from ebpo_jax.tasks.base import BOXED, Task, check_fraction, check_split, last_boxed, split_of
 from ebpo_jax.tasks.tokenizers import ByteTokenizer
 
 # DAPO-Math-17K's prompt, the one the paper trained with; `{prompt}` is the problem.
@@ -37,7 +37,6 @@ VERIFY_TIMEOUT_S = 2
 
 _ANSWER_LINE = re.compile(r"answer\s*:\s*([^\n]+)", re.IGNORECASE)  # DAPO's pattern
 _ANSWER_MARKER = re.compile(r"answer\s*:", re.IGNORECASE)
-_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _FINAL_PERIOD = re.compile(r"(?<!\.)\.$")  # "5." -> "5", but "1, 2, ..." stays
 _MATH_DOLLAR = re.compile(r"(?<!\\)\$")  # a `$` that is not the escaped dollar sign `\$`
 _DELIMITERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
@@ -55,20 +54,6 @@ def extract_math_answer(response: str) -> str:
   return "" if boxed is None else normalize_math_answer(boxed)
 
 
-def last_boxed(text: str) -> str | None:
-  r"""The contents of the last `\boxed{...}` or `\fbox{...}` (braces nested), None if none is
-  closed."""
-  starts = list(_BOXED.finditer(text))
-  if not starts:
-    return None
-  begin, depth = starts[-1].end(), 0
-  for i in range(begin, len(text)):
-    depth += {"{": 1, "}": -1}.get(text[i], 0)
-    if depth < 0:
-      return text[begin:i]
-  return None
-
-
 def normalize_math_answer(answer: str) -> str:
   r"""The answer without surrounding space, `**`, a final period, math delimiters (`$`, `\(`,
   `\[`) or a `\boxed{}` around all of it."""
@@ -81,7 +66,7 @@ def normalize_math_answer(answer: str) -> str:
       if answer.startswith(left) and answer.endswith(right) and inner and right not in inner:
         answer = inner
         break
-    boxed = _BOXED.match(answer)
+    boxed = BOXED.match(answer)
     if boxed and answer.endswith("}") and last_boxed(answer) == answer[boxed.end() : -1]:
       answer = answer[boxed.end() : -1]
   return answer
