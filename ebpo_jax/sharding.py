@@ -111,7 +111,7 @@ def init_distributed() -> bool:
   """Joins a multi-process run (one process per host, the same command on every host).
 
   With `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID` set (as
-  launch/local_multiprocess.sh and launch/gpu.sh do) they are passed on explicitly; with
+  launch/local_multiprocess.sh does, or a cluster script per host) they are passed on; with
   `EBPO_JAX_DISTRIBUTED=auto` (launch/tpu_pod.sh) JAX detects the cluster (TPU pod, SLURM).
   Otherwise this is a single-process run and nothing happens. Returns whether it initialised.
   Call it before anything touches a device.

@@ -101,12 +101,11 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   _require(config.sampling.temperature > 0, config, "sampling.temperature", "must be > 0")
   _require(0 < config.sampling.top_p <= 1, config, "sampling.top_p", "must lie in (0, 1]")
   _require(config.sampling.max_new_tokens >= 1, config, "sampling.max_new_tokens", "must be >= 1")
-  ppc = config.sampling.prompts_per_call
   _require(
-    ppc >= 0 and (ppc == 0 or tc.batch_size % ppc == 0),
+    config.sampling.prompts_per_call >= 0,
     config,
     "sampling.prompts_per_call",
-    f"must be 0 (all) or divide train.batch_size={tc.batch_size}",
+    "must be >= 0 (0: all prompts in one sampler call)",
   )
   _choice(config, "rl.dynamic_sampling", (True, False))
   _require(rl.max_refill_rounds >= 0, config, "rl.max_refill_rounds", "must be >= 0")
@@ -433,23 +432,23 @@ class Rollouts:
     )
 
   def sample(self, params, rows, rng, *, group_size: int, greedy: bool):
-    """Samples `group_size` completions per row, `sampling.prompts_per_call` prompts at a time."""
+    """`group_size` completions per row, `sampling.prompts_per_call` prompts per sampler call
+    (0: all at once). A short last call is padded with copies of its last prompt, so every call
+    has one shape (one compile); the copies' completions are dropped."""
     prompt_ids, prompt_mask = self.prompts(rows)
     chunk = self.config.sampling.prompts_per_call or len(rows)
     if chunk >= len(rows):
       out = self._generate(params, prompt_ids, prompt_mask, rng, group_size, greedy)
       return prompt_ids, prompt_mask, out
-    outs = [
-      self._generate(
-        params,
-        prompt_ids[start : start + chunk],
-        prompt_mask[start : start + chunk],
-        jax.random.fold_in(rng, start // chunk),
-        group_size,
-        greedy,
-      )
-      for start in range(0, len(rows), chunk)
-    ]
+    outs = []
+    for start in range(0, len(rows), chunk):
+      ids, mask = prompt_ids[start : start + chunk], prompt_mask[start : start + chunk]
+      real = len(ids)
+      fill = np.repeat(np.arange(real - 1, real), chunk - real)
+      ids, mask = np.concatenate([ids, ids[fill]]), np.concatenate([mask, mask[fill]])
+      key = jax.random.fold_in(rng, start // chunk)
+      out = self._generate(params, ids, mask, key, group_size, greedy)
+      outs.append(jax.tree.map(lambda x, n=real * group_size: x[:n], out))
     out = sampling.SampleOutput(*(jnp.concatenate(parts) for parts in zip(*outs, strict=True)))
     return prompt_ids, prompt_mask, out
 
@@ -491,6 +490,14 @@ class Rollouts:
       gathered = multihost_utils.process_allgather(np.concatenate([padded, [errors]]))
       rewards, errors = gathered[:, :share].reshape(-1)[: len(texts)], int(gathered[:, -1].sum())
     return rewards.reshape(len(rows), group_size), errors
+
+
+def on_mesh(batch: dict, mesh) -> dict:
+  """Host arrays of a batch as global arrays split over the mesh's batch axes (a jitted function
+  may not take NumPy inputs with such shardings when there are several processes)."""
+  spec = sharding.batch_sharding(mesh)
+  place = lambda x: x if isinstance(x, jax.Array) else sharding.place_from_host(np.asarray(x), spec)
+  return {k: place(v) for k, v in batch.items()}
 
 
 def _to_host(x: jax.Array) -> np.ndarray:
@@ -873,7 +880,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     key = jax.random.fold_in(state.rng, step)
     batch, batch_rows, rollout_logs = collect_batch(rollouts, state.params, key, rows, batches)
     t1 = time.perf_counter()
-    state, step_metrics = step_fn(state, batch)
+    state, step_metrics = step_fn(state, on_mesh(batch, mesh))
     step_metrics = jax.device_get(step_metrics)
     t2 = time.perf_counter()
     bad_in_a_row = bad_in_a_row + 1 if step_metrics["bad_updates"] > 0 else 0
