@@ -7,6 +7,8 @@ import re
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
+import numpy as np
+
 SPLITS = ("train", "eval")
 
 
@@ -76,6 +78,12 @@ def take_split(
       if misses > max_misses:
         raise ValueError(f"{where}: found only {len(out)} of {n} {split} prompts")
   return out
+
+
+def shuffled_rows(rows: list[dict[str, Any]], n: int, seed: int) -> list[dict[str, Any]]:
+  """At most n of `rows` (all when n <= 0), in an order shuffled by seed (file-backed tasks)."""
+  order = np.random.default_rng(np.random.SeedSequence([seed])).permutation(len(rows))
+  return [rows[i] for i in (order if n <= 0 else order[:n])]
 
 
 def cluster_quotas(n: int, num_clusters: int) -> list[int]:

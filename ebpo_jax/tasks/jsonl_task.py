@@ -3,8 +3,6 @@
 import pathlib
 from typing import Any
 
-import numpy as np
-
 from ebpo_jax.data import load_rows_and_clusters
 from ebpo_jax.tasks.base import (
   Task,
@@ -12,6 +10,7 @@ from ebpo_jax.tasks.base import (
   check_fraction,
   check_split,
   extract_final_answer,
+  shuffled_rows,
   split_of,
 )
 from ebpo_jax.tasks.tokenizers import ByteTokenizer
@@ -49,9 +48,7 @@ class JsonlTask(Task):
   def rows(self, split: str, n: int, seed: int) -> list[dict[str, Any]]:
     """At most n rows of the split (all when n <= 0), in an order shuffled by seed."""
     check_split(split, max(n, 0))
-    rows = self._rows[split]
-    order = np.random.default_rng(np.random.SeedSequence([seed])).permutation(len(rows))
-    return [rows[i] for i in (order if n <= 0 else order[:n])]
+    return shuffled_rows(self._rows[split], n, seed)
 
   def format_prompt(self, row: dict[str, Any]) -> str:
     return row["prompt"] + self.instruction

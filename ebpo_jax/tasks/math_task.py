@@ -15,12 +15,19 @@ import pathlib
 import re
 from typing import Any
 
-import numpy as np
 from math_verify import parse, verify  # at module level: a worker imports it when it unpickles
 
 from ebpo_jax.data import load_rows_and_clusters
 from ebpo_jax.data.prepare import read_source
-from ebpo_jax.tasks.base import BOXED, Task, check_fraction, check_split, last_boxed, split_of
+from ebpo_jax.tasks.base import (
+  BOXED,
+  Task,
+  check_fraction,
+  check_split,
+  last_boxed,
+  shuffled_rows,
+  split_of,
+)
 from ebpo_jax.tasks.tokenizers import ByteTokenizer
 
 # DAPO-Math-17K's prompt, the one the paper trained with; `{prompt}` is the problem.
@@ -128,9 +135,7 @@ class MathTask(Task):
   def rows(self, split: str, n: int, seed: int) -> list[dict[str, Any]]:
     """At most n rows of the split (all when n <= 0), in an order shuffled by seed."""
     check_split(split, max(n, 0))
-    rows = self._rows[split]
-    order = np.random.default_rng(np.random.SeedSequence([seed])).permutation(len(rows))
-    return [rows[i] for i in (order if n <= 0 else order[:n])]
+    return shuffled_rows(self._rows[split], n, seed)
 
   def format_prompt(self, row: dict[str, Any]) -> str:
     return self.instruction.replace("{prompt}", row["prompt"])
