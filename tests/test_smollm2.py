@@ -48,17 +48,16 @@ def test_decode_stops_at_the_end_of_turn(model_dir):
   assert tok.decode(ids) == "Answer: 5"
 
 
-def test_runlocal_trains_two_steps_from_the_readme_command(tmp_path):
+def run_module(module: str, *args: str) -> None:
+  """`python -m module args` on one CPU device, as the README runs it; fails with its stderr."""
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-  cmd = [
-    sys.executable,
-    "-m",
-    "ebpo_jax.train",
-    "--config=configs/smollm2_135m_ebpo.py:runlocal",
-    f"--workdir={tmp_path}",
-  ]
+  cmd = [sys.executable, "-m", module, "--config=configs/smollm2_135m_ebpo.py:runlocal", *args]
   result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
   assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_runlocal_trains_two_steps_and_evaluates_from_the_readme_commands(tmp_path):
+  run_module("ebpo_jax.train", f"--workdir={tmp_path}")
   lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   train_lines = [m for m in lines if "loss" in m]
   assert [m["step"] for m in train_lines] == [1, 2]
@@ -66,3 +65,9 @@ def test_runlocal_trains_two_steps_from_the_readme_command(tmp_path):
   assert all(m["rollout/tokens"] > 0 for m in train_lines)
   assert {"eval/accuracy/chain_sum", "eval/accuracy/basic_arithmetic"} <= set(lines[-1])
   assert (tmp_path / "checkpoints" / "2").is_dir()
+
+  run_module("ebpo_jax.evaluate", f"--workdir={tmp_path}")  # the run's latest checkpoint
+  result = json.loads((tmp_path / "eval.json").read_text())
+  assert result["params"]["step"] == 2 and result["num_samples"] == 2
+  assert result["num_responses"] == 2 * result["num_problems"] > 0
+  assert set(result["metrics"]["by_cluster"]) == {"chain_sum", "basic_arithmetic"}
