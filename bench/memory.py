@@ -3,16 +3,21 @@
     python bench/memory.py                      # the table (3 models; minutes of CPU)
     python bench/memory.py --write bench/MEMORY.md
     python bench/memory.py --quick              # CI smoke run: a runlocal config on 8 devices
+    python bench/memory.py --sweep              # the sampler's KV cache, every model x G (seconds)
 
-Memory: the trainer's own jitted `train_step`, lowered with abstract sharded inputs
-(`jax.ShapeDtypeStruct`; nothing is allocated) on a CPU topology of the target device count (a
-subprocess per config with `--xla_force_host_platform_device_count`), compiled, and read back with
-`memory_analysis()` (argument + output - aliased + temp bytes per device). The CPU compiler is not
-the TPU one (fusion, layouts, bf16 handling differ), so the numbers are indicative. Next to it an
-analytic estimate: the sharded state (float32 params, grads and their accumulator, two Adam
-moments, the KL reference) plus activations under full remat (every layer's input kept; one layer
-recomputed with its attention scores, probabilities and their gradient; the logits of one sequence
-a few times). Sequences are the worst case, the largest prompt bucket (4,096) + 8,192 responses.
+Memory: the trainer's own jitted `train_step` (with `mesh=`, as `train.run` jits it: micro-batch
+rows constrained to the mesh's batch axes, reference log-probs one micro-batch at a time), lowered
+with abstract sharded inputs (`jax.ShapeDtypeStruct`; nothing is allocated) on a CPU topology of
+the target device count (a subprocess per config with `--xla_force_host_platform_device_count`),
+compiled, and read back with `memory_analysis()` (argument + output - aliased + temp bytes per
+device). The CPU compiler is not the TPU one (fusion, layouts, bf16 handling differ), so the
+numbers are indicative. Next to it an analytic estimate: the sharded state (float32 params, grads
+and their accumulator, two Adam moments, the KL reference) plus activations under full remat
+(every layer's input kept; one layer recomputed with its attention scores, probabilities and their
+gradient; the logits of one sequence a few times). Sequences are the worst case, the largest
+prompt bucket (4,096) + 8,192 responses. The sampler's KV cache is computed for one sampler call,
+`sampling.prompts_per_call` prompts x G rows over the batch axes, P + N - 1 slots (bf16 K and V,
+KV heads over the tensor axis); while it samples the train state stays on the device beside it.
 
 Step time from FLOPs at an assumed MFU on v5p (459 TFLOP/s bf16 per chip): training
 (6 + 2 for full remat + 2 for the KL reference forward) x params x tokens plus attention (as
@@ -79,6 +84,7 @@ def analytic(config, spec: dict, devices: int) -> dict:
   shards, tensor = mesh["data"] * mesh["fsdp"], mesh["tensor"]
   kl = config.rl.loss.kl_coef > 0
   state = 4 * n * (1 + 2 + 2 + kl) / devices  # params, grads + accumulator, Adam m and v, ref
+  resident = 4 * n * (1 + 2 + kl) / devices  # between steps (sampling): params, Adam m, v, ref
   seq = max(config.sampling.prompt_buckets) + config.sampling.max_new_tokens
   rows = config.train.micro_batch_size // shards  # sequences per device per micro-batch
   e, h, layers = spec["hidden_size"], spec["num_heads"], spec["num_layers"]
@@ -86,15 +92,21 @@ def analytic(config, spec: dict, devices: int) -> dict:
   scores = 3 * rows * math.ceil(h / tensor) * seq**2 * 4  # f32 scores, probabilities, gradient
   logits = 4 * rows * config.sampling.max_new_tokens * spec["vocab_size"] / tensor * 4
   train_bytes = state + saved + scores + logits
-  rows_sampled = config.train.batch_size * config.rl.group_size / shards
+  prompts = config.sampling.prompts_per_call or config.train.batch_size  # 0: all in one call
+  rows_sampled = prompts * config.rl.group_size / shards  # rows per device in one sampler call
+  slots = seq - 1  # P + N - 1: the last drawn token never enters the cache
   kv_per_token = layers * 2 * math.ceil(spec["num_kv_heads"] / tensor) * spec["head_dim"] * 2
-  cache = rows_sampled * seq * kv_per_token
+  cache = rows_sampled * slots * kv_per_token
   return {
     "params_gb": 4 * n / devices / GB,
     "state_gb": state / GB,
     "activations_gb": (saved + scores + logits) / GB,
     "train_gb": train_bytes / GB,
+    "prompts_per_call": prompts,
+    "sampler_calls": -(-config.train.batch_size // prompts),
     "kv_cache_gb": cache / GB,
+    "resident_gb": resident / GB,
+    "sampling_gb": (resident + cache) / GB,
   }
 
 
@@ -116,21 +128,13 @@ def step_time(config, spec: dict, devices: int) -> dict:
   return {"train_s": train_s, "sample_s": sample_s, "step_s": train_s + sample_s}
 
 
-def compiled_memory(config, spec: dict, prompt_len: int, shard_micro_rows: bool = False) -> dict:
-  """memory_analysis() of the trainer's train_step on this process's devices (abstract inputs).
-
-  `shard_micro_rows`: the what-if of a one-line trainer change, each micro-batch's rows constrained
-  to the (data, fsdp) axes inside the loss (as coded, XLA shards the activations' hidden dimension
-  like the FSDP weights and keeps every micro-batch row on every device).
-  """
+def abstract_model(config, spec: dict, mesh):
+  """The config's scanned decoder and its parameters as sharded `jax.ShapeDtypeStruct`s."""
   import jax
   import jax.numpy as jnp
-  import optax
-  from jax.sharding import NamedSharding, PartitionSpec
 
-  from ebpo_jax import advantages, models, sharding, train
+  from ebpo_jax import models, sharding, train
 
-  mesh = sharding.make_mesh(dict(config.mesh))
   mc = config.model
   model_config = models.ModelConfig(
     vocab_size=spec["vocab_size"],
@@ -155,6 +159,60 @@ def compiled_memory(config, spec: dict, prompt_len: int, shard_micro_rows: bool 
     param_shardings,
     is_leaf=lambda x: hasattr(x, "names"),
   )
+  return model, params
+
+
+def compiled_sampler_memory(config, spec: dict, prompt_len: int) -> dict:
+  """memory_analysis() of one sampler call (`sampling.prompts_per_call` prompts x G rows, the
+  trainer's mesh) with abstract inputs; the rest of the train state (Adam moments, the KL
+  reference) stays on the device beside it and is added from the analytic numbers."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from ebpo_jax import sampling, sharding
+
+  mesh = sharding.make_mesh(dict(config.mesh))
+  model, params = abstract_model(config, spec, mesh)
+  prompts = config.sampling.prompts_per_call or config.train.batch_size
+  rows = sharding.batch_sharding(mesh)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  t0 = time.perf_counter()
+  compiled = sampling._generate.lower(
+    params,
+    jax.ShapeDtypeStruct((prompts, prompt_len), jnp.int32, sharding=rows),
+    jax.ShapeDtypeStruct((prompts, prompt_len), jnp.bool_, sharding=rows),
+    jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated),
+    jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),  # temperature
+    jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated),  # top_p
+    model=model,
+    group_size=config.rl.group_size,
+    max_new_tokens=config.sampling.max_new_tokens,
+    greedy=False,
+    stop_ids=(1,),
+    top_k=config.sampling.top_k,
+    pad_id=0,
+    mesh=mesh,
+  ).compile()
+  compile_s = time.perf_counter() - t0
+  mem = compiled.memory_analysis()
+  total = mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
+  return {"sampler_gb": total / GB, "sampler_compile_s": compile_s}
+
+
+def compiled_memory(config, spec: dict, prompt_len: int) -> dict:
+  """memory_analysis() of the trainer's train_step on this process's devices (abstract inputs),
+  jitted as `train.run` does (mesh, shardings, donated state)."""
+  import jax
+  import jax.numpy as jnp
+  import optax
+  from jax.sharding import NamedSharding, PartitionSpec
+
+  from ebpo_jax import advantages, sharding, train
+
+  mesh = sharding.make_mesh(dict(config.mesh))
+  model, params = abstract_model(config, spec, mesh)
+  param_shardings = jax.tree.map(lambda x: x.sharding, params)
   replicated = NamedSharding(mesh, PartitionSpec())
   optimizer = train.make_optimizer(config.train, config.train.num_steps * 4)
   opt_abstract = jax.eval_shape(optimizer.init, params)
@@ -193,20 +251,13 @@ def compiled_memory(config, spec: dict, prompt_len: int, shard_micro_rows: bool 
   batch = {k: jax.ShapeDtypeStruct(s, t, sharding=rows) for k, (s, t) in shapes.items()}
   state_shardings = jax.tree.map(lambda x: x.sharding, state)
   step = jax.jit(
-    functools.partial(train.train_step, model=model, optimizer=optimizer, config=config),
+    functools.partial(train.train_step, model=model, optimizer=optimizer, config=config, mesh=mesh),
     in_shardings=(state_shardings, rows),
     out_shardings=(state_shardings, replicated),
     donate_argnums=(0,),
   )
   t0 = time.perf_counter()
-  loss_fn = train._loss_fn
-  if shard_micro_rows:
-    constrain = lambda x: jax.lax.with_sharding_constraint(x, rows)  # noqa: E731
-    train._loss_fn = lambda p, mb, **kw: loss_fn(p, jax.tree.map(constrain, mb), **kw)
-  try:
-    compiled = step.lower(state, batch).compile()
-  finally:
-    train._loss_fn = loss_fn
+  compiled = step.lower(state, batch).compile()
   compile_s = time.perf_counter() - t0
   mem = compiled.memory_analysis()
   total = (
@@ -225,13 +276,16 @@ def compiled_memory(config, spec: dict, prompt_len: int, shard_micro_rows: bool 
   }
 
 
-def worker(arg: str, devices: int, prompt_len: int) -> dict:
-  """One config's numbers, computed in this process (its devices are the target topology)."""
+def worker(arg: str, devices: int, prompt_len: int, prompts_per_call: int) -> dict:
+  """One config's numbers, computed in this process (its devices are the target topology).
+  `prompts_per_call` >= 0 replaces the config's `sampling.prompts_per_call` (-1: keep it)."""
   import jax
 
   paper = load_paper()
   model, method, group_size, runlocal = paper.parse_arg(arg)
   config = paper.get_config(arg)
+  if prompts_per_call >= 0:
+    config.sampling.prompts_per_call = prompts_per_call
   spec = dict(paper.MODELS[model])
   if runlocal:  # the tiny model: its own shape, the arithmetic tokenizer's vocabulary
     spec.update({k: config.model[k] for k in ("hidden_size", "intermediate_size", "num_layers")})
@@ -243,42 +297,106 @@ def worker(arg: str, devices: int, prompt_len: int) -> dict:
   result.update(analytic(config, spec, devices))
   result.update(step_time(config, spec, devices))
   result.update(compiled_memory(config, spec, prompt_len))
-  sharded = compiled_memory(config, spec, prompt_len, shard_micro_rows=True)
-  result["sharded_rows_gb"] = sharded["compiled_gb"]
-  result["compile_s"] += sharded["compile_s"]
+  result.update(compiled_sampler_memory(config, spec, prompt_len))
+  # The sampler's arguments hold the params; the rest of the state waits on the device.
+  rest_of_state = result["resident_gb"] - result["params_gb"]
+  result["sampling_compiled_gb"] = result["sampler_gb"] + rest_of_state
+  result["compile_s"] += result["sampler_compile_s"]
   return result
 
 
-def run_in_subprocess(arg: str, devices: int, prompt_len: int, timeout: float) -> dict:
+def run_in_subprocess(
+  arg: str, devices: int, prompt_len: int, prompts_per_call: int, timeout: float
+) -> dict:
   env = dict(
     os.environ,
     XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
     JAX_PLATFORMS="cpu",
   )
   cmd = [sys.executable, os.path.abspath(__file__), f"--worker={arg}", f"--devices={devices}"]
-  cmd.append(f"--prompt_len={prompt_len}")
+  cmd += [f"--prompt_len={prompt_len}", f"--prompts_per_call={prompts_per_call}"]
   result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
   if result.returncode != 0:
     raise SystemExit(f"{arg}: the worker failed:\n{result.stderr[-3000:]}")
   return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def fits(r: dict) -> bool:
+  """Whether both phases fit one chip's HBM (compiled): the train step and a sampler call."""
+  return max(r["compiled_gb"], r["sampling_compiled_gb"]) <= HBM_GB
+
+
 def table(results: list[dict]) -> str:
-  """A markdown table of the results."""
+  """The full markdown table of the results (bench/MEMORY.md)."""
   head = (
-    "| config | devices | params/device GB | memory_analysis GB (arg + out - alias + temp) "
-    "| memory_analysis GB, micro-batch rows sharded | analytic GB (state + activations) "
-    "| KV cache GB (sampling, all rows at once) | step time s (sample + train) |"
+    "| config | devices | params/device GB | train_step memory_analysis GB "
+    "(arg + out - alias + temp) | train_step analytic GB (state + activations) "
+    "| KV cache GB per sampler call (prompts x G rows; calls per step) "
+    "| sampling GB: compiled sampler + rest of state (analytic: state + KV) "
+    f"| fits {HBM_GB:.0f} GB | step time s (sample + train) |"
   )
-  lines = [head, "|" + "---|" * 8]
+  lines = [head, "|" + "---|" * 9]
   for r in results:
     lines.append(
       f"| {r['config']} | {r['devices']} | {r['params_gb']:.2f} "
       f"| {r['compiled_gb']:.1f} ({r['argument_gb']:.1f} + {r['output_gb']:.1f} - "
-      f"{r['alias_gb']:.1f} + {r['temp_gb']:.1f}) | {r['sharded_rows_gb']:.1f} "
+      f"{r['alias_gb']:.1f} + {r['temp_gb']:.1f}) "
       f"| {r['train_gb']:.1f} ({r['state_gb']:.1f} + {r['activations_gb']:.1f}) "
-      f"| {r['kv_cache_gb']:.0f} "
+      f"| {r['kv_cache_gb']:.1f} ({r['prompts_per_call']} x {r['group_size']}; "
+      f"{r['sampler_calls']}) "
+      f"| {r['sampling_compiled_gb']:.1f} = {r['sampler_gb']:.1f} + "
+      f"{r['resident_gb'] - r['params_gb']:.1f} ({r['sampling_gb']:.1f}) "
+      f"| {'yes' if fits(r) else 'no'} "
       f"| {r['step_s']:.0f} ({r['sample_s']:.0f} + {r['train_s']:.0f}) |"
+    )
+  return "\n".join(lines)
+
+
+def readme_table(results: list[dict]) -> str:
+  """The compact table of the README: per device, train step / sampler call."""
+  lines = [
+    "| config | devices | memory/device GB, compiled (train step / sampling) "
+    "| analytic GB (train step / sampling) | KV cache GB per sampler call | step time |",
+    "|" + "---|" * 6,
+  ]
+  for r in results:
+    lines.append(
+      f"| {r['config']} | {r['devices']} "
+      f"| {r['compiled_gb']:.0f} / {r['sampling_compiled_gb']:.0f} "
+      f"| {r['train_gb']:.0f} / {r['sampling_gb']:.0f} "
+      f"| {r['kv_cache_gb']:.1f} | {r['step_s'] / 60:.0f} min |"
+    )
+  return "\n".join(lines)
+
+
+def sweep(devices: int) -> list[dict]:
+  """The sampling phase of every model x G (analytic, seconds): the KV cache of one sampler call
+  beside the train state (KL methods: the larger state), and the most prompts per call that fit."""
+  paper = load_paper()
+  results = []
+  for model, spec in paper.MODELS.items():
+    for group_size in paper.GROUP_SIZES:
+      config = paper.get_config(f"{model},ebpo_topic,g{group_size}")
+      numbers = analytic(config, spec, devices)
+      per_prompt = numbers["kv_cache_gb"] / numbers["prompts_per_call"]
+      numbers["max_prompts_per_call"] = int((HBM_GB - numbers["resident_gb"]) // per_prompt)
+      results.append({"model": model, "group_size": group_size, **numbers})
+  return results
+
+
+def sweep_table(results: list[dict]) -> str:
+  """A markdown table of `sweep`."""
+  lines = [
+    "| model | G | prompts x G rows per call | KV cache GB per call "
+    "| sampling GB (state + KV cache) "
+    f"| fits {HBM_GB:.0f} GB | most prompts per call within {HBM_GB:.0f} GB |",
+    "|" + "---|" * 7,
+  ]
+  for r in results:
+    lines.append(
+      f"| {r['model']} | {r['group_size']} | {r['prompts_per_call']} x {r['group_size']} "
+      f"| {r['kv_cache_gb']:.1f} | {r['sampling_gb']:.1f} "
+      f"| {'yes' if r['sampling_gb'] <= HBM_GB else 'no'} | {r['max_prompts_per_call']} |"
     )
   return "\n".join(lines)
 
@@ -292,24 +410,37 @@ def main() -> None:
   )
   parser.add_argument("--devices", type=int, default=32)
   parser.add_argument("--prompt_len", type=int, default=4096, help="prompt bucket compiled")
+  parser.add_argument(
+    "--prompts_per_call", type=int, default=-1, help="replaces sampling.prompts_per_call if >= 0"
+  )
   parser.add_argument("--timeout", type=float, default=900.0, help="seconds per config")
   parser.add_argument("--write", default="", help="also write the table to this markdown file")
   parser.add_argument("--quick", action="store_true", help="a runlocal config on 8 devices")
+  parser.add_argument(
+    "--sweep", action="store_true", help="the sampler's memory for every model x G (analytic)"
+  )
   parser.add_argument("--worker", default="", help=argparse.SUPPRESS)
   args = parser.parse_args()
   if args.worker:
-    print(json.dumps(worker(args.worker, args.devices, args.prompt_len)))
+    print(json.dumps(worker(args.worker, args.devices, args.prompt_len, args.prompts_per_call)))
+    return
+  if args.sweep:
+    results = sweep(args.devices)
+    print(sweep_table(results), end="\n\n")
+    print(json.dumps(results))
     return
   if args.quick:
     args.configs, args.devices, args.prompt_len = "qwen3_8b,ebpo_topic,runlocal", 8, 16
   results = []
   for arg in [c for c in args.configs.split(";") if c]:
-    results.append(run_in_subprocess(arg, args.devices, args.prompt_len, args.timeout))
+    results.append(
+      run_in_subprocess(arg, args.devices, args.prompt_len, args.prompts_per_call, args.timeout)
+    )
     print(f"{arg}: compiled in {results[-1]['compile_s']:.0f} s", file=sys.stderr, flush=True)
-  print(table(results))
+  print(table(results), readme_table(results), sep="\n\n", end="\n\n")
   if args.write:
     with open(args.write, "w") as f:
-      f.write(table(results) + "\n")
+      f.write(table(results) + "\n\n" + readme_table(results) + "\n")
   print(json.dumps(results))
 
 
