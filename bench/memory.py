@@ -1,7 +1,8 @@
 """Per-device memory and expected step time of the paper's configs on their target slice.
 
-    python bench/memory.py                      # the table (3 models; minutes of CPU)
-    python bench/memory.py --write bench/MEMORY.md
+    python bench/memory.py                      # the table (3 models; ~6 minutes of CPU)
+    python bench/memory.py --write table.md     # also into a file (bench/MEMORY.md quotes it)
+    python bench/memory.py --configs=qwen3_8b,ebpo_topic,g32 --prompts_per_call=8  # a what-if
     python bench/memory.py --quick              # CI smoke run: a runlocal config on 8 devices
     python bench/memory.py --sweep              # the sampler's KV cache, every model x G (seconds)
 
@@ -15,9 +16,11 @@ numbers are indicative. Next to it an analytic estimate: the sharded state (floa
 and their accumulator, two Adam moments, the KL reference) plus activations under full remat
 (every layer's input kept; one layer recomputed with its attention scores, probabilities and their
 gradient; the logits of one sequence a few times). Sequences are the worst case, the largest
-prompt bucket (4,096) + 8,192 responses. The sampler's KV cache is computed for one sampler call,
-`sampling.prompts_per_call` prompts x G rows over the batch axes, P + N - 1 slots (bf16 K and V,
-KV heads over the tensor axis); while it samples the train state stays on the device beside it.
+prompt bucket (4,096) + 8,192 responses. One sampler call (`sampling.prompts_per_call` prompts
+x G rows, the trainer's mesh) is compiled and read the same way; the rest of the train state (Adam
+moments, the KL reference) waits on the device meanwhile and is added from the analytic numbers.
+Its KV cache is also computed: rows over the batch axes, P + N - 1 slots, bf16 K and V, KV heads
+over the tensor axis.
 
 Step time from FLOPs at an assumed MFU on v5p (459 TFLOP/s bf16 per chip): training
 (6 + 2 for full remat + 2 for the KL reference forward) x params x tokens plus attention (as
