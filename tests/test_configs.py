@@ -103,6 +103,8 @@ def test_full_and_runlocal_configs_pass_the_trainer_checks(arg):
   full = paper.get_config(arg)
   train.check_config(full, paper.TARGET_DEVICES)
   assert train._data_shards(full, paper.TARGET_DEVICES) == 8  # fsdp 8 x tensor 4
+  # 256 rows per sampler call at every G: the KV cache fits (bench/MEMORY.md)
+  assert full.sampling.prompts_per_call * full.rl.group_size == 256
   train.check_config(paper.get_config(f"{arg},runlocal"), 8)
 
 
