@@ -723,9 +723,10 @@ def warm_start(config, model, state: TrainState, rows, rollouts) -> TrainState:
       "target_mask": target_mask,
     }
     params, opt_state, loss = sft_step(params, opt_state, batch)
-  print(
-    f"warm start: {sc.num_steps} supervised steps, final loss {float(loss):.4f}", file=sys.stderr
-  )
+  if jax.process_index() == 0:
+    print(
+      f"warm start: {sc.num_steps} supervised steps, final loss {float(loss):.4f}", file=sys.stderr
+    )
   return state.replace(params=params)
 
 
