@@ -337,6 +337,7 @@ def run(
   with rewards_lib.RewardPool(config.rewards.workers, config.rewards.timeout_s) as pool:
     rollouts = train.Rollouts(model, task, tokenizer, config, pool, mesh)
     texts, rewards, errors = sample_and_score(rollouts, params, rows, num_samples=k, greedy=greedy)
+    error_examples = list(pool.last_errors)
   extract = answer_extractor(task)
   answers = [[extract(t) for t in group] for group in texts]
   per_problem = [problem_metrics(r.tolist(), a) for r, a in zip(rewards, answers, strict=True)]
@@ -350,6 +351,7 @@ def run(
     "num_problems": len(rows),
     "num_responses": int(rewards.size),
     "verifier_errors": errors,
+    "verifier_error_examples": error_examples,
     "metrics": grouped_metrics(per_problem, datasets, clusters),
     "time_s": time.perf_counter() - t0,
     "config": config.to_dict(),
@@ -377,6 +379,8 @@ def run(
       f"{len(rows)} problems x {k} samples ({'greedy' if greedy else 'sampled'}), params: "
       f"{origin}, {errors} verifier errors, {result['time_s']:.1f} s"
     )
+    if error_examples:
+      print(f"first verifier errors: {error_examples[:3]}")
     print(metrics_table(result["metrics"]))
   return result
 

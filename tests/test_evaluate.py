@@ -189,6 +189,7 @@ def test_evaluate_cli_on_a_trainer_workdir_writes_eval_json(trained_run, tmp_pat
   assert saved["num_samples"] == 4 and not saved["greedy"]
   assert saved["num_problems"] == 16 and saved["num_responses"] == 64  # 8 per cluster
   assert saved["config"]["eval"]["num_samples"] == 4
+  assert saved["verifier_errors"] == 0 and saved["verifier_error_examples"] == []
   metrics = saved["metrics"]
   assert set(metrics["by_cluster"]) == {"add_1", "add_2"}
   assert set(metrics["by_dataset"]) == {"arithmetic"}
