@@ -516,7 +516,7 @@ def sample_part(rollouts: Rollouts, params, key, batch_rows: list[dict]) -> dict
   )
   task_rewards, errors = rollouts.score(out, batch_rows, group_size)
   penalty = losses.overlong_penalty(
-    out.lengths,
+    _to_host(out.lengths),  # on the host: every process holds the whole [B*G] lengths
     max_len=config.sampling.max_new_tokens,
     buffer=config.rl.overlong_buffer,
     penalty=config.rl.overlong_penalty,
