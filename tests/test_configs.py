@@ -1,8 +1,8 @@
 """Every config file loads and passes the trainer's checks; the paper's runlocal variants train.
 
-Each of the paper's 18 (model, method) pairs runs one RL step; the methods of a model share the
-sampler's compiles in this process (jit's own cache), so a run after a model's first takes about
-10 s. The group sizes change values only; all 72 configs pass check_config. (No persistent
+Each of the paper's 18 (model, method) pairs runs one RL step at G = 4, and G = 8, 16, 32 run on
+one pair; the methods of a model share the sampler's compiles in this process (jit's own cache),
+so a run after a model's first takes about 10 s. All 72 configs pass check_config. (No persistent
 compilation cache here: loading a train step from it aborted the process now and then.)
 """
 
@@ -27,7 +27,10 @@ def load_config_module(name: str):
 
 
 paper = load_config_module("paper")
-RUN_PAIRS = [(model, method) for model in paper.MODELS for method in paper.METHODS]
+# Every (model, method) at the default G = 4, and the other group sizes on one pair.
+RUN_ARGS = [f"{model},{method}" for model in paper.MODELS for method in paper.METHODS] + [
+  f"qwen3_8b,grpo,g{g}" for g in paper.GROUP_SIZES if g != 4
+]
 ALL_ARGS = [
   f"{model},{method},g{g}"
   for model in paper.MODELS
@@ -36,11 +39,12 @@ ALL_ARGS = [
 ]
 
 
-@pytest.mark.parametrize(("model", "method"), RUN_PAIRS)
-def test_runlocal_variant_runs_one_rl_step(model, method, tmp_path, monkeypatch):
+@pytest.mark.parametrize("arg", RUN_ARGS)
+def test_runlocal_variant_runs_one_rl_step(arg, tmp_path, monkeypatch):
   # Plots are covered by test_train; here they would cost seconds per run.
   monkeypatch.setattr(train.metrics_lib, "plot_metrics", lambda workdir: [])
-  config = paper.get_config(f"{model},{method},runlocal")
+  method = arg.split(",")[1]
+  config = paper.get_config(f"{arg},runlocal")
   train.check_config(config, jax.device_count())
   train.run(config, str(tmp_path))
   lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
