@@ -139,19 +139,7 @@ def abstract_model(config, spec: dict, mesh):
   from ebpo_jax import models, sharding, train
 
   mc = config.model
-  model_config = models.ModelConfig(
-    vocab_size=spec["vocab_size"],
-    hidden_size=mc.hidden_size,
-    intermediate_size=mc.intermediate_size,
-    num_layers=mc.num_layers,
-    num_heads=mc.num_heads,
-    num_kv_heads=mc.num_kv_heads,
-    head_dim=mc.head_dim,
-    **train._architecture(mc),
-    dtype=mc.dtype,
-    param_dtype=mc.param_dtype,
-    remat=mc.remat,
-  )
+  model_config = train.random_init_config(mc, spec["vocab_size"])
   model = models.Decoder(model_config)
   boxed = jax.eval_shape(lambda r: model.init(r, jnp.zeros((1, 4), jnp.int32))["params"],
                          jax.random.PRNGKey(0))  # fmt: skip

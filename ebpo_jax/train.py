@@ -158,18 +158,29 @@ def _data_shards(config, num_devices: int) -> int:
 _ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
-def _architecture(mc) -> dict:
-  """ModelConfig fields of a random-init model's family (optional keys; llama, tied, by default)."""
+def random_init_config(mc, vocab_size: int) -> models.ModelConfig:
+  """The ModelConfig of a random-init decoder from `config.model` (shape keys, and the optional
+  family keys `architecture` (llama | qwen2 | qwen3), `tie_word_embeddings`, `rope_theta`)."""
   arch = mc.get("architecture", "llama")
   if arch not in _ARCHITECTURES:
     raise ConfigError(f"config.model.architecture={arch!r}: must be one of {_ARCHITECTURES}")
-  return {
-    "architecture": arch,
-    "attention_bias": arch == "qwen2",
-    "qk_norm": arch == "qwen3",
-    "tie_word_embeddings": bool(mc.get("tie_word_embeddings", True)),
-    "rope_theta": float(mc.get("rope_theta", 10000.0)),
-  }
+  return models.ModelConfig(
+    vocab_size=vocab_size,
+    hidden_size=mc.hidden_size,
+    intermediate_size=mc.intermediate_size,
+    num_layers=mc.num_layers,
+    num_heads=mc.num_heads,
+    num_kv_heads=mc.num_kv_heads,
+    head_dim=mc.head_dim,
+    architecture=arch,
+    attention_bias=arch == "qwen2",
+    qk_norm=arch == "qwen3",
+    tie_word_embeddings=bool(mc.get("tie_word_embeddings", True)),
+    rope_theta=float(mc.get("rope_theta", 10000.0)),
+    dtype=mc.dtype,
+    param_dtype=mc.param_dtype,
+    remat=mc.remat,
+  )
 
 
 def build_model(config, tokenizer, mesh) -> tuple[models.Decoder, Any]:
@@ -183,19 +194,7 @@ def build_model(config, tokenizer, mesh) -> tuple[models.Decoder, Any]:
       remat=mc.remat,
       mesh=mesh,
     )
-  model_config = models.ModelConfig(
-    vocab_size=tokenizer.vocab_size,
-    hidden_size=mc.hidden_size,
-    intermediate_size=mc.intermediate_size,
-    num_layers=mc.num_layers,
-    num_heads=mc.num_heads,
-    num_kv_heads=mc.num_kv_heads,
-    head_dim=mc.head_dim,
-    **_architecture(mc),
-    dtype=mc.dtype,
-    param_dtype=mc.param_dtype,
-    remat=mc.remat,
-  )
+  model_config = random_init_config(mc, tokenizer.vocab_size)
   model = models.Decoder(model_config)
   dummy = jnp.zeros((1, 4), jnp.int32)
   init = lambda rng: model.init(rng, dummy)["params"]
@@ -444,7 +443,7 @@ class Rollouts:
     for start in range(0, len(rows), chunk):
       ids, mask = prompt_ids[start : start + chunk], prompt_mask[start : start + chunk]
       real = len(ids)
-      fill = np.repeat(np.arange(real - 1, real), chunk - real)
+      fill = np.full(chunk - real, real - 1)
       ids, mask = np.concatenate([ids, ids[fill]]), np.concatenate([mask, mask[fill]])
       key = jax.random.fold_in(rng, start // chunk)
       out = self._generate(params, ids, mask, key, group_size, greedy)
