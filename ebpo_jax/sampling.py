@@ -80,6 +80,28 @@ def prompt_positions(mask_bp: jax.Array) -> jax.Array:
   return jnp.maximum(jnp.cumsum(mask_bp.astype(jnp.int32), axis=-1) - 1, 0)
 
 
+def build_sequences(prompt_ids_bp, prompt_mask_bp, tokens_rn, mask_rn, group_size: int) -> dict:
+  """Prompt (left-padded, repeated G times) + completion, with the positions the sampler used.
+
+  The one statement of the sequence layout shared by the sampler and the trainer: row
+  r = b * G + g holds sample g of prompt b; completion token n sits at slot P + n, at RoPE
+  position `prompt_len + n`, and is predicted by the logits at slot P + n - 1.
+  """
+  ids = jnp.repeat(prompt_ids_bp, group_size, axis=0)
+  pmask = jnp.repeat(prompt_mask_bp, group_size, axis=0)
+  prompt_len = pmask.sum(-1, keepdims=True)
+  completion_pos = prompt_len + jnp.arange(tokens_rn.shape[1])[None]
+  return {
+    "input_ids": jnp.concatenate([ids, tokens_rn], axis=1),
+    "positions": jnp.concatenate([prompt_positions(pmask), completion_pos], axis=1).astype(
+      jnp.int32
+    ),
+    "attention_mask": jnp.concatenate([pmask, mask_rn], axis=1),
+    "targets": tokens_rn,
+    "loss_mask": mask_rn,
+  }
+
+
 # ----------------------------------------------------------------------------- drawing one token
 
 
