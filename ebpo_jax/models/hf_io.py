@@ -124,6 +124,44 @@ def _read_param(
   return stacked
 
 
+def pretrained_config(
+  path: str, dtype: Any = jnp.float32, *, param_dtype: Any = None, **config_overrides: Any
+) -> ModelConfig:
+  """The ModelConfig of a local HF directory (its config.json only; no weights are read)."""
+  return ModelConfig.from_hf(
+    read_hf_config(path),
+    dtype=jnp.dtype(dtype).name,
+    param_dtype=jnp.dtype(param_dtype or dtype).name,
+    **config_overrides,
+  )
+
+
+def load_params(
+  path: str,
+  model: Decoder,
+  mesh: jax.sharding.Mesh | None = None,
+  rules: sharding_lib.Rules = sharding_lib.DEFAULT_RULES,
+) -> Any:
+  """The params of `model` read from the safetensors of the HF directory `path`, in the model's
+  param dtype. With `mesh`, each param is placed into its logical sharding as it is read."""
+  abstract = abstract_params(model)
+  shardings = None if mesh is None else sharding_lib.logical_shardings(abstract, mesh, rules)
+  reader = _SafetensorsReader(path)
+  param_dtype = jnp.dtype(model.config.param_dtype)
+
+  def load(keys, leaf, sharding=None):
+    path_ = tuple(k.key for k in keys)
+    value = _read_param(reader, path_, nn.meta.unbox(leaf).shape, param_dtype)
+    if sharding is None:
+      return jnp.asarray(value)
+    return sharding_lib.place_from_host(value, sharding)
+
+  unboxed = nn.meta.unbox(abstract)
+  if shardings is None:
+    return jax.tree_util.tree_map_with_path(load, unboxed)
+  return jax.tree_util.tree_map_with_path(load, unboxed, shardings)
+
+
 def from_pretrained(
   path: str,
   dtype: Any = jnp.float32,
@@ -138,31 +176,8 @@ def from_pretrained(
   `dtype` is the compute dtype and, unless `param_dtype` is given, the param dtype. With `mesh`,
   each param is placed into its logical sharding under `rules` as it is read.
   """
-  param_dtype = jnp.dtype(param_dtype or dtype)
-  config = ModelConfig.from_hf(
-    read_hf_config(path),
-    dtype=jnp.dtype(dtype).name,
-    param_dtype=param_dtype.name,
-    **config_overrides,
-  )
-  model = Decoder(config)
-  abstract = abstract_params(model)
-  shardings = None if mesh is None else sharding_lib.logical_shardings(abstract, mesh, rules)
-  reader = _SafetensorsReader(path)
-
-  def load(keys, leaf, sharding=None):
-    path_ = tuple(k.key for k in keys)
-    value = _read_param(reader, path_, nn.meta.unbox(leaf).shape, param_dtype)
-    if sharding is None:
-      return jnp.asarray(value)
-    return sharding_lib.place_from_host(value, sharding)
-
-  unboxed = nn.meta.unbox(abstract)
-  if shardings is None:
-    params = jax.tree_util.tree_map_with_path(load, unboxed)
-  else:
-    params = jax.tree_util.tree_map_with_path(load, unboxed, shardings)
-  return model, params
+  model = Decoder(pretrained_config(path, dtype, param_dtype=param_dtype, **config_overrides))
+  return model, load_params(path, model, mesh, rules)
 
 
 def _to_host(value: jax.Array) -> np.ndarray:
