@@ -1,4 +1,4 @@
-"""Run metrics: WORKDIR/metrics.jsonl, TensorBoard events, progress bar, plots, summary table.
+"""Run metrics: their names, WORKDIR/metrics.jsonl, TensorBoard events, plots, summary table.
 
 metrics.jsonl holds one JSON object per line, each with an integer "step" and float values.
 Non-finite values (NaN, inf) are written as JSON `null`: strict JSON has no NaN, and readers
@@ -14,28 +14,98 @@ from typing import Any
 
 import jax
 import numpy as np
-import tqdm
+
+from ebpo_jax import files
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PLOTS_DIR = "plots"
 
+# ----------------------------------------------------------------------------- metric names
+# The one copy of every key the trainer writes to metrics.jsonl (contracts: see DESIGN.md).
+
+STEP = "step"  # the integer step of every line; not a metric (MetricsWriter.write's argument)
+
+# Rollouts: rewards, advantages, responses (the train step and the host).
+REWARD_MEAN = "reward/mean"  # mean total reward over the batch's responses
+REWARD_ERRORS = "reward/errors"  # verifier calls that raised or timed out
+REWARD_OVERLONG_PENALTY = "reward/overlong_penalty"  # DAPO's soft overlong punishment, mean
+ADV_ZERO_FRAC = "adv/zero_frac"  # share of valid responses whose advantage is exactly 0
+ADV_ABS_MEAN = "adv/abs_mean"
+EBPO_SHRINKAGE_MEAN = "ebpo/shrinkage_mean"  # mean shrinkage S over the batch's prompts (EBPO)
+EBPO_PRIOR_MEAN = "ebpo/prior_mean"  # per cluster only: per_cluster(EBPO_PRIOR_MEAN, name)
+RESPONSE_LEN_MEAN = "response_len/mean"
+TRUNCATED_FRAC = "truncated_frac"  # responses cut at the generation length
+ROLLOUT_TOKENS = "rollout/tokens"  # tokens sampled this step (all refill rounds)
+DAPO_KEPT_FRAC = "dapo/kept_frac"  # dynamic sampling: first-round groups with varied rewards
+DAPO_ROUNDS = "dapo/rounds"
+DAPO_FILLED_GROUPS = "dapo/filled_groups"  # groups without signal that filled a short batch
+
+# The update: losses.policy_loss's metrics, averaged over the step's updates, and the optimizer's.
+LOSS = "loss"
+PG_LOSS = "pg_loss"
+KL = "kl"  # to the reference policy; 0 without one (rl.loss.kl_coef == 0)
+ENTROPY = "entropy"
+CLIPFRAC = "clipfrac"
+CLIPFRAC_LOW = "clipfrac_low"
+CLIPFRAC_HIGH = "clipfrac_high"
+DUAL_CLIPFRAC = "dual_clipfrac"
+RATIO_MEAN = "ratio_mean"
+APPROX_KL = "approx_kl"  # k3 of the old policy from the new one: how far the update moved
+GRAD_NORM = "grad_norm"
+BAD_UPDATES = "bad_updates"  # updates skipped for a non-finite loss or grad norm
+
+# Bookkeeping and wall-clock time.
+COMPILES_TRAIN_STEP = "compiles/train_step"  # times the train step was traced (1 = no retrace)
+TIME_STEP_S = "time/step_s"
+TIME_SAMPLE_S = "time/sample_s"
+TIME_UPDATE_S = "time/update_s"
+TIME_TOKENS_PER_S = "time/tokens_per_s"  # ROLLOUT_TOKENS / TIME_STEP_S
+
+# Evaluation lines.
+EVAL_ACCURACY = "eval/accuracy"
+
+# Keys that measure wall-clock time: they differ between an interrupted and a straight run.
+TIMING_KEYS = (TIME_STEP_S, TIME_TOKENS_PER_S, TIME_SAMPLE_S, TIME_UPDATE_S)
+# Keys that are also logged per cluster, as per_cluster(key, name).
+PER_CLUSTER_KEYS = (REWARD_MEAN, EVAL_ACCURACY, EBPO_PRIOR_MEAN)
+# Every metric name above (not STEP).
+KEYS = frozenset(
+  {REWARD_MEAN, REWARD_ERRORS, REWARD_OVERLONG_PENALTY, ADV_ZERO_FRAC, ADV_ABS_MEAN}
+  | {EBPO_SHRINKAGE_MEAN, EBPO_PRIOR_MEAN, RESPONSE_LEN_MEAN, TRUNCATED_FRAC, ROLLOUT_TOKENS}
+  | {DAPO_KEPT_FRAC, DAPO_ROUNDS, DAPO_FILLED_GROUPS}
+  | {LOSS, PG_LOSS, KL, ENTROPY, CLIPFRAC, CLIPFRAC_LOW, CLIPFRAC_HIGH, DUAL_CLIPFRAC}
+  | {RATIO_MEAN, APPROX_KL, GRAD_NORM, BAD_UPDATES, COMPILES_TRAIN_STEP, *TIMING_KEYS}
+  | {EVAL_ACCURACY}
+)
+
+
+def cluster_prefix(key: str) -> str:
+  """The prefix that all per-cluster keys of `key` share: "eval/accuracy" -> "eval/accuracy/"."""
+  return f"{key}/"
+
+
+def per_cluster(key: str, cluster_name: str) -> str:
+  """The one rule for per-cluster keys: ("reward/mean", "add_2d") -> "reward/mean/add_2d"."""
+  return cluster_prefix(key) + cluster_name
+
+
 # Default plots: (file name, patterns); a pattern ending in "/" matches every key with that prefix.
 DEFAULT_PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
-  ("reward", ("reward/mean", "reward/mean/")),
-  ("accuracy", ("eval/accuracy", "eval/accuracy/")),
-  ("adv_zero_frac", ("adv/zero_frac",)),
-  ("ebpo_shrinkage", ("ebpo/shrinkage_mean",)),
-  ("ebpo_prior_mean", ("ebpo/prior_mean/",)),
-  ("entropy", ("entropy",)),
-  ("kl", ("kl",)),
-  ("grad_norm", ("grad_norm",)),
-  ("clipfrac", ("clipfrac",)),
-  ("loss", ("loss",)),
-  ("response_len", ("response_len/mean",)),
-  ("reward_errors", ("reward/errors",)),
-  ("tokens_per_sec", ("tokens_per_sec",)),
-  ("step_time", ("step_time",)),
+  ("reward", (REWARD_MEAN, cluster_prefix(REWARD_MEAN))),
+  ("accuracy", (EVAL_ACCURACY, cluster_prefix(EVAL_ACCURACY))),
+  ("adv_zero_frac", (ADV_ZERO_FRAC,)),
+  ("ebpo_shrinkage", (EBPO_SHRINKAGE_MEAN,)),
+  ("ebpo_prior_mean", (cluster_prefix(EBPO_PRIOR_MEAN),)),
+  ("entropy", (ENTROPY,)),
+  ("kl", (KL,)),
+  ("grad_norm", (GRAD_NORM,)),
+  ("clipfrac", (CLIPFRAC,)),
+  ("loss", (LOSS,)),
+  ("response_len", (RESPONSE_LEN_MEAN,)),
+  ("reward_errors", (REWARD_ERRORS,)),
+  ("tokens_per_sec", (TIME_TOKENS_PER_S,)),
+  ("step_time", (TIME_STEP_S, TIME_SAMPLE_S, TIME_UPDATE_S)),
 )
 
 
@@ -80,7 +150,7 @@ class MetricsWriter:
     if self._file is None:
       raise ValueError(f"MetricsWriter for {self.path} is closed")
     values = _to_floats(metrics)
-    record = {"step": int(step)}
+    record = {STEP: int(step)}
     record.update({k: (v if math.isfinite(v) else None) for k, v in values.items()})
     self._file.write(json.dumps(record, allow_nan=False) + "\n")
     self._file.flush()
@@ -107,7 +177,7 @@ class MetricsWriter:
 
 def _to_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
   """Python floats from scalars; one device-to-host transfer for all JAX values."""
-  if "step" in metrics:
+  if STEP in metrics:
     raise ValueError("metrics must not contain the key 'step' (it is the write() argument)")
   keys = list(metrics)
   host = jax.device_get([metrics[k] for k in keys])  # a list keeps the caller's key order
@@ -140,7 +210,7 @@ def _parse_lines(path: str) -> list[tuple[str, dict[str, Any]]]:
       if lineno == len(lines):
         break
       raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-    if not isinstance(record, dict) or not isinstance(record.get("step"), int):
+    if not isinstance(record, dict) or not isinstance(record.get(STEP), int):
       raise ValueError(f"{path}:{lineno}: expected a JSON object with an integer 'step'")
     parsed.append((line, record))
   return parsed
@@ -159,11 +229,8 @@ def truncate_after(workdir: str | os.PathLike, step: int) -> int:
     return 0
   with open(path, encoding="utf-8") as f:
     total = sum(1 for line in f if line.strip())
-  kept = [line for line, record in _parse_lines(path) if record["step"] <= step]
-  tmp_path = path + ".tmp"
-  with open(tmp_path, "w", encoding="utf-8") as f:
-    f.writelines(line + "\n" for line in kept)
-  os.replace(tmp_path, path)
+  kept = [line for line, record in _parse_lines(path) if record[STEP] <= step]
+  files.write_lines(path, kept)
   return total - len(kept)
 
 
@@ -178,22 +245,24 @@ def _matching_keys(patterns: Iterable[str], available: Sequence[str]) -> list[st
 
 
 def _series(records: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
-  points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+  points = [(r[STEP], r[key]) for r in records if r.get(key) is not None]
   return [s for s, _ in points], [v for _, v in points]
 
 
 def plot_metrics(workdir: str | os.PathLike, keys: Sequence[str] | None = None) -> list[str]:
   """Writes PNG plots of metrics.jsonl to WORKDIR/plots/ and returns their paths.
 
-  `keys=None` draws DEFAULT_PANELS (reward, accuracy per cluster, adv/zero_frac, shrinkage,
-  entropy, kl, grad_norm, clipfrac, ...); otherwise one plot per key (a key ending in "/" is a
+  `keys=None` draws DEFAULT_PANELS (reward and accuracy, overall and per cluster, adv/zero_frac,
+  shrinkage, entropy, kl, grad_norm, clipfrac, timing, ...), skipping a panel whose every series
+  is constant: a flat line (kl with no KL term, reward/errors at 0) says only its value, which
+  metrics.jsonl holds. Otherwise one plot per key, drawn even when flat (a key ending in "/" is a
   prefix: all matching keys on one plot). Keys absent from the file are skipped.
   """
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
 
   records = read_metrics(workdir)
-  available = sorted({k for r in records for k in r if k != "step"})
+  available = sorted({k for r in records for k in r if k != STEP})
   if keys is None:
     panels = DEFAULT_PANELS
   else:
@@ -202,24 +271,38 @@ def plot_metrics(workdir: str | os.PathLike, keys: Sequence[str] | None = None) 
   os.makedirs(out_dir, exist_ok=True)
   paths = []
   for name, patterns in panels:
-    panel_keys = _matching_keys(patterns, available)
-    if not panel_keys:
+    series = {key: _series(records, key) for key in _matching_keys(patterns, available)}
+    if not series or (keys is None and all(len(set(v)) <= 1 for _, v in series.values())):
       continue
     fig = Figure(figsize=(6.4, 4.0))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    for key in panel_keys:
-      steps, values = _series(records, key)
+    for key, (steps, values) in series.items():
       ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=key)
-    ax.set_xlabel("step")
+    ax.set_xlabel(STEP)
     ax.set_title(name)
     ax.grid(alpha=0.3)
-    if len(panel_keys) > 1:
+    if len(series) > 1:
       ax.legend(fontsize="small")
     path = os.path.join(out_dir, f"{name}.png")
     fig.savefig(path, dpi=100, bbox_inches="tight")
     paths.append(path)
   return paths
+
+
+def missing_panels(records: Iterable[Mapping[str, Any]]) -> list[str]:
+  """The DEFAULT_PANELS patterns that match no key of `records`, as "PANEL: PATTERN".
+
+  Checked per pattern, not per panel, so a per-cluster prefix that matches nothing shows even
+  when its panel draws the overall key. A check that the default plots read what a run logs.
+  """
+  available = sorted({k for r in records for k in r if k != STEP})
+  return [
+    f"{name}: {pattern}"
+    for name, patterns in DEFAULT_PANELS
+    for pattern in patterns
+    if not _matching_keys([pattern], available)
+  ]
 
 
 def summary_table(
@@ -254,11 +337,3 @@ def summary_table(
 
   rule = "  ".join("-" * w for w in widths)
   return "\n".join([line(header), rule, *(line(row) for row in body)])
-
-
-def progress_bar(total: int, *, initial: int = 0, enabled: bool = True) -> tqdm.tqdm:
-  """A tqdm bar over training steps (silent when not enabled); show metrics with
-  `bar.set_postfix(reward=..., acc=...)` and advance with `bar.update()`."""
-  return tqdm.tqdm(
-    total=total, initial=initial, disable=not enabled, unit="step", dynamic_ncols=True
-  )

