@@ -24,46 +24,16 @@
 #   DRY_RUN                  1: print every command instead of running it (same as --dry-run)
 set -euo pipefail
 
-usage() {
-  sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2
-  exit 2
-}
+# shellcheck source=launch/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-fail() {
-  echo "error: $*" >&2
-  exit 2
-}
-
-# Prints a command with shell quoting only where a word needs it, so it can be pasted back.
-print_command() {
-  local word out=""
-  for word in "$@"; do
-    if [[ $word =~ ^[A-Za-z0-9_./:=@,+%^-]+$ ]]; then
-      out+="$word "
-    else
-      out+="'${word//\'/\'\\\'\'}' "
-    fi
-  done
-  echo "+ ${out% }"
-}
-
-DRY_RUN=${DRY_RUN:-0}
-for arg in "$@"; do
-  case $arg in
-    --dry-run) DRY_RUN=1 ;;
-    -h | --help) usage ;;
-    *) fail "unknown argument $arg (known: --dry-run, --help)" ;;
-  esac
-done
-
+parse_args -- "$@"
 PYTHON=${PYTHON:-python}
 MEM_FRACTION=${MEM_FRACTION:-0.90}
 PREALLOCATE=${PREALLOCATE:-true}
-CONFIG=${CONFIG:-configs/arith_ebpo.py}
-EXTRA_ARGS=${EXTRA_ARGS:-}
 INSTALL=${INSTALL:-0}
 JAX_PIP_SPEC=${JAX_PIP_SPEC:-jax[cuda12]}
-[[ -n ${WORKDIR:-} ]] || fail "WORKDIR is not set (checkpoints, metrics and plots go there)"
+require WORKDIR "checkpoints, metrics and plots go there"
 
 # NUM_GPUS and CUDA_VISIBLE_DEVICES: either one gives the other; both must agree.
 if [[ -n ${CUDA_VISIBLE_DEVICES:-} ]]; then
@@ -80,8 +50,7 @@ else
   CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((NUM_GPUS - 1)))
 fi
 
-repo_root=$(cd "$(dirname "$0")/.." && pwd)
-read -ra extra <<<"$EXTRA_ARGS"
+trainer_args
 gpu_env=(
   env
   CUDA_VISIBLE_DEVICES="$CUDA_VISIBLE_DEVICES"
@@ -92,7 +61,7 @@ gpu_env=(
 if [[ -n ${XLA_FLAGS:-} ]]; then
   gpu_env+=(XLA_FLAGS="$XLA_FLAGS")
 fi
-install=("$PYTHON" -m pip install -e "$repo_root" "$JAX_PIP_SPEC")
+install=("$PYTHON" -m pip install -e "$REPO_ROOT" "$JAX_PIP_SPEC")
 check_py='import sys
 try:
   import jax
@@ -103,8 +72,7 @@ if n != int(sys.argv[1]):
   sys.exit(f"error: JAX sees {n} GPUs, expected {sys.argv[1]}")
 print(f"JAX sees {n} GPUs: {jax.devices()}")'
 check=("${gpu_env[@]}" "$PYTHON" -c "$check_py" "$NUM_GPUS" "$JAX_PIP_SPEC")
-train=("${gpu_env[@]}" "$PYTHON" -m ebpo_jax.train --config="$CONFIG" --workdir="$WORKDIR"
-  "${extra[@]}")
+train=("${gpu_env[@]}" "$PYTHON" -m ebpo_jax.train "${train_args[@]}")
 
 echo "# $NUM_GPUS GPU(s): CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES, one process"
 if [[ $INSTALL == 1 ]]; then

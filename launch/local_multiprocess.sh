@@ -56,6 +56,7 @@ stop_all() {
   done
 }
 
+# shellcheck disable=SC2317 # reached through the trap below
 on_signal() {
   echo "[launch] interrupted: stopping all $num_processes processes" >&2
   stop_all

@@ -37,51 +37,12 @@
 #                     DRY_RUN_TPU_EXISTS=1 the dry run takes the reuse branch, else the create one
 set -euo pipefail
 
-usage() {
-  sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//' >&2
-  exit 2
-}
+# shellcheck source=launch/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-fail() {
-  echo "error: $*" >&2
-  exit 2
-}
-
-# Prints a command with shell quoting only where a word needs it, so it can be pasted back.
-print_command() {
-  local word out=""
-  for word in "$@"; do
-    if [[ $word =~ ^[A-Za-z0-9_./:=@,+%^-]+$ ]]; then
-      out+="$word "
-    else
-      out+="'${word//\'/\'\\\'\'}' "
-    fi
-  done
-  echo "+ ${out% }"
-}
-
-# Runs a command, or prints it under DRY_RUN=1.
-run() {
-  print_command "$@"
-  if [[ $DRY_RUN != 1 ]]; then
-    "$@"
-  fi
-}
-
-action=launch
-DRY_RUN=${DRY_RUN:-0}
-for arg in "$@"; do
-  case $arg in
-    --dry-run) DRY_RUN=1 ;;
-    --attach) action=attach ;;
-    --stop) action=stop ;;
-    -h | --help) usage ;;
-    *) fail "unknown argument $arg (known: --dry-run, --attach, --stop, --help)" ;;
-  esac
-done
-
-[[ -n ${TPU_NAME:-} ]] || fail "TPU_NAME is not set (the TPU VM slice's name); see $0 --help"
-[[ -n ${ZONE:-} ]] || fail "ZONE is not set (e.g. us-east5-a); see $0 --help"
+parse_args --attach --stop -- "$@"
+require TPU_NAME "the TPU VM slice's name"
+require ZONE "e.g. us-east5-a"
 PROJECT=${PROJECT:-}
 ACCELERATOR_TYPE=${ACCELERATOR_TYPE:-v5p-64}
 RUNTIME_VERSION=${RUNTIME_VERSION:-v2-alpha-tpuv5}
@@ -92,12 +53,9 @@ BRANCH=${BRANCH:-main}
 REPO_DIR=${REPO_DIR:-ebpo-jax}
 INSTALL=${INSTALL:-1}
 JAX_PIP_SPEC=${JAX_PIP_SPEC:-jax[tpu]}
-CONFIG=${CONFIG:-configs/arith_ebpo.py}
-WORKDIR=${WORKDIR:-}
-EXTRA_ARGS=${EXTRA_ARGS:-}
 LOG=${LOG:-ebpo_train.log}
 if [[ $action == launch ]]; then
-  [[ -n $WORKDIR ]] || fail "WORKDIR is not set (a gs:// path that every host can write)"
+  require WORKDIR "a gs:// path that every host can write"
   [[ $WORKDIR == gs://* ]] ||
     echo "# warning: WORKDIR=$WORKDIR is not a gs:// path; every host must see the same directory"
 fi
@@ -141,15 +99,14 @@ create_or_reuse() {
 ship_code() {
   case $CODE in
     copy)
-      local repo_root tarball=/tmp/ebpo_jax_code_$$.tgz
-      repo_root=$(cd "$(dirname "$0")/.." && pwd)
-      print_command git -C "$repo_root" ls-files -z --cached --others --exclude-standard \
-        "|" tar -C "$repo_root" -czf "$tarball" --null -T -
+      local tarball=/tmp/ebpo_jax_code_$$.tgz
+      print_command git -C "$REPO_ROOT" ls-files -z --cached --others --exclude-standard \
+        "|" tar -C "$REPO_ROOT" -czf "$tarball" --null -T -
       if [[ $DRY_RUN != 1 ]]; then
         # shellcheck disable=SC2064 # expanded now: $tarball is local
         trap "rm -f $tarball" EXIT
-        git -C "$repo_root" ls-files -z --cached --others --exclude-standard |
-          tar -C "$repo_root" -czf "$tarball" --null -T -
+        git -C "$REPO_ROOT" ls-files -z --cached --others --exclude-standard |
+          tar -C "$REPO_ROOT" -czf "$tarball" --null -T -
       fi
       run "${tpu_vm[@]}" scp "$tarball" "$TPU_NAME:ebpo_jax_code.tgz" "${where[@]}" --worker=all
       on_workers all "mkdir -p ~/$REPO_DIR && tar -xzf ~/ebpo_jax_code.tgz -C ~/$REPO_DIR"
@@ -171,15 +128,13 @@ install_code() {
 }
 
 start_trainer() {
-  local args=(--config="$CONFIG" --workdir="$WORKDIR") extra train_cmd
-  read -ra extra <<<"$EXTRA_ARGS"
-  args+=("${extra[@]}")
+  local train_cmd
+  trainer_args
   # EBPO_JAX_DISTRIBUTED=auto: the trainer calls jax.distributed.initialize(), which reads the
-  # slice's hosts from the TPU metadata.
-  train_cmd="EBPO_JAX_DISTRIBUTED=auto python3 -m ebpo_jax.train$(printf ' %q' "${args[@]}")"
-  [[ $train_cmd != *\'* ]] || fail "CONFIG, WORKDIR and EXTRA_ARGS may not contain single quotes"
+  # slice's hosts from the TPU metadata. Quoted twice: for the remote shell, then for bash -c.
+  train_cmd="EBPO_JAX_DISTRIBUTED=auto $(quote_words python3 -m ebpo_jax.train "${train_args[@]}")"
   on_workers all "cd ~/$REPO_DIR && rm -f ~/$LOG.rc && setsid nohup bash -c \
-'$train_cmd; echo \$? > ~/$LOG.rc' > ~/$LOG 2>&1 < /dev/null & echo \$! > ~/$LOG.pid"
+$(quote_words "$train_cmd; echo \$? > ~/$LOG.rc") > ~/$LOG 2>&1 < /dev/null & echo \$! > ~/$LOG.pid"
 }
 
 stream_worker0() {

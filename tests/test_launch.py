@@ -131,12 +131,61 @@ def test_tpu_pod_runs_gcloud_and_ships_this_checkout(tmp_path):
   assert not pathlib.Path(tarball).exists()  # removed on exit
 
 
+def test_tpu_pod_runs_the_trainer_detached_with_its_words_intact(tmp_path):
+  """The real path with a fake gcloud that runs each ssh --command in a local shell (HOME is the
+  worker's home): words with quotes, spaces and `$` reach the trainer as given, and the script
+  streams its log and exits with its status."""
+  home, bin_dir = tmp_path / "home", tmp_path / "bin"
+  home.mkdir()
+  bin_dir.mkdir()
+  _executable(
+    bin_dir / "gcloud",
+    "#!/usr/bin/env bash\n"
+    'case "$4" in\n'
+    "  describe) exit 1 ;;\n"
+    '  scp) cp "$5" "$HOME/ebpo_jax_code.tgz" ;;\n'
+    '  ssh) for a; do [[ $a == --command=* ]] && exec bash -c "${a#--command=}"; done ;;\n'
+    "esac\n",
+  )
+  _executable(
+    bin_dir / "python3",
+    "#!/usr/bin/env bash\n"
+    'printf "%s\\n" "$EBPO_JAX_DISTRIBUTED" "$PWD" "$@" > "$HOME/trainer_args"\n'
+    "echo trainer says hi\n"
+    "exit 7\n",
+  )
+  variables = {
+    **TPU_VARS,
+    "WORKDIR": "gs://bucket/it's here",
+    "EXTRA_ARGS": "--config.name=a'b --config.path=$HOME --config.glob=*",
+    "INSTALL": "0",
+  }
+  path = f"{bin_dir}:{os.environ['PATH']}"
+  result = _run([LAUNCH / "tpu_pod.sh"], **variables, PATH=path, HOME=str(home))
+  assert result.returncode == 7, result.stderr
+  assert "trainer says hi" in result.stdout
+  assert (home / "ebpo-jax" / "launch" / "common.sh").exists()  # shipped with the scripts
+  assert (home / "trainer_args").read_text().splitlines() == [
+    "auto",
+    str(home / "ebpo-jax"),
+    "-m",
+    "ebpo_jax.train",
+    "--config=configs/arith_ebpo.py:runlocal",
+    "--workdir=gs://bucket/it's here",
+    "--config.name=a'b",
+    "--config.path=$HOME",
+    "--config.glob=*",
+  ]
+  assert (home / "ebpo_train.log.rc").read_text() == "7\n"
+
+
 @pytest.mark.parametrize(
   ("drop", "args", "message"),
   [
     ("TPU_NAME", ["--dry-run"], "TPU_NAME is not set"),
     ("WORKDIR", ["--dry-run"], "WORKDIR is not set"),
-    (None, ["--bogus"], "unknown argument --bogus"),
+    ("ZONE", ["--attach"], "ZONE is not set"),
+    (None, ["--bogus"], "unknown argument --bogus (known: --dry-run, --attach, --stop, --help)"),
   ],
 )
 def test_tpu_pod_usage_errors(drop, args, message):
@@ -192,11 +241,22 @@ def test_gpu_errors():
   assert mismatch.returncode == 2
   assert "NUM_GPUS=3 but CUDA_VISIBLE_DEVICES=0,1 lists 2" in mismatch.stderr
   assert "WORKDIR is not set" in _run([LAUNCH / "gpu.sh", "--dry-run"], NUM_GPUS="1").stderr
+  bogus = _run([LAUNCH / "gpu.sh", "--attach"], NUM_GPUS="1", WORKDIR="w")
+  assert bogus.returncode == 2
+  assert "unknown argument --attach (known: --dry-run, --help)" in bogus.stderr
   # Not a dry run, on this CPU-only machine: the GPU check stops it before the trainer starts.
   no_gpu = _run([LAUNCH / "gpu.sh"], NUM_GPUS="1", WORKDIR="w", PYTHON=sys.executable)
   assert no_gpu.returncode == 1
   assert "error: JAX has no GPU backend" in no_gpu.stderr
   assert not (REPO / "w").exists()
+
+
+@pytest.mark.parametrize("script", ["gpu.sh", "tpu_pod.sh"])
+def test_help_prints_the_documented_variables(script):
+  result = _run([LAUNCH / script, "--help"])
+  assert result.returncode == 2
+  assert "WORKDIR*" in result.stderr and "DRY_RUN" in result.stderr
+  assert "set -euo" not in result.stderr and result.stdout == ""
 
 
 # ------------------------------------------------------------------------- local_multiprocess.sh
