@@ -14,6 +14,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 KLKind = Literal["k1", "k2", "k3"]
@@ -235,15 +236,18 @@ def policy_loss(
   return loss, metrics
 
 
-def overlong_penalty(lengths_b: Array, *, max_len: int, buffer: int, penalty: float = 1.0) -> Array:
+def overlong_penalty(
+  lengths_b: np.ndarray, *, max_len: int, buffer: int, penalty: float = 1.0
+) -> np.ndarray:
   """DAPO's soft overlong punishment (Yu et al. 2025, Eq. 13), added to the task reward.
 
   0 for lengths up to max_len - buffer, then falling linearly to -penalty at max_len (a truncated
   response has length max_len): -penalty * (len - (max_len - buffer)) / buffer. buffer = 0: off.
+  NumPy: it shapes rewards on the host, where the lengths already are.
   """
   if buffer < 0 or buffer > max_len:
     raise ValueError(f"overlong buffer must lie in [0, max_len={max_len}], got {buffer}")
   if buffer == 0:
-    return jnp.zeros(jnp.shape(lengths_b), jnp.float32)
-  over = jnp.clip(jnp.asarray(lengths_b, jnp.float32) - (max_len - buffer), 0.0, buffer)
-  return -penalty * over / buffer
+    return np.zeros(np.shape(lengths_b), np.float32)
+  over = np.clip(np.asarray(lengths_b, np.float32) - (max_len - buffer), 0.0, buffer)
+  return (-penalty * over / buffer).astype(np.float32)

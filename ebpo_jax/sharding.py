@@ -33,28 +33,37 @@ DEFAULT_RULES: Rules = (
 )
 
 
-def make_mesh(shape: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A mesh with axes ('data', 'fsdp', 'tensor'); absent axes get size 1, one size may be -1."""
+def mesh_shape(shape: dict[str, int], num_devices: int) -> dict[str, int]:
+  """Every axis's size for `num_devices` devices: absent axes get 1, one size may be -1 (the
+  remaining devices). Raises ValueError naming the mesh when the sizes do not fit."""
   unknown = set(shape) - set(MESH_AXES)
   if unknown:
     raise ValueError(
       f"mesh={shape}: unknown axes {sorted(unknown)}; expected a subset of {MESH_AXES}"
     )
-  devices = list(jax.devices() if devices is None else devices)
-  sizes = [int(shape.get(axis, 1)) for axis in MESH_AXES]
-  if sizes.count(-1) > 1 or any(s == 0 or s < -1 for s in sizes):
+  sizes = {axis: int(shape.get(axis, 1)) for axis in MESH_AXES}
+  if list(sizes.values()).count(-1) > 1 or any(s == 0 or s < -1 for s in sizes.values()):
     raise ValueError(f"mesh={shape}: sizes must be positive, with at most one -1")
-  if -1 in sizes:
-    known = math.prod(s for s in sizes if s != -1)
-    if len(devices) % known:
-      raise ValueError(f"mesh={shape}: {len(devices)} devices are not divisible by {known}")
-    sizes[sizes.index(-1)] = len(devices) // known
-  if math.prod(sizes) != len(devices):
+  known = math.prod(s for s in sizes.values() if s != -1)
+  if -1 in sizes.values():
+    if num_devices % known:
+      raise ValueError(f"mesh={shape}: {num_devices} devices are not divisible by {known}")
+    sizes = {axis: num_devices // known if s == -1 else s for axis, s in sizes.items()}
+  if math.prod(sizes.values()) != num_devices:
     raise ValueError(
-      f"mesh={shape}: {math.prod(sizes)} devices requested, {len(devices)} available"
+      f"mesh={shape}: {math.prod(sizes.values())} devices requested, {num_devices} available"
     )
+  return sizes
+
+
+def make_mesh(shape: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A mesh with axes ('data', 'fsdp', 'tensor') of sizes `mesh_shape(shape, len(devices))`."""
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = mesh_shape(shape, len(devices))
   auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
-  return jax.make_mesh(tuple(sizes), MESH_AXES, axis_types=auto, devices=devices)
+  return jax.make_mesh(
+    tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=auto, devices=devices
+  )
 
 
 def logical_to_spec(
@@ -144,3 +153,33 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
 def place_from_host(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
   """Builds a global array from a host copy; each device receives only its own shard."""
   return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def constrain_rows(tree: Any, mesh: Mesh | None) -> Any:
+  """Inside jit: the leading (row) dimension of every array split over the mesh's batch axes, so
+  that XLA keeps rows split over devices instead of spreading the weights' sharding onto them."""
+  if mesh is None:
+    return tree
+
+  def constrain(x):
+    spec = logical_to_spec(x.shape, ("batch",) + (None,) * (x.ndim - 1), mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+  return jax.tree.map(constrain, tree)
+
+
+def to_host(tree: Any) -> Any:
+  """Every array of `tree` whole, as NumPy on this process (one explicit fetch; global arrays that
+  span several processes are all-gathered)."""
+  from jax.experimental import multihost_utils
+
+  leaves, treedef = jax.tree.flatten(tree)
+  local = [x.is_fully_addressable or x.is_fully_replicated for x in leaves]
+  fetched = iter(jax.device_get([x for x, ok in zip(leaves, local, strict=True) if ok]))
+  out = [
+    np.asarray(next(fetched))
+    if ok
+    else np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    for x, ok in zip(leaves, local, strict=True)
+  ]
+  return jax.tree.unflatten(treedef, out)

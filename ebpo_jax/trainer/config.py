@@ -2,10 +2,12 @@
 
 import importlib.util
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ml_collections
+
+from ebpo_jax import advantages, data, losses, models, sharding
 
 
 class ConfigError(ValueError):
@@ -27,3 +29,91 @@ def load_config(spec: str | os.PathLike, overrides: Mapping[str, Any] | None = N
   if overrides:
     config.update_from_flattened_dict(dict(overrides))
   return config
+
+
+def _choice(config, key: str, allowed: Sequence[str]) -> None:
+  value = _get(config, key)
+  if value not in allowed:
+    raise ConfigError(f"config.{key}={value!r}: must be one of {', '.join(map(str, allowed))}")
+
+
+def _get(config, key: str):
+  node = config
+  for part in key.split("."):
+    node = node[part]
+  return node
+
+
+def _require(ok: bool, config, key: str, rule: str) -> None:
+  if not ok:
+    raise ConfigError(f"config.{key}={_get(config, key)!r}: {rule}")
+
+
+def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
+  """Validates every value before anything compiles; raises ConfigError naming key and value."""
+  try:
+    advantages.from_config(config.rl)
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  _choice(config, "rl.loss.aggregation", losses.AGG_MODES)
+  _choice(config, "rl.loss.kl_kind", losses.KL_KINDS)
+  _choice(config, "data.order", data.ORDERS)
+  _choice(config, "train.schedule", ("constant", "cosine"))
+  _choice(config, "model.remat", tuple(models.decoder.REMAT_POLICIES))
+  rl, tc = config.rl, config.train
+  _require(rl.group_size >= 2, config, "rl.group_size", "must be >= 2")
+  _require(rl.num_iterations >= 1, config, "rl.num_iterations", "must be >= 1")
+  _require(tc.num_steps >= 0, config, "train.num_steps", "must be >= 0")
+  _require(tc.batch_size >= 1, config, "train.batch_size", "must be >= 1")
+  _require(tc.learning_rate > 0, config, "train.learning_rate", "must be > 0")
+  _require(tc.max_bad_steps >= 1, config, "train.max_bad_steps", "must be >= 1")
+  _require(config.sampling.temperature > 0, config, "sampling.temperature", "must be > 0")
+  _require(0 < config.sampling.top_p <= 1, config, "sampling.top_p", "must lie in (0, 1]")
+  _require(config.sampling.max_new_tokens >= 1, config, "sampling.max_new_tokens", "must be >= 1")
+  _require(
+    config.sampling.prompts_per_call >= 0,
+    config,
+    "sampling.prompts_per_call",
+    "must be >= 0 (0: all prompts in one sampler call)",
+  )
+  _choice(config, "rl.dynamic_sampling", (True, False))
+  _require(rl.max_refill_rounds >= 0, config, "rl.max_refill_rounds", "must be >= 0")
+  _require(
+    0 <= rl.overlong_buffer <= config.sampling.max_new_tokens,
+    config,
+    "rl.overlong_buffer",
+    f"must lie in [0, sampling.max_new_tokens={config.sampling.max_new_tokens}]",
+  )
+  _require(rl.overlong_penalty >= 0, config, "rl.overlong_penalty", "must be >= 0")
+  _require(config.rl.loss.clip_low >= 0, config, "rl.loss.clip_low", "must be >= 0")
+  _require(config.rl.loss.clip_high >= 0, config, "rl.loss.clip_high", "must be >= 0")
+  _require(
+    tc.batch_size % tc.mini_batch_size == 0,
+    config,
+    "train.mini_batch_size",
+    f"must divide train.batch_size={tc.batch_size}",
+  )
+  mini_rows = tc.mini_batch_size * rl.group_size
+  micro = tc.micro_batch_size or mini_rows
+  _require(
+    mini_rows % micro == 0,
+    config,
+    "train.micro_batch_size",
+    f"must divide mini_batch_size * group_size = {mini_rows}",
+  )
+  data_shards = _data_shards(config, num_devices)
+  _require(
+    micro % data_shards == 0 and tc.batch_size % data_shards == 0,
+    config,
+    "train.batch_size",
+    f"prompts per step and rows per micro-batch ({micro}) must be divisible by the mesh's "
+    f"data x fsdp = {data_shards} devices",
+  )
+
+
+def _data_shards(config, num_devices: int) -> int:
+  try:
+    sizes = sharding.mesh_shape(dict(config.mesh), num_devices)
+  except ValueError as e:
+    raise ConfigError(f"config.{e}") from None
+  return sizes["data"] * sizes["fsdp"]

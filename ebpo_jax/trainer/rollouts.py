@@ -1,0 +1,315 @@
+"""Host rollouts: prompts in, scored groups of completions out.
+
+`Sampler` tokenizes prompts, places them on the mesh once, runs the jitted sampler, fetches the
+completions to the host in one transfer per sampler call, decodes and scores them. What it returns,
+a `Rollout`, says where each field lives: texts, rewards, lengths and rows on the host; tokens,
+masks and the sampler's log-probs stay on the devices and go to `train_step` from there.
+`collect_batch` makes one RL step's batch (with DAPO's dynamic sampling: a gather of the kept
+groups); `evaluate_accuracy` is the in-training evaluation; `sample_and_score` serves `evaluate`.
+"""
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ebpo_jax import losses, models, sampling, sharding, tasks
+from ebpo_jax.tasks import rewards as rewards_lib
+from ebpo_jax.trainer.state import StepKeys
+
+
+@dataclasses.dataclass(frozen=True)
+class Rollout:
+  """N prompts x G scored completions; rows are prompt-major (`n * G + g`)."""
+
+  # On the host (NumPy / Python), the same on every process.
+  rows: list[dict]  # [N] the data rows
+  texts: list[str]  # [N*G] decoded completions
+  rewards: np.ndarray  # [N, G] float32, the task's rewards
+  lengths: np.ndarray  # [N*G] int32 completion lengths (the stop token included)
+  errors: int  # failed verifier calls
+  # On the devices (global arrays, rows over the mesh's batch axes).
+  prompt_ids: jax.Array  # [N, P] int32, left-padded
+  prompt_mask: jax.Array  # [N, P] bool
+  tokens: jax.Array  # [N*G, T] int32
+  mask: jax.Array  # [N*G, T] bool
+  old_logps: jax.Array  # [N*G, T] float32: log-probs of the sampling policy at temperature 1
+  truncated: jax.Array  # [N*G] bool: no stop token within max_new_tokens
+
+  @property
+  def group_size(self) -> int:
+    return self.rewards.shape[1]
+
+  def device_fields(self) -> dict[str, jax.Array]:
+    return {f: getattr(self, f) for f in _DEVICE_FIELDS}
+
+
+_DEVICE_FIELDS = ("prompt_ids", "prompt_mask", "tokens", "mask", "old_logps", "truncated")
+
+
+def _concat_rollouts(parts: Sequence[Rollout]) -> Rollout:
+  """Rollouts of disjoint prompts (same prompt width) as one."""
+  if len(parts) == 1:
+    return parts[0]
+  cat = lambda f: jnp.concatenate([getattr(p, f) for p in parts])
+  return Rollout(
+    rows=[row for p in parts for row in p.rows],
+    texts=[t for p in parts for t in p.texts],
+    rewards=np.concatenate([p.rewards for p in parts]),
+    lengths=np.concatenate([p.lengths for p in parts]),
+    errors=sum(p.errors for p in parts),
+    **{f: cat(f) for f in _DEVICE_FIELDS},
+  )
+
+
+@jax.jit
+def _take_rows(tree: dict, prompts: jax.Array, responses: jax.Array) -> dict:
+  by_prompt = ("prompt_ids", "prompt_mask")
+  return {k: x[prompts] if k in by_prompt else x[responses] for k, x in tree.items()}
+
+
+class Sampler:
+  """Samples and scores completions of data rows with the policy's jitted sampler."""
+
+  def __init__(self, model: models.Decoder, task: tasks.Task, tokenizer, config, pool, mesh: Mesh):
+    self.model, self.task, self.tokenizer = model, task, tokenizer
+    self.config, self.pool, self.mesh = config, pool, mesh
+
+  def prompts(self, rows: Sequence[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """Host `(ids, mask)` [N, P] of the rows' prompts, left-padded to a length bucket."""
+    system = self.task.system_prompt
+    token_lists = [self.tokenizer.prompt_ids(self.task.format_prompt(row), system) for row in rows]
+    return sampling.pad_prompts(
+      token_lists, self.tokenizer.pad_id, tuple(self.config.sampling.prompt_buckets)
+    )
+
+  def rollout(
+    self, params, rows: Sequence[dict], key: jax.Array, *, group_size: int, greedy: bool
+  ) -> Rollout:
+    """`group_size` scored completions of each row, `sampling.prompts_per_call` rows per sampler
+    call (0: all at once). A short last call is padded with copies of its last prompt, so every
+    call has one shape (one compile); the copies' completions are dropped."""
+    rows = list(rows)
+    prompt_ids, prompt_mask = self.prompts(rows)
+    chunk = self.config.sampling.prompts_per_call or len(rows)
+    parts = []
+    for call, start in enumerate(range(0, len(rows), chunk)):
+      ids, mask = prompt_ids[start : start + chunk], prompt_mask[start : start + chunk]
+      fill = np.full(chunk - len(ids), len(ids) - 1)
+      ids, mask = np.concatenate([ids, ids[fill]]), np.concatenate([mask, mask[fill]])
+      call_key = key if chunk >= len(rows) else jax.random.fold_in(key, call)
+      call_rows = rows[start : start + chunk]
+      parts.append(self._sample_call(params, ids, mask, call_key, call_rows, group_size, greedy))
+    return _concat_rollouts(parts)
+
+  def _sample_call(self, params, ids, mask, key, rows, group_size: int, greedy: bool) -> Rollout:
+    """One sampler call over (possibly padded) prompts: they are placed on the mesh once, the
+    completions fetched in one transfer, and those of the first len(rows) prompts scored."""
+    sc = self.config.sampling
+    spec = sharding.batch_sharding(self.mesh)
+    ids, mask = sharding.place_from_host(ids, spec), sharding.place_from_host(mask, spec)
+    out = sampling.generate(
+      self.model,
+      params,
+      ids,
+      mask,
+      key,
+      group_size=group_size,
+      max_new_tokens=sc.max_new_tokens,
+      temperature=sc.temperature,
+      top_p=sc.top_p,
+      top_k=sc.top_k,
+      greedy=greedy,
+      stop_ids=self.tokenizer.stop_ids,
+      pad_id=self.tokenizer.pad_id,
+      mesh=self.mesh,
+    )
+    tokens, lengths = sharding.to_host((out.tokens, out.lengths))
+    n, padded = len(rows), ids.shape[0] > len(rows)
+    real = lambda x, per_prompt=group_size: x[: n * per_prompt] if padded else x
+    tokens, lengths = real(tokens), real(lengths).astype(np.int32)
+    texts = [self.tokenizer.decode(t[:k].tolist()) for t, k in zip(tokens, lengths, strict=True)]
+    rewards, errors = self._verify(texts, rows, group_size)
+    return Rollout(
+      rows=rows,
+      texts=texts,
+      rewards=rewards,
+      lengths=lengths,
+      errors=errors,
+      prompt_ids=real(ids, 1),
+      prompt_mask=real(mask, 1),
+      tokens=real(out.tokens),
+      mask=real(out.mask),
+      old_logps=real(out.logprobs),
+      truncated=real(out.truncated),
+    )
+
+  def _verify(self, texts: list[str], rows: list[dict], group_size: int):
+    """Rewards [N, G] and the number of failed verifier calls. With several processes each
+    scores its own contiguous share of the completions and all receive every reward."""
+    rows_g = [row for row in rows for _ in range(group_size)]
+    share = -(-len(texts) // jax.process_count())
+    mine = slice(jax.process_index() * share, (jax.process_index() + 1) * share)
+    rewards, errors = self.pool.score(self.task.score, texts[mine], rows_g[mine])
+    if jax.process_count() > 1:
+      padded = np.zeros(share, np.float32)
+      padded[: len(rewards)] = rewards
+      gathered = multihost_utils.process_allgather(np.concatenate([padded, [errors]]))
+      rewards, errors = gathered[:, :share].reshape(-1)[: len(texts)], int(gathered[:, -1].sum())
+    return np.asarray(rewards, np.float32).reshape(len(rows), group_size), errors
+
+
+# ----------------------------------------------------------------------------- training batches
+
+
+def _varied(rollout: Rollout) -> np.ndarray:
+  """[N] bool: the group's task rewards are not all equal (it carries a learning signal)."""
+  return rollout.rewards.max(axis=1) > rollout.rewards.min(axis=1)
+
+
+def _select_groups(parts: Sequence[Rollout], picks: Sequence[np.ndarray], mesh) -> Rollout:
+  """The picked groups (`picks[i]`: prompt indices into `parts[i]`) as one rollout. Prompts are
+  left-padded to the widest part (pads are masked); the device rows are gathered on device."""
+  width = max(p.prompt_ids.shape[1] for p in parts)
+  widened = []
+  for p in parts:
+    pad = ((0, 0), (width - p.prompt_ids.shape[1], 0))
+    if pad[1][0]:
+      p = dataclasses.replace(
+        p, prompt_ids=jnp.pad(p.prompt_ids, pad), prompt_mask=jnp.pad(p.prompt_mask, pad)
+      )
+    widened.append(p)
+  whole = _concat_rollouts(widened)
+  offsets = np.cumsum([0] + [len(p.rows) for p in parts])
+  prompts = np.concatenate([idx + off for idx, off in zip(picks, offsets, strict=False)])
+  g = whole.group_size
+  responses = (prompts[:, None] * g + np.arange(g)).reshape(-1)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  place = lambda x: sharding.place_from_host(x.astype(np.int32), replicated)
+  gathered = _take_rows(whole.device_fields(), place(prompts), place(responses))
+  return Rollout(
+    rows=[whole.rows[i] for i in prompts],
+    texts=[whole.texts[i] for i in responses],
+    rewards=whole.rewards[prompts],
+    lengths=whole.lengths[responses],
+    errors=whole.errors,
+    **gathered,
+  )
+
+
+def _dapo_select(parts: Sequence[Rollout], num_prompts: int, mesh) -> tuple[Rollout, dict]:
+  """DAPO's batch: the first `num_prompts` groups with varied rewards over the rounds, topped up
+  with the first round's uniform groups when they are too few."""
+  picks, left = [], num_prompts
+  for part in parts:
+    picks.append(np.flatnonzero(_varied(part))[:left])
+    left -= len(picks[-1])
+  first_uniform = np.flatnonzero(~_varied(parts[0]))[:left]
+  picks[0] = np.concatenate([picks[0], first_uniform])
+  logs = {
+    "dapo/kept_frac": float(_varied(parts[0]).mean()),
+    "dapo/rounds": len(parts),
+    "dapo/filled_groups": len(first_uniform),
+  }
+  return _select_groups(parts, picks, mesh), logs
+
+
+def _shaped_rewards(rollout: Rollout, config: ml_collections.ConfigDict) -> np.ndarray:
+  """The task rewards plus DAPO's overlong penalty (when `rl.overlong_buffer` > 0)."""
+  if config.rl.overlong_buffer == 0:
+    return rollout.rewards
+  penalty = losses.overlong_penalty(
+    rollout.lengths,
+    max_len=config.sampling.max_new_tokens,
+    buffer=config.rl.overlong_buffer,
+    penalty=config.rl.overlong_penalty,
+  )
+  return rollout.rewards + penalty.reshape(rollout.rewards.shape)
+
+
+def collect_batch(
+  sampler: Sampler, params, keys: StepKeys, rows: Sequence[dict], batches: Iterator
+) -> tuple[dict, Rollout, dict]:
+  """One step's `train_step` batch (B prompts x G responses), its rollout and rollout metrics.
+
+  With `rl.dynamic_sampling` (DAPO), groups whose task rewards are all equal are dropped and up
+  to `rl.max_refill_rounds` further batches of prompts are sampled to refill the batch; if it is
+  still short, the dropped groups of the first round fill it (counted in `dapo/filled_groups`).
+  Round 0 samples with `keys.rollout`, refill round r with `keys.refill[r - 1]`.
+  """
+  rl = sampler.config.rl
+  sample = lambda key: sampler.rollout(
+    params, [rows[i] for i in next(batches)], key, group_size=rl.group_size, greedy=False
+  )
+  parts = [sample(keys.rollout)]
+  rollout, logs = parts[0], {}
+  if rl.dynamic_sampling:
+    num_prompts = len(parts[0].rows)
+    while sum(_varied(p).sum() for p in parts) < num_prompts and len(parts) <= rl.max_refill_rounds:
+      parts.append(sample(keys.refill[len(parts) - 1]))
+    rollout, logs = _dapo_select(parts, num_prompts, sampler.mesh)
+  rewards = _shaped_rewards(rollout, sampler.config)
+  logs.update(
+    {
+      "reward/errors": sum(p.errors for p in parts),
+      "rollout/tokens": int(sum(p.lengths.sum() for p in parts)),
+      "reward/overlong_penalty": float((rewards - rollout.rewards).mean()),
+    }
+  )
+  return to_batch(rollout, rewards, sampler.mesh), rollout, logs
+
+
+def to_batch(rollout: Rollout, rewards: np.ndarray, mesh: Mesh) -> dict:
+  """The `train_step` batch: the rollout's device fields, the rewards and cluster ids placed."""
+  spec = sharding.batch_sharding(mesh)
+  cluster_ids = np.array([row["cluster"] for row in rollout.rows], np.int32)
+  return {
+    "prompt_ids": rollout.prompt_ids,
+    "prompt_mask": rollout.prompt_mask,
+    "tokens": rollout.tokens,
+    "completion_mask": rollout.mask,
+    "old_logps": rollout.old_logps,
+    "truncated": rollout.truncated,
+    "rewards": sharding.place_from_host(np.asarray(rewards, np.float32), spec),
+    "cluster_ids": sharding.place_from_host(cluster_ids, spec),
+  }
+
+
+# ----------------------------------------------------------------------------- evaluation
+
+
+def evaluate_accuracy(
+  sampler: Sampler, params, eval_rows: Sequence[dict], cluster_names: Sequence[str], key
+) -> dict[str, float]:
+  """Greedy (or sampled) accuracy on held-out prompts, overall and per cluster."""
+  rollout = sampler.rollout(params, eval_rows, key, group_size=1, greedy=sampler.config.eval.greedy)
+  rewards = rollout.rewards[:, 0]
+  clusters = np.array([row["cluster"] for row in eval_rows])
+  result = {"eval/accuracy": float(rewards.mean())}
+  for k, name in enumerate(cluster_names):
+    if (clusters == k).any():
+      result[f"eval/accuracy/{name}"] = float(rewards[clusters == k].mean())
+  return result
+
+
+def sample_and_score(
+  sampler: Sampler, params: Any, rows: Sequence[dict], *, num_samples: int, greedy: bool
+) -> tuple[list[list[str]], np.ndarray, int]:
+  """k completions per row, decoded and scored: (texts [N][k], rewards float32 [N, k], errors)."""
+  key = jax.random.PRNGKey(sampler.config.seed)
+  rollout = sampler.rollout(params, rows, key, group_size=num_samples, greedy=greedy)
+  texts = rollout.texts
+  grouped = [texts[i * num_samples : (i + 1) * num_samples] for i in range(len(rows))]
+  return grouped, rollout.rewards, rollout.errors
+
+
+def make_sampler(model, task, tokenizer, config: ml_collections.ConfigDict, mesh) -> Sampler:
+  """A Sampler with its own verifier pool (close it with `sampler.pool.close()`)."""
+  pool = rewards_lib.RewardPool(config.rewards.workers, config.rewards.timeout_s)
+  return Sampler(model, task, tokenizer, config, pool, mesh)

@@ -1,0 +1,232 @@
+"""The training state and what builds it: the model, its params, the optimizer, the PRNG streams.
+
+A fresh run builds params (loaded or random-init), warm-starts them, then `create_state` adds the
+optimizer state, the prior, the key and the frozen reference, all under one jit in their
+shardings. A resumed run builds nothing real: `abstract_state` gives the same tree as
+`jax.ShapeDtypeStruct`s with shardings, and the checkpoint is restored straight into it.
+"""
+
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ebpo_jax import advantages, models, sharding, tasks
+from ebpo_jax.models import hf_io
+from ebpo_jax.tasks import tokenizers
+from ebpo_jax.trainer.config import ConfigError
+
+
+class TrainState(flax.struct.PyTreeNode):
+  """Everything that changes during training (plus the frozen reference policy)."""
+
+  step: jax.Array  # int32 []: RL steps completed
+  params: Any
+  opt_state: Any
+  prior: advantages.PriorState  # the estimator's prior (EBPO's per-cluster Welford accumulators)
+  rng: jax.Array  # uint32 [2]: the run's key; a step's keys come from `step_keys`
+  ref_params: Any  # frozen reference policy for the KL term; None when rl.loss.kl_coef == 0
+
+
+# ----------------------------------------------------------------------------- PRNG streams
+
+
+class StepKeys(NamedTuple):
+  """The keys one RL step uses, each for one purpose only."""
+
+  rollout: jax.Array  # sampling the step's batch
+  refill: jax.Array  # [R, 2]: DAPO refill round r samples with refill[r]
+  shuffle: jax.Array  # mini-batch order of the PPO epochs (inside train_step)
+  eval: jax.Array  # the evaluation logged at this step
+
+
+def step_keys(rng: jax.Array, step: int | jax.Array, num_refill_rounds: int = 0) -> StepKeys:
+  """The keys of step `step`: `fold_in(rng, step)` split once into the four streams. Works under
+  jit (traced `step`) and on the host alike, so the trainer and train_step derive the same keys."""
+  rollout, refill, shuffle, eval_key = jax.random.split(jax.random.fold_in(rng, step), 4)
+  return StepKeys(rollout, jax.random.split(refill, max(num_refill_rounds, 1)), shuffle, eval_key)
+
+
+# ----------------------------------------------------------------------------- model
+
+_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+def random_init_config(mc: ml_collections.ConfigDict, vocab_size: int) -> models.ModelConfig:
+  """The ModelConfig of a random-init decoder from `config.model` (shape keys, `architecture`,
+  `tie_word_embeddings`, `rope_theta`)."""
+  arch = mc.architecture
+  if arch not in _ARCHITECTURES:
+    raise ConfigError(f"config.model.architecture={arch!r}: must be one of {_ARCHITECTURES}")
+  return models.ModelConfig(
+    vocab_size=vocab_size,
+    hidden_size=mc.hidden_size,
+    intermediate_size=mc.intermediate_size,
+    num_layers=mc.num_layers,
+    num_heads=mc.num_heads,
+    num_kv_heads=mc.num_kv_heads,
+    head_dim=mc.head_dim,
+    architecture=arch,
+    attention_bias=arch == "qwen2",
+    qk_norm=arch == "qwen3",
+    tie_word_embeddings=bool(mc.tie_word_embeddings),
+    rope_theta=float(mc.rope_theta),
+    dtype=mc.dtype,
+    param_dtype=mc.param_dtype,
+    remat=mc.remat,
+  )
+
+
+def load_tokenizer(config: ml_collections.ConfigDict, task: tasks.Task):
+  """The model directory's tokenizer, or the task's own for a random-init model."""
+  if config.model.path:
+    return tokenizers.HFTokenizer(
+      models.resolve_model_path(config.model.path), chat_template=config.model.chat_template
+    )
+  return task.tokenizer
+
+
+def make_model(config: ml_collections.ConfigDict, vocab_size: int) -> models.Decoder:
+  """The policy's module: the Hugging Face directory's architecture (no weights read), or a
+  random-init decoder of `config.model`'s shape over `vocab_size` tokens."""
+  mc = config.model
+  if mc.path:
+    path = models.resolve_model_path(mc.path)
+    return models.Decoder(
+      hf_io.pretrained_config(path, mc.dtype, param_dtype=mc.param_dtype, remat=mc.remat)
+    )
+  return models.Decoder(random_init_config(mc, vocab_size))
+
+
+def abstract_params(model: models.Decoder, mesh: Mesh) -> Any:
+  """The params as `jax.ShapeDtypeStruct`s carrying their shardings on `mesh`."""
+  boxed = hf_io.abstract_params(model)
+  shardings = sharding.logical_shardings(boxed, mesh, sharding.DEFAULT_RULES)
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nn.unbox(boxed), shardings
+  )
+
+
+def init_params(config: ml_collections.ConfigDict, model: models.Decoder, mesh: Mesh) -> Any:
+  """Real params in their shardings: read from `config.model.path`, else random (`config.seed`)."""
+  if config.model.path:
+    return hf_io.load_params(models.resolve_model_path(config.model.path), model, mesh)
+  shardings = jax.tree.map(lambda x: x.sharding, abstract_params(model, mesh))
+  init = lambda rng: nn.unbox(model.init(rng, jnp.zeros((1, 4), jnp.int32))["params"])
+  return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(config.seed))
+
+
+# ----------------------------------------------------------------------------- optimizer
+
+
+def updates_per_step(config: ml_collections.ConfigDict) -> int:
+  """Optimizer updates in one RL step: PPO epochs x mini-batches."""
+  return config.rl.num_iterations * (config.train.batch_size // config.train.mini_batch_size)
+
+
+def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  """AdamW after global-norm clipping, with linear warmup then constant or cosine decay."""
+  tc = config.train
+  total_updates = tc.num_steps * updates_per_step(config)
+  warmup = max(tc.warmup_steps, 0)
+  if tc.schedule == "cosine":
+    schedule = optax.warmup_cosine_decay_schedule(
+      0.0, tc.learning_rate, warmup, max(total_updates, warmup + 1)
+    )
+  else:
+    schedule = optax.join_schedules(
+      [
+        optax.linear_schedule(0.0, tc.learning_rate, warmup),
+        optax.constant_schedule(tc.learning_rate),
+      ],
+      [warmup],
+    )
+  return optax.chain(
+    optax.clip_by_global_norm(tc.grad_clip),
+    optax.adamw(schedule, weight_decay=tc.weight_decay),
+  )
+
+
+def opt_state_shardings(optimizer: optax.GradientTransformation, params: Any) -> Any:
+  """Shardings of the optimizer state: moments follow their parameters, counters are replicated.
+  `params` may be real or abstract (each leaf has `.sharding`)."""
+  param_shardings = jax.tree.map(lambda x: x.sharding, params)
+  replicated = NamedSharding(jax.tree.leaves(param_shardings)[0].mesh, PartitionSpec())
+  return optax.tree_map_params(
+    optimizer,
+    lambda _, s: s,
+    jax.eval_shape(optimizer.init, params),
+    param_shardings,
+    transform_non_params=lambda _: replicated,
+  )
+
+
+def init_opt_state(optimizer: optax.GradientTransformation, params: Any) -> Any:
+  """The optimizer state of `params`, built in its shardings."""
+  return jax.jit(optimizer.init, out_shardings=opt_state_shardings(optimizer, params))(params)
+
+
+# ----------------------------------------------------------------------------- the state
+
+
+def _state_fn(
+  config: ml_collections.ConfigDict,
+  optimizer: optax.GradientTransformation,
+  estimator: advantages.Estimator,
+  num_clusters: int,
+) -> Callable[[Any], TrainState]:
+  def fresh(params) -> TrainState:
+    return TrainState(
+      step=jnp.zeros((), jnp.int32),
+      params=params,
+      opt_state=optimizer.init(params),
+      prior=estimator.init_prior(num_clusters),
+      rng=jax.random.PRNGKey(config.seed),
+      ref_params=jax.tree.map(jnp.copy, params) if config.rl.loss.kl_coef > 0 else None,
+    )
+
+  return fresh
+
+
+def state_shardings(
+  config: ml_collections.ConfigDict, optimizer, estimator, num_clusters: int, params: Any
+) -> TrainState:
+  """The TrainState's shardings; `params` may be real or abstract."""
+  param_shardings = jax.tree.map(lambda x: x.sharding, params)
+  replicated = NamedSharding(jax.tree.leaves(param_shardings)[0].mesh, PartitionSpec())
+  shapes = jax.eval_shape(_state_fn(config, optimizer, estimator, num_clusters), params)
+  return TrainState(
+    step=replicated,
+    params=param_shardings,
+    opt_state=opt_state_shardings(optimizer, params),
+    prior=jax.tree.map(lambda _: replicated, shapes.prior),
+    rng=replicated,
+    ref_params=param_shardings if shapes.ref_params is not None else None,
+  )
+
+
+def create_state(
+  config: ml_collections.ConfigDict, optimizer, estimator, num_clusters: int, params: Any
+) -> TrainState:
+  """The step-0 TrainState around `params` (donated: no second copy), built in its shardings."""
+  shardings = state_shardings(config, optimizer, estimator, num_clusters, params)
+  fresh = _state_fn(config, optimizer, estimator, num_clusters)
+  return jax.jit(fresh, out_shardings=shardings, donate_argnums=0)(params)
+
+
+def abstract_state(
+  config: ml_collections.ConfigDict, optimizer, estimator, num_clusters: int, params: Any
+) -> TrainState:
+  """The TrainState as `jax.ShapeDtypeStruct`s with shardings (to restore a checkpoint into);
+  `params` are abstract (`abstract_params`): nothing is loaded or allocated."""
+  shapes = jax.eval_shape(_state_fn(config, optimizer, estimator, num_clusters), params)
+  shardings = state_shardings(config, optimizer, estimator, num_clusters, params)
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, shardings
+  )

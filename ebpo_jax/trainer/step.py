@@ -1,0 +1,178 @@
+"""The RL step: one pure function `train_step(state, batch) -> (state, metrics)`, jitted once.
+
+It computes the advantages (threading the estimator's prior through the state), builds the
+sequences in the sampler's layout, and runs `rl.num_iterations` epochs of PPO-clip mini-batch
+updates with gradient accumulation over micro-batches. Nothing here knows which estimator runs:
+the registry entry carries its hyperparameters and names its own metrics.
+"""
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from jax.sharding import Mesh
+
+from ebpo_jax import advantages, losses, models, sampling, sharding
+from ebpo_jax.trainer.state import TrainState, step_keys
+
+# The batch train_step takes (device arrays; rows r = b * G + g):
+#   prompt_ids, prompt_mask [B, P]; tokens, completion_mask, old_logps [B*G, N];
+#   truncated [B*G]; rewards [B, G]; cluster_ids [B].
+BATCH_KEYS = (
+  "prompt_ids",
+  "prompt_mask",
+  "tokens",
+  "completion_mask",
+  "old_logps",
+  "truncated",
+  "rewards",
+  "cluster_ids",
+)
+
+
+def completion_logits(model: models.Decoder, params: Any, seqs: dict) -> jax.Array:
+  """Logits [R, N, V] that predict the N completion tokens."""
+  logits = model.apply(
+    {"params": params},
+    seqs["input_ids"],
+    positions=seqs["positions"],
+    attention_mask=seqs["attention_mask"],
+  )
+  n = seqs["targets"].shape[1]
+  return logits[:, -n - 1 : -1]
+
+
+def completion_logprobs(model: models.Decoder, params: Any, seqs: dict) -> jax.Array:
+  """log pi(completion token) [R, N] under `params`."""
+  return losses.token_logprobs(completion_logits(model, params, seqs), seqs["targets"])
+
+
+def _reference_logps(model, ref_params, seqs: dict, micro_rows: int, mesh) -> jax.Array:
+  """log pi_ref of the completions [R, N], one micro-batch at a time (bounded memory)."""
+  keys = ("input_ids", "positions", "attention_mask", "targets")
+  chunks = {k: seqs[k].reshape(-1, micro_rows, *seqs[k].shape[1:]) for k in keys}
+
+  def one(mb):
+    return completion_logprobs(model, ref_params, sharding.constrain_rows(mb, mesh))
+
+  return jax.lax.map(one, chunks).reshape(seqs["targets"].shape)
+
+
+def _loss_fn(params, mb, *, model, loss_cfg, num_tokens, num_seqs, mesh=None):
+  mb = sharding.constrain_rows(mb, mesh)
+  logits = completion_logits(model, params, mb)
+  return losses.policy_loss(
+    losses.token_logprobs(logits, mb["targets"]),
+    mb["old_logps"],
+    mb["adv"],
+    mb["loss_mask"],
+    clip_low=loss_cfg.clip_low,
+    clip_high=loss_cfg.clip_high,
+    dual_clip=loss_cfg.dual_clip,
+    agg=loss_cfg.aggregation,
+    ref_logps_bt=mb.get("ref_logps"),
+    kl_coef=loss_cfg.kl_coef,
+    kl_kind=loss_cfg.kl_kind,
+    entropy_bt=losses.entropy(logits),
+    entropy_coef=loss_cfg.entropy_coef,
+    num_tokens=num_tokens,
+    num_seqs=num_seqs,
+    max_len=mb["targets"].shape[1],
+  )
+
+
+def _accumulated_grads(params, mini: dict, *, num_micro: int, loss_fn):
+  """Gradients of a mini-batch summed over micro-batches (the loss is normalised globally)."""
+  num_tokens = mini["loss_mask"].sum()
+  num_seqs = mini["loss_mask"].shape[0]
+  micro = jax.tree.map(lambda x: x.reshape(num_micro, -1, *x.shape[1:]), mini)
+  grad_fn = jax.value_and_grad(
+    functools.partial(loss_fn, num_tokens=num_tokens, num_seqs=num_seqs), has_aux=True
+  )
+
+  def body(acc, mb):
+    (loss, aux), grads = grad_fn(params, mb)
+    return jax.tree.map(jnp.add, acc, (loss, grads)), aux
+
+  zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+  (loss, grads), aux = jax.lax.scan(body, zeros, micro)
+  return loss, grads, jax.tree.map(jnp.sum, aux)  # each chunk holds its share of the total
+
+
+def _update_order(shuffle_key: jax.Array, num_rows: int, mini_rows: int, epochs: int):
+  """[U, mini_rows] row indices of the U updates: one permutation per epoch (none for one)."""
+  if epochs == 1:
+    return jnp.arange(num_rows).reshape(-1, mini_rows)
+  keys = jax.random.split(shuffle_key, epochs)
+  return jnp.concatenate([jax.random.permutation(k, num_rows) for k in keys]).reshape(-1, mini_rows)
+
+
+def train_step(
+  state: TrainState,
+  batch: dict,
+  *,
+  model: models.Decoder,
+  optimizer: optax.GradientTransformation,
+  estimator: advantages.Estimator,
+  config: ml_collections.ConfigDict,
+  mesh: Mesh | None = None,
+) -> tuple[TrainState, dict]:
+  """One RL step on a scored rollout batch (`BATCH_KEYS`): advantages, then PPO-clip updates.
+
+  With `mesh`, micro-batch rows are kept sharded over its batch axes. Metrics are scalars, or
+  per-cluster vectors [K] that the host splits by cluster name.
+  """
+  rl, tc = config.rl, config.train
+  adv_bg, prior, adv_metrics = estimator(batch["rewards"], None, batch["cluster_ids"], state.prior)
+  seqs = sampling.build_sequences(
+    batch["prompt_ids"],
+    batch["prompt_mask"],
+    batch["tokens"],
+    batch["completion_mask"],
+    rl.group_size,
+  )
+  seqs["old_logps"] = batch["old_logps"]
+  seqs["adv"] = adv_bg.reshape(-1)
+  mini_rows = tc.mini_batch_size * rl.group_size
+  micro_rows = tc.micro_batch_size or mini_rows
+  if state.ref_params is not None:
+    seqs["ref_logps"] = _reference_logps(model, state.ref_params, seqs, micro_rows, mesh)
+  shuffle_key = step_keys(state.rng, state.step).shuffle
+  order = _update_order(shuffle_key, seqs["adv"].shape[0], mini_rows, rl.num_iterations)
+  loss_fn = functools.partial(_loss_fn, model=model, loss_cfg=rl.loss, mesh=mesh)
+
+  def update(carry, idx):
+    params, opt_state = carry
+    mini = jax.tree.map(lambda x: jnp.take(x, idx, axis=0), seqs)
+    loss, grads, aux = _accumulated_grads(
+      params, mini, num_micro=mini_rows // micro_rows, loss_fn=loss_fn
+    )
+    grad_norm = optax.global_norm(grads)
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    carry = (keep(new_params, params), keep(new_opt_state, opt_state))
+    return carry, {"loss": loss, "grad_norm": grad_norm, "bad": 1.0 - finite, **aux}
+
+  (params, opt_state), upd = jax.lax.scan(update, (state.params, state.opt_state), order)
+  bad = upd.pop("bad")
+  metrics = {k: v.mean() for k, v in upd.items()}
+  metrics["bad_updates"] = bad.sum()
+  metrics.update(_rollout_metrics(batch, adv_bg))
+  metrics.update(adv_metrics)
+  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, prior=prior)
+  return new_state, metrics
+
+
+def _rollout_metrics(batch: dict, adv_bg: jax.Array) -> dict:
+  return {
+    "reward/mean": batch["rewards"].mean(),
+    "adv/zero_frac": advantages.zero_fraction(adv_bg),
+    "adv/abs_mean": jnp.abs(adv_bg).mean(),
+    "response_len/mean": batch["completion_mask"].sum(-1).mean(),
+    "truncated_frac": batch["truncated"].mean(),
+  }
