@@ -34,15 +34,23 @@ class Checkpointer:
     max_to_keep: int | None = 3,
     save_every: int | None = None,
     async_save: bool = True,
+    read_only: bool = False,
   ):
     """`save_every`: `save` writes only at multiples of it (and the first step) unless forced;
-    None writes at every call. `max_to_keep=None` keeps everything."""
+    None writes at every call. `max_to_keep=None` keeps everything. `read_only`: reads a
+    directory that a trainer may be writing right now, without touching it (it must exist)."""
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep!r}")
     if save_every is not None and save_every < 1:
       raise ValueError(f"save_every must be >= 1 or None, got {save_every!r}")
     directory = os.fspath(directory)
     self.directory = directory if "://" in directory else os.path.abspath(directory)
+    if read_only:
+      if "://" not in directory and not os.path.isdir(self.directory):
+        raise FileNotFoundError(f"{self.directory}: no such checkpoint directory")
+      options = ocp.CheckpointManagerOptions(read_only=True, create=False)
+      self._manager = ocp.CheckpointManager(self.directory, options=options)
+      return
     options = ocp.CheckpointManagerOptions(
       max_to_keep=max_to_keep,
       save_interval_steps=save_every or 1,
@@ -118,6 +126,24 @@ class Checkpointer:
     restored = self._manager.restore(step, args=ocp.args.Composite(**items))
     config = restored[_CONFIG] if _CONFIG in saved_items else None
     return restored[_STATE], config
+
+  def restore_params(self, step: int, abstract_params: Any) -> Any:
+    """Only the policy params of checkpoint `step` (`state.params`), restored into
+    `abstract_params` (`jax.ShapeDtypeStruct`s with shardings); nothing else is read."""
+    item = {"params": abstract_params}
+    args = ocp.args.PyTreeRestore(
+      item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
+    )
+    restored = self._manager.restore(step, args=ocp.args.Composite(**{_STATE: args}))
+    return restored[_STATE]["params"]
+
+  def saved_config(self, step: int) -> dict[str, Any] | None:
+    """The config saved with checkpoint `step`, or None when it has none."""
+    if _CONFIG not in set(self._manager.item_metadata(step).keys()):
+      return None
+    return self._manager.restore(
+      step, args=ocp.args.Composite(**{_CONFIG: ocp.args.JsonRestore()})
+    )[_CONFIG]
 
   def wait(self) -> None:
     """Blocks until pending asynchronous saves are complete (and raises their errors)."""

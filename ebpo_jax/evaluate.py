@@ -36,21 +36,20 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
-import orbax.checkpoint as ocp
 from absl import app, flags, logging
+from ml_collections import config_flags
 
-from ebpo_jax import data, models, sharding, tasks, train
+from ebpo_jax import data, sharding, tasks
 from ebpo_jax import metrics as metrics_lib
+from ebpo_jax.files import write_atomic
 from ebpo_jax.tasks import base as tasks_base
-from ebpo_jax.tasks import rewards as rewards_lib
+from ebpo_jax.trainer import config as config_lib
+from ebpo_jax.trainer import policy as policy_lib
+from ebpo_jax.trainer import rollouts as rollouts_lib
+from ebpo_jax.trainer import state as state_lib
 
 EVAL_FILE = "eval.json"
 SAMPLES_FILE = "eval_samples.jsonl"
-CORRECT_REWARD = 1.0  # a response is correct when its reward reaches this
-
-
-class EvalError(ValueError):
-  """Nothing to evaluate, or a checkpoint that does not fit; the message says what to pass."""
 
 
 # ----------------------------------------------------------------------------- metric math
@@ -100,7 +99,7 @@ def majority_correct(answers: Sequence[str], correct: Sequence[bool]) -> bool:
 def problem_metrics(rewards: Sequence[float], answers: Sequence[str]) -> dict[str, float]:
   """One problem's metrics from its k rewards and extracted answers (in sample order)."""
   k = len(rewards)
-  correct = [r >= CORRECT_REWARD for r in rewards]
+  correct = [r >= tasks_base.FULL_REWARD for r in rewards]
   c = sum(correct)
   out = {f"avg@{k}": c / k, "reward": float(np.mean(rewards))}
   for j in sample_counts(k):
@@ -141,128 +140,7 @@ def answer_extractor(task: tasks.Task) -> Callable[[str], str]:
   return lambda response: tasks_base.normalize_answer(task.extract_answer(response))
 
 
-# ----------------------------------------------------------------------------- the policy
-
-
-def _read_only_manager(run_dir: str) -> ocp.CheckpointManager:
-  """Reads `run_dir/checkpoints` without touching it (a trainer may be writing there now)."""
-  directory = os.path.abspath(os.path.join(run_dir, "checkpoints"))
-  if not os.path.isdir(directory):
-    raise EvalError(f"--run_dir={run_dir}: no checkpoints/ directory (not a trainer workdir?)")
-  options = ocp.CheckpointManagerOptions(read_only=True, create=False)
-  return ocp.CheckpointManager(directory, options=options)
-
-
-def checkpoint_step(run_dir: str, step: int | None) -> int:
-  """`step`, checked to exist in `run_dir`'s checkpoints, or the latest one."""
-  steps = sorted(_read_only_manager(run_dir).all_steps())
-  if not steps:
-    raise EvalError(f"--run_dir={run_dir}: no complete checkpoint in {run_dir}/checkpoints")
-  if step is None:
-    return steps[-1]
-  if step not in steps:
-    raise EvalError(f"--step={step}: no such checkpoint in {run_dir}/checkpoints; steps: {steps}")
-  return step
-
-
-def saved_config(run_dir: str, step: int) -> ml_collections.ConfigDict:
-  """The config that the run saved with checkpoint `step`."""
-  manager = _read_only_manager(run_dir)
-  restored = manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-  if restored.get("config") is None:
-    raise EvalError(f"checkpoint {step} of {run_dir} has no saved config")
-  return ml_collections.ConfigDict(restored["config"])
-
-
-def restore_params(run_dir: str, step: int, like: Any) -> Any:
-  """The policy params of checkpoint `step`, in the shapes, dtypes and shardings of `like` (the
-  params of the model that the run's config builds); the optimizer state etc. are not read."""
-  item = {
-    "params": jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like
-    )
-  }
-  args = ocp.args.PyTreeRestore(
-    item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
-  )
-  try:
-    restored = _read_only_manager(run_dir).restore(step, args=ocp.args.Composite(state=args))
-  except ValueError as e:
-    raise EvalError(
-      f"checkpoint {step} of {run_dir} does not fit the model its config builds (a random-init "
-      f"model's vocabulary is its task's tokenizer: is config.task the run's?): {e}"
-    ) from e
-  return restored["state"]["params"]
-
-
-def with_run_model(config: ml_collections.ConfigDict, run_config) -> ml_collections.ConfigDict:
-  """`config` with the model section (shape, dtype, path) of the run that is evaluated."""
-  config = ml_collections.ConfigDict(config.to_dict())
-  with config.unlocked():
-    config.model.update(dict(run_config.model))
-  return config
-
-
-def load_policy(config, tokenizer, mesh, run_dir: str | None, step: int | None):
-  """(model, params, origin) from a run's checkpoint, else from `config.model.path`.
-
-  With `run_dir`, `config.model` must already be the run's (`with_run_model`).
-  """
-  check_policy_source(config, run_dir)
-  model, params = train.build_model(config, tokenizer, mesh)
-  if run_dir is None:
-    path = models.resolve_model_path(config.model.path)
-    return model, params, {"kind": "hf", "path": os.path.abspath(path)}
-  params = restore_params(run_dir, step, params)
-  return model, params, {"kind": "checkpoint", "run_dir": os.path.abspath(run_dir), "step": step}
-
-
-def check_policy_source(config, run_dir: str | None) -> None:
-  """Raises EvalError unless there is a run or a model directory to take the policy from."""
-  if run_dir is None and not config.model.path:
-    raise EvalError(
-      "nothing to evaluate: no trainer workdir with checkpoints/ (--run_dir, or --workdir "
-      "itself) and config.model.path is empty; pass --run_dir=RUN or "
-      "--config.model.path=HF_DIR"
-    )
-
-
-def resolve_run_dir(run_dir: str | None, workdir: str | None, step: int | None) -> str | None:
-  """The trainer workdir to read: `--run_dir`, else `--workdir` when it has checkpoints/."""
-  if run_dir is None and workdir and os.path.isdir(os.path.join(workdir, "checkpoints")):
-    run_dir = workdir
-  if run_dir is None and step is not None:
-    raise EvalError(f"--step={step} needs a trainer workdir (--run_dir)")
-  return run_dir
-
-
-# ----------------------------------------------------------------------------- sample and score
-
-
-def sample_and_score(
-  rollouts: train.Rollouts, params: Any, rows: Sequence[dict], *, num_samples: int, greedy: bool
-) -> tuple[list[list[str]], np.ndarray, int]:
-  """k completions per row, decoded and scored: (texts [N][k], rewards float32 [N, k], errors).
-
-  The sampler takes `sampling.prompts_per_call` rows per call (see `train.Rollouts.sample`).
-  """
-  key = jax.random.PRNGKey(rollouts.config.seed)
-  _, _, out = rollouts.sample(params, list(rows), key, group_size=num_samples, greedy=greedy)
-  rewards, errors = rollouts.score(out, list(rows), num_samples)
-  texts = rollouts.texts(out)
-  return [texts[i * num_samples : (i + 1) * num_samples] for i in range(len(rows))], rewards, errors
-
-
 # ----------------------------------------------------------------------------- files
-
-
-def write_atomic(path: str, text: str) -> None:
-  """Writes `text` to `path` through a temporary file and a rename: never a half-written file."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = f"{path}.tmp-{os.getpid()}"
-  with open(tmp, "w", encoding="utf-8") as f:
-    f.write(text)
-  os.replace(tmp, path)
 
 
 def _json_default(value: Any) -> Any:
@@ -319,25 +197,25 @@ def run(
 ) -> dict[str, Any]:
   """Evaluates the policy (see the module docstring); writes and returns the eval.json dict."""
   t0 = time.perf_counter()
-  run_dir = resolve_run_dir(run_dir, workdir, step)
-  check_policy_source(config, run_dir)
-  if run_dir is not None:
-    step = checkpoint_step(run_dir, step)
-    config = with_run_model(config, saved_config(run_dir, step))
+  run_dir = policy_lib.resolve_run_dir(run_dir, workdir, step)
+  policy_lib.check_policy_source(config, run_dir)
+  config, step = policy_lib.policy_config(config, run_dir, step)
   k = config.eval.num_samples
   if k < 1:
-    raise train.ConfigError(f"config.eval.num_samples={k!r}: must be >= 1")
-  train.check_config(config, jax.device_count())
+    raise config_lib.ConfigError(f"config.eval.num_samples={k!r}: must be >= 1")
+  config_lib.check_config(config, jax.device_count())
   mesh = sharding.make_mesh(dict(config.mesh))
   task = tasks.get_task(config.task.name, **config.task.options)
   rows, cluster_names, rows_origin = eval_rows(config, task)
-  tokenizer = train.load_tokenizer(config, task)
-  model, params, origin = load_policy(config, tokenizer, mesh, run_dir, step)
+  tokenizer = state_lib.load_tokenizer(config, task)
+  model, params, origin = policy_lib.load_policy(config, tokenizer, mesh, run_dir, step)
   greedy = bool(config.eval.greedy and k == 1)
-  with rewards_lib.RewardPool(config.rewards.workers, config.rewards.timeout_s) as pool:
-    rollouts = train.Rollouts(model, task, tokenizer, config, pool, mesh)
-    texts, rewards, errors = sample_and_score(rollouts, params, rows, num_samples=k, greedy=greedy)
-    error_examples = list(pool.last_errors)
+  sampler = rollouts_lib.make_sampler(model, task, tokenizer, config, mesh)
+  with sampler.pool:
+    texts, rewards, errors = rollouts_lib.sample_and_score(
+      sampler, params, rows, num_samples=k, greedy=greedy
+    )
+    error_examples = list(sampler.pool.last_errors)
   extract = answer_extractor(task)
   answers = [[extract(t) for t in group] for group in texts]
   per_problem = [problem_metrics(r.tolist(), a) for r, a in zip(rewards, answers, strict=True)]
@@ -400,16 +278,13 @@ def main(argv: Sequence[str]) -> None:
   try:
     sharding.init_distributed()
     run(f.config, f.workdir, run_dir=f.run_dir, step=f.step)
-  except (EvalError, train.ConfigError, data.DataError) as e:
+  except (policy_lib.PolicyError, config_lib.ConfigError, data.DataError) as e:
     sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":
-  if "config" not in flags.FLAGS:  # ebpo_jax.train defines --config and --workdir on import
-    from ml_collections import config_flags
-
-    config_flags.DEFINE_config_file("config", None, "Experiment config file.")
-    flags.DEFINE_string("workdir", None, "Directory for eval.json and eval_samples.jsonl.")
+  config_flags.DEFINE_config_file("config", None, "Experiment config file.")
+  flags.DEFINE_string("workdir", None, "Directory for eval.json and eval_samples.jsonl.")
   define_policy_flags()
   flags.mark_flags_as_required(["config"])
   app.run(main)

@@ -22,8 +22,11 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags, logging
 
-from ebpo_jax import data, evaluate, models, sharding, tasks, train
+from ebpo_jax import data, models, sharding, tasks
 from ebpo_jax.models import hf_io
+from ebpo_jax.trainer import config as config_lib
+from ebpo_jax.trainer import policy as policy_lib
+from ebpo_jax.trainer import state as state_lib
 
 # Files of a model directory that describe the weights (written anew by save_pretrained).
 _WEIGHT_FILES = (hf_io.CONFIG_FILE, hf_io.INDEX_FILE)
@@ -45,17 +48,17 @@ def tokenizer_files(model_dir: str) -> list[str]:
 def export(run_dir: str, out: str, *, step: int | None = None, dtype: str = "") -> dict[str, Any]:
   """Writes the policy of checkpoint `step` (None: the latest) of `run_dir` to `out`; returns a
   summary (step, source model directory, files written)."""
-  step = evaluate.checkpoint_step(run_dir, step)
-  config = evaluate.saved_config(run_dir, step)
+  step = policy_lib.checkpoint_step(run_dir, step)
+  config = policy_lib.saved_config(run_dir, step)
   mesh = sharding.make_mesh({"fsdp": -1})  # every local device: no host holds a full copy
   task = tasks.get_task(config.task.name, **config.task.options)
-  tokenizer = train.load_tokenizer(config, task)
-  model, params, _ = evaluate.load_policy(config, tokenizer, mesh, run_dir, step)
+  tokenizer = state_lib.load_tokenizer(config, task)
+  model, params, _ = policy_lib.load_policy(config, tokenizer, mesh, run_dir, step)
   if dtype:
     params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)
   models.save_pretrained(out, model, params)
   copied = []
-  source = models.resolve_model_path(config.model.path) if config.model.path else None
+  source = policy_lib.model_source(config)
   if source is not None and jax.process_index() == 0:
     for name in tokenizer_files(source):
       shutil.copy2(os.path.join(source, name), os.path.join(out, name))
@@ -70,7 +73,7 @@ def main(argv: Sequence[str]) -> None:
   try:
     sharding.init_distributed()
     summary = export(f.run_dir, f.out, step=f.step, dtype=f.dtype)
-  except (evaluate.EvalError, train.ConfigError, data.DataError) as e:
+  except (policy_lib.PolicyError, config_lib.ConfigError, data.DataError) as e:
     sys.exit(f"error: {e}")
   tokenizer_note = (
     f"tokenizer files from {summary['source_model']}: {', '.join(summary['copied'])}"

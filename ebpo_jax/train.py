@@ -24,7 +24,7 @@ from absl import app, flags, logging
 from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import config_flags
 
-from ebpo_jax import advantages, checkpoint, data, sharding, tasks
+from ebpo_jax import advantages, checkpoint, data, sharding
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import rollouts as rollouts_lib
@@ -56,7 +56,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   mesh = sharding.make_mesh(dict(config.mesh))
 
   # ---- Task and data.
-  task, rows, cluster_names, eval_rows = load_task_and_rows(config)
+  task, rows, cluster_names, eval_rows = rollouts_lib.load_task_and_rows(config)
   tokenizer = state_lib.load_tokenizer(config, task)
   batches = data.make_batches(
     rows, batch_size=config.train.batch_size, order=config.data.order, seed=config.seed
@@ -167,21 +167,6 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- helpers of run
-
-
-def load_task_and_rows(config) -> tuple[tasks.Task, list[dict], list[str], list[dict]]:
-  """The task, training rows and their cluster names, and held-out evaluation rows.
-
-  Training rows come from `data.path` when set (clusters named in the file), else from the task;
-  evaluation rows always come from the task's eval split (`task.num_eval` per cluster).
-  """
-  task = tasks.get_task(config.task.name, **config.task.options)
-  if config.data.path:
-    rows, cluster_names = data.load_rows_and_clusters(config.data.path)
-  else:
-    rows, cluster_names = task.rows("train", config.task.num_train, config.seed), task.cluster_names
-  eval_rows = task.rows("eval", config.task.num_eval * len(task.cluster_names), config.seed)
-  return task, rows, list(cluster_names), eval_rows
 
 
 def host_metrics(step_metrics: dict, rollout: rollouts_lib.Rollout, cluster_names) -> dict:

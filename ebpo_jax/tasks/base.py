@@ -10,6 +10,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 SPLITS = ("train", "eval")
+FULL_REWARD = 1.0  # a response is correct when its reward reaches this (evaluate, difficulty)
 
 
 class Task(abc.ABC):

@@ -19,7 +19,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ebpo_jax import losses, models, sampling, sharding, tasks
+from ebpo_jax import data, losses, models, sampling, sharding, tasks
 from ebpo_jax.tasks import rewards as rewards_lib
 from ebpo_jax.trainer.state import StepKeys
 
@@ -163,6 +163,23 @@ class Sampler:
       gathered = multihost_utils.process_allgather(np.concatenate([padded, [errors]]))
       rewards, errors = gathered[:, :share].reshape(-1)[: len(texts)], int(gathered[:, -1].sum())
     return np.asarray(rewards, np.float32).reshape(len(rows), group_size), errors
+
+
+def load_task_and_rows(
+  config: ml_collections.ConfigDict,
+) -> tuple[tasks.Task, list[dict], list[str], list[dict]]:
+  """The task, training rows and their cluster names, and held-out evaluation rows.
+
+  Training rows come from `data.path` when set (clusters named in the file), else from the task;
+  evaluation rows always come from the task's eval split (`task.num_eval` per cluster).
+  """
+  task = tasks.get_task(config.task.name, **config.task.options)
+  if config.data.path:
+    rows, cluster_names = data.load_rows_and_clusters(config.data.path)
+  else:
+    rows, cluster_names = task.rows("train", config.task.num_train, config.seed), task.cluster_names
+  eval_rows = task.rows("eval", config.task.num_eval * len(task.cluster_names), config.seed)
+  return task, rows, list(cluster_names), eval_rows
 
 
 # ----------------------------------------------------------------------------- training batches

@@ -1,0 +1,116 @@
+"""Difficulty of each prompt: 1 - pass rate of the base model over k sampled rollouts.
+
+  python -m ebpo_jax.difficulty --config=configs/smollm2_135m_ebpo.py \
+      --input=rows.jsonl --output=rows_difficulty.jsonl [--k=8] [--run_dir=RUN --step=0]
+
+The base model is `config.model.path` (a Hugging Face directory) or, with `--run_dir`, a trainer
+checkpoint (e.g. step 0 of a run: the warm-started model), exactly as `python -m ebpo_jax.evaluate`
+picks it; rollouts are sampled with `config.sampling.*` and scored by the task's verifier through
+the same function evaluate uses. The output keeps every row and key of the input (clusters as the
+input wrote them), adding `pass_rate` (share of the k rollouts with the full reward) and
+`difficulty` = 1 - pass_rate (higher = harder, as `ebpo_jax.data.rows` documents), so that
+`--config.data.path=OUT --config.data.order=curriculum` trains easy to hard.
+
+An entry point (it runs the policy), so it lives beside evaluate rather than in `ebpo_jax.data`,
+which knows nothing of models.
+"""
+
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from ebpo_jax import data, files, sharding, tasks
+from ebpo_jax.trainer import config as config_lib
+from ebpo_jax.trainer import policy as policy_lib
+from ebpo_jax.trainer import rollouts as rollouts_lib
+from ebpo_jax.trainer import state as state_lib
+
+
+def with_difficulty(
+  rows: Sequence[dict[str, Any]], cluster_names: Sequence[str], rewards_nk: np.ndarray
+) -> list[dict[str, Any]]:
+  """The rows with `pass_rate` and `difficulty` from their k rewards, clusters written as the
+  file wrote them (names, or ids when the names are just the ids)."""
+  ids_only = list(cluster_names) == [str(i) for i in range(len(cluster_names))]
+  pass_rates = (rewards_nk >= tasks.base.FULL_REWARD).mean(axis=1)
+  out = []
+  for row, pass_rate in zip(rows, pass_rates, strict=True):
+    cluster = row["cluster"] if ids_only else cluster_names[row["cluster"]]
+    out.append({**row, "cluster": cluster, "pass_rate": float(pass_rate)})
+    out[-1]["difficulty"] = 1.0 - float(pass_rate)
+  return out
+
+
+def write_rows(path: str, rows: Sequence[dict[str, Any]]) -> None:
+  """Rows as JSONL, atomically."""
+  text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+  files.write_atomic(path, text)
+
+
+def run(
+  config,
+  input_path: str,
+  output_path: str,
+  *,
+  k: int = 8,
+  run_dir: str | None = None,
+  step: int | None = None,
+) -> list[dict[str, Any]]:
+  """Measures the pass rate of every row of `input_path` and writes `output_path`."""
+  if k < 1:
+    raise policy_lib.PolicyError(f"--k={k}: must be >= 1")
+  if not output_path.endswith(".jsonl"):
+    raise policy_lib.PolicyError(f"--output={output_path}: must end in .jsonl")
+  if run_dir is None and step is not None:
+    raise policy_lib.PolicyError(f"--step={step} needs --run_dir")
+  config, step = policy_lib.policy_config(config, run_dir, step)
+  policy_lib.check_policy_source(config, run_dir)
+  config_lib.check_config(config, jax.device_count())
+  rows, cluster_names = data.load_rows_and_clusters(input_path)
+  mesh = sharding.make_mesh(dict(config.mesh))
+  task = tasks.get_task(config.task.name, **config.task.options)
+  tokenizer = state_lib.load_tokenizer(config, task)
+  model, params, origin = policy_lib.load_policy(config, tokenizer, mesh, run_dir, step)
+  sampler = rollouts_lib.make_sampler(model, task, tokenizer, config, mesh)
+  with sampler.pool:
+    _, rewards, errors = rollouts_lib.sample_and_score(
+      sampler, params, rows, num_samples=k, greedy=False
+    )
+  out = with_difficulty(rows, cluster_names, rewards)
+  if jax.process_index() == 0:
+    write_rows(output_path, out)
+    mean = float(np.mean([r["pass_rate"] for r in out]))
+    print(
+      f"{len(out)} prompts x {k} rollouts, params: {origin}, mean pass rate {mean:.3f}, "
+      f"{errors} verifier errors -> {os.path.abspath(output_path)}"
+    )
+  return out
+
+
+def main(argv: Sequence[str]) -> None:
+  del argv
+  logging.set_verbosity(logging.ERROR)  # orbax warns about the checkpoint items it skips
+  f = flags.FLAGS
+  try:
+    sharding.init_distributed()
+    run(f.config, f.input, f.output, k=f.k, run_dir=f.run_dir, step=f.step)
+  except (policy_lib.PolicyError, config_lib.ConfigError, data.DataError) as e:
+    sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+  config_flags.DEFINE_config_file("config", None, "Experiment config file.")
+  flags.DEFINE_string("input", None, "Rows file (JSONL or Parquet) to measure.")
+  flags.DEFINE_string("output", None, "Output JSONL: the rows with pass_rate and difficulty.")
+  flags.DEFINE_integer("k", 8, "Rollouts per prompt.")
+  flags.DEFINE_string("run_dir", None, "Trainer workdir whose checkpoint to measure.")
+  flags.DEFINE_integer("step", None, "Checkpoint step of --run_dir (default: the latest).")
+  flags.mark_flags_as_required(["config", "input", "output"])
+  app.run(main)

@@ -1,0 +1,111 @@
+"""Where a policy to evaluate, export or measure comes from: a run's checkpoint or an HF directory.
+
+Used by the entry points evaluate, export and difficulty. A run's checkpoint is read through
+`checkpoint.Checkpointer(read_only=True)` (the only code that knows the checkpoint layout), so a
+trainer may keep writing there; only the params are restored, straight into abstract shapes.
+"""
+
+import os
+from typing import Any
+
+import ml_collections
+
+from ebpo_jax import checkpoint, models
+from ebpo_jax.trainer import state as state_lib
+
+
+class PolicyError(ValueError):
+  """Nothing to load, or a checkpoint that does not fit; the message says what to pass."""
+
+
+def _checkpoints(run_dir: str) -> checkpoint.Checkpointer:
+  try:
+    return checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), read_only=True)
+  except FileNotFoundError:
+    raise PolicyError(
+      f"--run_dir={run_dir}: no checkpoints/ directory (not a trainer workdir?)"
+    ) from None
+
+
+def checkpoint_step(run_dir: str, step: int | None) -> int:
+  """`step`, checked to exist in `run_dir`'s checkpoints, or the latest one."""
+  steps = _checkpoints(run_dir).all_steps()
+  if not steps:
+    raise PolicyError(f"--run_dir={run_dir}: no complete checkpoint in {run_dir}/checkpoints")
+  if step is None:
+    return steps[-1]
+  if step not in steps:
+    raise PolicyError(f"--step={step}: no such checkpoint in {run_dir}/checkpoints; steps: {steps}")
+  return step
+
+
+def saved_config(run_dir: str, step: int) -> ml_collections.ConfigDict:
+  """The config that the run saved with checkpoint `step`."""
+  config = _checkpoints(run_dir).saved_config(step)
+  if config is None:
+    raise PolicyError(f"checkpoint {step} of {run_dir} has no saved config")
+  return ml_collections.ConfigDict(config)
+
+
+def with_run_model(config: ml_collections.ConfigDict, run_config) -> ml_collections.ConfigDict:
+  """`config` with the model section (shape, dtype, path) of the run that is evaluated."""
+  config = ml_collections.ConfigDict(config.to_dict())
+  with config.unlocked():
+    config.model.update(dict(run_config.model))
+  return config
+
+
+def resolve_run_dir(run_dir: str | None, workdir: str | None, step: int | None) -> str | None:
+  """The trainer workdir to read: `--run_dir`, else `--workdir` when it has checkpoints/."""
+  if run_dir is None and workdir and os.path.isdir(os.path.join(workdir, "checkpoints")):
+    run_dir = workdir
+  if run_dir is None and step is not None:
+    raise PolicyError(f"--step={step} needs a trainer workdir (--run_dir)")
+  return run_dir
+
+
+def check_policy_source(config: ml_collections.ConfigDict, run_dir: str | None) -> None:
+  """Raises PolicyError unless there is a run or a model directory to take the policy from."""
+  if run_dir is None and not config.model.path:
+    raise PolicyError(
+      "nothing to evaluate: no trainer workdir with checkpoints/ (--run_dir, or --workdir "
+      "itself) and config.model.path is empty; pass --run_dir=RUN or "
+      "--config.model.path=HF_DIR"
+    )
+
+
+def load_policy(config, tokenizer, mesh, run_dir: str | None, step: int | None):
+  """(model, params, origin) from a run's checkpoint, else from `config.model.path`.
+
+  With `run_dir`, `config.model` must already be the run's (`with_run_model`); its params are
+  restored into abstract shapes, without loading or initialising any weights first.
+  """
+  check_policy_source(config, run_dir)
+  model = state_lib.make_model(config, tokenizer.vocab_size)
+  if run_dir is None:
+    path = models.resolve_model_path(config.model.path)
+    params = state_lib.init_params(config, model, mesh)
+    return model, params, {"kind": "hf", "path": os.path.abspath(path)}
+  abstract = state_lib.abstract_params(model, mesh)
+  try:
+    params = _checkpoints(run_dir).restore_params(step, abstract)
+  except ValueError as e:
+    raise PolicyError(
+      f"checkpoint {step} of {run_dir} does not fit the model its config builds (a random-init "
+      f"model's vocabulary is its task's tokenizer: is config.task the run's?): {e}"
+    ) from e
+  return model, params, {"kind": "checkpoint", "run_dir": os.path.abspath(run_dir), "step": step}
+
+
+def policy_config(config, run_dir: str | None, step: int | None):
+  """(config with the run's model section, checkpoint step) for `run_dir`; (config, None)
+  without a run."""
+  if run_dir is None:
+    return config, None
+  step = checkpoint_step(run_dir, step)
+  return with_run_model(config, saved_config(run_dir, step)), step
+
+
+def model_source(config: ml_collections.ConfigDict) -> Any:
+  """The resolved model directory of `config.model.path`, or None for a random-init model."""
+  return models.resolve_model_path(config.model.path) if config.model.path else None
