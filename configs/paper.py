@@ -38,29 +38,23 @@ e.g. `huggingface-cli download Qwen/Qwen3-8B --local-dir /data/models/Qwen3-8B` 
 override with `--config.model.path=...`. The paper says "LLaMA-3.1-8B"; we assume the Instruct
 model (a chat template for the math prompts; the base model has none).
 
-Mesh and memory, sized for a v5p-64-class slice (32 chips, 95 GB HBM each; bench/MEMORY.md has the
-compiled numbers):
-- Parameters are float32 master weights (`model.param_dtype`): at lr 1e-6 an Adam update is about
-  1e-6 per weight, far below bfloat16's resolution (2^-8 relative) of weights of size ~1e-2, so
-  bfloat16 weights would not move. Matmuls run in bfloat16 (`model.dtype`).
-- FSDP x tensor = 8 x 4 (`mesh.fsdp=-1` gives 8 on 32 chips). The state (params, grads, two Adam
-  moments, the frozen KL reference: 5 x 4 bytes per parameter) of Qwen3-8B is 164 GB, 5.1 GB per
-  chip; Qwen3-14B 296 GB, 9.2 GB per chip. Tensor parallelism 4 splits the attention heads (32 or 40
-  query, 8 KV) and the vocabulary: a 12,288-token sequence (4,096 prompt + 8,192 response) has
-  float32 attention scores of 32 heads x 12,288^2 x 4 B = 19 GB per layer; over 4 chips 4.8 GB
-  (and its softmax and gradient are as large again). Pure FSDP over 32 chips would hold all 32
-  heads' scores on every chip.
-- `model.remat="full"`: each layer's activations are recomputed in the backward pass, only the layer
-  inputs are kept (12,288 x 4,096 x 2 B = 0.1 GB per layer and sequence). "dots" would save every
-  matmul output, the attention scores included: gigabytes per layer, times 36-40 layers.
-- `train.micro_batch_size=8` rows: one sequence per (data x fsdp) shard per gradient-accumulation
-  step; the 512 x G rows of a step go through in 128 x G / 8 micro-steps per mini-batch. The
-  logits of one sequence's response, 8,192 x 151,936 / 4 x 4 B = 1.2 GB per chip, are kept a few
-  times (log-softmax, entropy, their gradients).
+Why the mesh, dtypes, remat and micro-batch (sized for a v5p-64-class slice, 32 chips):
+bench/RESULTS.md, "configs/paper.py"; the compiled numbers are in bench/MEMORY.md.
+
 Runlocal: 8 fake CPU devices as fsdp x tensor = 4 x 2.
 """
 
+import importlib.util
+import pathlib
+
 import ml_collections
+
+# configs/ is not a package and the loaders import a config by path: load its sibling by path too.
+_spec = importlib.util.spec_from_file_location(
+  "common", pathlib.Path(__file__).with_name("common.py")
+)
+common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(common)
 
 MODELS = {  # the checkpoints' config.json values
   "qwen3_8b": {
@@ -119,27 +113,22 @@ _USAGE = "expected MODEL,METHOD[,gN][,runlocal], e.g. qwen3_8b,ebpo_topic,g16"
 
 
 def parse_arg(arg: str | None) -> tuple[str, str, int, bool]:
-  """`"MODEL,METHOD[,gN][,runlocal]"` -> (model, method, G, runlocal); errors name the part."""
-  parts = [p.strip() for p in (arg or "").split(",") if p.strip()]
-  if len(parts) < 2:
+  """`"MODEL,METHOD[,gN][,runlocal]"` -> (model, method, G, runlocal); errors name the part.
+  (`common.parse_arg` also takes the named form, `model=qwen3_8b,method=grpo,g=8`.)"""
+  parts = common.parse_arg(arg, model="", method="", g=4, runlocal=False)  # EBPO.md: G = 4
+  if not (parts.model and parts.method):
     raise ValueError(f"configs/paper.py: argument {arg!r}: {_USAGE}")
-  model, method, *rest = parts
-  if model not in MODELS:
-    raise ValueError(f"configs/paper.py: unknown MODEL {model!r} (known: {', '.join(MODELS)})")
-  if method not in METHODS:
-    raise ValueError(f"configs/paper.py: unknown METHOD {method!r} (known: {', '.join(METHODS)})")
-  group_size, runlocal = 4, False  # EBPO.md: G = 4 by default
-  for part in rest:
-    if part == "runlocal" and not runlocal:
-      runlocal = True
-    elif part.startswith("g") and part[1:].isdigit() and int(part[1:]) in GROUP_SIZES:
-      group_size = int(part[1:])
-    else:
-      sizes = ", ".join(f"g{g}" for g in GROUP_SIZES)
-      raise ValueError(
-        f"configs/paper.py: unknown option {part!r} in {arg!r} (known: {sizes}, runlocal)"
-      )
-  return model, method, group_size, runlocal
+  if parts.model not in MODELS:
+    raise ValueError(
+      f"configs/paper.py: unknown MODEL {parts.model!r} (known: {', '.join(MODELS)})"
+    )
+  if parts.method not in METHODS:
+    known = ", ".join(METHODS)
+    raise ValueError(f"configs/paper.py: unknown METHOD {parts.method!r} (known: {known})")
+  if parts.g not in GROUP_SIZES:
+    sizes = ", ".join(f"g{g}" for g in GROUP_SIZES)
+    raise ValueError(f"configs/paper.py: unknown group size g{parts.g} in {arg!r} (known: {sizes})")
+  return parts.model, parts.method, parts.g, parts.runlocal
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -153,22 +142,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
 
 def _paper_recipe(model: str, group_size: int) -> ml_collections.ConfigDict:
-  """The shared recipe: EBPO (topic clusters) on `model` with the paper's hyperparameters."""
+  """The shared recipe: EBPO (topic clusters) on `model` with the paper's hyperparameters. The
+  paper's values are restated here even where they equal common.py's, so they cannot drift."""
   spec = MODELS[model]
-  config = ml_collections.ConfigDict()
-  config.seed = 0
-
-  config.task = ml_collections.ConfigDict()
+  config = common.get_config()
   config.task.name = "math"  # math-verify equivalence of the final answer
   config.task.num_train = PROMPTS_PER_EPOCH  # used only when data.path is empty
-  config.task.num_eval = 64  # held-out prompts per cluster for the in-training monitor
+  config.task.num_eval = 64  # the in-training monitor
   config.task.options = ml_collections.ConfigDict({"path": "/data/ebpo/dapo_math_17k.jsonl"})
 
-  config.data = ml_collections.ConfigDict()
   config.data.path = "/data/ebpo/dapo_math_17k.topic.jsonl"  # EBPO.md: data DAPO-Math-17K
   config.data.order = "clustered"  # EBPO.md: EBPO-topic, batches in clustered sequences
 
-  config.model = ml_collections.ConfigDict()
   config.model.path = spec["path"]  # a local Hugging Face directory; shape from its config.json
   config.model.architecture = spec["architecture"]
   config.model.tie_word_embeddings = spec["tie_word_embeddings"]
@@ -176,44 +161,34 @@ def _paper_recipe(model: str, group_size: int) -> ml_collections.ConfigDict:
   for key in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
     config.model[key] = spec[key]  # the checkpoint's shape (bench/memory.py reads it)
   config.model.head_dim = spec["head_dim"]
-  config.model.dtype = "bfloat16"  # compute
-  config.model.param_dtype = "float32"  # master weights: see the module docstring
-  config.model.remat = "full"  # see the module docstring
+  config.model.dtype = "bfloat16"
+  config.model.param_dtype = "float32"  # master weights: see bench/RESULTS.md
+  config.model.remat = "full"  # see bench/RESULTS.md
   config.model.chat_template = True
 
-  config.sft = ml_collections.ConfigDict()  # none: RL starts from the released model
-  config.sft.num_steps = 0
+  config.sft.num_steps = 0  # none: RL starts from the released model
   config.sft.batch_size = 1
   config.sft.learning_rate = 1e-6
 
-  config.train = ml_collections.ConfigDict()
   # Assumed: EBPO.md gives one epoch only for EBPO-diff; every method gets the same single pass.
   config.train.num_steps = -(-PROMPTS_PER_EPOCH // BATCH_PROMPTS)  # 34
   config.train.batch_size = BATCH_PROMPTS  # EBPO.md: 512 prompts per step
   config.train.mini_batch_size = 128  # EBPO.md: mini-batches of 128 (4 updates per step)
-  config.train.micro_batch_size = 8  # rows; one per data x fsdp shard (module docstring)
+  config.train.micro_batch_size = 8  # one per data x fsdp shard (bench/RESULTS.md)
   config.train.learning_rate = 1e-6  # EBPO.md: lr 1e-6 constant
   config.train.warmup_steps = 0  # EBPO.md: constant
   config.train.schedule = "constant"  # EBPO.md: constant
   config.train.weight_decay = 0.01  # EBPO.md: weight decay 0.01
   config.train.grad_clip = 1.0  # EBPO.md: grad clip 1.0
   config.train.max_bad_steps = 3
-  config.train.log_every = 1
 
-  config.rl = ml_collections.ConfigDict()
   config.rl.group_size = group_size  # EBPO.md: G = 4 by default; 8, 16, 32 in the G study
   config.rl.advantage = "ebpo"
   config.rl.num_iterations = 1  # EBPO.md: one update epoch per batch
-  config.rl.dynamic_sampling = False
-  config.rl.max_refill_rounds = 0
-  config.rl.overlong_buffer = 0
-  config.rl.overlong_penalty = 1.0
-  config.rl.ebpo = ml_collections.ConfigDict()
   config.rl.ebpo.mode = "running"  # EBPO.md: Algorithm 1, state carried across steps
   config.rl.ebpo.decay = 1.0  # EBPO.md: decay = 1 is the paper
   config.rl.ebpo.per_cluster = True  # a prior per topic cluster (False: the paper's single prior)
   config.rl.ebpo.normalize = "batch"  # EBPO.md: normalisation over the whole batch
-  config.rl.loss = ml_collections.ConfigDict()
   config.rl.loss.clip_low = 0.2  # EBPO.md: clip 0.2 both sides
   config.rl.loss.clip_high = 0.2
   config.rl.loss.dual_clip = 3.0  # EBPO.md: dual-clip 3.0
@@ -222,34 +197,24 @@ def _paper_recipe(model: str, group_size: int) -> ml_collections.ConfigDict:
   config.rl.loss.kl_kind = "k3"  # EBPO.md: k3 "low-variance" estimator
   config.rl.loss.entropy_coef = 0.0  # EBPO.md: no entropy bonus
 
-  config.sampling = ml_collections.ConfigDict()
   config.sampling.temperature = 1.0  # EBPO.md: rollout temperature 1.0
   config.sampling.top_p = 1.0  # EBPO.md: top-p 1.0
-  config.sampling.top_k = 0
   config.sampling.max_new_tokens = MAX_RESPONSE  # EBPO.md: response 8192 tokens
   # 256 rows (prompts x G) per sampler call, 32 per chip: a 13-16 GB KV cache at every G
   # (bench/MEMORY.md; all 512 x 32 rows at once would need 928 GB per chip).
   config.sampling.prompts_per_call = 256 // group_size
   config.sampling.prompt_buckets = (256, 512, 1024, 2048, MAX_PROMPT)  # EBPO.md: prompt 4096
 
-  config.rewards = ml_collections.ConfigDict()
   config.rewards.workers = 32  # math-verify in a process pool
   config.rewards.timeout_s = 10.0
 
-  config.eval = ml_collections.ConfigDict()
   config.eval.every_steps = 10
   config.eval.greedy = False  # EBPO.md: Pass@1 over samples, at the rollout temperature
   config.eval.num_samples = 16  # EBPO.md: 16-32 samples per problem (32 for AIME/AMC: override)
   config.eval.path = "/data/ebpo/math_eval.jsonl"  # EBPO.md: MATH-500, AIME24/25, AMC23, OlyBench
 
-  config.checkpoint = ml_collections.ConfigDict()
   config.checkpoint.every_steps = 10
-  config.checkpoint.max_to_keep = 2
-
-  config.mesh = ml_collections.ConfigDict()
-  config.mesh.data = 1
-  config.mesh.fsdp = -1  # 8 on 32 chips
-  config.mesh.tensor = 4
+  config.mesh.tensor = 4  # fsdp -1: 8 on 32 chips
   return config
 
 

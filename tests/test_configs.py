@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import pathlib
+import re
 
 import jax
 import pytest
@@ -157,9 +158,11 @@ def test_methods_change_only_what_they_define():
     ("qwen3_8b", "expected MODEL,METHOD"),
     ("qwen2_7b,grpo", "unknown MODEL 'qwen2_7b'"),
     ("qwen3_8b,ppo", "unknown METHOD 'ppo'"),
-    ("qwen3_8b,grpo,g3", "unknown option 'g3'"),
-    ("qwen3_8b,grpo,g64", "unknown option 'g64'"),
-    ("qwen3_8b,grpo,runlocal,runlocal", "unknown option 'runlocal'"),
+    ("qwen3_8b,grpo,g3", "unknown group size g3"),
+    ("qwen3_8b,grpo,g64", "unknown group size g64"),
+    ("qwen3_8b,grpo,runlocal,runlocal", "runlocal given twice"),
+    ("qwen3_8b,grpo,g8,g16", "g given twice"),
+    ("qwen3_8b,grpo,ppo", "unknown argument 'ppo'.*known: model, method, g<int>, runlocal"),
   ],
 )
 def test_bad_arguments_name_the_part(arg, message):
@@ -168,7 +171,8 @@ def test_bad_arguments_name_the_part(arg, message):
 
 
 @pytest.mark.parametrize(
-  "name", sorted(p.stem for p in (ROOT / "configs").glob("*.py") if p.stem != "paper")
+  "name",
+  sorted(p.stem for p in (ROOT / "configs").glob("*.py") if p.stem not in ("paper", "common")),
 )
 def test_other_configs_load_and_pass_the_trainer_checks(name):
   module = load_config_module(name)
@@ -177,3 +181,96 @@ def test_other_configs_load_and_pass_the_trainer_checks(name):
   train.check_config(module.get_config("runlocal"), 1 if name.startswith("smollm2") else 8)
   with pytest.raises(ValueError, match="unknown argument"):
     module.get_config("no_such_variant")
+
+
+# ----------------------------------------------------------------------------- configs/common.py
+
+common = load_config_module("common")
+EXPERIMENTS = sorted(p.stem for p in (ROOT / "configs").glob("*.py") if p.stem != "common")
+# Every variant of every experiment: the paper's 72, and each other config's arguments.
+RESOLVED_ARGS = [
+  (name, arg) for name in EXPERIMENTS if name != "paper" for arg in (None, "runlocal")
+]
+RESOLVED_ARGS += [("smollm2_135m_ebpo", "math"), ("smollm2_135m_ebpo", "math,runlocal")]
+RESOLVED_ARGS += [("paper", arg + local) for arg in ALL_ARGS for local in ("", ",runlocal")]
+
+
+def flat_keys(config, prefix="") -> set[str]:
+  """Dotted leaf keys; task.options is one key (free-form keywords of the task, replaced whole)."""
+  keys = set()
+  for key, value in config.items():
+    name = prefix + key
+    if hasattr(value, "items") and name != "task.options":
+      keys |= flat_keys(value, name + ".")
+    else:
+      keys.add(name)
+  return keys
+
+
+def test_every_key_of_every_experiment_is_in_common():
+  base = flat_keys(common.get_config())
+  modules = {name: load_config_module(name) for name in EXPERIMENTS}
+  for name, arg in RESOLVED_ARGS:
+    extra = flat_keys(modules[name].get_config(arg)) - base
+    assert not extra, f"configs/{name}.py:{arg}: keys not in configs/common.py: {sorted(extra)}"
+
+
+def test_common_documents_every_key_once():
+  # Each leaf key is assigned on one line of common.py, and that line ends in a comment.
+  lines = (ROOT / "configs" / "common.py").read_text().splitlines()
+  assignments = [re.match(r"\s*config\.([\w.]+) = .*", line) for line in lines]
+  assigned = [m.group(1) for m in assignments if m]
+  assert sorted(assigned) == sorted(set(assigned)), "a key is assigned twice in common.py"
+  assert flat_keys(common.get_config()) <= set(assigned)
+  undocumented = [m.group(0) for m in assignments if m and "  # " not in m.group(0)]
+  assert not undocumented, undocumented
+
+
+@pytest.mark.parametrize(
+  ("arg", "expected"),
+  [
+    (None, {"model": "", "method": "", "g": 4, "runlocal": False, "lr": 1e-4}),
+    ("runlocal", {"model": "", "method": "", "g": 4, "runlocal": True, "lr": 1e-4}),
+    (
+      "qwen3_8b,grpo,g8,runlocal",
+      {"model": "qwen3_8b", "method": "grpo", "g": 8, "runlocal": True},
+    ),
+    ("g16, qwen3_8b ,,grpo", {"model": "qwen3_8b", "method": "grpo", "g": 16, "runlocal": False}),
+    ("method=dapo,model=x,g=32,runlocal=false,lr=3e-4", {"method": "dapo", "g": 32, "lr": 3e-4}),
+    ("runlocal=1", {"runlocal": True}),
+  ],
+)
+def test_parse_arg(arg, expected):
+  parsed = common.parse_arg(arg, model="", method="", g=4, runlocal=False, lr=1e-4)
+  assert {k: parsed[k] for k in expected} == expected
+  assert type(parsed.g) is int and type(parsed.lr) is float and type(parsed.runlocal) is bool
+
+
+@pytest.mark.parametrize(
+  ("arg", "message"),
+  [
+    ("math", "unknown argument 'math' .*known: runlocal; or KEY=VALUE"),
+    ("runlocal,runlocal", "runlocal given twice"),
+    ("steps=3", "unknown key 'steps'"),
+    ("runlocal=maybe", "runlocal='maybe' is not a bool"),
+    ("runlocal4", "unknown argument 'runlocal4'"),
+  ],
+)
+def test_parse_arg_rejects_what_it_does_not_know(arg, message):
+  with pytest.raises(ValueError, match=message):
+    common.parse_arg(arg, runlocal=False)
+
+
+def test_configs_load_by_path_from_any_directory(tmp_path, monkeypatch):
+  # configs/ is not a package: each file loads common.py next to itself, under either loader.
+  from absl import flags
+  from ml_collections import config_flags
+
+  expected = paper.get_config("qwen3_8b,dapo,g8,runlocal").to_dict()
+  for cwd, path in ((ROOT, "configs/paper.py"), (tmp_path, str(ROOT / "configs/paper.py"))):
+    monkeypatch.chdir(cwd)
+    flag_values = flags.FlagValues()
+    config_flags.DEFINE_config_file("config", flag_values=flag_values)
+    flag_values(["prog", f"--config={path}:qwen3_8b,dapo,g8,runlocal"])
+    config = flag_values.config
+    assert config.to_dict() == expected

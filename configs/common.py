@@ -1,0 +1,166 @@
+"""The base config: every key any experiment uses, each documented once, and `parse_arg`.
+
+Not an experiment itself: each `configs/<exp>.py` starts from `get_config()` here and overrides
+what its experiment changes. The values are those of the default main job,
+configs/arith_ebpo.py. Keys the trainer reads only for random-init models (`model.architecture`,
+`model.tie_word_embeddings`, `model.rope_theta`) default to a plain Llama-style decoder.
+"""
+
+from typing import NoReturn
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  """The base config (the default job's values); experiments override what they change."""
+  config = ml_collections.ConfigDict()
+  config.seed = 0  # int; the run's only seed: data order, init, sampling, derived by fold_in/split
+
+  config.task = ml_collections.ConfigDict()  # the prompts and their verifier
+  config.task.name = "arithmetic"  # arithmetic | math | jsonl | reasoning_gym:NAME[+NAME...]
+  config.task.num_train = 20_000  # training prompts drawn from the task (when data.path is "")
+  config.task.num_eval = 128  # held-out prompts per cluster, from the task's eval split
+  # The task's constructor keywords: free-form, replaced whole by an experiment (arithmetic: ops,
+  # digits; reasoning_gym: levels; math: source, path).
+  config.task.options = ml_collections.ConfigDict({"ops": ("add",), "digits": (1, 2)})  # kwargs
+
+  config.data = ml_collections.ConfigDict()  # the training rows and their order
+  config.data.path = ""  # JSONL/Parquet of {prompt, answer, cluster?, difficulty?}; "": the task
+  config.data.order = "shuffle"  # shuffle | clustered (cluster runs) | curriculum (easy -> hard)
+
+  config.model = ml_collections.ConfigDict()  # the policy (and its frozen KL reference)
+  config.model.path = ""  # HF directory or packaged:NAME; "": random-init decoder of this shape
+  config.model.architecture = "llama"  # llama | qwen2 | qwen3; random-init models only
+  config.model.tie_word_embeddings = True  # lm_head shares the embedding; random-init models only
+  config.model.rope_theta = 10_000.0  # RoPE base frequency; random-init models only
+  config.model.hidden_size = 64  # shape keys: random-init models only (a model.path has its own)
+  config.model.intermediate_size = 192  # MLP width
+  config.model.num_layers = 3  # decoder layers
+  config.model.num_heads = 2  # query heads
+  config.model.num_kv_heads = 2  # key/value heads (GQA: divides num_heads)
+  config.model.head_dim = 32  # per-head width
+  config.model.dtype = "float32"  # compute dtype: float32 | bfloat16
+  config.model.param_dtype = "float32"  # master-weight dtype: float32 | bfloat16
+  config.model.remat = "none"  # per-layer rematerialisation: none | full | dots | dots_no_batch
+  config.model.chat_template = True  # a model directory's chat template wraps the prompts
+
+  config.sft = ml_collections.ConfigDict()  # supervised warm start on the answers, before RL
+  config.sft.num_steps = 450  # optimizer steps; 0: no warm start
+  config.sft.batch_size = 128  # prompts per step
+  config.sft.learning_rate = 1e-3  # AdamW, constant
+
+  config.train = ml_collections.ConfigDict()  # the RL loop and its AdamW optimizer
+  config.train.num_steps = 200  # RL steps (each: sample, score, advantages, updates)
+  config.train.batch_size = 32  # prompts per RL step (x rl.group_size responses)
+  config.train.mini_batch_size = 32  # prompts per optimizer update; divides batch_size
+  config.train.micro_batch_size = 0  # rows (responses) per gradient-accumulation chunk; 0: whole
+  config.train.learning_rate = 1e-4  # peak learning rate, > 0
+  config.train.warmup_steps = 0  # optimizer updates of linear warmup from 0
+  config.train.schedule = "constant"  # after warmup: constant | cosine (to 0 at the last update)
+  config.train.weight_decay = 0.0  # AdamW decoupled weight decay
+  config.train.grad_clip = 1.0  # global-norm gradient clipping
+  config.train.max_bad_steps = 5  # abort after this many non-finite updates in a row (skipped)
+  config.train.log_every = 1  # RL steps between metrics.jsonl lines
+
+  config.rl = ml_collections.ConfigDict()  # the RL objective
+  config.rl.group_size = 8  # G: responses sampled per prompt, >= 2
+  config.rl.advantage = "ebpo"  # grpo | dr_grpo | rloo | js_shrinkage | ebpo
+  config.rl.eps = 1e-6  # epsilon of the estimators that divide by a std (grpo, js_shrinkage, ebpo)
+  config.rl.num_iterations = 1  # PPO epochs over each step's batch, >= 1
+  config.rl.dynamic_sampling = False  # DAPO: drop groups whose rewards are all equal, refill
+  config.rl.max_refill_rounds = 0  # extra rollout rounds per step to refill dropped groups
+  config.rl.overlong_buffer = 0  # DAPO soft overlong penalty over the last N tokens; 0: off
+  config.rl.overlong_penalty = 1.0  # the penalty at max_new_tokens (linear over the buffer)
+  config.rl.ebpo = ml_collections.ConfigDict()  # the EBPO estimator (EBPO.md)
+  config.rl.ebpo.mode = "running"  # running (paper, Algorithm 1) | batch (authors' released code)
+  config.rl.ebpo.decay = 1.0  # in (0, 1]: weight of the prior's old statistics; 1: the paper
+  config.rl.ebpo.per_cluster = True  # one prior per cluster; False: one global prior
+  config.rl.ebpo.normalize = "batch"  # batch (paper) | none | group | cluster
+  config.rl.loss = ml_collections.ConfigDict()  # PPO-clip policy loss (ebpo_jax.losses)
+  config.rl.loss.clip_low = 0.2  # ratio clip below: 1 - clip_low
+  config.rl.loss.clip_high = 0.2  # ratio clip above: 1 + clip_high (DAPO's clip-higher: 0.28)
+  config.rl.loss.dual_clip = 3.0  # dual-clip bound of negative advantages, > 1
+  config.rl.loss.aggregation = "token-mean"  # | seq-mean-token-mean | seq-mean-token-sum-norm
+  config.rl.loss.kl_coef = 0.0  # KL to the frozen start model; 0: no reference model
+  config.rl.loss.kl_kind = "k3"  # KL estimator: k1 | k2 | k3
+  config.rl.loss.entropy_coef = 0.0  # entropy bonus; 0: off
+
+  config.sampling = ml_collections.ConfigDict()  # rollouts
+  config.sampling.temperature = 1.0  # > 0
+  config.sampling.top_p = 1.0  # nucleus mass in (0, 1]; 1: off
+  config.sampling.top_k = 0  # keep the k most likely tokens; 0: off
+  config.sampling.max_new_tokens = 4  # response length cap, tokens
+  config.sampling.prompts_per_call = 0  # prompts per sampler call (0: all); bounds the KV cache
+  config.sampling.prompt_buckets = (6, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # tokens
+
+  config.rewards = ml_collections.ConfigDict()  # scoring the responses
+  config.rewards.workers = 0  # scorer processes; 0: score in this process
+  config.rewards.timeout_s = 5.0  # seconds per response before it scores 0 (workers > 0)
+
+  config.eval = ml_collections.ConfigDict()  # held-out evaluation
+  config.eval.every_steps = 25  # RL steps between evaluations (and at step 0 and the last)
+  config.eval.greedy = True  # argmax decoding; False: sampled at sampling.temperature
+  config.eval.num_samples = 1  # k samples per problem for `python -m ebpo_jax.evaluate`
+  config.eval.path = ""  # rows file for `ebpo_jax.evaluate`; empty: the task's eval split
+
+  config.checkpoint = ml_collections.ConfigDict()  # WORKDIR/checkpoints/
+  config.checkpoint.every_steps = 50  # RL steps between checkpoints
+  config.checkpoint.max_to_keep = 2  # newest checkpoints kept
+
+  config.mesh = ml_collections.ConfigDict()  # device mesh; the product is the device count
+  config.mesh.data = 1  # data-parallel replicas
+  config.mesh.fsdp = -1  # parameter/data sharding; -1: all remaining devices
+  config.mesh.tensor = 1  # tensor parallelism (heads, MLP, vocabulary)
+  return config
+
+
+def parse_arg(
+  arg: str | None, /, **defaults: bool | int | float | str
+) -> ml_collections.ConfigDict:
+  """The `ARG` of `--config=configs/NAME.py:ARG` as a ConfigDict of `defaults`' keys and types.
+
+  After big_vision's `bvcc.parse_arg`. `arg` is comma-separated parts, each one of:
+    KEY=VALUE   sets KEY, VALUE converted to the type of its default (bool: true/false/1/0)
+    KEY         a bool default's name: sets it True ("runlocal")
+    KEYN        an int default's name and digits: sets it to N ("g8" with `g=4`)
+    WORD        the next str default not yet set, in `defaults`' order (positional names:
+                "qwen3_8b,grpo" with `model="", method=""`)
+  Unset keys keep their defaults. An unknown part, or a key given twice, raises ValueError naming
+  the known options.
+  """
+  known = ", ".join(f"{k}<int>" if type(v) is int else k for k, v in defaults.items())
+
+  def fail(message: str) -> NoReturn:
+    raise ValueError(f"config argument {arg!r}: {message} (known: {known or 'none'}; or KEY=VALUE)")
+
+  values, given = dict(defaults), set()
+  for part in (p.strip() for p in (arg or "").split(",")):
+    if not part:
+      continue
+    free = [k for k, v in defaults.items() if type(v) is str and k not in given]
+    if "=" in part:
+      key, value = (s.strip() for s in part.split("=", 1))
+      if key not in defaults:
+        fail(f"unknown key {key!r}")
+    elif type(defaults.get(part)) is bool:
+      key, value = part, "true"
+    elif (key := part.rstrip("0123456789")) != part and type(defaults.get(key)) is int:
+      value = part[len(key) :]
+    elif free:
+      key, value = free[0], part
+    else:
+      fail(f"unknown argument {part!r}")
+    if key in given:
+      fail(f"{key} given twice")
+    given.add(key)
+    kind = type(defaults[key])
+    if kind is bool:
+      if value.lower() not in ("true", "false", "1", "0"):
+        fail(f"{key}={value!r} is not a bool")
+      values[key] = value.lower() in ("true", "1")
+    else:
+      try:
+        values[key] = kind(value)
+      except ValueError:
+        fail(f"{key}={value!r} is not a {kind.__name__}")
+  return ml_collections.ConfigDict(values)
