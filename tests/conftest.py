@@ -1,4 +1,10 @@
-"""Test setup: 8 fake CPU devices (set before jax is imported), CPU only, no network."""
+"""Test setup: 8 fake CPU devices (set before jax is imported), CPU only, no network; and the
+fixtures several test files share: the config loader, the tiny arithmetic config, and one compiled
+tiny train step.
+
+Tiers: `python -m pytest -m "not e2e"` runs the unit tests; tests marked `e2e` start the trainer,
+evaluate, export, ablate or the launch scripts as processes, run the notebook or a real model.
+"""
 
 import os
 
@@ -6,3 +12,148 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import dataclasses  # noqa: E402
+import functools  # noqa: E402
+import pathlib  # noqa: E402
+from collections.abc import Callable, Mapping  # noqa: E402
+from typing import Any  # noqa: E402
+
+import jax  # noqa: E402
+import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+from ebpo_jax import advantages, models, sharding  # noqa: E402
+from ebpo_jax.trainer import config as config_lib  # noqa: E402
+from ebpo_jax.trainer import state as state_lib  # noqa: E402
+from ebpo_jax.trainer import step as step_lib  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+ARITH = "configs/arith_ebpo.py:runlocal"
+
+# The tiny train step's shapes: B prompts x G responses, prompts of P tokens, N completion tokens,
+# a vocabulary of V tokens (the arithmetic task's characters fit in 18).
+B, G, P, N, V = 8, 4, 6, 5, 18
+NUM_CLUSTERS = 2
+TINY_OVERRIDES = {
+  "rl.group_size": G,
+  "train.batch_size": B,
+  "train.mini_batch_size": B,
+  "mesh.data": 1,
+  "mesh.fsdp": -1,
+  "mesh.tensor": 1,
+  # Smaller than the runlocal decoder (3 layers, d=64): compiles in less time, same code paths.
+  "model.num_layers": 1,
+  "model.hidden_size": 32,
+  "model.intermediate_size": 64,
+  "model.head_dim": 16,
+}
+
+
+def _load(spec: str, overrides: Mapping[str, Any] | None = None) -> ml_collections.ConfigDict:
+  path, colon, arg = spec.partition(":")
+  return config_lib.load_config(f"{ROOT / path}{colon}{arg}", overrides)
+
+
+@pytest.fixture(scope="session")
+def load_config() -> Callable[..., ml_collections.ConfigDict]:
+  """`load_config("configs/NAME.py[:ARG]", {"dotted.key": value})` from the repository root."""
+  return _load
+
+
+@pytest.fixture(scope="session")
+def arith_config() -> Callable[..., ml_collections.ConfigDict]:
+  """`arith_config({"dotted.key": value})`: configs/arith_ebpo.py:runlocal with overrides."""
+  return functools.partial(_load, ARITH)
+
+
+@dataclasses.dataclass(frozen=True)
+class TinyStep:
+  """A compiled `train_step` of a tiny random-init decoder on the arithmetic config (shapes
+  B, G, P, N, V above; 2 clusters), and what it was built from."""
+
+  config: ml_collections.ConfigDict
+  model: models.Decoder
+  optimizer: Any
+  estimator: advantages.Estimator
+  mesh: jax.sharding.Mesh
+  step: Callable  # jitted (state, batch) -> (state, metrics) as the trainer's; nothing donated
+  _fresh: dict = dataclasses.field(default_factory=dict, repr=False)
+  B, G, P, N, V = B, G, P, N, V
+
+  def batch(self, seed: int = 0) -> dict:
+    """A host batch of `train_step` (BATCH_KEYS) with a left-padded prompt and early stops;
+    prompts 0-3 are cluster 0, 4-7 cluster 1."""
+    rng = np.random.default_rng(seed)
+    prompt_mask = np.ones((B, P), bool)
+    prompt_mask[0, :2] = False  # a left-padded prompt
+    mask = np.ones((B * G, N), bool)
+    mask[::3, 3:] = False  # some completions stopped early
+    return {
+      "prompt_ids": rng.integers(3, V, (B, P)).astype(np.int32),
+      "prompt_mask": prompt_mask,
+      "tokens": rng.integers(3, V, (B * G, N)).astype(np.int32),
+      "completion_mask": mask,
+      "old_logps": np.log(rng.uniform(0.05, 0.3, (B * G, N))).astype(np.float32),
+      "truncated": np.zeros(B * G, bool),
+      "rewards": rng.integers(0, 2, (B, G)).astype(np.float32),
+      "cluster_ids": np.array([0] * 4 + [1] * 4, np.int32),
+    }
+
+  def fresh_state(self) -> state_lib.TrainState:
+    """The step-0 state (built once: the step does not donate it, so tests may share it)."""
+    if not self._fresh:
+      params = state_lib.init_params(self.config, self.model, self.mesh)
+      args = (self.config, self.optimizer, self.estimator, NUM_CLUSTERS)
+      self._fresh["state"] = state_lib.create_state(*args, params)
+    return self._fresh["state"]
+
+  def place(self, batch: dict) -> dict:
+    return jax.device_put(batch, sharding.batch_sharding(self.mesh))
+
+  def __call__(self, batch: dict, state: state_lib.TrainState | None = None):
+    """One step on the host `batch` from `state` (default: a fresh state)."""
+    return self.step(self.fresh_state() if state is None else state, self.place(batch))
+
+
+@pytest.fixture(scope="session")
+def tiny_steps() -> Callable[..., TinyStep]:
+  """`tiny_steps({"dotted.key": value})`: the TinyStep of the tiny config with these overrides,
+  compiled once per distinct overrides in the session."""
+  cache: dict[tuple, TinyStep] = {}
+
+  def get(overrides: Mapping[str, Any] | None = None) -> TinyStep:
+    key = tuple(sorted((overrides or {}).items()))
+    if key not in cache:
+      config = _load(ARITH, {**TINY_OVERRIDES, **dict(key)})
+      mesh = sharding.make_mesh(dict(config.mesh))
+      model = state_lib.make_model(config, V)
+      optimizer = state_lib.make_optimizer(config)
+      estimator = advantages.from_config(config.rl)
+      shardings = state_lib.state_shardings(
+        config, optimizer, estimator, NUM_CLUSTERS, state_lib.abstract_params(model, mesh)
+      )
+      step = jax.jit(  # as the trainer jits it (explicit shardings: a second step hits the cache)
+        functools.partial(
+          step_lib.train_step,
+          model=model,
+          optimizer=optimizer,
+          estimator=estimator,
+          config=config,
+          mesh=mesh,
+        ),
+        in_shardings=(shardings, sharding.batch_sharding(mesh)),
+        out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())),
+      )
+      cache[key] = TinyStep(config, model, optimizer, estimator, mesh, step)
+    return cache[key]
+
+  return get
+
+
+@pytest.fixture(scope="session")
+def tiny_step(tiny_steps) -> TinyStep:
+  """The TinyStep of the tiny config itself (EBPO, one mini-batch, no micro-batches)."""
+  return tiny_steps()
