@@ -1,15 +1,15 @@
 """DAPO's pieces in the trainer: the soft overlong penalty and dynamic sampling (drop groups whose
 rewards are all equal, refill from further prompts, bounded)."""
 
-import types
-
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
 
-from ebpo_jax import losses, train
+from ebpo_jax import losses, sharding
+from ebpo_jax.trainer import rollouts
+from ebpo_jax.trainer import state as state_lib
 
 
 def test_overlong_penalty_golden_values():
@@ -24,29 +24,31 @@ def test_overlong_penalty_golden_values():
     losses.overlong_penalty(jnp.array([1]), max_len=10, buffer=11)
 
 
-class FakeRollouts:
-  """Rollouts whose tokens name (prompt id, sample) and whose rewards are given per round."""
+class FakeSampler:
+  """A sampler whose tokens name (prompt id, sample) and whose rewards are given per round."""
 
   def __init__(self, config, rewards_per_round):
     self.config, self._rewards = config, iter(rewards_per_round)
+    self.mesh = sharding.make_mesh({"fsdp": -1}, jax.devices()[:1])
 
-  def sample(self, params, rows, rng, *, group_size, greedy):
-    del params, rng, greedy
+  def rollout(self, params, rows, key, *, group_size, greedy) -> rollouts.Rollout:
+    del params, key, greedy
     width = 2 + rows[0]["id"] // 4  # rounds differ in prompt width: 2, 3, 4
     ids = np.array([[row["id"]] * width for row in rows], np.int32)
     tokens = np.array([[row["id"] * 10 + g, 0] for row in rows for g in range(group_size)])
-    out = types.SimpleNamespace(
+    return rollouts.Rollout(
+      rows=list(rows),
+      texts=[str(t) for t in tokens[:, 0]],
+      rewards=np.asarray(next(self._rewards), np.float32),
+      lengths=np.ones(len(tokens), np.int32),
+      errors=0,
+      prompt_ids=jnp.asarray(ids),
+      prompt_mask=jnp.ones(ids.shape, bool),
       tokens=jnp.asarray(tokens, jnp.int32),
       mask=jnp.ones(tokens.shape, bool).at[:, 1].set(False),
-      logprobs=jnp.asarray(-tokens, jnp.float32),
+      old_logps=jnp.asarray(-tokens, jnp.float32),
       truncated=jnp.zeros(len(tokens), bool),
-      lengths=jnp.ones(len(tokens), jnp.int32),
     )
-    return ids, np.ones_like(ids, bool), out
-
-  def score(self, out, rows, group_size):
-    del out, rows, group_size
-    return np.asarray(next(self._rewards), np.float32), 0
 
 
 def make_config(dynamic: bool, refills: int) -> ml_collections.ConfigDict:
@@ -64,7 +66,6 @@ def make_config(dynamic: bool, refills: int) -> ml_collections.ConfigDict:
   )
 
 
-KEY = jax.random.key(0)
 ROWS = [{"id": i, "cluster": i % 2, "prompt": f"p{i}", "answer": "0"} for i in range(12)]
 ROUND_1 = [[1, 1], [0, 1], [0, 0], [1, 0]]  # prompts 0-3: groups 1 and 3 carry a signal
 ROUND_2 = [[0, 0], [1, 0], [0, 1], [1, 1]]  # prompts 4-7: groups 5 and 6
@@ -74,15 +75,24 @@ def batches():
   return iter([np.arange(0, 4), np.arange(4, 8), np.arange(8, 12)])
 
 
+def collect(sampler):
+  """(batch as NumPy, its rollout, logs) of `rollouts.collect_batch` on ROWS."""
+  keys = state_lib.step_keys(jax.random.PRNGKey(0), 0, sampler.config.rl.max_refill_rounds)
+  batch, rollout, logs = rollouts.collect_batch(sampler, None, keys, ROWS, batches())
+  return jax.tree.map(np.asarray, batch), rollout, logs
+
+
 def test_dynamic_sampling_refills_with_varied_groups_in_order():
-  rollouts = FakeRollouts(make_config(True, 3), [ROUND_1, ROUND_2])
-  batch, rows, logs = train.collect_batch(rollouts, None, KEY, ROWS, batches())
-  assert [r["id"] for r in rows] == [1, 3, 5, 6]
+  batch, rollout, logs = collect(FakeSampler(make_config(True, 3), [ROUND_1, ROUND_2]))
+  assert [r["id"] for r in rollout.rows] == [1, 3, 5, 6]
   np.testing.assert_array_equal(batch["rewards"], [[0, 1], [1, 0], [1, 0], [0, 1]])
   np.testing.assert_array_equal(batch["cluster_ids"], [1, 1, 1, 0])
   # Responses stay with their prompts: token = prompt id * 10 + sample.
   np.testing.assert_array_equal(batch["tokens"][:, 0], [10, 11, 30, 31, 50, 51, 60, 61])
   np.testing.assert_array_equal(batch["old_logps"][:, 0], -batch["tokens"][:, 0])
+  # The host fields follow the same groups.
+  assert rollout.texts == ["10", "11", "30", "31", "50", "51", "60", "61"]
+  np.testing.assert_array_equal(rollout.rewards, batch["rewards"])
   # Prompts of different widths are left-padded to the widest; the pad is masked.
   assert batch["prompt_ids"].shape == batch["prompt_mask"].shape == (4, 3)
   np.testing.assert_array_equal(batch["prompt_mask"].sum(1), [2, 2, 3, 3])
@@ -94,17 +104,15 @@ def test_dynamic_sampling_refills_with_varied_groups_in_order():
 
 
 def test_dynamic_sampling_is_bounded_and_fills_with_dropped_groups():
-  rollouts = FakeRollouts(make_config(True, 0), [ROUND_1])
-  batch, rows, logs = train.collect_batch(rollouts, None, KEY, ROWS, batches())
-  assert [r["id"] for r in rows] == [1, 3, 0, 2]
+  batch, rollout, logs = collect(FakeSampler(make_config(True, 0), [ROUND_1]))
+  assert [r["id"] for r in rollout.rows] == [1, 3, 0, 2]
   assert logs["dapo/rounds"] == 1 and logs["dapo/filled_groups"] == 2
   np.testing.assert_array_equal(batch["tokens"][:, 0], [10, 11, 30, 31, 0, 1, 20, 21])
 
 
 def test_without_dynamic_sampling_the_first_batch_is_used_as_sampled():
-  rollouts = FakeRollouts(make_config(False, 3), [ROUND_1])
-  batch, rows, logs = train.collect_batch(rollouts, None, KEY, ROWS, batches())
-  assert [r["id"] for r in rows] == [0, 1, 2, 3]
+  batch, rollout, logs = collect(FakeSampler(make_config(False, 3), [ROUND_1]))
+  assert [r["id"] for r in rollout.rows] == [0, 1, 2, 3]
   np.testing.assert_array_equal(batch["rewards"], ROUND_1)
   assert "dapo/kept_frac" not in logs
 
@@ -112,7 +120,6 @@ def test_without_dynamic_sampling_the_first_batch_is_used_as_sampled():
 def test_overlong_penalty_is_added_to_the_rewards():
   config = make_config(False, 0)
   config.rl.overlong_buffer = 1  # max 2 tokens: length 1 is free, 2 would cost the penalty
-  rollouts = FakeRollouts(config, [ROUND_1])
-  batch, _, logs = train.collect_batch(rollouts, None, KEY, ROWS, batches())
+  batch, _, logs = collect(FakeSampler(config, [ROUND_1]))
   np.testing.assert_array_equal(batch["rewards"], ROUND_1)  # every fake response has length 1
   assert logs["reward/overlong_penalty"] == 0.0
