@@ -61,6 +61,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.train.grad_clip = 1.0  # global-norm gradient clipping
   config.train.max_bad_steps = 5  # abort after this many non-finite updates in a row (skipped)
   config.train.log_every = 1  # RL steps between metrics.jsonl lines
+  config.train.transfer_guard = "disallow"  # RL loop's jax.transfer_guard: disallow | log | allow
 
   config.rl = ml_collections.ConfigDict()  # the RL objective
   config.rl.group_size = 8  # G: responses sampled per prompt, >= 2

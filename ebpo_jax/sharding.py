@@ -150,9 +150,19 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
 
 
+def row_sharding(shape: Sequence[int], mesh: Mesh) -> NamedSharding:
+  """Rows (the leading dimension) over the batch axes that divide them, the rest replicated."""
+  return NamedSharding(mesh, logical_to_spec(shape, ("batch",) + (None,) * (len(shape) - 1), mesh))
+
+
 def place_from_host(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
-  """Builds a global array from a host copy; each device receives only its own shard."""
-  return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+  """Builds a global array from a host copy; each device receives only its own shard.
+
+  The project's explicit host-to-device placement: allowed under `jax.transfer_guard("disallow")`
+  (the trainer's loop runs under it, so that any other, implicit, transfer fails)."""
+  value = np.asarray(value)
+  with jax.transfer_guard_host_to_device("allow"):
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
 
 def constrain_rows(tree: Any, mesh: Mesh | None) -> Any:
@@ -162,8 +172,7 @@ def constrain_rows(tree: Any, mesh: Mesh | None) -> Any:
     return tree
 
   def constrain(x):
-    spec = logical_to_spec(x.shape, ("batch",) + (None,) * (x.ndim - 1), mesh)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    return jax.lax.with_sharding_constraint(x, row_sharding(x.shape, mesh))
 
   return jax.tree.map(constrain, tree)
 

@@ -83,8 +83,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   )
   sampler = rollouts_lib.make_sampler(model, task, tokenizer, config, mesh)
 
-  def evaluate(state: state_lib.TrainState, step: int) -> dict:
-    eval_key = state_lib.step_keys(state.rng, step).eval
+  def evaluate(state: state_lib.TrainState) -> dict:
+    eval_key = state_lib.step_keys(state.rng, state.step).eval
     return rollouts_lib.evaluate_accuracy(sampler, state.params, eval_rows, cluster_names, eval_key)
 
   # ---- Resume first; else a fresh state (warm start, step-0 evaluation and checkpoint).
@@ -103,7 +103,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     params = state_lib.init_params(config, model, mesh)
     params = warm_start(config, model, params, rows, sampler)
     state = state_lib.create_state(*state_args, params)
-    last_eval = evaluate(state, 0)
+    last_eval = evaluate(state)
     writer.write(0, last_eval)
     ckpt.save(0, state, data_iter=batches, config=config.to_dict(), force=True)
 
@@ -115,47 +115,52 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     start, num_steps, initial=start, total=num_steps, desc="rl", disable=not is_main
   )
   for step in bar:
-    t0 = time.perf_counter()
-    keys = state_lib.step_keys(state.rng, step, config.rl.max_refill_rounds)
-    batch, rollout, logged = rollouts_lib.collect_batch(sampler, state.params, keys, rows, batches)
-    t1 = time.perf_counter()
-    state, step_metrics = step_fn(state, batch)
-    step_metrics = jax.device_get(step_metrics)
-    t2 = time.perf_counter()
-    bad_in_a_row = bad_in_a_row + 1 if step_metrics["bad_updates"] > 0 else 0
-    if bad_in_a_row >= config.train.max_bad_steps:
-      ckpt.close()
-      sys.exit(
-        f"error: non-finite loss or grad norm in {bad_in_a_row} steps in a row "
-        f"(train.max_bad_steps={config.train.max_bad_steps}); last good checkpoint kept"
+    # Every host<->device transfer in the loop is explicit (place_from_host, to_host, device_get):
+    # under train.transfer_guard="disallow" (the default) any other one is an error.
+    with jax.transfer_guard(config.train.transfer_guard):
+      t0 = time.perf_counter()
+      keys = state_lib.step_keys(state.rng, state.step, config.rl.max_refill_rounds)
+      batch, rollout, logged = rollouts_lib.collect_batch(
+        sampler, state.params, keys, rows, batches
       )
-    logged.update(host_metrics(step_metrics, rollout, cluster_names))
-    logged.update(
-      {
-        "time/step_s": t2 - t0,
-        "time/sample_s": t1 - t0,
-        "time/update_s": t2 - t1,
-        "time/tokens_per_s": logged["rollout/tokens"] / (t2 - t0),
-        "compiles/train_step": traces["train_step"],
-      }
-    )
-    if (step + 1) % config.eval.every_steps == 0 or step + 1 == num_steps:
-      last_eval = evaluate(state, step + 1)
-      logged.update(last_eval)
-    if (step + 1) % config.train.log_every == 0 or "eval/accuracy" in logged:
-      writer.write(step + 1, logged)
-    bar.set_postfix(
-      reward=f"{logged['reward/mean']:.3f}",
-      acc=f"{last_eval.get('eval/accuracy', float('nan')):.3f}",
-    )
-    stop = sigterm.requested_anywhere()  # every process saves and stops at the same step
-    last = step + 1 == num_steps or stop
-    ckpt.save(step + 1, state, data_iter=batches, config=config.to_dict(), force=last)
-    if stop:
-      ckpt.close()
-      writer.close()
-      print(f"SIGTERM: saved the checkpoint of step {step + 1}; exiting", file=sys.stderr)
-      sys.exit(143)
+      t1 = time.perf_counter()
+      state, step_metrics = step_fn(state, batch)
+      step_metrics = jax.device_get(step_metrics)
+      t2 = time.perf_counter()
+      bad_in_a_row = bad_in_a_row + 1 if step_metrics[metrics_lib.BAD_UPDATES] > 0 else 0
+      if bad_in_a_row >= config.train.max_bad_steps:
+        ckpt.close()
+        sys.exit(
+          f"error: non-finite loss or grad norm in {bad_in_a_row} steps in a row "
+          f"(train.max_bad_steps={config.train.max_bad_steps}); last good checkpoint kept"
+        )
+      logged.update(host_metrics(step_metrics, rollout, cluster_names))
+      logged.update(
+        {
+          metrics_lib.TIME_STEP_S: t2 - t0,
+          metrics_lib.TIME_SAMPLE_S: t1 - t0,
+          metrics_lib.TIME_UPDATE_S: t2 - t1,
+          metrics_lib.TIME_TOKENS_PER_S: logged[metrics_lib.ROLLOUT_TOKENS] / (t2 - t0),
+          metrics_lib.COMPILES_TRAIN_STEP: traces["train_step"],
+        }
+      )
+      if (step + 1) % config.eval.every_steps == 0 or step + 1 == num_steps:
+        last_eval = evaluate(state)
+        logged.update(last_eval)
+      if (step + 1) % config.train.log_every == 0 or metrics_lib.EVAL_ACCURACY in logged:
+        writer.write(step + 1, logged)
+      bar.set_postfix(
+        reward=f"{logged[metrics_lib.REWARD_MEAN]:.3f}",
+        acc=f"{last_eval.get(metrics_lib.EVAL_ACCURACY, float('nan')):.3f}",
+      )
+      stop = sigterm.requested_anywhere()  # every process saves and stops at the same step
+      last = step + 1 == num_steps or stop
+      ckpt.save(step + 1, state, data_iter=batches, config=config.to_dict(), force=last)
+      if stop:
+        ckpt.close()
+        writer.close()
+        print(f"SIGTERM: saved the checkpoint of step {step + 1}; exiting", file=sys.stderr)
+        sys.exit(143)
 
   # ---- The end: wait for the last save, print the summary, draw the plots.
   ckpt.close()
@@ -172,33 +177,32 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
 def host_metrics(step_metrics: dict, rollout: rollouts_lib.Rollout, cluster_names) -> dict:
   """Device metrics as floats (a vector [K] becomes one key per cluster name); per-cluster mean
   rewards."""
-  out = {}
+  per_cluster, out = metrics_lib.per_cluster, {}
   for key, value in step_metrics.items():
     value = np.asarray(value)
     if value.ndim == 0:
       out[key] = float(value)
     else:
-      out.update({f"{key}/{name}": float(v) for name, v in zip(cluster_names, value, strict=True)})
+      out.update({per_cluster(key, c): float(v) for c, v in zip(cluster_names, value, strict=True)})
   clusters = np.array([row["cluster"] for row in rollout.rows])
   for k, name in enumerate(cluster_names):
     if (clusters == k).any():
-      out[f"reward/mean/{name}"] = float(rollout.rewards[clusters == k].mean())
+      out[per_cluster(metrics_lib.REWARD_MEAN, name)] = float(rollout.rewards[clusters == k].mean())
   return out
 
 
 def finish(workdir: str, cluster_names: Sequence[str]) -> None:
   """The end-of-run summary: accuracy per cluster before and after RL, and the plots."""
-  history = [
-    m for m in metrics_lib.read_metrics(f"{workdir}/metrics.jsonl") if "eval/accuracy" in m
-  ]
+  acc = metrics_lib.EVAL_ACCURACY
+  history = [m for m in metrics_lib.read_metrics(f"{workdir}/metrics.jsonl") if acc in m]
   if not history:
     return
   first, last = history[0], history[-1]
-  table = {
-    name: {"before": first.get(f"eval/accuracy/{name}"), "after": last.get(f"eval/accuracy/{name}")}
-    for name in cluster_names
-  }
-  table["all"] = {"before": first["eval/accuracy"], "after": last["eval/accuracy"]}
+  table = {}
+  for name in cluster_names:
+    key = metrics_lib.per_cluster(acc, name)
+    table[name] = {"before": first.get(key), "after": last.get(key)}
+  table["all"] = {"before": first[acc], "after": last[acc]}
   print(f"held-out accuracy, step {first['step']} -> step {last['step']}")
   print(metrics_lib.summary_table(table))
   plots = metrics_lib.plot_metrics(workdir)

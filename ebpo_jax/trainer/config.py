@@ -59,6 +59,7 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   _choice(config, "rl.loss.kl_kind", losses.KL_KINDS)
   _choice(config, "data.order", data.ORDERS)
   _choice(config, "train.schedule", ("constant", "cosine"))
+  _choice(config, "train.transfer_guard", ("disallow", "log", "allow"))
   _choice(config, "model.remat", tuple(models.decoder.REMAT_POLICIES))
   rl, tc = config.rl, config.train
   _require(rl.group_size >= 2, config, "rl.group_size", "must be >= 2")

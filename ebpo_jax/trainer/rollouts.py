@@ -9,6 +9,7 @@ groups); `evaluate_accuracy` is the in-training evaluation; `sample_and_score` s
 """
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -20,6 +21,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ebpo_jax import data, losses, models, sampling, sharding, tasks
+from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.tasks import rewards as rewards_lib
 from ebpo_jax.trainer.state import StepKeys
 
@@ -68,10 +70,29 @@ def _concat_rollouts(parts: Sequence[Rollout]) -> Rollout:
   )
 
 
+# Small device ops of the host loop, jitted so that Python ints stay static (the loop runs under
+# `jax.transfer_guard("disallow")`: an eager op with a Python scalar would be a transfer).
+
+
 @jax.jit
 def _take_rows(tree: dict, prompts: jax.Array, responses: jax.Array) -> dict:
   by_prompt = ("prompt_ids", "prompt_mask")
   return {k: x[prompts] if k in by_prompt else x[responses] for k, x in tree.items()}
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _first_rows(tree: Any, n: int) -> Any:
+  return jax.tree.map(lambda x: x[:n], tree)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _left_pad(x: jax.Array, width: int) -> jax.Array:
+  return jnp.pad(x, ((0, 0), (width - x.shape[1], 0)))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _split_keys(key: jax.Array, n: int) -> tuple[jax.Array, ...]:
+  return tuple(jax.random.split(key, n))
 
 
 class Sampler:
@@ -98,12 +119,13 @@ class Sampler:
     rows = list(rows)
     prompt_ids, prompt_mask = self.prompts(rows)
     chunk = self.config.sampling.prompts_per_call or len(rows)
+    starts = range(0, len(rows), chunk)
+    call_keys = (key,) if len(starts) == 1 else _split_keys(key, len(starts))
     parts = []
-    for call, start in enumerate(range(0, len(rows), chunk)):
+    for start, call_key in zip(starts, call_keys, strict=True):
       ids, mask = prompt_ids[start : start + chunk], prompt_mask[start : start + chunk]
       fill = np.full(chunk - len(ids), len(ids) - 1)
       ids, mask = np.concatenate([ids, ids[fill]]), np.concatenate([mask, mask[fill]])
-      call_key = key if chunk >= len(rows) else jax.random.fold_in(key, call)
       call_rows = rows[start : start + chunk]
       parts.append(self._sample_call(params, ids, mask, call_key, call_rows, group_size, greedy))
     return _concat_rollouts(parts)
@@ -112,7 +134,7 @@ class Sampler:
     """One sampler call over (possibly padded) prompts: they are placed on the mesh once, the
     completions fetched in one transfer, and those of the first len(rows) prompts scored."""
     sc = self.config.sampling
-    spec = sharding.batch_sharding(self.mesh)
+    spec = sharding.row_sharding(ids.shape, self.mesh)
     ids, mask = sharding.place_from_host(ids, spec), sharding.place_from_host(mask, spec)
     out = sampling.generate(
       self.model,
@@ -131,9 +153,12 @@ class Sampler:
       mesh=self.mesh,
     )
     tokens, lengths = sharding.to_host((out.tokens, out.lengths))
-    n, padded = len(rows), ids.shape[0] > len(rows)
-    real = lambda x, per_prompt=group_size: x[: n * per_prompt] if padded else x
-    tokens, lengths = real(tokens), real(lengths).astype(np.int32)
+    n = len(rows)
+    if ids.shape[0] > n:  # a padded call: drop the copies' rows
+      ids, mask = _first_rows((ids, mask), n)
+      out = _first_rows(out, n * group_size)
+      tokens, lengths = tokens[: n * group_size], lengths[: n * group_size]
+    lengths = lengths.astype(np.int32)
     texts = [self.tokenizer.decode(t[:k].tolist()) for t, k in zip(tokens, lengths, strict=True)]
     rewards, errors = self._verify(texts, rows, group_size)
     return Rollout(
@@ -142,12 +167,12 @@ class Sampler:
       rewards=rewards,
       lengths=lengths,
       errors=errors,
-      prompt_ids=real(ids, 1),
-      prompt_mask=real(mask, 1),
-      tokens=real(out.tokens),
-      mask=real(out.mask),
-      old_logps=real(out.logprobs),
-      truncated=real(out.truncated),
+      prompt_ids=ids,
+      prompt_mask=mask,
+      tokens=out.tokens,
+      mask=out.mask,
+      old_logps=out.logprobs,
+      truncated=out.truncated,
     )
 
   def _verify(self, texts: list[str], rows: list[dict], group_size: int):
@@ -196,10 +221,9 @@ def _select_groups(parts: Sequence[Rollout], picks: Sequence[np.ndarray], mesh) 
   width = max(p.prompt_ids.shape[1] for p in parts)
   widened = []
   for p in parts:
-    pad = ((0, 0), (width - p.prompt_ids.shape[1], 0))
-    if pad[1][0]:
+    if p.prompt_ids.shape[1] < width:
       p = dataclasses.replace(
-        p, prompt_ids=jnp.pad(p.prompt_ids, pad), prompt_mask=jnp.pad(p.prompt_mask, pad)
+        p, prompt_ids=_left_pad(p.prompt_ids, width), prompt_mask=_left_pad(p.prompt_mask, width)
       )
     widened.append(p)
   whole = _concat_rollouts(widened)
@@ -230,9 +254,9 @@ def _dapo_select(parts: Sequence[Rollout], num_prompts: int, mesh) -> tuple[Roll
   first_uniform = np.flatnonzero(~_varied(parts[0]))[:left]
   picks[0] = np.concatenate([picks[0], first_uniform])
   logs = {
-    "dapo/kept_frac": float(_varied(parts[0]).mean()),
-    "dapo/rounds": len(parts),
-    "dapo/filled_groups": len(first_uniform),
+    metrics_lib.DAPO_KEPT_FRAC: float(_varied(parts[0]).mean()),
+    metrics_lib.DAPO_ROUNDS: len(parts),
+    metrics_lib.DAPO_FILLED_GROUPS: len(first_uniform),
   }
   return _select_groups(parts, picks, mesh), logs
 
@@ -274,25 +298,29 @@ def collect_batch(
   rewards = _shaped_rewards(rollout, sampler.config)
   logs.update(
     {
-      "reward/errors": sum(p.errors for p in parts),
-      "rollout/tokens": int(sum(p.lengths.sum() for p in parts)),
-      "reward/overlong_penalty": float((rewards - rollout.rewards).mean()),
+      metrics_lib.REWARD_ERRORS: sum(p.errors for p in parts),
+      metrics_lib.ROLLOUT_TOKENS: int(sum(p.lengths.sum() for p in parts)),
+      metrics_lib.REWARD_OVERLONG_PENALTY: float((rewards - rollout.rewards).mean()),
     }
   )
   return to_batch(rollout, rewards, sampler.mesh), rollout, logs
 
 
 def to_batch(rollout: Rollout, rewards: np.ndarray, mesh: Mesh) -> dict:
-  """The `train_step` batch: the rollout's device fields, the rewards and cluster ids placed."""
+  """The `train_step` batch: the rollout's device fields (resharded, explicitly, to the step's
+  batch sharding when a sampler call had another), the rewards and cluster ids placed."""
   spec = sharding.batch_sharding(mesh)
   cluster_ids = np.array([row["cluster"] for row in rollout.rows], np.int32)
-  return {
+  on_device = {
     "prompt_ids": rollout.prompt_ids,
     "prompt_mask": rollout.prompt_mask,
     "tokens": rollout.tokens,
     "completion_mask": rollout.mask,
     "old_logps": rollout.old_logps,
     "truncated": rollout.truncated,
+  }
+  return {
+    **jax.device_put(on_device, spec),
     "rewards": sharding.place_from_host(np.asarray(rewards, np.float32), spec),
     "cluster_ids": sharding.place_from_host(cluster_ids, spec),
   }
@@ -308,10 +336,12 @@ def evaluate_accuracy(
   rollout = sampler.rollout(params, eval_rows, key, group_size=1, greedy=sampler.config.eval.greedy)
   rewards = rollout.rewards[:, 0]
   clusters = np.array([row["cluster"] for row in eval_rows])
-  result = {"eval/accuracy": float(rewards.mean())}
+  result = {metrics_lib.EVAL_ACCURACY: float(rewards.mean())}
   for k, name in enumerate(cluster_names):
     if (clusters == k).any():
-      result[f"eval/accuracy/{name}"] = float(rewards[clusters == k].mean())
+      result[metrics_lib.per_cluster(metrics_lib.EVAL_ACCURACY, name)] = float(
+        rewards[clusters == k].mean()
+      )
   return result
 
 

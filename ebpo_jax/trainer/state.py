@@ -6,6 +6,7 @@ shardings. A resumed run builds nothing real: `abstract_state` gives the same tr
 `jax.ShapeDtypeStruct`s with shardings, and the checkpoint is restored straight into it.
 """
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -41,16 +42,19 @@ class StepKeys(NamedTuple):
   """The keys one RL step uses, each for one purpose only."""
 
   rollout: jax.Array  # sampling the step's batch
-  refill: jax.Array  # [R, 2]: DAPO refill round r samples with refill[r]
+  refill: tuple[jax.Array, ...]  # DAPO refill round r (1, 2, ...) samples with refill[r - 1]
   shuffle: jax.Array  # mini-batch order of the PPO epochs (inside train_step)
   eval: jax.Array  # the evaluation logged at this step
 
 
-def step_keys(rng: jax.Array, step: int | jax.Array, num_refill_rounds: int = 0) -> StepKeys:
-  """The keys of step `step`: `fold_in(rng, step)` split once into the four streams. Works under
-  jit (traced `step`) and on the host alike, so the trainer and train_step derive the same keys."""
+@functools.partial(jax.jit, static_argnums=2)
+def step_keys(rng: jax.Array, step: jax.Array, num_refill_rounds: int = 0) -> StepKeys:
+  """The keys of step `step` (a device scalar, e.g. `state.step`): `fold_in(rng, step)` split
+  once into the four streams. The one derivation of a step's keys, for the host loop and inside
+  train_step alike."""
   rollout, refill, shuffle, eval_key = jax.random.split(jax.random.fold_in(rng, step), 4)
-  return StepKeys(rollout, jax.random.split(refill, max(num_refill_rounds, 1)), shuffle, eval_key)
+  refill_keys = tuple(jax.random.split(refill, max(num_refill_rounds, 1)))
+  return StepKeys(rollout, refill_keys, shuffle, eval_key)
 
 
 # ----------------------------------------------------------------------------- model

@@ -16,6 +16,7 @@ import optax
 from jax.sharding import Mesh
 
 from ebpo_jax import advantages, losses, models, sampling, sharding
+from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.trainer.state import TrainState, step_keys
 
 # The batch train_step takes (device arrays; rows r = b * G + g):
@@ -156,12 +157,17 @@ def train_step(
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     carry = (keep(new_params, params), keep(new_opt_state, opt_state))
-    return carry, {"loss": loss, "grad_norm": grad_norm, "bad": 1.0 - finite, **aux}
+    return carry, {
+      metrics_lib.LOSS: loss,
+      metrics_lib.GRAD_NORM: grad_norm,
+      "bad": 1.0 - finite,
+      **aux,
+    }
 
   (params, opt_state), upd = jax.lax.scan(update, (state.params, state.opt_state), order)
   bad = upd.pop("bad")
   metrics = {k: v.mean() for k, v in upd.items()}
-  metrics["bad_updates"] = bad.sum()
+  metrics[metrics_lib.BAD_UPDATES] = bad.sum()
   metrics.update(_rollout_metrics(batch, adv_bg))
   metrics.update(adv_metrics)
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, prior=prior)
@@ -170,9 +176,9 @@ def train_step(
 
 def _rollout_metrics(batch: dict, adv_bg: jax.Array) -> dict:
   return {
-    "reward/mean": batch["rewards"].mean(),
-    "adv/zero_frac": advantages.zero_fraction(adv_bg),
-    "adv/abs_mean": jnp.abs(adv_bg).mean(),
-    "response_len/mean": batch["completion_mask"].sum(-1).mean(),
-    "truncated_frac": batch["truncated"].mean(),
+    metrics_lib.REWARD_MEAN: batch["rewards"].mean(),
+    metrics_lib.ADV_ZERO_FRAC: advantages.zero_fraction(adv_bg),
+    metrics_lib.ADV_ABS_MEAN: jnp.abs(adv_bg).mean(),
+    metrics_lib.RESPONSE_LEN_MEAN: batch["completion_mask"].sum(-1).mean(),
+    metrics_lib.TRUNCATED_FRAC: batch["truncated"].mean(),
   }
