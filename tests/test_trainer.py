@@ -1,0 +1,155 @@
+"""The trainer's host loop on its parts: named PRNG streams, explicit transfers, resume first."""
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ebpo_jax import data, models
+from ebpo_jax.trainer import rollouts as rollouts_lib
+from ebpo_jax.trainer import state as state_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------- PRNG streams
+
+
+def _key_bytes(key: jax.Array) -> bytes:
+  return np.asarray(key).tobytes()
+
+
+def test_no_two_uses_share_a_key():
+  """Every key a run uses in its first steps (rollout, each refill round, the PPO shuffle, the
+  evaluation of each step, the sampler calls of a chunked rollout) is distinct. The old code's
+  first refill round reused the step's shuffle key, and its second the previous step's eval key."""
+  rng = jax.random.PRNGKey(0)
+  used = {}
+  for step in range(6):
+    keys = state_lib.step_keys(rng, jnp.asarray(step, jnp.int32), 3)
+    named = {"rollout": keys.rollout, "shuffle": keys.shuffle, "eval": keys.eval}
+    named.update({f"refill{r}": k for r, k in enumerate(keys.refill)})
+    named.update({f"call{c}": k for c, k in enumerate(rollouts_lib._split_keys(keys.rollout, 4))})
+    for name, key in named.items():
+      used.setdefault(_key_bytes(key), []).append(f"step {step} {name}")
+  shared = [uses for uses in used.values() if len(uses) > 1]
+  assert not shared, f"keys used twice: {shared}"
+
+
+def test_step_keys_are_the_same_on_the_host_and_under_jit():
+  rng = jax.random.PRNGKey(3)
+  step = jnp.asarray(7, jnp.int32)
+  host = state_lib.step_keys(rng, step, 2)
+  traced = jax.jit(lambda r, s: state_lib.step_keys(r, s, 2))(rng, step)
+  for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(traced), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+# ----------------------------------------------------------------------------- transfers
+
+
+@pytest.mark.parametrize(
+  "overrides",
+  [
+    {},
+    {"rl.dynamic_sampling": True, "rl.max_refill_rounds": 2, "rl.overlong_buffer": 2},
+    {"sampling.prompts_per_call": 3, "rl.loss.kl_coef": 0.01},
+  ],
+  ids=["plain", "dapo", "chunked_kl"],
+)
+def test_the_step_loop_makes_no_implicit_transfer(tiny_steps, overrides):
+  """Rollouts, the train step and the evaluation, as the trainer's loop runs them, under
+  jax.transfer_guard("disallow"): an implicit host<->device transfer anywhere would raise."""
+  tiny = tiny_steps({"sampling.max_new_tokens": 4, **overrides})
+  config = tiny.config
+  task, rows, cluster_names, eval_rows = rollouts_lib.load_task_and_rows(config)
+  tokenizer = state_lib.load_tokenizer(config, task)
+  sampler = rollouts_lib.make_sampler(tiny.model, task, tokenizer, config, tiny.mesh)
+  batches = data.make_batches(rows, batch_size=config.train.batch_size, order="shuffle", seed=0)
+  state = tiny.fresh_state()
+  with jax.transfer_guard("disallow"):
+    for _ in range(2):
+      keys = state_lib.step_keys(state.rng, state.step, config.rl.max_refill_rounds)
+      batch, rollout, logs = rollouts_lib.collect_batch(sampler, state.params, keys, rows, batches)
+      state, metrics = tiny.step(state, batch)
+      metrics = jax.device_get(metrics)
+      eval_key = state_lib.step_keys(state.rng, state.step).eval
+      accuracy = rollouts_lib.evaluate_accuracy(
+        sampler, state.params, eval_rows, cluster_names, eval_key
+      )
+    with pytest.raises(Exception, match="[Dd]isallowed"):  # the guard is on: a NumPy operand
+      _ = state.step + np.ones((), np.int32)
+  sampler.pool.close()
+  assert len(rollout.rows) == config.train.batch_size
+  assert np.isfinite(metrics["loss"]) and 0.0 <= accuracy["eval/accuracy"] <= 1.0
+  assert logs["rollout/tokens"] > 0
+
+
+# ----------------------------------------------------------------------------- resume first
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_model(tmp_path_factory):
+  """A random 1-layer Llama written by our save_pretrained, with SmolLM2's tokenizer files."""
+  path = tmp_path_factory.mktemp("tiny_llama")
+  smollm2 = models.smollm2_135m_instruct()
+  config = models.ModelConfig(
+    vocab_size=49152,
+    hidden_size=16,
+    intermediate_size=32,
+    num_layers=1,
+    num_heads=2,
+    num_kv_heads=1,
+    head_dim=8,
+    tie_word_embeddings=True,
+  )
+  model = models.Decoder(config)
+  params = nn.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"])
+  models.save_pretrained(str(path), model, params)
+  for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    shutil.copy(os.path.join(smollm2, name), path / name)
+  return path
+
+
+def _train(workdir, model_dir, num_steps: int) -> None:
+  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  args = [
+    f"--config={ROOT / 'configs/arith_ebpo.py'}:runlocal",
+    f"--workdir={workdir}",
+    f"--config.model.path={model_dir}",
+    "--config.sft.num_steps=0",
+    f"--config.train.num_steps={num_steps}",
+    "--config.checkpoint.every_steps=1",
+    "--config.rl.loss.kl_coef=0.01",  # a reference policy too: it must not be rebuilt either
+    "--config.task.num_eval=2",
+    "--config.eval.every_steps=100",
+  ]
+  proc = subprocess.run(
+    [sys.executable, "-m", "ebpo_jax.train", *args], env=env, capture_output=True, text=True
+  )
+  assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.e2e
+def test_resume_restores_without_reading_the_model_weights(tiny_hf_model, tmp_path):
+  """Resume first: with a checkpoint in the workdir the state is restored into abstract shapes;
+  the model directory's weights are never read (here they are deleted before resuming)."""
+  model_dir = tmp_path / "model"
+  shutil.copytree(tiny_hf_model, model_dir)
+  workdir = tmp_path / "run"
+  _train(workdir, model_dir, num_steps=1)
+  for weights in model_dir.glob("*.safetensors"):
+    weights.unlink()
+  _train(workdir, model_dir, num_steps=2)
+  steps = [
+    json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()
+  ]
+  assert steps[-1] == 2 and sorted(os.listdir(workdir / "checkpoints"))[-1] == "2"
