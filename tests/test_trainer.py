@@ -56,18 +56,18 @@ def test_step_keys_are_the_same_on_the_host_and_under_jit():
 # ----------------------------------------------------------------------------- transfers
 
 
-@pytest.mark.parametrize(
-  "overrides",
-  [
-    {},
-    {"rl.dynamic_sampling": True, "rl.max_refill_rounds": 2, "rl.overlong_buffer": 2},
-    {"sampling.prompts_per_call": 3, "rl.loss.kl_coef": 0.01},
-  ],
-  ids=["plain", "dapo", "chunked_kl"],
-)
-def test_the_step_loop_makes_no_implicit_transfer(tiny_steps, overrides):
+def test_the_step_loop_makes_no_implicit_transfer(tiny_steps):
   """Rollouts, the train step and the evaluation, as the trainer's loop runs them, under
-  jax.transfer_guard("disallow"): an implicit host<->device transfer anywhere would raise."""
+  jax.transfer_guard("disallow"): an implicit host<->device transfer anywhere would raise. Every
+  optional path at once (one compile): DAPO refill rounds and fill, the overlong penalty, chunked
+  sampler calls with a padded last call, and a KL reference."""
+  overrides = {
+    "rl.dynamic_sampling": True,
+    "rl.max_refill_rounds": 2,
+    "rl.overlong_buffer": 2,
+    "sampling.prompts_per_call": 3,
+    "rl.loss.kl_coef": 0.01,
+  }
   tiny = tiny_steps({"sampling.max_new_tokens": 4, **overrides})
   config = tiny.config
   task, rows, cluster_names, eval_rows = rollouts_lib.load_task_and_rows(config)
@@ -76,21 +76,20 @@ def test_the_step_loop_makes_no_implicit_transfer(tiny_steps, overrides):
   batches = data.make_batches(rows, batch_size=config.train.batch_size, order="shuffle", seed=0)
   state = tiny.fresh_state()
   with jax.transfer_guard("disallow"):
-    for _ in range(2):
-      keys = state_lib.step_keys(state.rng, state.step, config.rl.max_refill_rounds)
-      batch, rollout, logs = rollouts_lib.collect_batch(sampler, state.params, keys, rows, batches)
-      state, metrics = tiny.step(state, batch)
-      metrics = jax.device_get(metrics)
-      eval_key = state_lib.step_keys(state.rng, state.step).eval
-      accuracy = rollouts_lib.evaluate_accuracy(
-        sampler, state.params, eval_rows, cluster_names, eval_key
-      )
+    keys = state_lib.step_keys(state.rng, state.step, config.rl.max_refill_rounds)
+    batch, rollout, logs = rollouts_lib.collect_batch(sampler, state.params, keys, rows, batches)
+    state, metrics = tiny.step(state, batch)
+    metrics = jax.device_get(metrics)
+    eval_key = state_lib.step_keys(state.rng, state.step).eval
+    accuracy = rollouts_lib.evaluate_accuracy(
+      sampler, state.params, eval_rows, cluster_names, eval_key
+    )
     with pytest.raises(Exception, match="[Dd]isallowed"):  # the guard is on: a NumPy operand
       _ = state.step + np.ones((), np.int32)
   sampler.pool.close()
   assert len(rollout.rows) == config.train.batch_size
   assert np.isfinite(metrics["loss"]) and 0.0 <= accuracy["eval/accuracy"] <= 1.0
-  assert logs["rollout/tokens"] > 0
+  assert logs["rollout/tokens"] > 0 and logs["dapo/rounds"] >= 1
 
 
 # ----------------------------------------------------------------------------- resume first
