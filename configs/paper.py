@@ -25,7 +25,7 @@ Data pipeline (rows files of {"prompt", "answer", "cluster", "difficulty", "sour
   python -m ebpo_jax.data.cluster --input=/data/ebpo/dapo_math_17k.jsonl \
       --output=/data/ebpo/dapo_math_17k.topic.jsonl --num_clusters=10
   # 2b. difficulty = the base model's pass rate over 16 rollouts at temperature 1.0 (ebpo_diff)
-  python -m ebpo_jax.data.difficulty --config=configs/paper.py:qwen3_8b,ebpo_diff \
+  python -m ebpo_jax.difficulty --config=configs/paper.py:qwen3_8b,ebpo_diff \
       --input=/data/ebpo/dapo_math_17k.jsonl \
       --output=/data/ebpo/dapo_math_17k.diff.qwen3_8b.jsonl --k=16
   # 3. train (the same command on every host of the slice; see launch/)
