@@ -17,7 +17,6 @@ which knows nothing of models.
 
 import json
 import os
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,11 +64,11 @@ def run(
 ) -> list[dict[str, Any]]:
   """Measures the pass rate of every row of `input_path` and writes `output_path`."""
   if k < 1:
-    raise policy_lib.PolicyError(f"--k={k}: must be >= 1")
+    raise config_lib.PolicyError(f"--k={k}: must be >= 1")
   if not output_path.endswith(".jsonl"):
-    raise policy_lib.PolicyError(f"--output={output_path}: must end in .jsonl")
+    raise config_lib.PolicyError(f"--output={output_path}: must end in .jsonl")
   if run_dir is None and step is not None:
-    raise policy_lib.PolicyError(f"--step={step} needs --run_dir")
+    raise config_lib.PolicyError(f"--step={step} needs --run_dir")
   config, step = policy_lib.policy_config(config, run_dir, step)
   policy_lib.check_policy_source(config, run_dir)
   config_lib.check_config(config, jax.device_count())
@@ -96,13 +95,9 @@ def run(
 
 def main(argv: Sequence[str]) -> None:
   del argv
-  logging.set_verbosity(logging.ERROR)  # orbax warns about the checkpoint items it skips
   f = flags.FLAGS
-  try:
-    sharding.init_distributed()
+  with config_lib.entry_point(logging.ERROR):  # orbax warns about the items it skips
     run(f.config, f.input, f.output, k=f.k, run_dir=f.run_dir, step=f.step)
-  except (policy_lib.PolicyError, config_lib.ConfigError, data.DataError) as e:
-    sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ import collections
 import json
 import math
 import os
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -271,15 +270,11 @@ def define_policy_flags() -> None:
 
 def main(argv: Sequence[str]) -> None:
   del argv
-  logging.set_verbosity(logging.ERROR)  # orbax warns about the checkpoint items it skips
   f = flags.FLAGS
   if f.workdir is None:
     raise app.UsageError("--workdir is required")
-  try:
-    sharding.init_distributed()
+  with config_lib.entry_point(logging.ERROR):  # orbax warns about the items it skips
     run(f.config, f.workdir, run_dir=f.run_dir, step=f.step)
-  except (policy_lib.PolicyError, config_lib.ConfigError, data.DataError) as e:
-    sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

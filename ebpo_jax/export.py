@@ -14,7 +14,6 @@ Hugging Face form: only the weights and config are written.
 
 import os
 import shutil
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags, logging
 
-from ebpo_jax import data, models, sharding, tasks
+from ebpo_jax import models, sharding, tasks
 from ebpo_jax.models import hf_io
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import policy as policy_lib
@@ -68,13 +67,9 @@ def export(run_dir: str, out: str, *, step: int | None = None, dtype: str = "") 
 
 def main(argv: Sequence[str]) -> None:
   del argv
-  logging.set_verbosity(logging.ERROR)  # orbax warns about the checkpoint items it skips
   f = flags.FLAGS
-  try:
-    sharding.init_distributed()
+  with config_lib.entry_point(logging.ERROR):  # orbax warns about the items it skips
     summary = export(f.run_dir, f.out, step=f.step, dtype=f.dtype)
-  except (policy_lib.PolicyError, config_lib.ConfigError, data.DataError) as e:
-    sys.exit(f"error: {e}")
   tokenizer_note = (
     f"tokenizer files from {summary['source_model']}: {', '.join(summary['copied'])}"
     if summary["source_model"]

@@ -20,7 +20,7 @@ import jax
 import ml_collections
 import numpy as np
 import tqdm
-from absl import app, flags, logging
+from absl import app, flags
 from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import config_flags
 
@@ -38,16 +38,12 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metr
 
 def main(argv: Sequence[str]) -> None:
   del argv
-  logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
   config, workdir = _CONFIG.value, _WORKDIR.value
   if workdir is None:
     raise app.UsageError("--workdir is required")
-  try:
-    sharding.init_distributed()
+  with config_lib.entry_point():
     config_lib.check_config(config, jax.device_count())
     run(config, workdir)
-  except (config_lib.ConfigError, data.DataError) as e:
-    sys.exit(f"error: {e}")
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:

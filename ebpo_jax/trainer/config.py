@@ -1,17 +1,42 @@
 """Loading a config file and checking every value before anything compiles."""
 
+import contextlib
 import importlib.util
 import os
-from collections.abc import Mapping, Sequence
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import ml_collections
+from absl import logging
 
 from ebpo_jax import advantages, data, losses, models, sharding
 
 
 class ConfigError(ValueError):
   """An invalid config value; the message names the key and the value."""
+
+
+class PolicyError(ValueError):
+  """Nothing to load a policy from, or a checkpoint that does not fit; the message says what to
+  pass."""
+
+
+# Bad input of an entry point: each exits with one line (never a traceback).
+USER_ERRORS = (ConfigError, PolicyError, data.DataError)
+
+
+@contextlib.contextmanager
+def entry_point(verbosity: int = logging.WARNING) -> Iterator[None]:
+  """The frame of every command-line entry point: absl logging at `verbosity` (orbax logs each
+  save at INFO), `jax.distributed` joined when the environment asks for it, and a bad input
+  (USER_ERRORS) turned into `error: <message>` and exit status 1."""
+  logging.set_verbosity(verbosity)
+  try:
+    sharding.init_distributed()
+    yield
+  except USER_ERRORS as e:
+    sys.exit(f"error: {e}")
 
 
 def load_config(spec: str | os.PathLike, overrides: Mapping[str, Any] | None = None):

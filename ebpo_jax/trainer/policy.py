@@ -12,10 +12,7 @@ import ml_collections
 
 from ebpo_jax import checkpoint, models
 from ebpo_jax.trainer import state as state_lib
-
-
-class PolicyError(ValueError):
-  """Nothing to load, or a checkpoint that does not fit; the message says what to pass."""
+from ebpo_jax.trainer.config import PolicyError
 
 
 def _checkpoints(run_dir: str) -> checkpoint.Checkpointer:
