@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ebpo_jax.tasks import extract_final_answer, get_task
-from ebpo_jax.tasks.arithmetic import CharTokenizer, score_arithmetic, sft_example
+from ebpo_jax.tasks.arithmetic import CharTokenizer, score_arithmetic
 from ebpo_jax.tasks.base import answers_match, split_of
 from ebpo_jax.tasks.tokenizers import ByteTokenizer
 
@@ -79,7 +79,7 @@ def test_train_and_eval_prompts_are_disjoint():
   assert all(split_of(p, 0.2) == "eval" for p in evals)
 
 
-def test_arithmetic_score_and_sft_example():
+def test_arithmetic_score_and_target():
   row = {"prompt": "12+345=", "answer": "357"}
   assert score_arithmetic("357", row) == 1.0
   assert score_arithmetic(" 357 \n12+3", row) == 1.0  # only the first line counts
@@ -87,9 +87,7 @@ def test_arithmetic_score_and_sft_example():
   assert score_arithmetic("35", row) == 0.0
   assert score_arithmetic("", row) == 0.0
   tok = CharTokenizer()
-  prompt_ids, target_ids = sft_example(row, tok)
-  assert tok.decode(prompt_ids) == "12+345="
-  assert target_ids[-1] == tok.eos_id and tok.decode(target_ids) == "357"
+  assert tok.decode(tok.encode("12+345=")) == "12+345="
   task = get_task("arithmetic")
   assert task.format_prompt(row) == "12+345=" and task.format_target(row) == "357"
   assert pickle.loads(pickle.dumps(task.score)) is score_arithmetic

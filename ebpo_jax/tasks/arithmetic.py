@@ -95,8 +95,3 @@ def _parse_cluster(name: str) -> tuple[str, int]:
       f"1-{MAX_DIGITS}"
     )
   return op, int(digits)
-
-
-def sft_example(row: dict[str, Any], tokenizer: CharTokenizer) -> tuple[list[int], list[int]]:
-  """(prompt ids, target ids) for a supervised warm start: target = answer then EOS."""
-  return tokenizer.encode(row["prompt"]), tokenizer.encode(row["answer"]) + [tokenizer.eos_id]
