@@ -5,11 +5,13 @@ import pathlib
 
 import nbclient
 import nbformat
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "ablation_small_models.ipynb"
 
 
+@pytest.mark.e2e
 def test_notebook_executes_with_smoke_parameters(tmp_path, monkeypatch):
   monkeypatch.setenv("EBPO_NOTEBOOK_SMOKE", "1")
   monkeypatch.setenv("EBPO_NOTEBOOK_WORKDIR", str(tmp_path / "ablation"))

@@ -56,6 +56,7 @@ def run_module(module: str, *args: str) -> None:
   assert result.returncode == 0, result.stderr[-3000:]
 
 
+@pytest.mark.e2e
 def test_runlocal_trains_two_steps_and_evaluates_from_the_readme_commands(tmp_path):
   run_module("ebpo_jax.train", f"--workdir={tmp_path}")
   lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
