@@ -2,17 +2,24 @@
 
 Pure, jittable functions over arrays. Shapes: `rewards` [B, G] (B prompts, G responses each),
 `mask` [B, G] bool (True = valid response; default all valid), `cluster_ids` [B] int in [0, K).
-Groups may be ragged through `mask`: masked entries get advantage 0 and enter no statistic.
+Groups may be ragged through `mask`: masked entries get advantage 0 and enter no statistic. A group
+whose valid rewards are all equal (also at values float32 cannot hold, 2/3 or 0.2) has mean
+exactly that value and deviations exactly 0, so GRPO, Dr.GRPO and RLOO give it exactly 0.
 
 EBPO (Han et al., "EBPO: Empirical Bayes Shrinkage for Stabilizing Group-Relative Policy
 Optimization", arXiv 2602.05165) keeps a per-cluster prior, `PriorState`, that the caller threads
 through its train-step carry: `init_prior` builds it, `ebpo` returns the updated one (optax style).
 
-`get(name)` gives every estimator one calling convention for the trainer:
-`fn(rewards_bg, mask_bg, cluster_ids_b, prior, **hparams) -> (adv_bg, new_prior, stats)`.
+For a trainer, `from_config(config.rl)` builds an `Estimator`: the estimator's name and its frozen
+hyperparameters (`GRPOParams`, ..., `EBPOParams`), with `init_prior(num_clusters)` and
+`__call__(rewards_bg, mask_bg, cluster_ids_b, prior) -> (adv_bg, new_prior, metrics)`, so nothing
+outside this module branches on an estimator's name.
 """
 
-from collections.abc import Callable
+import dataclasses
+import math
+import numbers
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -20,7 +27,6 @@ import jax.numpy as jnp
 
 Array = jax.Array
 Stats = dict[str, Array]
-Estimator = Callable[..., tuple[Array, "PriorState", Stats]]
 
 MODES = ("running", "batch")
 NORMALIZATIONS = ("batch", "none", "group", "cluster")
@@ -70,24 +76,45 @@ def _prepare(rewards: Array, mask: Array | None) -> tuple[Array, Array]:
 
 class _Groups(NamedTuple):
   count: Array  # [B] number of valid responses G_q
-  total: Array  # [B] sum of valid rewards
+  ref: Array  # [B] largest valid reward (0 for an empty group): the sums below are centred on it
+  offset: Array  # [B] sum over valid responses of (r - ref)
   mean: Array  # [B] group mean (0 for an empty group)
   m2: Array  # [B] sum of squared deviations from the group mean
   var: Array  # [B] unbiased group variance (0 for groups with fewer than 2 responses)
 
 
 def _groups(rewards_bg: Array, mask_bg: Array) -> _Groups:
+  """Group moments, centred on a valid reward so that all-equal groups come out exact.
+
+  float32 rounds the sum of G copies of 2/3, so sum / G misses 2/3 by an ulp and the group std
+  is ~1e-7, not 0: GRPO's (r - mean) / (std + 1e-6) gave 0.06-0.19 for such a group. Centred on
+  one of its rewards, every r - ref is exactly 0, so mean = ref and the deviations are exactly 0.
+  """
   weights_bg = mask_bg.astype(jnp.float32)
   count_b = weights_bg.sum(-1)
-  total_b = (rewards_bg * weights_bg).sum(-1)
-  mean_b = total_b / jnp.maximum(count_b, 1.0)
+  ref_b = jnp.max(jnp.where(mask_bg, rewards_bg, -jnp.inf), -1)
+  ref_b = jnp.where(count_b > 0, ref_b, 0.0)
+  offset_b = ((rewards_bg - ref_b[:, None]) * weights_bg).sum(-1)
+  mean_b = ref_b + offset_b / jnp.maximum(count_b, 1.0)
   m2_b = (jnp.square(rewards_bg - mean_b[:, None]) * weights_bg).sum(-1)
   var_b = m2_b / jnp.maximum(count_b - 1.0, 1.0)
-  return _Groups(count_b, total_b, mean_b, m2_b, var_b)
+  return _Groups(count_b, ref_b, offset_b, mean_b, m2_b, var_b)
 
 
 def _masked(values_bg: Array, mask_bg: Array) -> Array:
   return jnp.where(mask_bg, values_bg, 0.0)
+
+
+def _divide(numerator: Array, denominator: Array) -> Array:
+  """numerator / denominator, and numerator itself where the denominator is 0 (eps = 0).
+
+  Every caller's numerator is exactly 0 where its std is 0, so eps = 0 gives 0 there, not NaN.
+  """
+  return numerator / jnp.where(denominator > 0, denominator, 1.0)
+
+
+def _masked_mean(values_b: Array, weights_b: Array) -> Array:
+  return (values_b * weights_b).sum() / jnp.maximum(weights_b.sum(), 1.0)
 
 
 def zero_fraction(adv: Array, mask: Array | None = None) -> Array:
@@ -109,26 +136,30 @@ def signal_fraction(adv: Array, mask: Array | None = None) -> Array:
 # Group-relative estimators (stateless).
 
 
-def _grpo(rewards_bg: Array, mask_bg: Array, eps: float | Array = 1e-6) -> tuple[Array, Array]:
+def _grpo(rewards_bg: Array, mask_bg: Array, eps: float | Array = 1e-6) -> tuple[Array, Stats]:
   groups = _groups(rewards_bg, mask_bg)
   std_b = jnp.sqrt(groups.var)
-  adv_bg = (rewards_bg - groups.mean[:, None]) / (std_b[:, None] + eps)
-  return _masked(adv_bg, mask_bg), jnp.broadcast_to(groups.mean[:, None], rewards_bg.shape)
+  adv_bg = _divide(rewards_bg - groups.mean[:, None], std_b[:, None] + eps)
+  return _masked(adv_bg, mask_bg), {"baseline": _per_response(groups.mean, rewards_bg)}
+
+
+def _per_response(values_b: Array, like_bg: Array) -> Array:
+  return jnp.broadcast_to(values_b[:, None], like_bg.shape)
 
 
 @jax.jit
 def grpo(rewards: Array, mask: Array | None = None, eps: float | Array = 1e-6) -> Array:
   """GRPO (Shao et al., arXiv 2402.03300): A_i = (r_i - mean(r)) / (std(r) + eps).
 
-  Mean and unbiased std over the group's valid responses; a group with one valid response has
-  std 0 and advantage 0.
+  Mean and unbiased std over the group's valid responses. A group whose valid rewards are all
+  equal (one valid response included) has std 0 and advantage exactly 0, also for eps = 0.
   """
   return _grpo(*_prepare(rewards, mask), eps)[0]
 
 
-def _dr_grpo(rewards_bg: Array, mask_bg: Array) -> tuple[Array, Array]:
-  mean_bg = jnp.broadcast_to(_groups(rewards_bg, mask_bg).mean[:, None], rewards_bg.shape)
-  return _masked(rewards_bg - mean_bg, mask_bg), mean_bg
+def _dr_grpo(rewards_bg: Array, mask_bg: Array) -> tuple[Array, Stats]:
+  mean_bg = _per_response(_groups(rewards_bg, mask_bg).mean, rewards_bg)
+  return _masked(rewards_bg - mean_bg, mask_bg), {"baseline": mean_bg}
 
 
 @jax.jit
@@ -138,22 +169,27 @@ def dr_grpo(rewards: Array, mask: Array | None = None) -> Array:
 
 
 def _leave_one_out_mean(rewards_bg: Array, mask_bg: Array, groups: _Groups) -> Array:
-  """Mean of the group's other valid responses; r_i itself where there is no other response."""
+  """Mean of the group's other valid responses; r_i itself where there is no other response.
+
+  Centred on the group's `ref`, so an all-equal group's leave-one-out mean is r_i, exactly.
+  """
   others = jnp.maximum(groups.count - 1.0, 1.0)[:, None]
-  loo_bg = (groups.total[:, None] - rewards_bg) / others
+  deviation_bg = rewards_bg - groups.ref[:, None]
+  loo_bg = groups.ref[:, None] + (groups.offset[:, None] - deviation_bg) / others
   return jnp.where((groups.count >= 2)[:, None] & mask_bg, loo_bg, rewards_bg)
 
 
-def _rloo(rewards_bg: Array, mask_bg: Array) -> tuple[Array, Array]:
+def _rloo(rewards_bg: Array, mask_bg: Array) -> tuple[Array, Stats]:
   baseline_bg = _leave_one_out_mean(rewards_bg, mask_bg, _groups(rewards_bg, mask_bg))
-  return _masked(rewards_bg - baseline_bg, mask_bg), baseline_bg
+  return _masked(rewards_bg - baseline_bg, mask_bg), {"baseline": baseline_bg}
 
 
 @jax.jit
 def rloo(rewards: Array, mask: Array | None = None) -> Array:
   """RLOO (Ahmadian et al., arXiv 2402.14740): A_i = r_i - mean_{j != i}(r_j).
 
-  A group with a single valid response has no leave-one-out baseline and gets advantage 0.
+  A group with a single valid response has no leave-one-out baseline and gets advantage 0, as
+  does a group whose valid rewards are all equal.
   """
   return _rloo(*_prepare(rewards, mask))[0]
 
@@ -177,19 +213,19 @@ def _leave_one_prompt_out(values_b: Array, weights_b: Array) -> tuple[Array, Arr
 
 def _js_shrinkage(
   rewards_bg: Array, mask_bg: Array, eps: float | Array = 1e-6
-) -> tuple[Array, Array, Array]:
+) -> tuple[Array, Stats]:
   groups = _groups(rewards_bg, mask_bg)
   has_data_b = (groups.count > 0).astype(jnp.float32)
   prior_mean_b, spread_b, others_b = _leave_one_prompt_out(groups.mean, has_data_b)
   # v^2: mean over the other prompts of the variance of their group mean, var / G.
   has_var_b = (groups.count >= 2).astype(jnp.float32)
   noise_b, _, _ = _leave_one_prompt_out(groups.var / jnp.maximum(groups.count, 1.0), has_var_b)
-  lam_b = jnp.where(others_b >= 1, noise_b / (noise_b + spread_b + eps), 0.0)
+  lam_b = jnp.where(others_b >= 1, _divide(noise_b, noise_b + spread_b + eps), 0.0)
   # Without another response in the group, all weight goes to the other prompts (if any).
   lam_b = jnp.where(groups.count >= 2, lam_b, (others_b >= 1).astype(jnp.float32))
   loo_bg = _leave_one_out_mean(rewards_bg, mask_bg, groups)
   baseline_bg = (1.0 - lam_b[:, None]) * loo_bg + lam_b[:, None] * prior_mean_b[:, None]
-  return _masked(rewards_bg - baseline_bg, mask_bg), baseline_bg, lam_b
+  return _masked(rewards_bg - baseline_bg, mask_bg), {"baseline": baseline_bg, "shrinkage": lam_b}
 
 
 @jax.jit
@@ -202,7 +238,8 @@ def js_shrinkage(rewards: Array, mask: Array | None = None, eps: float | Array =
   Everything in b_qi leaves r_qi out (hence unbiased): mu_{-q} is the mean of the other prompts'
   group means, s2_{-q} their population variance, v2_{-q} the mean of var_unbiased(r_p) / G_p
   over the other prompts p. With equal group sizes mu_{-q} is the pooled mean of the other
-  prompts' rewards, as in the authors' code. A group with one valid response uses lam = 1.
+  prompts' rewards, as in the authors' code. A group with one valid response uses lam = 1. It
+  divides by no group std: an all-equal group gets r - mu_{-q} scaled by lam, by design.
   """
   return _js_shrinkage(*_prepare(rewards, mask), eps)[0]
 
@@ -217,10 +254,15 @@ def _segment_moments(parts: Welford, segment_ids: Array, k: int) -> Welford:
   Segment sums run over prompts, not responses: M2 of a cluster is the sum of its prompts' M2
   plus count * (prompt mean - cluster mean)^2. The A accumulators share each segment sum.
   """
-  stacked = jnp.stack([parts.count, parts.count * parts.mean], axis=1)  # [B, 2, A]
+  # Centred on the cluster's largest prompt mean, as in `_groups`: a cluster of constant rewards
+  # gets mu_glob = r and sigma2 = 0 exactly, so EBPO gives it exactly 0 (not 1.5e-8).
+  ref = jax.ops.segment_max(jnp.where(parts.count > 0, parts.mean, -jnp.inf), segment_ids, k)
+  ref = jnp.where(jnp.isfinite(ref), ref, 0.0)
+  ref_parts = ref.at[segment_ids].get(mode="fill", fill_value=0.0)
+  stacked = jnp.stack([parts.count, parts.count * (parts.mean - ref_parts)], axis=1)  # [B, 2, A]
   sums = jax.ops.segment_sum(stacked, segment_ids, k)
-  count, total = sums[:, 0], sums[:, 1]
-  mean = total / jnp.maximum(count, 1e-30)
+  count, offset = sums[:, 0], sums[:, 1]
+  mean = ref + offset / jnp.maximum(count, 1e-30)
   deviation = parts.mean - mean.at[segment_ids].get(mode="fill", fill_value=0.0)
   m2 = jax.ops.segment_sum(parts.m2 + parts.count * jnp.square(deviation), segment_ids, k)
   return Welford(count, mean, m2)
@@ -339,13 +381,13 @@ def _normalize(
     mean = (groups.count * offset_b).sum() / jnp.maximum(count, 1.0)
     m2 = (groups.m2 + groups.count * jnp.square(offset_b - mean)).sum()
     std = jnp.sqrt(m2 / jnp.maximum(count - 1.0, 1.0))
-    return (raw_bg - mean) / (std + eps)
+    return _divide(raw_bg - mean, std + eps)
   if how == "group":
-    group_std_b = jnp.sqrt(groups.var)
+    group_std_b = jnp.sqrt(groups.var)  # exactly 0 for an all-equal group
     scale_b = jnp.where(group_std_b > eps, group_std_b, cluster_std_b)
   else:
     scale_b = cluster_std_b
-  return raw_bg / (scale_b[:, None] + eps)
+  return _divide(raw_bg, scale_b[:, None] + eps)
 
 
 def _ebpo(
@@ -442,57 +484,255 @@ def ebpo(
 
 
 # ---------------------------------------------------------------------------------------------
-# Registry: one calling convention for the trainer.
+# Hyperparameters, one frozen (hashable, hence static under jit) dataclass per estimator.
 
 
-def _stateless(core: Callable[..., tuple[Array, ...]], stat_names: tuple[str, ...]) -> Estimator:
-  """Wrap a stateless estimator: the prior passes through unchanged."""
+class _InvalidParam(ValueError):
+  """A hyperparameter outside its range; `field`, `value` and `rule` let callers name their key."""
 
-  def estimator(
-    rewards_bg: Array,
-    mask_bg: Array | None,
-    cluster_ids_b: Array,
-    prior: PriorState,
-    **hparams: Any,
-  ) -> tuple[Array, PriorState, Stats]:
+  def __init__(self, params: object, field: str, rule: str):
+    self.field, self.value, self.rule = field, getattr(params, field), rule
+    super().__init__(f"{type(params).__name__}.{field}={self.value!r}: {rule}")
+
+
+def _check_eps(params: object) -> None:
+  eps = params.eps
+  if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 <= eps < math.inf:
+    raise _InvalidParam(params, "eps", "must be a finite number >= 0")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GRPOParams:
+  """Hyperparameters of `grpo`."""
+
+  eps: float = 1e-6  # added to the group std
+
+  def __post_init__(self):
+    _check_eps(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DrGRPOParams:
+  """`dr_grpo` has no hyperparameters."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RLOOParams:
+  """`rloo` has no hyperparameters."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class JSShrinkageParams:
+  """Hyperparameters of `js_shrinkage`."""
+
+  eps: float = 1e-6  # added to the denominator of lam
+
+  def __post_init__(self):
+    _check_eps(self)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EBPOParams:
+  """Hyperparameters of `ebpo`, plus `per_cluster` (one prior per cluster, or one for all)."""
+
+  mode: str = "running"  # one of MODES; see `ebpo`
+  decay: float = 1.0  # in (0, 1]; 1 is the paper
+  normalize: str = "batch"  # one of NORMALIZATIONS; "batch" is the paper
+  per_cluster: bool = True  # False: one global prior (every cluster id read as 0)
+  eps: float = 1e-6  # added to the std that `normalize` divides by
+
+  def __post_init__(self):
+    if self.mode not in MODES:
+      raise _InvalidParam(self, "mode", f"must be one of {', '.join(MODES)}")
+    if self.normalize not in NORMALIZATIONS:
+      raise _InvalidParam(self, "normalize", f"must be one of {', '.join(NORMALIZATIONS)}")
+    decay = self.decay
+    if isinstance(decay, bool) or not isinstance(decay, numbers.Real) or not 0 < decay <= 1:
+      raise _InvalidParam(self, "decay", "must lie in (0, 1]")
+    if not isinstance(self.per_cluster, bool):
+      raise _InvalidParam(self, "per_cluster", "must be True or False")
+    _check_eps(self)
+
+
+Params = GRPOParams | DrGRPOParams | RLOOParams | JSShrinkageParams | EBPOParams
+
+
+# ---------------------------------------------------------------------------------------------
+# Estimator entries: one calling convention and ready-to-log metrics for the trainer.
+
+
+def _stateless(core: Callable[..., tuple[Array, Stats]]) -> Callable[..., tuple[Array, Any, Stats]]:
+  """Apply for an estimator without state: the prior passes through unchanged."""
+
+  def apply(params, rewards_bg, mask_bg, cluster_ids_b, prior):
     del cluster_ids_b
-    rewards_bg, mask_bg = _prepare(rewards_bg, mask_bg)
-    adv_bg, baseline_bg, *extra = core(rewards_bg, mask_bg, **hparams)
-    stats = {"baseline": baseline_bg, "zero_frac": zero_fraction(adv_bg, mask_bg)}
-    stats.update(zip(stat_names, extra, strict=True))
+    adv_bg, stats = core(rewards_bg, mask_bg, **dataclasses.asdict(params))
     return adv_bg, prior, stats
 
-  return jax.jit(estimator)
+  return apply
 
 
-def _ebpo_estimator(
-  rewards_bg: Array,
-  mask_bg: Array | None,
-  cluster_ids_b: Array,
-  prior: PriorState,
-  **hparams: Any,
-) -> tuple[Array, PriorState, Stats]:
-  return ebpo(rewards_bg, cluster_ids_b, prior, mask_bg, **hparams)
+def _ebpo_apply(params: EBPOParams, rewards_bg, mask_bg, cluster_ids_b, prior):
+  if not params.per_cluster:
+    cluster_ids_b = jnp.zeros_like(cluster_ids_b)  # one global prior, in slot 0 (authors' code)
+  return _ebpo(
+    rewards_bg,
+    mask_bg,
+    cluster_ids_b,
+    prior,
+    params.decay,
+    params.eps,
+    mode=params.mode,
+    normalize=params.normalize,
+  )
 
 
-_REGISTRY: dict[str, Estimator] = {
-  "grpo": _stateless(_grpo, ()),
-  "dr_grpo": _stateless(_dr_grpo, ()),
-  "rloo": _stateless(_rloo, ()),
-  "js_shrinkage": _stateless(_js_shrinkage, ("shrinkage",)),
-  "ebpo": _ebpo_estimator,
+def _no_metrics(params, stats, has_data_b, new_prior) -> Stats:
+  del params, stats, has_data_b, new_prior
+  return {}
+
+
+def _js_metrics(params, stats, has_data_b, new_prior) -> Stats:
+  del params, new_prior
+  return {"js/shrinkage_mean": _masked_mean(stats["shrinkage"], has_data_b)}
+
+
+def _ebpo_metrics(params: EBPOParams, stats, has_data_b, new_prior) -> Stats:
+  prior_mean = new_prior.rewards.mean
+  return {
+    "ebpo/shrinkage_mean": _masked_mean(stats["shrinkage"], has_data_b),
+    "ebpo/prior_mean": prior_mean if params.per_cluster else prior_mean[0],
+  }
+
+
+class _Spec(NamedTuple):
+  params_type: type
+  config_keys: dict[str, str]  # hyperparameter -> its key under `config.rl`
+  apply: Callable[..., tuple[Array, PriorState, Stats]]
+  metrics: Callable[..., Stats]
+  prior_size: Callable[[Any, int], int]  # (params, num_clusters) -> K of the prior it threads
+
+
+def _placeholder_prior(params, num_clusters: int) -> int:
+  del params, num_clusters
+  return 1
+
+
+_SPECS: dict[str, _Spec] = {
+  "grpo": _Spec(GRPOParams, {"eps": "eps"}, _stateless(_grpo), _no_metrics, _placeholder_prior),
+  "dr_grpo": _Spec(DrGRPOParams, {}, _stateless(_dr_grpo), _no_metrics, _placeholder_prior),
+  "rloo": _Spec(RLOOParams, {}, _stateless(_rloo), _no_metrics, _placeholder_prior),
+  "js_shrinkage": _Spec(
+    JSShrinkageParams,
+    {"eps": "eps"},
+    _stateless(_js_shrinkage),
+    _js_metrics,
+    _placeholder_prior,
+  ),
+  "ebpo": _Spec(
+    EBPOParams,
+    {f: f"ebpo.{f}" for f in ("mode", "decay", "normalize", "per_cluster")} | {"eps": "eps"},
+    _ebpo_apply,
+    _ebpo_metrics,
+    lambda params, num_clusters: num_clusters if params.per_cluster else 1,
+  ),
 }
-ESTIMATORS = tuple(_REGISTRY)
+ESTIMATORS = tuple(_SPECS)
 
 
-def get(name: str) -> Estimator:
-  """The estimator `name` as `fn(rewards_bg, mask_bg, cluster_ids_b, prior, **hparams)`.
+@dataclasses.dataclass(frozen=True)
+class Estimator:
+  """One advantage estimator with its hyperparameters; hashable, so static under jit.
 
-  Returns (adv_bg, new_prior, stats). Stateless estimators return the prior unchanged; stats
-  always hold "zero_frac" (scalar) and "baseline" [B, G] (what was subtracted from each reward);
-  js_shrinkage and ebpo add "shrinkage" [B]. hparams: grpo and js_shrinkage take `eps`; ebpo
-  takes `mode`, `decay`, `normalize`, `eps`.
+  `Estimator("grpo")` takes the default hyperparameters; `from_config` builds one from a config.
+
+  Metrics rule: every value is ready to log under its key. An array of shape [K] (K = number of
+  clusters) is per-cluster (the trainer logs it as `<key>/<cluster name>`); a scalar is global.
+  - grpo, dr_grpo, rloo: none.
+  - js_shrinkage: "js/shrinkage_mean", mean lam over prompts with a valid response.
+  - ebpo: "ebpo/shrinkage_mean", mean S over prompts with a valid response; "ebpo/prior_mean",
+    mu_glob of the updated prior, [K] with per_cluster, a scalar without.
+  The trainer computes `adv/zero_frac` itself (`zero_fraction`).
   """
-  if name not in _REGISTRY:
-    raise ValueError(f"unknown advantage estimator {name!r}; known: {', '.join(ESTIMATORS)}")
-  return _REGISTRY[name]
+
+  name: str
+  params: Params | None = None  # None: the estimator's default hyperparameters
+
+  def __post_init__(self):
+    if self.name not in _SPECS:
+      raise ValueError(f"unknown advantage estimator {self.name!r}; known: {', '.join(ESTIMATORS)}")
+    params_type = _SPECS[self.name].params_type
+    if self.params is None:
+      object.__setattr__(self, "params", params_type())
+    elif type(self.params) is not params_type:
+      raise TypeError(f"{self.name} takes {params_type.__name__}, got {self.params!r}")
+
+  def init_prior(self, num_clusters: int) -> PriorState:
+    """The prior this estimator threads: K = num_clusters for per-cluster EBPO, else K = 1.
+
+    Stateless estimators get `init_prior(1)`, a 6-float placeholder they return unchanged, so
+    every estimator's train state has the same structure.
+    """
+    return init_prior(_SPECS[self.name].prior_size(self.params, num_clusters))
+
+  def __call__(
+    self, rewards_bg: Array, mask_bg: Array | None, cluster_ids_b: Array, prior: PriorState
+  ) -> tuple[Array, PriorState, Stats]:
+    """(adv_bg [B, G], new_prior, metrics); see the class docstring for the metrics."""
+    adv_bg, new_prior, _, metrics = _run(self, rewards_bg, mask_bg, cluster_ids_b, prior)
+    return adv_bg, new_prior, metrics
+
+  def with_stats(
+    self, rewards_bg: Array, mask_bg: Array | None, cluster_ids_b: Array, prior: PriorState
+  ) -> tuple[Array, PriorState, Stats]:
+    """(adv_bg, new_prior, stats), stats per prompt instead of metrics (for analysis).
+
+    stats: "baseline" [B, G] (what is subtracted from each reward); js_shrinkage and ebpo add
+    "shrinkage" [B]; ebpo adds "mu_glob", "sigma2", "tau2" [B] and "zero_frac".
+    """
+    adv_bg, new_prior, stats, _ = _run(self, rewards_bg, mask_bg, cluster_ids_b, prior)
+    return adv_bg, new_prior, stats
+
+
+@jax.jit(static_argnums=0)
+def _run(estimator: Estimator, rewards_bg, mask_bg, cluster_ids_b, prior):
+  spec = _SPECS[estimator.name]
+  rewards_bg, mask_bg = _prepare(rewards_bg, mask_bg)
+  cluster_ids_b = _check_cluster_ids(cluster_ids_b, rewards_bg.shape[0])
+  adv_bg, new_prior, stats = spec.apply(estimator.params, rewards_bg, mask_bg, cluster_ids_b, prior)
+  has_data_b = mask_bg.any(-1).astype(jnp.float32)
+  metrics = spec.metrics(estimator.params, stats, has_data_b, new_prior)
+  return adv_bg, new_prior, stats, metrics
+
+
+def _lookup(rl: Mapping[str, Any], key: str, why: str = "") -> Any:
+  node = rl
+  try:
+    for part in key.split("."):
+      node = node[part]
+  except (KeyError, AttributeError, TypeError):
+    raise ValueError(f"config.rl.{key} is missing{why}") from None
+  return node
+
+
+def from_config(rl: Mapping[str, Any]) -> Estimator:
+  """The estimator `rl["advantage"]` with its hyperparameters from `config.rl`.
+
+  Keys read: `advantage` (one of ESTIMATORS); `eps` (grpo, js_shrinkage, ebpo); ebpo also reads
+  `ebpo.mode`, `ebpo.decay`, `ebpo.normalize`, `ebpo.per_cluster`. Any mapping works (an
+  ml_collections ConfigDict, a dict). Raises ValueError naming the config key and its value.
+  """
+  name = _lookup(rl, "advantage")
+  if name not in _SPECS:
+    raise ValueError(
+      f"config.rl.advantage={name!r}: unknown advantage estimator; known: {', '.join(ESTIMATORS)}"
+    )
+  spec = _SPECS[name]
+  why = f" (needed by rl.advantage={name!r})"
+  hparams = {field: _lookup(rl, key, why) for field, key in spec.config_keys.items()}
+  try:
+    params = spec.params_type(**hparams)
+  except _InvalidParam as error:
+    key = spec.config_keys[error.field]
+    raise ValueError(f"config.rl.{key}={error.value!r}: {error.rule}") from None
+  return Estimator(name, params)

@@ -27,10 +27,8 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from typing import NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from ebpo_jax import advantages
@@ -39,24 +37,17 @@ CLUSTER_LOGIT_RANGE = (-3.0, 1.5)
 COLUMNS = ("baseline_mse", "zero_adv", "signal", "shrinkage", "mean|A|")
 
 
-class Variant(NamedTuple):
-  """One table row: a registered estimator, its hyperparameters and whether clusters are kept."""
-
-  estimator: str
-  hparams: dict
-  per_cluster: bool = True
-
-
-def variants(normalize: str, decay: float) -> dict[str, Variant]:
+def variants(normalize: str, decay: float) -> dict[str, advantages.Estimator]:
+  """The table's rows: one estimator entry each."""
   ebpo = {"normalize": normalize, "decay": decay}
   return {
-    "grpo": Variant("grpo", {}),
-    "dr_grpo": Variant("dr_grpo", {}),
-    "rloo": Variant("rloo", {}),
-    "js_shrinkage": Variant("js_shrinkage", {}),
-    "ebpo": Variant("ebpo", {**ebpo, "mode": "running"}),
-    "ebpo/global": Variant("ebpo", {**ebpo, "mode": "running"}, per_cluster=False),
-    "ebpo/batch": Variant("ebpo", {**ebpo, "mode": "batch"}),
+    "grpo": advantages.Estimator("grpo"),
+    "dr_grpo": advantages.Estimator("dr_grpo"),
+    "rloo": advantages.Estimator("rloo"),
+    "js_shrinkage": advantages.Estimator("js_shrinkage"),
+    "ebpo": advantages.Estimator("ebpo", advantages.EBPOParams(**ebpo)),
+    "ebpo/global": advantages.Estimator("ebpo", advantages.EBPOParams(**ebpo, per_cluster=False)),
+    "ebpo/batch": advantages.Estimator("ebpo", advantages.EBPOParams(**ebpo, mode="batch")),
   }
 
 
@@ -117,26 +108,24 @@ def sample_batch(
 
 
 def _row_metrics(adv_bg, stats, theta_b) -> dict[str, float]:
-  adv_bg, stats = np.asarray(adv_bg), {k: np.asarray(v) for k, v in stats.items()}
+  stats = {k: np.asarray(v) for k, v in stats.items()}
   return {
     "baseline_mse": float(np.mean(np.square(stats["baseline"] - theta_b[:, None]))),
-    "zero_adv": float(stats["zero_frac"]),
-    "signal": float(np.mean(np.any(adv_bg != 0, axis=1))),
+    "zero_adv": float(advantages.zero_fraction(adv_bg)),
+    "signal": float(advantages.signal_fraction(adv_bg)),
     "shrinkage": float(np.mean(stats["shrinkage"])) if "shrinkage" in stats else float("nan"),
     "mean|A|": float(np.mean(np.abs(adv_bg))),
   }
 
 
-def _make_step(rows: dict[str, Variant]):
+def _make_step(rows: dict[str, advantages.Estimator]):
   """One jitted step running every variant (one compilation per G instead of one per variant)."""
 
   def step(rewards_bg, cluster_ids_b, priors):
     new_priors, outputs = {}, {}
-    for name, variant in rows.items():
-      ids_b = cluster_ids_b if variant.per_cluster else jnp.zeros_like(cluster_ids_b)
-      estimator = advantages.get(variant.estimator)
-      adv_bg, new_priors[name], stats = estimator(
-        rewards_bg, None, ids_b, priors[name], **variant.hparams
+    for name, estimator in rows.items():
+      adv_bg, new_priors[name], stats = estimator.with_stats(
+        rewards_bg, None, cluster_ids_b, priors[name]
       )
       outputs[name] = (adv_bg, stats)
     return new_priors, outputs
@@ -149,10 +138,7 @@ def simulate_group_size(args: argparse.Namespace, group_size: int) -> dict[str, 
   rng = np.random.default_rng([args.seed, group_size])
   rows = variants(args.normalize, args.decay)
   step = _make_step(rows)
-  priors = {
-    name: advantages.init_prior(args.num_clusters if v.per_cluster else 1)
-    for name, v in rows.items()
-  }
+  priors = {name: estimator.init_prior(args.num_clusters) for name, estimator in rows.items()}
   totals = {name: dict.fromkeys(COLUMNS, 0.0) for name in rows}
   for _ in range(args.steps):
     rewards_bg, cluster_ids_b, theta_b = sample_batch(rng, args, group_size)
