@@ -8,10 +8,9 @@ training run compiles a handful of times, and `compile_count` lets a test check 
 never crosses the jit boundary: it is built by the prefill and then carried by the while loop, which
 XLA updates in place, so there is no cache buffer for a caller to donate.
 
-The prefill runs the scanned decoder on the stacked params; the decode loop runs
-`Decoder(scan_layers=False)` on params unstacked once per call, outside the loop, with a per-layer
-cache: XLA CPU copies every stacked weight slice (and a stacked cache's layer slices) on every
-scanned step, which cost ~40% of a decode step at the tiny config.
+Prefill and decode both run `Decoder(scan_layers=False)` on params unstacked once per call, outside
+the loop, with the decoder's one (per-layer) cache layout: XLA CPU copies every stacked weight slice
+on every scanned step, which cost ~40% of a decode step at the tiny config.
 
 Sampling runs on CPU as well as on accelerators, which shaped two choices: a token is drawn by
 inverse-CDF from one uniform per row (a Gumbel draw needs V random numbers per row, ~5x slower on
@@ -33,7 +32,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from ebpo_jax import sharding
 from ebpo_jax.models import KVCache, init_cache
-from ebpo_jax.models.decoder import unstack_cache, unstack_layers
+from ebpo_jax.models.decoder import unstack_layers
 
 _BLOCK = 256  # vocabulary block of the two-level inverse-CDF draw
 
@@ -43,7 +42,6 @@ class SampleOutput(NamedTuple):
 
   tokens: jax.Array  # [B*G, N] int32; pad_id after the end
   logprobs: jax.Array  # [B*G, N] float32: log_softmax(logits)[token], the policy at temperature 1
-  sampling_logprobs: jax.Array  # [B*G, N] float32: log q(token), q the distribution drawn from
   mask: jax.Array  # [B*G, N] bool: completion tokens, the stop token included
   lengths: jax.Array  # [B*G] int32: mask.sum(-1)
   truncated: jax.Array  # [B*G] bool: reached max_new_tokens without a stop token
@@ -174,7 +172,6 @@ def inverse_cdf_draw(probs_bv: jax.Array, u_b: jax.Array) -> jax.Array:
 class _Drawn(NamedTuple):
   token: jax.Array  # [B] int32
   logprob: jax.Array  # [B] float32, under the policy at temperature 1
-  sampling_logprob: jax.Array  # [B] float32, under the distribution drawn from
 
 
 def _draw(
@@ -191,7 +188,6 @@ def _draw(
   rows = jnp.arange(logits_bv.shape[0])
   if greedy:
     token = jnp.argmax(logits_bv, axis=-1)
-    sampling_logprob = jnp.zeros(token.shape, jnp.float32)  # a point mass
   else:
     scaled_bv = logits_bv / temperature
     if top_k:
@@ -200,9 +196,8 @@ def _draw(
     shifted_bv = scaled_bv - scaled_bv.max(axis=-1, keepdims=True)
     probs_bv = jnp.exp(shifted_bv)
     token = inverse_cdf_draw(probs_bv, jax.random.uniform(key, rows.shape))
-    sampling_logprob = shifted_bv[rows, token] - jnp.log(probs_bv.sum(axis=-1))
   logprob = logits_bv[rows, token] - jax.nn.logsumexp(logits_bv, axis=-1)
-  return _Drawn(token.astype(jnp.int32), logprob, sampling_logprob)
+  return _Drawn(token.astype(jnp.int32), logprob)
 
 
 # ----------------------------------------------------------------------------- the decode loop
@@ -216,12 +211,12 @@ class _Carry(NamedTuple):
   lengths: jax.Array  # [R] int32
   tokens: jax.Array  # [R, N] int32
   logprobs: jax.Array  # [R, N] float32
-  sampling_logprobs: jax.Array  # [R, N] float32
 
 
 def _prefill(apply, config, prompt_ids_bp, prompt_mask_bp, max_new_tokens: int):
   """Caches the prompts once; returns `(cache with P + N - 1 slots, next-token logits [B, V])`.
 
+  `apply` is the per-layer decoder's (`scan_layers=False`) apply with its params bound.
   All but the last prompt token go through a cache of just P - 1 slots (attention over the prompt,
   not over the empty slots to come) and their logits go unused, so XLA drops the [B, P, V] LM head.
   The cache then grows to P + N - 1 slots (the last drawn token never enters it) and the last
@@ -242,11 +237,11 @@ def _prefill(apply, config, prompt_ids_bp, prompt_mask_bp, max_new_tokens: int):
 
 
 def _grow_cache(cache: KVCache, extra_slots: int) -> KVCache:
-  """Appends empty (invalid) slots to a `[L, B, S, Hkv, D]` cache."""
-  kv_pad = ((0, 0), (0, 0), (0, extra_slots), (0, 0), (0, 0))
+  """Appends empty (invalid) slots to every layer's `[B, Hkv, S, D]` buffer."""
+  grow = functools.partial(jnp.pad, pad_width=((0, 0), (0, 0), (0, extra_slots), (0, 0)))
   return cache.replace(
-    k=jnp.pad(cache.k, kv_pad),
-    v=jnp.pad(cache.v, kv_pad),
+    k=tuple(map(grow, cache.k)),
+    v=tuple(map(grow, cache.v)),
     mask=jnp.pad(cache.mask, ((0, 0), (0, extra_slots))),
   )
 
@@ -295,9 +290,6 @@ def _record(carry: _Carry, drawn: _Drawn, stop_ids: tuple[int, ...], pad_id: int
     lengths=carry.lengths + live,
     tokens=carry.tokens.at[column].set(token),
     logprobs=carry.logprobs.at[column].set(jnp.where(live, drawn.logprob, 0.0)),
-    sampling_logprobs=carry.sampling_logprobs.at[column].set(
-      jnp.where(live, drawn.sampling_logprob, 0.0)
-    ),
   )
 
 
@@ -334,16 +326,14 @@ def _generate(
   num_prompts, prompt_len = prompt_ids_bp.shape
   rows, width = num_prompts * group_size, max_new_tokens
   draw = functools.partial(_draw, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
-  apply = functools.partial(model.apply, {"params": params})
+  # Unstacked once, outside the loop: prefill and decode read each layer's weights in place.
+  per_layer = model.clone(scan_layers=False)
+  apply = functools.partial(per_layer.apply, {"params": unstack_layers(params)})
   cache, first_logits_rv = _prefill(apply, model.config, prompt_ids_bp, prompt_mask_bp, width)
-  cache = _constrain_cache(_repeat_rows(unstack_cache(cache), group_size), mesh)
-  decode_apply = functools.partial(
-    model.clone(scan_layers=False).apply, {"params": unstack_layers(params)}
-  )
+  cache = _constrain_cache(_repeat_rows(cache, group_size), mesh)
   first_logits_rv = _constrain_rows(jnp.repeat(first_logits_rv, group_size, axis=0), mesh)
   next_position_r = jnp.repeat(prompt_positions(prompt_mask_bp)[:, -1] + 1, group_size)
 
-  zeros = functools.partial(jnp.zeros, (rows, width))
   carry = _Carry(
     step=jnp.zeros((), jnp.int32),
     cache=cache,
@@ -351,8 +341,7 @@ def _generate(
     done=jnp.zeros((rows,), bool),
     lengths=jnp.zeros((rows,), jnp.int32),
     tokens=jnp.full((rows, width), pad_id, jnp.int32),
-    logprobs=zeros(jnp.float32),
-    sampling_logprobs=zeros(jnp.float32),
+    logprobs=jnp.zeros((rows, width), jnp.float32),
   )
   carry = _record(carry, draw(first_logits_rv, jax.random.fold_in(rng, 0)), stop_ids, pad_id)
 
@@ -361,7 +350,7 @@ def _generate(
 
   def decode_one(c: _Carry) -> _Carry:
     positions = (next_position_r + c.step - 1)[:, None]
-    logits_r1v, cache = decode_apply(c.last_token[:, None], positions, cache=c.cache)
+    logits_r1v, cache = apply(c.last_token[:, None], positions, cache=c.cache)
     c = c._replace(cache=_constrain_cache(cache, mesh))
     return _record(c, draw(logits_r1v[:, 0], jax.random.fold_in(rng, c.step)), stop_ids, pad_id)
 
@@ -370,7 +359,6 @@ def _generate(
   return SampleOutput(
     tokens=carry.tokens,
     logprobs=carry.logprobs,
-    sampling_logprobs=carry.sampling_logprobs,
     mask=mask,
     lengths=carry.lengths,
     truncated=~carry.done,
@@ -404,7 +392,7 @@ def generate(
     group_size: samples per prompt (G); output rows `b * G + g`.
     max_new_tokens: N, the width of the output.
     temperature, top_p: may be traced (no recompile when they change); temperature > 0.
-    top_k: 0 for no top-k filter. greedy: argmax instead of sampling (sampling_logprobs are 0).
+    top_k: 0 for no top-k filter. greedy: argmax instead of sampling.
     stop_ids: token ids that end a completion (kept in it, masked after).
     mesh: when given, rows and the cache are sharded over ('data', 'fsdp') of this mesh.
 

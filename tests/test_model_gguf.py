@@ -14,6 +14,7 @@ from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_t
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
 from ebpo_jax.models import convert, from_pretrained, gguf_io, init_cache, load_tokenizer
+from ebpo_jax.models.decoder import unstack_layers
 
 NEW_TOKENS = 32
 CHAT = [{"role": "user", "content": "Write a short poem about the sea and the stars."}]
@@ -117,7 +118,9 @@ def _torch_greedy(model, ids: np.ndarray, steps: int) -> tuple[np.ndarray, list[
 
 def _our_greedy(path: str, ids: np.ndarray, steps: int) -> tuple[np.ndarray, list[int]]:
   model, params = from_pretrained(path)
-  apply = jax.jit(model.apply)
+  # The cached decoder: per-layer modules on the unstacked params (as the sampler runs it).
+  apply = jax.jit(model.clone(scan_layers=False).apply)
+  params = unstack_layers(params)
   cache = init_cache(model.config, batch_size=1, max_len=ids.shape[1] + steps)
   prompt_logits, cache = apply({"params": params}, jnp.asarray(ids, jnp.int32), cache=cache)
   tokens = [int(jnp.argmax(prompt_logits[0, -1]))]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ebpo_jax.models import Decoder, ModelConfig, init_cache
-from ebpo_jax.models.decoder import stack_layers, unstack_cache, unstack_layers
+from ebpo_jax.models.decoder import stack_layers, unstack_layers
 
 TINY = ModelConfig(
   vocab_size=64,
@@ -29,6 +29,11 @@ def _init(config: ModelConfig, seed: int = 0):
   ids = jnp.zeros((1, 4), jnp.int32)
   params = jax.jit(model.init)(jax.random.key(seed), ids)["params"]
   return model, nn.meta.unbox(params)
+
+
+def _per_layer(model: Decoder, params):
+  """The decoder that takes a KV cache: `scan_layers=False` on the unstacked params."""
+  return model.clone(scan_layers=False), unstack_layers(params)
 
 
 def _positions(mask: np.ndarray) -> np.ndarray:
@@ -53,16 +58,17 @@ def test_cached_prefill_and_decode_equal_full_forward(config):
   mask = np.arange(width)[None] >= (prompt_len - lengths)[:, None]
   ids = np.where(mask, np.random.default_rng(0).integers(0, config.vocab_size, (3, width)), 0)
   ids, positions = ids.astype(np.int32), _positions(mask)
-  apply = jax.jit(model.apply)
-  full = apply({"params": params}, ids, positions, mask)
+  full = jax.jit(model.apply)({"params": params}, ids, positions, mask)
 
+  decoder, layer_params = _per_layer(model, params)
+  apply = jax.jit(decoder.apply)
   cache = init_cache(config, batch_size=3, max_len=16)
   p = slice(0, prompt_len)
-  logits, cache = apply({"params": params}, ids[:, p], positions[:, p], mask[:, p], cache)
+  logits, cache = apply({"params": layer_params}, ids[:, p], positions[:, p], mask[:, p], cache)
   steps = [logits]
   for t in range(prompt_len, width):
     s = slice(t, t + 1)
-    logits, cache = apply({"params": params}, ids[:, s], positions[:, s], mask[:, s], cache)
+    logits, cache = apply({"params": layer_params}, ids[:, s], positions[:, s], mask[:, s], cache)
     steps.append(logits)
   cached = np.concatenate([np.asarray(x) for x in steps], axis=1)
   assert int(cache.index) == width
@@ -72,11 +78,10 @@ def test_cached_prefill_and_decode_equal_full_forward(config):
   assert cached.dtype == np.float32
 
 
-def test_unscanned_decoder_with_per_layer_cache_equals_scanned():
+def test_per_layer_decode_equals_scanned_full_forward():
   config = dataclasses.replace(TINY, architecture="qwen3", qk_norm=True, num_layers=3)
   model, params = _init(config)
-  unscanned = Decoder(config, scan_layers=False)
-  layer_params = unstack_layers(params)
+  unscanned, layer_params = _per_layer(model, params)
   fresh = jax.eval_shape(unscanned.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
   assert jax.tree.structure(nn.meta.unbox(fresh["params"])) == jax.tree.structure(layer_params)
   np.testing.assert_array_equal(layer_params["layers_2"]["mlp"]["up_proj"]["kernel"],
@@ -91,28 +96,28 @@ def test_unscanned_decoder_with_per_layer_cache_equals_scanned():
   full_unscanned = apply({"params": layer_params}, ids, positions, mask)
   np.testing.assert_allclose(full_unscanned[mask], full[mask], rtol=1e-5, atol=1e-5)
 
-  # A stacked prefill converted to the per-layer layout, then per-layer decode (as the sampler).
+  # Prefill then one token at a time, as the sampler (float32: equal to the scanned forward).
   cache = init_cache(config, batch_size=2, max_len=10)
+  assert len(cache.k) == 3 and cache.k[0].shape == (2, 2, 10, 8)  # L x [B, Hkv, S, D]
   p = slice(0, 5)
-  logits, cache = jax.jit(model.apply)({"params": params}, ids[:, p], positions[:, p], mask[:, p],
-                                       cache)  # fmt: skip
-  cache = unstack_cache(cache)
-  assert len(cache.k) == 3 and cache.k[0].shape == (2, 2, 10, 8)  # [B, Hkv, S, D]
+  logits, cache = apply({"params": layer_params}, ids[:, p], positions[:, p], mask[:, p], cache)
   steps = [logits]
   for t in range(5, 8):
     s = slice(t, t + 1)
     logits, cache = apply({"params": layer_params}, ids[:, s], positions[:, s], mask[:, s], cache)
     steps.append(logits)
   cached = np.concatenate([np.asarray(x) for x in steps], axis=1)
+  assert cached.dtype == np.float32
   np.testing.assert_allclose(cached[mask], np.asarray(full)[mask], rtol=1e-5, atol=1e-5)
   assert int(cache.index) == 8 and not np.asarray(cache.mask)[:, 8:].any()
   assert np.abs(np.asarray(cache.k[1])[:, :, 8:]).max() == 0  # nothing written past the index
-  # A per-layer cache straight from init_cache works too; the wrong layout fails loudly.
-  empty = init_cache(config, batch_size=2, max_len=10, stacked=False)
-  logits, _ = apply({"params": layer_params}, ids, positions, mask, empty)
-  np.testing.assert_allclose(logits[mask], full[mask], rtol=1e-5, atol=1e-5)
-  with pytest.raises(ValueError, match="stacked cache given to a Decoder with scan_layers=False"):
-    unscanned.apply({"params": layer_params}, ids, positions, mask, init_cache(config, 2, 10))
+
+
+def test_scanned_decoder_rejects_a_cache():
+  model, params = _init(TINY)
+  ids = jnp.ones((2, 3), jnp.int32)
+  with pytest.raises(ValueError, match=r"KV cache given to the scanned Decoder.*scan_layers=False"):
+    model.apply({"params": params}, ids, cache=init_cache(TINY, batch_size=2, max_len=8))
 
 
 def test_left_padding_does_not_change_real_token_logits():
@@ -215,9 +220,13 @@ def test_unsupported_hf_configs_are_rejected():
 def test_bfloat16_cache_and_compute():
   config = dataclasses.replace(TINY, dtype="bfloat16", param_dtype="bfloat16")
   model, params = _init(config)
+  decoder, layer_params = _per_layer(model, params)
   cache = init_cache(config, batch_size=2, max_len=8)
-  assert cache.k.shape == (2, 2, 8, 2, 8) and cache.k.dtype == jnp.bfloat16
-  logits, cache = jax.jit(model.apply)({"params": params}, jnp.ones((2, 3), jnp.int32), cache=cache)
-  assert logits.dtype == jnp.float32 and cache.k.dtype == jnp.bfloat16 and int(cache.index) == 3
+  assert len(cache.k) == 2 and cache.k[0].shape == (2, 2, 8, 8)
+  assert all(x.dtype == jnp.bfloat16 for x in cache.k + cache.v)
+  ids = jnp.ones((2, 3), jnp.int32)
+  logits, cache = jax.jit(decoder.apply)({"params": layer_params}, ids, cache=cache)
+  assert logits.dtype == jnp.float32 and int(cache.index) == 3
+  assert all(x.dtype == jnp.bfloat16 for x in cache.k + cache.v)
   full = jax.jit(model.apply)({"params": params}, jnp.ones((2, 3), jnp.int32))
   np.testing.assert_allclose(np.asarray(logits), np.asarray(full), rtol=0.05, atol=0.05)

@@ -1,10 +1,11 @@
 """One config-driven decoder-only transformer: Llama 3, Qwen2, Qwen3 and SmolLM2.
 
-Layers are scanned (`nn.scan`): every per-layer parameter carries a leading `layers` axis and the KV
-cache is stored as `[L, B, S, Hkv, D]`. This stacked layout is the one of checkpoints and training.
-`Decoder(config, scan_layers=False)` runs the same math over modules `layers_0 ... layers_{L-1}`
-with a per-layer cache (`unstack_layers`, `unstack_cache` convert); the sampler decodes with it
-since XLA CPU copies every stacked weight slice on every scanned step.
+Layers are scanned (`nn.scan`): every per-layer parameter carries a leading `layers` axis, the
+layout of checkpoints and training. The scanned decoder runs only the full forward, without a KV
+cache (training, reference log-probs). Cached prefill and decode run `Decoder(config,
+scan_layers=False)`: the same math over modules `layers_0 ... layers_{L-1}` (`unstack_layers`
+converts the params once) with one KV-cache layout, a buffer `[B, Hkv, S, D]` per layer that each
+step updates in place (XLA CPU copies every stacked weight or cache slice on every scanned step).
 
 Parameter layout (HF name -> ours):
   embed_tokens.weight [V, E]            -> embed_tokens/embedding      (vocab, embed)
@@ -176,41 +177,27 @@ def _check_supported(hf_config: dict, model_type: str) -> None:
 class KVCache(flax.struct.PyTreeNode):
   """Keys and values of every layer for `S` slots; slots `< index` are written.
 
-  `k` and `v` are stacked `[L, B, S, Hkv, D]` arrays for the scanned decoder, or tuples of L
-  `[B, Hkv, S, D]` arrays (one buffer per layer, heads first as the attention matmuls read them)
-  for `Decoder(scan_layers=False)`.
+  One buffer per layer, heads first as the attention matmuls read them, for
+  `Decoder(scan_layers=False)`.
   """
 
-  k: jax.Array | tuple[jax.Array, ...]  # [L, B, S, Hkv, D], or L x [B, Hkv, S, D]
-  v: jax.Array | tuple[jax.Array, ...]  # [L, B, S, Hkv, D], or L x [B, Hkv, S, D]
+  k: tuple[jax.Array, ...]  # L x [B, Hkv, S, D]
+  v: tuple[jax.Array, ...]  # L x [B, Hkv, S, D]
   mask: jax.Array  # [B, S] bool: slot holds a valid (non-pad) key
   index: jax.Array  # int32 scalar: next slot to write
 
 
-def init_cache(
-  config: ModelConfig, batch_size: int, max_len: int, dtype: Any = None, *, stacked: bool = True
-) -> KVCache:
-  """An empty cache of `max_len` slots (dtype defaults to the compute dtype).
-
-  `stacked=False` gives the per-layer layout of `Decoder(scan_layers=False)`.
-  """
-  shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_dim)
+def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: Any = None) -> KVCache:
+  """An empty cache of `max_len` slots (dtype defaults to the compute dtype)."""
+  shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)
   dtype = jnp.dtype(dtype or config.dtype)
-  cache = KVCache(
-    k=jnp.zeros(shape, dtype),
-    v=jnp.zeros(shape, dtype),
+  buffers = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))  # noqa: E731
+  return KVCache(
+    k=buffers(),
+    v=buffers(),
     mask=jnp.zeros((batch_size, max_len), bool),
     index=jnp.zeros((), jnp.int32),
   )
-  return cache if stacked else unstack_cache(cache)
-
-
-def unstack_cache(cache: KVCache) -> KVCache:
-  """A stacked `[L, B, S, Hkv, D]` cache -> the per-layer layout (L arrays `[B, Hkv, S, D]`)."""
-  if isinstance(cache.k, tuple):
-    raise ValueError("the cache is already per-layer")
-  per_layer = lambda x: tuple(jnp.swapaxes(x[i], 1, 2) for i in range(x.shape[0]))  # noqa: E731
-  return cache.replace(k=per_layer(cache.k), v=per_layer(cache.v))
 
 
 def unstack_layers(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -321,34 +308,13 @@ class Projection(nn.Module):
     return y
 
 
-def _attention(q_bthd, kv_blocks, valid_btk) -> jax.Array:
-  """Softmax attention with GQA over key/value blocks (e.g. cached slots, then new tokens).
+def _attention(q_bthd, k_bksd, v_bksd, valid_bts) -> jax.Array:
+  """Softmax attention with GQA over heads-first `[B, Hkv, S, D]` keys and values.
 
-  `valid_btk` marks allowed (query, key) pairs over the blocks' keys in order. Scores are
-  computed per block so the KV cache is read in place, never concatenated. Returns [B,T,H,D].
+  `valid_bts` marks allowed (query, key) pairs. Both matmuls run in the natural batched order
+  (batch b, k; the query's (g, t) rows), so XLA CPU transposes only the small query and output,
+  never the keys, values or scores. Returns [B,T,H,D].
   """
-  b, t, h, d = q_bthd.shape
-  kv_heads = kv_blocks[0][0].shape[2]
-  q = q_bthd.reshape(b, t, kv_heads, h // kv_heads, d)
-  scores = [
-    jnp.einsum("btkgd,bskd->bkgts", q.astype(k.dtype), k, preferred_element_type=jnp.float32)
-    for k, _ in kv_blocks
-  ]
-  scores = jnp.concatenate(scores, axis=-1) if len(scores) > 1 else scores[0]
-  scores = jnp.where(valid_btk[:, None, None], scores * d**-0.5, _NEG_INF)
-  probs = jax.nn.softmax(scores, axis=-1)
-  out, offset = 0.0, 0
-  for k, v in kv_blocks:
-    block = probs[..., offset : offset + k.shape[1]].astype(v.dtype)
-    out = out + jnp.einsum("bkgts,bskd->btkgd", block, v, preferred_element_type=jnp.float32)
-    offset += k.shape[1]
-  return out.reshape(b, t, h, d)
-
-
-def _attention_heads_first(q_bthd, k_bksd, v_bksd, valid_bts) -> jax.Array:
-  """`_attention` over one heads-first `[B, Hkv, S, D]` key/value block. Both matmuls run in the
-  natural batched order (batch b, k; the query's (g, t) rows), so XLA CPU transposes only the small
-  query and output, never the keys, values or scores. Returns [B,T,H,D]."""
   b, t, h, d = q_bthd.shape
   kv_heads = k_bksd.shape[1]
   q_bkgtd = q_bthd.reshape(b, t, kv_heads, h // kv_heads, d).transpose(0, 2, 3, 1, 4)
@@ -362,12 +328,11 @@ def _attention_heads_first(q_bthd, k_bksd, v_bksd, valid_bts) -> jax.Array:
 
 
 class Attention(nn.Module):
-  """GQA self-attention with RoPE. With a cache, `layer_cache` is `(k, v)` slots to read (the
-  caller writes the returned new `(k, v)`), or with `write_first` `(k, v, index)`: the new keys go
-  into their slots, attention reads the written cache, and the updated `(k, v)` is returned."""
+  """GQA self-attention with RoPE. With a cache, `layer_cache` is `(k, v, index)`: the new keys and
+  values go into their slots, attention reads the written cache, and the updated `(k, v)` is
+  returned (else None)."""
 
   config: ModelConfig
-  write_first: bool = False
 
   @nn.compact
   def __call__(self, x_bte, sin_btd, cos_btd, valid_bts, layer_cache):
@@ -385,19 +350,14 @@ class Attention(nn.Module):
       k = RMSNorm(c, "head_dim", name="k_norm")(k)
     q, k = apply_rope(q, sin_btd, cos_btd), apply_rope(k, sin_btd, cos_btd)
     if layer_cache is None:
-      out, new_kv = _attention(q, [(k, v)], valid_bts), None
-    elif self.write_first:
+      new_kv = None
+      out = _attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), valid_bts)
+    else:
       # The attention reads the written buffer, so it runs after the write and XLA updates the
       # per-layer buffer in place (a read of the old buffer beside the write would force a copy).
       cache_k, cache_v, index = layer_cache
-      new_kv = (_write_heads_first(cache_k, k, index), _write_heads_first(cache_v, v, index))
-      out = _attention_heads_first(q, *new_kv, valid_bts)
-    else:
-      # Keys = the cached slots, then the T new tokens. The stacked cache is written once, after
-      # the layer scan, so it is only read here.
-      cache_k, cache_v = layer_cache
-      new_kv = (k.astype(cache_k.dtype), v.astype(cache_v.dtype))
-      out = _attention(q, [(cache_k, cache_v), new_kv], valid_bts)
+      new_kv = (_write_slots(cache_k, k, index), _write_slots(cache_v, v, index))
+      out = _attention(q, *new_kv, valid_bts)
     # One flat (h d) contraction: with two contracting axes XLA CPU transposed the o_proj kernel
     # on every call (inside the decode loop too).
     out = out.astype(x_bte.dtype).reshape(*out.shape[:2], h * d)
@@ -423,13 +383,12 @@ class DecoderLayer(nn.Module):
   """Pre-norm block `(x, context, layer_cache) -> (x, new (k, v) or None)` (scan-compatible)."""
 
   config: ModelConfig
-  write_first: bool = False  # see Attention
 
   @nn.compact
-  def __call__(self, x_bte, context, layer_cache):
+  def __call__(self, x_bte, context, layer_cache=None):
     sin, cos, valid = context
     attn_in = RMSNorm(self.config, name="input_layernorm")(x_bte)
-    attn_out, new_kv = Attention(self.config, self.write_first, name="self_attn")(
+    attn_out, new_kv = Attention(self.config, name="self_attn")(
       attn_in, sin, cos, valid, layer_cache
     )
     x_bte = x_bte + attn_out
@@ -450,24 +409,18 @@ def _valid_slots(attention_mask_bt: jax.Array, cache: KVCache) -> jax.Array:
   return causal_ts[None] & _written_mask(cache, attention_mask_bt)[:, None, :]
 
 
-def _valid_pairs(attention_mask_bt: jax.Array, cache: KVCache | None) -> jax.Array:
-  """`[B, T, K]` bool: which keys each query may attend to (K = T, or S + T with a cache)."""
+def _valid_pairs(attention_mask_bt: jax.Array) -> jax.Array:
+  """`[B, T, T]` bool without a cache: valid queries see the valid keys at or before them."""
   t = attention_mask_bt.shape[1]
   causal_tt = jnp.tril(jnp.ones((t, t), bool))
-  new_keys = causal_tt[None] & attention_mask_bt[:, None, :]
-  if cache is None:
-    return new_keys & attention_mask_bt[:, :, None]
-  slots = jnp.arange(cache.mask.shape[1])
-  old_keys = (cache.mask & (slots < cache.index)[None])[:, None, :]
-  return jnp.concatenate(
-    [jnp.broadcast_to(old_keys, (*new_keys.shape[:2], slots.size)), new_keys], -1
-  )
+  return causal_tt[None] & attention_mask_bt[:, None, :] & attention_mask_bt[:, :, None]
 
 
 class Decoder(nn.Module):
   """Causal LM: `(input_ids [B,T], positions, attention_mask, cache) -> logits [B,T,V] float32`.
 
-  `scan_layers=False`: the same model with per-layer params and cache (see the module docstring).
+  `scan_layers=True` (stacked params) runs only without a cache; `scan_layers=False` is the same
+  model with per-layer params, with or without a cache (see the module docstring).
   """
 
   config: ModelConfig
@@ -481,12 +434,18 @@ class Decoder(nn.Module):
     attention_mask: jax.Array | None = None,
     cache: KVCache | None = None,
   ):
-    """Without a cache returns logits; with one also the cache with the T tokens written.
+    """Without a cache returns logits; with one (`scan_layers=False` only) also the cache with the
+    T tokens written.
 
     Default positions are `arange(T)` (offset by `cache.index` when a cache is given). The caller
     sizes the cache: writing past its last slot is not detected under jit.
     """
     c = self.config
+    if cache is not None and self.scan_layers:
+      raise ValueError(
+        "a KV cache given to the scanned Decoder (scan_layers=True), which runs only the full "
+        "forward; decode with Decoder(config, scan_layers=False) on unstack_layers(params)"
+      )
     b, t = input_ids.shape
     if attention_mask is None:
       attention_mask = jnp.ones((b, t), bool)
@@ -498,18 +457,10 @@ class Decoder(nn.Module):
                        nn.initializers.normal(0.02))  # fmt: skip
     x = jnp.take(embedding, input_ids, axis=0)
     sin, cos = rope_tables(c, positions)
-    if cache is not None and isinstance(cache.k, tuple) == self.scan_layers:
-      layout = "per-layer" if isinstance(cache.k, tuple) else "stacked"
-      raise ValueError(f"a {layout} cache given to a Decoder with scan_layers={self.scan_layers}")
+    valid = _valid_pairs(attention_mask) if cache is None else _valid_slots(attention_mask, cache)
     if self.scan_layers:
-      context = (sin, cos, _valid_pairs(attention_mask, cache))
-      layer_caches = None if cache is None else (cache.k, cache.v)
-      x, new_kv = self._scanned_layers()(x, context, layer_caches)
-      new_cache = None if cache is None else _write_cache(cache, *new_kv, attention_mask)
+      x, new_cache = self._scanned_layers()(x, (sin, cos, valid))[0], None
     else:
-      valid = (
-        _valid_pairs(attention_mask, None) if cache is None else _valid_slots(attention_mask, cache)
-      )
       x, new_cache = self._layer_loop(x, (sin, cos, valid), cache, attention_mask)
     x = RMSNorm(c, name="norm")(x)
     if c.tie_word_embeddings:
@@ -531,7 +482,7 @@ class Decoder(nn.Module):
     layer_cls, new_k, new_v = self._layer_cls(), [], []
     for i in range(self.config.num_layers):
       layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.index)
-      layer = layer_cls(self.config, write_first=True, name=f"layers_{i}")
+      layer = layer_cls(self.config, name=f"layers_{i}")
       x_bte, kv = layer(x_bte, context, layer_cache)
       if cache is not None:
         new_k.append(kv[0])
@@ -551,30 +502,15 @@ class Decoder(nn.Module):
       self._layer_cls(),
       variable_axes={"params": 0},
       split_rngs={"params": True},
-      in_axes=(nn.broadcast, 0),
+      in_axes=(nn.broadcast,),
       length=c.num_layers,
       metadata_params={nn.PARTITION_NAME: "layers"},
     )
     return scanned(c, name="layers")
 
 
-def _write_slots(old: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
-  """Writes `[L, B, T, Hkv, D]` keys or values into slots `[index, index + T)` of `old`."""
-  return jax.lax.dynamic_update_slice(old, new.astype(old.dtype), (0, 0, index, 0, 0))
-
-
-def _write_heads_first(old_bksd: jax.Array, new_btkd: jax.Array, index: jax.Array) -> jax.Array:
-  """Writes `[B, T, Hkv, D]` keys or values into slots `[index, index + T)` of a per-layer
-  `[B, Hkv, S, D]` cache."""
+def _write_slots(old_bksd: jax.Array, new_btkd: jax.Array, index: jax.Array) -> jax.Array:
+  """Writes `[B, T, Hkv, D]` keys or values into slots `[index, index + T)` of one layer's
+  `[B, Hkv, S, D]` cache buffer."""
   new_bktd = jnp.swapaxes(new_btkd, 1, 2).astype(old_bksd.dtype)
   return jax.lax.dynamic_update_slice(old_bksd, new_bktd, (0, 0, index, 0))
-
-
-def _write_cache(cache: KVCache, new_k, new_v, attention_mask_bt) -> KVCache:
-  """Writes the `[L, B, T, Hkv, D]` new keys/values into slots `[index, index + T)`."""
-  return KVCache(
-    k=_write_slots(cache.k, new_k, cache.index),
-    v=_write_slots(cache.v, new_v, cache.index),
-    mask=_written_mask(cache, attention_mask_bt),
-    index=cache.index + attention_mask_bt.shape[1],
-  )
