@@ -16,16 +16,20 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import pathlib  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
 from collections.abc import Callable, Mapping  # noqa: E402
 from typing import Any  # noqa: E402
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-from ebpo_jax import advantages, models, sharding  # noqa: E402
+from ebpo_jax import advantages, checkpoint, models, sharding, tasks  # noqa: E402
 from ebpo_jax.trainer import config as config_lib  # noqa: E402
 from ebpo_jax.trainer import state as state_lib  # noqa: E402
 from ebpo_jax.trainer import step as step_lib  # noqa: E402
@@ -157,3 +161,101 @@ def tiny_steps() -> Callable[..., TinyStep]:
 def tiny_step(tiny_steps) -> TinyStep:
   """The TinyStep of the tiny config itself (EBPO, one mini-batch, no micro-batches)."""
   return tiny_steps()
+
+
+# ----------------------------------------------------------------------------- the trainer's CLI
+
+
+def run_trainer(
+  workdir,
+  *overrides: str,
+  config: str = ARITH,
+  devices: int = 8,
+  timeout: float = 300,
+  wait: bool = True,
+):
+  """`python -m ebpo_jax.train --config=CONFIG --workdir=WORKDIR OVERRIDES` on `devices` CPU
+  devices from the repository root: the CompletedProcess (output captured), or with
+  `wait=False` the running Popen."""
+  env = dict(
+    os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu"
+  )
+  cmd = [sys.executable, "-m", "ebpo_jax.train", f"--config={config}", f"--workdir={workdir}"]
+  cmd += overrides
+  if not wait:
+    return subprocess.Popen(
+      cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+  return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def trainer_cli() -> Callable[..., Any]:
+  """`run_trainer` above: the trainer as a process (tests never import ebpo_jax.train)."""
+  return run_trainer
+
+
+@pytest.fixture(scope="session")
+def arith_run(tmp_path_factory):
+  """(workdir, CompletedProcess) of 4 RL steps of configs/arith_ebpo.py:runlocal on 8 devices
+  (eval and checkpoints every 2 steps), shared by the trainer's and the tools' e2e tests."""
+  workdir = tmp_path_factory.mktemp("arith_run")
+  result = run_trainer(workdir, "--config.train.num_steps=4")
+  assert result.returncode == 0, result.stderr[-3000:]
+  return workdir, result
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def save_checkpoint(workdir: pathlib.Path, config, *, step: int = 0, perturb: float = 0.0):
+  """A run's checkpoint at `step` written without training: the state the trainer creates, with
+  params shifted by `perturb` * noise (so that they differ from the model they started from).
+  Returns (model, params)."""
+  mesh = sharding.make_mesh(dict(config.mesh))
+  task = tasks.get_task(config.task.name, **config.task.options)
+  model = state_lib.make_model(config, state_lib.load_tokenizer(config, task).vocab_size)
+  params = state_lib.init_params(config, model, mesh)
+  if perturb:
+    keys = iter(jax.random.split(jax.random.PRNGKey(1), len(jax.tree.leaves(params))))
+    params = jax.tree.map(
+      lambda x: x + perturb * jax.random.normal(next(keys), x.shape, x.dtype), params
+    )
+  optimizer = state_lib.make_optimizer(config)
+  estimator = advantages.from_config(config.rl)
+  copy = jax.tree.map(jnp.copy, params)  # create_state donates its params
+  state = state_lib.create_state(config, optimizer, estimator, NUM_CLUSTERS, copy)
+  with checkpoint.Checkpointer(workdir / "checkpoints") as ckpt:
+    ckpt.save(step, state, config=config.to_dict(), force=True)
+  return model, params
+
+
+@pytest.fixture(scope="session")
+def checkpoint_writer() -> Callable[..., tuple]:
+  """`save_checkpoint` above: a trainer workdir with one checkpoint, in process."""
+  return save_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> pathlib.Path:
+  """A random tiny Llama (transformers, 2 layers, d=16) with SmolLM2's tokenizer files."""
+  import torch
+  import transformers
+
+  path = tmp_path_factory.mktemp("tiny_llama")
+  smollm2 = models.smollm2_135m_instruct()
+  torch.manual_seed(0)
+  hf_config = transformers.LlamaConfig(
+    vocab_size=49152,
+    hidden_size=16,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    tie_word_embeddings=True,
+  )
+  transformers.LlamaForCausalLM(hf_config).save_pretrained(path)
+  for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    shutil.copy(os.path.join(smollm2, name), path / name)
+  return path

@@ -1,55 +1,21 @@
 """Export of a run's policy as a Hugging Face directory: transformers loads it with our logits,
 and a run that started from a model directory carries its tokenizer and chat template along."""
 
-import importlib.util
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
 import torch
 import transformers
 
-from ebpo_jax import checkpoint, evaluate, export, models, sharding, tasks, train
+from ebpo_jax import export
+from ebpo_jax.trainer import policy
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONFIG = str(ROOT / "configs" / "arith_ebpo.py")
 MAX_REL_ERR = 1e-4
-
-
-def arith_config(**overrides):
-  spec = importlib.util.spec_from_file_location("arith_ebpo", CONFIG)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config("runlocal")
-  for key, value in overrides.items():
-    node = config
-    *parents, leaf = key.split(".")
-    for part in parents:
-      node = node[part]
-    node[leaf] = value
-  return config
-
-
-def save_run(workdir: pathlib.Path, config, *, perturb: float = 0.0):
-  """A run's checkpoint at step 0 without training: the state the trainer would create (params
-  shifted by `perturb` * noise, so that they differ from the model they started from)."""
-  mesh = sharding.make_mesh(dict(config.mesh))
-  task = tasks.get_task(config.task.name, **config.task.options)
-  model, params = train.build_model(config, train.load_tokenizer(config, task), mesh)
-  if perturb:
-    keys = iter(jax.random.split(jax.random.PRNGKey(1), len(jax.tree.leaves(params))))
-    params = jax.tree.map(
-      lambda x: x + perturb * jax.random.normal(next(keys), x.shape, x.dtype), params
-    )
-  state = train.create_state(config, params, train.make_optimizer(config.train, 1), 2)
-  with checkpoint.Checkpointer(workdir / "checkpoints") as ckpt:
-    ckpt.save(0, state, config=config.to_dict(), force=True)
-  return model, params
 
 
 def our_logits(model, params, ids: np.ndarray) -> np.ndarray:
@@ -66,8 +32,10 @@ def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
   return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
 
 
-def test_export_of_a_random_init_run_loads_in_transformers_with_our_logits(tmp_path):
-  model, params = save_run(tmp_path / "run", arith_config())
+def test_export_of_a_random_init_run_loads_in_transformers_with_our_logits(
+  arith_config, checkpoint_writer, tmp_path
+):
+  model, params = checkpoint_writer(tmp_path / "run", arith_config())
   out = tmp_path / "hf"
   summary = export.export(str(tmp_path / "run"), str(out))
   assert summary["step"] == 0 and summary["source_model"] is None
@@ -76,42 +44,28 @@ def test_export_of_a_random_init_run_loads_in_transformers_with_our_logits(tmp_p
   assert rel_err(ours, torch_logits(out, ids)) < MAX_REL_ERR
 
 
-def test_export_of_a_run_from_a_model_directory_keeps_its_tokenizer(tmp_path):
-  smollm2 = models.smollm2_135m_instruct()
-  source = tmp_path / "tiny_llama"
-  torch.manual_seed(0)
-  hf_config = transformers.LlamaConfig(
-    vocab_size=49152,
-    hidden_size=16,
-    intermediate_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=8,
-    tie_word_embeddings=True,
-  )
-  transformers.LlamaForCausalLM(hf_config).save_pretrained(source)
-  tokenizer_names = ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
-  for name in tokenizer_names:
-    shutil.copy(os.path.join(smollm2, name), source / name)
-  config = arith_config(**{"model.path": str(source)})
-  model, params = save_run(tmp_path / "run", config, perturb=0.05)
+TOKENIZER_NAMES = ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
 
-  out = tmp_path / "hf"
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
-  result = subprocess.run(
-    [sys.executable, "-m", "ebpo_jax.export", f"--run_dir={tmp_path / 'run'}", f"--out={out}"],
-    env=env,
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert f"tokenizer files from {source}" in result.stdout
+
+@pytest.fixture(scope="module")
+def run_from_a_model_directory(arith_config, checkpoint_writer, tiny_llama_dir, tmp_path_factory):
+  """A run's checkpoint (params perturbed) of a model that started from `tiny_llama_dir`."""
+  run_dir = tmp_path_factory.mktemp("run_from_hf")
+  config = arith_config({"model.path": str(tiny_llama_dir)})
+  model, params = checkpoint_writer(run_dir, config, perturb=0.05)
+  return run_dir, model, params
+
+
+def test_export_of_a_run_from_a_model_directory_keeps_its_tokenizer(
+  run_from_a_model_directory, tiny_llama_dir, tmp_path
+):
+  run_dir, model, params = run_from_a_model_directory
+  source, out = tiny_llama_dir, tmp_path / "hf"
+  summary = export.export(str(run_dir), str(out))
+  assert summary["source_model"] == str(source)
   copied = export.tokenizer_files(str(out))
-  assert copied == export.tokenizer_files(str(source))  # + generation_config.json
-  assert set(tokenizer_names) <= set(copied)
+  assert summary["copied"] == copied == export.tokenizer_files(str(source))
+  assert set(TOKENIZER_NAMES) <= set(copied)
   for name in copied:
     assert (out / name).read_bytes() == (source / name).read_bytes()
   # The tokenizer and chat template come back as the source directory's.
@@ -128,7 +82,29 @@ def test_export_of_a_run_from_a_model_directory_keeps_its_tokenizer(tmp_path):
   assert rel_err(ours, torch_logits(source, ids)) > 1e-2
 
 
+@pytest.mark.e2e
+def test_export_cli_writes_the_directory_and_names_the_tokenizer_source(
+  run_from_a_model_directory, tiny_llama_dir, tmp_path
+):
+  run_dir, model, params = run_from_a_model_directory
+  out = tmp_path / "hf"
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+  result = subprocess.run(
+    [sys.executable, "-m", "ebpo_jax.export", f"--run_dir={run_dir}", f"--out={out}"],
+    env=env,
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert f"step 0 of {run_dir} -> {out}; tokenizer files from {tiny_llama_dir}" in result.stdout
+  assert export.tokenizer_files(str(out)) == export.tokenizer_files(str(tiny_llama_dir))
+  ids = np.random.default_rng(0).integers(3, model.config.vocab_size, (1, 12))
+  assert rel_err(our_logits(model, params, ids), torch_logits(out, ids)) < MAX_REL_ERR
+
+
 def test_export_without_a_checkpoint_is_one_clear_error(tmp_path):
-  with pytest.raises(evaluate.EvalError, match="no checkpoints/ directory"):
+  with pytest.raises(policy.PolicyError, match="no checkpoints/ directory"):
     export.export(str(tmp_path), str(tmp_path / "hf"))
   assert not (tmp_path / "hf").exists()

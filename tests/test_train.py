@@ -1,21 +1,19 @@
-"""The trainer end to end on the tiny arithmetic config: CLI, resume, SIGTERM, devices, bad
-input."""
+"""The trainer end to end on the tiny arithmetic config (as a process: nothing imports
+ebpo_jax.train): CLI, metrics, resume, SIGTERM, 1 device == 8, bad input, the non-finite policy.
+Config and data errors are also checked in process, before anything compiles."""
 
-import importlib.util
 import json
-import os
 import pathlib
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
 
-from ebpo_jax import checkpoint, train
+from ebpo_jax import checkpoint, data
+from ebpo_jax import metrics as metrics_lib
+from ebpo_jax.trainer import config as config_lib
+from ebpo_jax.trainer import rollouts
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONFIG = str(ROOT / "configs" / "arith_ebpo.py")
 REQUIRED_KEYS = {
   "step",
   "reward/mean",
@@ -31,25 +29,6 @@ REQUIRED_KEYS = {
 }
 
 
-def cli(workdir, *overrides, devices: int = 8, timeout: float = 300, wait: bool = True):
-  env = dict(
-    os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu"
-  )
-  cmd = [
-    sys.executable,
-    "-m",
-    "ebpo_jax.train",
-    f"--config={CONFIG}:runlocal",
-    f"--workdir={workdir}",
-    *overrides,
-  ]
-  if not wait:
-    return subprocess.Popen(
-      cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-  return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-
-
 def read(workdir) -> list[dict]:
   path = pathlib.Path(workdir) / "metrics.jsonl"
   return [json.loads(line) for line in path.read_text().splitlines()]
@@ -57,24 +36,46 @@ def read(workdir) -> list[dict]:
 
 def comparable(lines: list[dict]) -> list[dict]:
   """Metrics without wall-clock timings, which differ between runs by nature."""
-  return [{k: v for k, v in m.items() if k not in train.TIMING_KEYS} for m in lines]
+  return [{k: v for k, v in m.items() if k not in metrics_lib.TIMING_KEYS} for m in lines]
 
 
-@pytest.fixture(scope="module")
-def straight_run(tmp_path_factory):
-  """The reference: 4 RL steps without interruption (runlocal: eval and checkpoint every 2)."""
-  workdir = tmp_path_factory.mktemp("straight")
-  result = cli(workdir, "--config.train.num_steps=4")
-  assert result.returncode == 0, result.stderr[-3000:]
-  return workdir, result
+# ----------------------------------------------------------------------------- in process
+
+CONFIG_ERRORS = [
+  ({"rl.group_size": 1}, "config.rl.group_size=1: must be >= 2"),
+  ({"rl.advantage": "ppo"}, "config.rl.advantage='ppo': unknown advantage estimator"),
+  ({"rl.ebpo.decay": 1.5}, "config.rl.ebpo.decay=1.5: must lie in (0, 1]"),
+  ({"train.batch_size": 12}, "must be divisible by the mesh's data x fsdp = 8"),
+  ({"data.order": "random"}, "config.data.order='random'"),
+]
 
 
-def test_cli_run_writes_metrics_checkpoints_and_summary(straight_run):
-  workdir, result = straight_run
+@pytest.mark.parametrize("overrides, message", CONFIG_ERRORS)
+def test_invalid_config_is_one_error_naming_the_key(arith_config, overrides, message):
+  with pytest.raises(config_lib.ConfigError) as error:
+    config_lib.check_config(arith_config(overrides), num_devices=8)
+  assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_malformed_data_row_names_file_and_line(arith_config, tmp_path):
+  rows = tmp_path / "rows.jsonl"
+  rows.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": \n')
+  with pytest.raises(data.DataError, match=f"{rows}:2:"):
+    rollouts.load_task_and_rows(arith_config({"data.path": str(rows)}))
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+@pytest.mark.e2e
+def test_cli_run_writes_metrics_checkpoints_and_summary(arith_run):
+  workdir, result = arith_run
   lines = read(workdir)
   train_lines = [m for m in lines if "reward/mean" in m]
   assert [m["step"] for m in train_lines] == [1, 2, 3, 4]
   assert set(train_lines[0]) >= REQUIRED_KEYS, REQUIRED_KEYS - set(train_lines[0])
+  assert {"reward/mean/add_1", "reward/mean/add_2"} & set(train_lines[0])  # per cluster
+  assert set(metrics_lib.TIMING_KEYS) <= set(train_lines[0])
   evals = [m for m in lines if "eval/accuracy" in m]
   assert [m["step"] for m in evals] == [0, 2, 4]
   assert any(k.startswith("eval/accuracy/") for k in evals[0])
@@ -86,18 +87,20 @@ def test_cli_run_writes_metrics_checkpoints_and_summary(straight_run):
   assert train_lines[-1]["compiles/train_step"] == 1
 
 
-def test_resume_gives_the_same_metrics_as_a_straight_run(straight_run, tmp_path):
-  reference, _ = straight_run
-  first = cli(tmp_path, "--config.train.num_steps=2")
+@pytest.mark.e2e
+def test_resume_gives_the_same_metrics_as_a_straight_run(arith_run, trainer_cli, tmp_path):
+  reference, _ = arith_run
+  first = trainer_cli(tmp_path, "--config.train.num_steps=2")
   assert first.returncode == 0, first.stderr[-3000:]
-  second = cli(tmp_path, "--config.train.num_steps=4")
+  second = trainer_cli(tmp_path, "--config.train.num_steps=4")
   assert second.returncode == 0, second.stderr[-3000:]
   assert comparable(read(tmp_path)) == comparable(read(reference))
 
 
-def test_sigterm_saves_and_the_run_resumes_exactly(straight_run, tmp_path):
-  reference, _ = straight_run
-  proc = cli(
+@pytest.mark.e2e
+def test_sigterm_saves_and_the_run_resumes_exactly(arith_run, trainer_cli, tmp_path):
+  reference, _ = arith_run
+  proc = trainer_cli(
     tmp_path, "--config.train.num_steps=4", "--config.checkpoint.every_steps=100", wait=False
   )
   metrics = tmp_path / "metrics.jsonl"
@@ -110,67 +113,56 @@ def test_sigterm_saves_and_the_run_resumes_exactly(straight_run, tmp_path):
   _, err = proc.communicate(timeout=120)
   assert proc.returncode == 143, err[-3000:]
   assert "SIGTERM" in err
-  resumed = cli(tmp_path, "--config.train.num_steps=4")
+  resumed = trainer_cli(tmp_path, "--config.train.num_steps=4")
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert comparable(read(tmp_path)) == comparable(read(reference))
 
 
-def test_one_device_matches_eight(straight_run, tmp_path):
-  reference, _ = straight_run
-  result = cli(tmp_path, "--config.train.num_steps=4", devices=1)
+@pytest.mark.e2e
+def test_one_device_matches_eight(arith_run, trainer_cli, tmp_path):
+  reference, _ = arith_run
+  result = trainer_cli(tmp_path, "--config.train.num_steps=4", devices=1)
   assert result.returncode == 0, result.stderr[-3000:]
   ours, ref = comparable(read(tmp_path)), comparable(read(reference))
   assert [m["step"] for m in ours] == [m["step"] for m in ref]
   for a, b in zip(ours, ref, strict=True):
+    assert a.keys() == b.keys()
     for key in a:
       if isinstance(a[key], float):
         assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-4), key
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
   "override, message",
   [
     ("--config.rl.group_size=1", "config.rl.group_size=1: must be >= 2"),
-    ("--config.rl.advantage=ppo", "config.rl.advantage='ppo': must be one of"),
-    ("--config.rl.ebpo.decay=1.5", "config.rl.ebpo.decay=1.5: must lie in (0, 1]"),
-    ("--config.train.batch_size=12", "must be divisible by the mesh's data x fsdp = 8"),
-    ("--config.data.order=random", "config.data.order='random'"),
+    ("--config.data.path={tmp}/rows.jsonl", "{tmp}/rows.jsonl:2:"),
   ],
 )
-def test_invalid_config_stops_with_one_line_naming_the_key(tmp_path, override, message):
-  result = cli(tmp_path, override, timeout=120)
+def test_bad_input_stops_the_cli_with_one_line(trainer_cli, tmp_path, override, message):
+  (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n')
+  result = trainer_cli(tmp_path / "run", override.format(tmp=tmp_path), timeout=120)
   assert result.returncode != 0
-  assert message in result.stderr.strip().splitlines()[-1]
-  assert not (tmp_path / "checkpoints").exists()
-
-
-def test_malformed_data_row_names_file_and_line(tmp_path):
-  rows = tmp_path / "rows.jsonl"
-  rows.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": \n')
-  result = cli(tmp_path / "run", f"--config.data.path={rows}", timeout=120)
-  assert result.returncode != 0
-  assert f"{rows}:2:" in result.stderr.strip().splitlines()[-1]
+  assert message.format(tmp=tmp_path) in result.stderr.strip().splitlines()[-1]
   assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_non_finite_steps_in_a_row_abort_with_a_clear_message(tmp_path, monkeypatch):
-  # Every update reports itself non-finite (as a NaN loss would): the run stops after
-  # max_bad_steps in a row with one line, keeping the last good checkpoint (step 0).
-  real_step = train.train_step
-
-  def always_bad(state, batch, **kwargs):
-    state, metrics = real_step(state, batch, **kwargs)
-    return state, {**metrics, "bad_updates": metrics["bad_updates"] + 1.0}
-
-  monkeypatch.setattr(train, "train_step", always_bad)
-  spec = importlib.util.spec_from_file_location("arith_ebpo", CONFIG)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config("runlocal")
-  config.train.num_steps, config.train.max_bad_steps = 6, 2
-  with pytest.raises(SystemExit) as exit_info:
-    train.run(config, str(tmp_path))
-  message = str(exit_info.value.code)
+@pytest.mark.e2e
+def test_non_finite_steps_in_a_row_abort_with_a_clear_message(trainer_cli, tmp_path):
+  # An infinite overlong penalty over the whole completion (buffer = max_new_tokens): every reward
+  # is -inf, so every advantage, loss and update is non-finite and skipped (the params stay
+  # finite). The run stops after max_bad_steps = 2 steps in a row with one line, keeping the last
+  # good checkpoint (step 0; runlocal saves every 2 steps, and the bad step 2 is not saved).
+  result = trainer_cli(
+    tmp_path,
+    "--config.rl.overlong_buffer=4",
+    "--config.rl.overlong_penalty=inf",
+    "--config.train.num_steps=6",
+    "--config.train.max_bad_steps=2",
+  )
+  assert result.returncode != 0
+  message = result.stderr.strip().splitlines()[-1]
   assert "non-finite loss or grad norm in 2 steps in a row" in message
   assert "train.max_bad_steps=2" in message
   assert checkpoint.Checkpointer(tmp_path / "checkpoints").latest_step() == 0
