@@ -1,8 +1,7 @@
-"""Evaluation: pass@k / maj@k math against brute force and hand values, evaluate on a trained run's
-checkpoint (in process and by the CLI) and on a Hugging Face directory, the clear error when there
-is nothing to evaluate, and the difficulty CLI round trip."""
+"""Evaluation: pass@k / maj@k math against brute force and hand values, a run's params restored
+from its checkpoint, evaluate on a trained run (the CLI) and on a Hugging Face directory, the clear
+error when there is nothing to evaluate, and the difficulty CLI round trip."""
 
-import importlib.util
 import itertools
 import json
 import math
@@ -17,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from ebpo_jax import advantages, checkpoint, data, evaluate, models, sharding, train
+from ebpo_jax import data, evaluate, sharding, tasks
 from ebpo_jax.evaluate import (
   majority_correct,
   majority_vote,
@@ -25,23 +24,11 @@ from ebpo_jax.evaluate import (
   problem_metrics,
   sample_counts,
 )
+from ebpo_jax.trainer import policy
+from ebpo_jax.trainer import state as state_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "arith_ebpo.py")
-
-
-def arith_config(**overrides):
-  spec = importlib.util.spec_from_file_location("arith_ebpo", CONFIG)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config("runlocal")
-  for key, value in overrides.items():
-    node = config
-    *parents, leaf = key.split(".")
-    for part in parents:
-      node = node[part]
-    node[leaf] = value
-  return config
 
 
 def cli(module, *args, timeout=300):
@@ -129,51 +116,29 @@ def test_grouped_metrics_split_by_dataset_and_cluster():
 # ----------------------------------------------------------------------------- on a trained run
 
 
-@pytest.fixture(scope="module")
-def trained_run(tmp_path_factory):
-  """A tiny arithmetic run: 5 warm-start steps and 2 RL steps; checkpoints at steps 0 and 2."""
-  workdir = tmp_path_factory.mktemp("run")
-  config = arith_config(**{"train.num_steps": 2})
-  with pytest.MonkeyPatch.context() as patch:
-    patch.setattr(train, "finish", lambda *args: None)  # no summary plots
-    train.run(config, str(workdir))
-  return workdir, config
-
-
-def test_restored_params_are_the_checkpoints(trained_run):
-  workdir, config = trained_run
+def test_a_runs_params_are_restored_from_its_checkpoint(arith_config, checkpoint_writer, tmp_path):
+  run_dir = tmp_path / "run"
+  # Perturbed params: a restore that fell back to a fresh init (seed 0) would not match them.
+  model, saved = checkpoint_writer(run_dir, arith_config(), step=2, perturb=0.05)
+  config, step = policy.policy_config(arith_config({"model.num_layers": 1}), str(run_dir), None)
+  assert step == 2 and config.model.num_layers == 3  # the run's model, from the saved config
   mesh = sharding.make_mesh(dict(config.mesh))
-  task, _, cluster_names, _ = train.load_task_and_rows(config)
-  _, init_params = train.build_model(config, task.tokenizer, mesh)
-  # Reference: the whole TrainState restored by the trainer's Checkpointer (replicated).
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  optimizer = train.make_optimizer(config.train, 2)
-  state = train.TrainState(
-    step=np.int32(0),
-    params=init_params,
-    opt_state=jax.eval_shape(optimizer.init, init_params),
-    prior=advantages.init_prior(len(cluster_names)),
-    rng=jax.random.PRNGKey(0),
-    ref_params=None,
-  )
-  abstract = jax.tree.map(
-    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=replicated), state
-  )
-  with checkpoint.Checkpointer(workdir / "checkpoints") as ckpt:
-    reference, _ = ckpt.restore(2, abstract)
-  params = evaluate.restore_params(str(workdir), 2, init_params)
-  leaves, ref_leaves = jax.tree.leaves(params), jax.tree.leaves(reference.params)
-  assert len(leaves) == len(ref_leaves) == len(jax.tree.leaves(init_params))
-  for ours, ref, init in zip(leaves, ref_leaves, jax.tree.leaves(init_params), strict=True):
+  task = tasks.get_task(config.task.name, **config.task.options)
+  tokenizer = state_lib.load_tokenizer(config, task)
+  restored_model, params, origin = policy.load_policy(config, tokenizer, mesh, str(run_dir), step)
+  assert origin == {"kind": "checkpoint", "run_dir": str(run_dir), "step": 2}
+  assert restored_model.config == model.config
+  abstract = state_lib.abstract_params(restored_model, mesh)
+  leaves, saved_leaves = jax.tree.leaves(params), jax.tree.leaves(saved)
+  assert len(leaves) == len(saved_leaves) == len(jax.tree.leaves(abstract))
+  for ours, ref, want in zip(leaves, saved_leaves, jax.tree.leaves(abstract), strict=True):
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
-    assert ours.sharding == init.sharding  # placed as the model's rules say
-  assert not np.array_equal(  # trained, not the fresh init
-    np.asarray(params["embed_tokens"]), np.asarray(init_params["embed_tokens"])
-  )
+    assert ours.sharding == want.sharding  # placed as the model's rules say
 
 
-def test_evaluate_cli_on_a_trainer_workdir_writes_eval_json(trained_run, tmp_path):
-  workdir, _ = trained_run
+@pytest.mark.e2e
+def test_evaluate_cli_on_a_trainer_workdir_writes_eval_json(arith_run, tmp_path):
+  workdir, _ = arith_run  # checkpoints every 2 steps, the latest at step 4
   run_dir = tmp_path / "run"
   shutil.copytree(workdir / "checkpoints", run_dir / "checkpoints")
   result = cli(
@@ -185,7 +150,7 @@ def test_evaluate_cli_on_a_trainer_workdir_writes_eval_json(trained_run, tmp_pat
   )
   assert result.returncode == 0, result.stderr[-3000:]
   saved = json.loads((run_dir / "eval.json").read_text())
-  assert saved["params"] == {"kind": "checkpoint", "run_dir": str(run_dir), "step": 2}
+  assert saved["params"] == {"kind": "checkpoint", "run_dir": str(run_dir), "step": 4}
   assert saved["num_samples"] == 4 and not saved["greedy"]
   assert saved["num_problems"] == 16 and saved["num_responses"] == 64  # 8 per cluster
   assert saved["config"]["eval"]["num_samples"] == 4
@@ -211,12 +176,12 @@ def test_evaluate_cli_on_a_trainer_workdir_writes_eval_json(trained_run, tmp_pat
   assert metrics["overall"]["maj@4"] == pytest.approx(np.mean(votes))
 
 
-def test_nothing_to_evaluate_is_one_clear_error(tmp_path):
+def test_nothing_to_evaluate_is_one_clear_error(arith_config, tmp_path):
   with pytest.raises(
-    evaluate.EvalError, match="nothing to evaluate: .* config.model.path is empty"
+    policy.PolicyError, match="nothing to evaluate: .* config.model.path is empty"
   ):
     evaluate.run(arith_config(), str(tmp_path))
-  with pytest.raises(evaluate.EvalError, match="no checkpoints/ directory"):
+  with pytest.raises(policy.PolicyError, match="no checkpoints/ directory"):
     evaluate.run(arith_config(), str(tmp_path), run_dir=str(tmp_path / "missing"))
   assert not (tmp_path / "eval.json").exists()
 
@@ -224,34 +189,10 @@ def test_nothing_to_evaluate_is_one_clear_error(tmp_path):
 # ----------------------------------------------------------------------------- a model directory
 
 
-@pytest.fixture(scope="module")
-def tiny_hf_dir(tmp_path_factory):
-  """A random tiny Llama (transformers) with SmolLM2's tokenizer files."""
-  import torch
-  import transformers
-
-  path = tmp_path_factory.mktemp("tiny_llama")
-  smollm2 = models.smollm2_135m_instruct()
-  torch.manual_seed(0)
-  hf_config = transformers.LlamaConfig(
-    vocab_size=49152,
-    hidden_size=16,
-    intermediate_size=32,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=8,
-    tie_word_embeddings=True,
-  )
-  transformers.LlamaForCausalLM(hf_config).save_pretrained(path)
-  for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-    shutil.copy(os.path.join(smollm2, name), path / name)
-  return path
-
-
-def test_evaluate_a_hugging_face_directory(tiny_hf_dir, tmp_path):
+def test_evaluate_a_hugging_face_directory(arith_config, tiny_llama_dir, tmp_path):
+  tiny_hf_dir = tiny_llama_dir
   config = arith_config(
-    **{
+    {
       "model.path": str(tiny_hf_dir),
       "task.num_eval": 2,
       "eval.num_samples": 2,
@@ -275,8 +216,9 @@ def test_evaluate_a_hugging_face_directory(tiny_hf_dir, tmp_path):
 # ----------------------------------------------------------------------------- difficulty
 
 
-def test_difficulty_cli_round_trip(trained_run, tmp_path):
-  workdir, _ = trained_run
+@pytest.mark.e2e
+def test_difficulty_cli_round_trip(arith_run, tmp_path):
+  workdir, _ = arith_run
   rows = [
     {"prompt": "1+1=", "answer": "2", "cluster": "easy", "id": "a"},
     {"prompt": "45+38=", "answer": "83", "cluster": "hard", "id": "b"},
@@ -286,7 +228,7 @@ def test_difficulty_cli_round_trip(trained_run, tmp_path):
   source.write_text("".join(json.dumps(r) + "\n" for r in rows))
   out = tmp_path / "rows_difficulty.jsonl"
   result = cli(
-    "ebpo_jax.data.difficulty",
+    "ebpo_jax.difficulty",
     f"--config={CONFIG}:runlocal",
     f"--input={source}",
     f"--output={out}",
