@@ -6,7 +6,7 @@
     python bench/memory.py --quick              # CI smoke run: a runlocal config on 8 devices
     python bench/memory.py --sweep              # the sampler's KV cache, every model x G (seconds)
 
-Memory: the trainer's own jitted `train_step` (with `mesh=`, as `train.run` jits it: micro-batch
+Memory: the trainer's own jitted `train_step` (with `mesh=`, as the trainer jits it: micro-batch
 rows constrained to the mesh's batch axes, reference log-probs one micro-batch at a time), lowered
 with abstract sharded inputs (`jax.ShapeDtypeStruct`; nothing is allocated) on a CPU topology of
 the target device count (a subprocess per config with `--xla_force_host_platform_device_count`),
@@ -133,24 +133,11 @@ def step_time(config, spec: dict, devices: int) -> dict:
 
 def abstract_model(config, spec: dict, mesh):
   """The config's scanned decoder and its parameters as sharded `jax.ShapeDtypeStruct`s."""
-  import jax
-  import jax.numpy as jnp
+  from ebpo_jax import models
+  from ebpo_jax.trainer import state as state_lib
 
-  from ebpo_jax import models, sharding, train
-
-  mc = config.model
-  model_config = train.random_init_config(mc, spec["vocab_size"])
-  model = models.Decoder(model_config)
-  boxed = jax.eval_shape(lambda r: model.init(r, jnp.zeros((1, 4), jnp.int32))["params"],
-                         jax.random.PRNGKey(0))  # fmt: skip
-  param_shardings = sharding.logical_shardings(boxed, mesh, sharding.DEFAULT_RULES)
-  params = jax.tree.map(
-    lambda box, s: jax.ShapeDtypeStruct(box.value.shape, box.value.dtype, sharding=s),
-    boxed,
-    param_shardings,
-    is_leaf=lambda x: hasattr(x, "names"),
-  )
-  return model, params
+  model = models.Decoder(state_lib.random_init_config(config.model, spec["vocab_size"]))
+  return model, state_lib.abstract_params(model, mesh)
 
 
 def compiled_sampler_memory(config, spec: dict, prompt_len: int) -> dict:
@@ -193,40 +180,23 @@ def compiled_sampler_memory(config, spec: dict, prompt_len: int) -> dict:
 
 def compiled_memory(config, spec: dict, prompt_len: int) -> dict:
   """memory_analysis() of the trainer's train_step on this process's devices (abstract inputs),
-  jitted as `train.run` does (mesh, shardings, donated state)."""
+  jitted as the trainer does (mesh, shardings, donated state)."""
   import jax
   import jax.numpy as jnp
-  import optax
   from jax.sharding import NamedSharding, PartitionSpec
 
-  from ebpo_jax import advantages, sharding, train
+  from ebpo_jax import advantages, sharding
+  from ebpo_jax.trainer import state as state_lib
+  from ebpo_jax.trainer import step as step_lib
 
   mesh = sharding.make_mesh(dict(config.mesh))
   model, params = abstract_model(config, spec, mesh)
-  param_shardings = jax.tree.map(lambda x: x.sharding, params)
   replicated = NamedSharding(mesh, PartitionSpec())
-  optimizer = train.make_optimizer(config.train, config.train.num_steps * 4)
-  opt_abstract = jax.eval_shape(optimizer.init, params)
-  opt_shardings = optax.tree_map_params(
-    optimizer,
-    lambda _, s: s,
-    opt_abstract,
-    param_shardings,
-    transform_non_params=lambda _: replicated,
-  )
-  with_sharding = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
-  opt_state = jax.tree.map(with_sharding, opt_abstract, opt_shardings)
-  prior = jax.tree.map(
-    lambda x: with_sharding(x, replicated), jax.eval_shape(lambda: advantages.init_prior(10))
-  )
-  state = train.TrainState(
-    step=jax.ShapeDtypeStruct((), jnp.int32, sharding=replicated),
-    params=params,
-    opt_state=opt_state,
-    prior=prior,
-    rng=jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated),
-    ref_params=params if config.rl.loss.kl_coef > 0 else None,
-  )
+  optimizer = state_lib.make_optimizer(config)
+  estimator = advantages.from_config(config.rl)
+  state_args = (config, optimizer, estimator, 10)  # 10 clusters
+  state = state_lib.abstract_state(*state_args, params)
+  state_shardings = state_lib.state_shardings(*state_args, params)
   b, g, n = config.train.batch_size, config.rl.group_size, config.sampling.max_new_tokens
   rows = sharding.batch_sharding(mesh)
   shapes = {
@@ -240,9 +210,15 @@ def compiled_memory(config, spec: dict, prompt_len: int) -> dict:
     "cluster_ids": ((b,), jnp.int32),
   }
   batch = {k: jax.ShapeDtypeStruct(s, t, sharding=rows) for k, (s, t) in shapes.items()}
-  state_shardings = jax.tree.map(lambda x: x.sharding, state)
   step = jax.jit(
-    functools.partial(train.train_step, model=model, optimizer=optimizer, config=config, mesh=mesh),
+    functools.partial(
+      step_lib.train_step,
+      model=model,
+      optimizer=optimizer,
+      estimator=estimator,
+      config=config,
+      mesh=mesh,
+    ),
     in_shardings=(state_shardings, rows),
     out_shardings=(state_shardings, replicated),
     donate_argnums=(0,),

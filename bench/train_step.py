@@ -11,6 +11,7 @@ JSON line with the EBPO/GRPO time ratio (goal <= 1.02: the prior must be free) a
 """
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -22,7 +23,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from ebpo_jax import sharding, train  # noqa: E402
+from ebpo_jax import advantages, sharding  # noqa: E402
+from ebpo_jax.trainer import config as config_lib  # noqa: E402
+from ebpo_jax.trainer import state as state_lib  # noqa: E402
+from ebpo_jax.trainer import step as step_lib  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SHAPES = {
   "tiny": dict(
@@ -46,19 +52,9 @@ SHAPES = {
 }
 
 
-class _Vocab:
-  def __init__(self, size: int):
-    self.vocab_size = size
-
-
-def load_config(shape: dict, advantage: str, args) -> "train.ml_collections.ConfigDict":
-  import importlib.util
-
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  spec = importlib.util.spec_from_file_location("cfg", os.path.join(root, "configs/arith_ebpo.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
+def load_config(shape: dict, advantage: str, args):
+  """configs/arith_ebpo.py with `shape`'s model, `advantage`, and the benchmark's batch."""
+  config = config_lib.load_config(os.path.join(ROOT, "configs/arith_ebpo.py"))
   for key, value in shape.items():
     if key != "vocab_size":
       config.model[key] = value
@@ -92,27 +88,38 @@ def compiled_step(shape_name: str, advantage: str, args):
   shape = SHAPES[shape_name]
   config = load_config(shape, advantage, args)
   mesh = sharding.make_mesh(dict(config.mesh))
-  model, params = train.build_model(config, _Vocab(shape["vocab_size"]), mesh)
-  optimizer = train.make_optimizer(config.train, 100)
-  state = train.create_state(config, params, optimizer, num_clusters=3)
-  state_sharding = jax.tree.map(lambda x: x.sharding, state)
+  model = state_lib.make_model(config, shape["vocab_size"])
+  params = state_lib.init_params(config, model, mesh)
+  optimizer = state_lib.make_optimizer(config)
+  estimator = advantages.from_config(config.rl)
+  state_args = (config, optimizer, estimator, 3)  # 3 clusters
+  state_sharding = state_lib.state_shardings(*state_args, params)
+  num_params = sum(x.size for x in jax.tree.leaves(params) if x.ndim >= 2)
+  state = state_lib.create_state(*state_args, params)  # params are donated
   step = jax.jit(
-    lambda s, b: train.train_step(s, b, model=model, optimizer=optimizer, config=config),
+    functools.partial(
+      step_lib.train_step,
+      model=model,
+      optimizer=optimizer,
+      estimator=estimator,
+      config=config,
+      mesh=mesh,
+    ),
     in_shardings=(state_sharding, sharding.batch_sharding(mesh)),
     out_shardings=(state_sharding, None),
     donate_argnums=(0,),
   )
   batch = synthetic_batch(args, shape["vocab_size"])
-  return step.lower(state, batch).compile(), state, batch, params
+  return step.lower(state, batch).compile(), state, batch, num_params
 
 
-def step_flops(params, shape: dict, args) -> float:
+def step_flops(weights: int, shape: dict, args) -> float:
   """Model FLOPs of one step: 6 per weight per token (forward + backward) plus attention.
 
   Counted by hand because XLA's cost analysis counts the scanned layer body once, not L times.
-  Every matrix is a matmul weight (the tied embedding is the LM head; its lookup is free).
+  `weights`: the entries of every matrix, each a matmul weight (the tied embedding is the LM head;
+  its lookup is free).
   """
-  weights = sum(x.size for x in jax.tree.leaves(params) if x.ndim >= 2)
   tokens = args.rows * (args.prompt_len + args.new_tokens)
   seq = args.prompt_len + args.new_tokens
   heads_dim = shape["num_heads"] * shape["head_dim"]
