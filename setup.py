@@ -14,6 +14,8 @@ def _requirements() -> list[str]:
 
 TEST_REQUIRES = [
     "pytest>=8",
+    "pytest-xdist>=3.5",  # `-n 2`: test files in parallel processes
+    "import-linter>=2.2",  # the layer contracts of pyproject.toml (tests/test_layers.py)
     "hypothesis>=6.100",
     "ruff>=0.6",
     # PyTorch reference models for logit parity; 2.13.0 is the CPU wheel (any other pulls CUDA).
