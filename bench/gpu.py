@@ -72,7 +72,7 @@ MODELS = {
   ),
   "qwen3-0.6b": ModelConfig(
     vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
-    num_kv_heads=8, head_dim=128, rope_theta=1e6, tie_word_embeddings=True, qk_norm=True,
+    num_kv_heads=8, head_dim=128, rope_theta=1e6, tie_word_embeddings=True,
     architecture="qwen3", **BF16,
   ),
   "tiny": ModelConfig(

@@ -28,7 +28,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ebpo_jax import sharding
 from ebpo_jax.models import KVCache, init_cache
@@ -260,21 +260,12 @@ def _constrain_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
     return cache
   names = ("batch", "kv_heads", "length", "head_dim")
   kv = NamedSharding(mesh, sharding.logical_to_spec(cache.k[0].shape, names, mesh))
-  rows = NamedSharding(mesh, sharding.logical_to_spec(cache.mask.shape, ("batch", None), mesh))
+  rows = sharding.row_sharding(cache.mask.shape, mesh)
   constrain = functools.partial(jax.lax.with_sharding_constraint, shardings=kv)
   return cache.replace(
     k=tuple(map(constrain, cache.k)),
     v=tuple(map(constrain, cache.v)),
     mask=jax.lax.with_sharding_constraint(cache.mask, rows),
-  )
-
-
-def _constrain_rows(x: jax.Array, mesh: Mesh | None) -> jax.Array:
-  if mesh is None:
-    return x
-  names = ("batch",) + (None,) * (x.ndim - 1)
-  return jax.lax.with_sharding_constraint(
-    x, NamedSharding(mesh, sharding.logical_to_spec(x.shape, names, mesh))
   )
 
 
@@ -331,7 +322,7 @@ def _generate(
   apply = functools.partial(per_layer.apply, {"params": unstack_layers(params)})
   cache, first_logits_rv = _prefill(apply, model.config, prompt_ids_bp, prompt_mask_bp, width)
   cache = _constrain_cache(_repeat_rows(cache, group_size), mesh)
-  first_logits_rv = _constrain_rows(jnp.repeat(first_logits_rv, group_size, axis=0), mesh)
+  first_logits_rv = sharding.constrain_rows(jnp.repeat(first_logits_rv, group_size, axis=0), mesh)
   next_position_r = jnp.repeat(prompt_positions(prompt_mask_bp)[:, -1] + 1, group_size)
 
   carry = _Carry(
@@ -425,8 +416,8 @@ def generate(
     prompt_ids_bp,
     prompt_mask_bp,
     rng,
-    jnp.asarray(temperature, jnp.float32),
-    jnp.asarray(top_p, jnp.float32),
+    _device_scalar(temperature, mesh),
+    _device_scalar(top_p, mesh),
     model=model,
     group_size=int(group_size),
     max_new_tokens=int(max_new_tokens),
@@ -436,6 +427,16 @@ def generate(
     pad_id=int(pad_id),
     mesh=mesh,
   )
+
+
+def _device_scalar(x: float | jax.Array, mesh: Mesh | None) -> jax.Array:
+  """A float32 scalar on the device (replicated over `mesh`), placed explicitly: callers may run
+  under `jax.transfer_guard("disallow")`."""
+  if isinstance(x, jax.Array):
+    return x.astype(jnp.float32)
+  if mesh is None:
+    return jax.device_put(np.float32(x))
+  return sharding.place_from_host(np.float32(x), NamedSharding(mesh, PartitionSpec()))
 
 
 def compile_count() -> int:

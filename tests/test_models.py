@@ -44,8 +44,8 @@ def _positions(mask: np.ndarray) -> np.ndarray:
   "config",
   [
     TINY,
-    dataclasses.replace(TINY, architecture="qwen2", attention_bias=True, tie_word_embeddings=True),
-    dataclasses.replace(TINY, architecture="qwen3", qk_norm=True),
+    dataclasses.replace(TINY, architecture="qwen2", tie_word_embeddings=True),
+    dataclasses.replace(TINY, architecture="qwen3"),
   ],
   ids=["llama", "qwen2_bias_tied", "qwen3_qknorm"],
 )
@@ -79,7 +79,7 @@ def test_cached_prefill_and_decode_equal_full_forward(config):
 
 
 def test_per_layer_decode_equals_scanned_full_forward():
-  config = dataclasses.replace(TINY, architecture="qwen3", qk_norm=True, num_layers=3)
+  config = dataclasses.replace(TINY, architecture="qwen3", num_layers=3)
   model, params = _init(config)
   unscanned, layer_params = _per_layer(model, params)
   fresh = jax.eval_shape(unscanned.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
@@ -153,9 +153,7 @@ def test_remat_keeps_loss_and_grads():
 def test_every_param_has_logical_axes():
   leaves = []
   for arch in ("qwen2", "qwen3"):
-    config = dataclasses.replace(
-      TINY, architecture=arch, attention_bias=arch == "qwen2", qk_norm=arch == "qwen3"
-    )
+    config = dataclasses.replace(TINY, architecture=arch)
     boxed = jax.eval_shape(Decoder(config).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
     leaves += jax.tree.leaves(boxed["params"], is_leaf=lambda x: isinstance(x, nn.Partitioned))
   assert all(isinstance(leaf, nn.Partitioned) for leaf in leaves)
@@ -192,6 +190,13 @@ def test_from_hf_reads_old_rope_keys_and_defaults():
   assert ModelConfig.from_hf(config.to_hf(), remat="full") == config
 
 
+def test_architecture_sets_its_flags():
+  """Qwen2's q/k/v bias and Qwen3's q/k norm follow the architecture (one place says so)."""
+  configs = {a: dataclasses.replace(TINY, architecture=a) for a in ("llama", "qwen2", "qwen3")}
+  flags = {a: (c.attention_bias, c.qk_norm) for a, c in configs.items()}
+  assert flags == {"llama": (False, False), "qwen2": (True, False), "qwen3": (False, True)}
+
+
 @pytest.mark.parametrize(
   "change, message",
   [
@@ -199,8 +204,7 @@ def test_from_hf_reads_old_rope_keys_and_defaults():
     ({"num_kv_heads": 3}, "not a multiple"),
     ({"dtype": "float17"}, "float17"),
     ({"rope_scaling": (("rope_type", "yarn"),)}, "yarn"),
-    ({"qk_norm": True}, "qk_norm=True with architecture='llama'"),
-    ({"architecture": "qwen2"}, "attention_bias=False with architecture='qwen2'"),
+    ({"architecture": "gpt2"}, "architecture='gpt2'"),
   ],
 )
 def test_config_rejects_bad_values(change, message):

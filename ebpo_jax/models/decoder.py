@@ -57,13 +57,21 @@ class ModelConfig:
   rope_scaling: tuple[tuple[str, Any], ...] | None = None  # hashable form of HF's llama3 rope dict
   rms_norm_eps: float = 1e-6
   tie_word_embeddings: bool = False
-  attention_bias: bool = False  # Qwen2 q/k/v bias
-  qk_norm: bool = False  # Qwen3 per-head RMSNorm on q and k
   max_position_embeddings: int = 2048
   dtype: str = "float32"  # compute dtype
   param_dtype: str = "float32"
   remat: str = "none"  # per-layer remat policy: one of REMAT_POLICIES
   architecture: str = "llama"  # llama | qwen2 | qwen3 (for writing config.json back)
+
+  @property
+  def attention_bias(self) -> bool:
+    """Qwen2's q/k/v bias: set by the architecture, as in HF (the one place that says so)."""
+    return self.architecture == "qwen2"
+
+  @property
+  def qk_norm(self) -> bool:
+    """Qwen3's per-head RMSNorm on q and k: set by the architecture, as in HF."""
+    return self.architecture == "qwen3"
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -76,13 +84,6 @@ class ModelConfig:
       raise ValueError(
         f"architecture={self.architecture!r}; expected one of {sorted(ARCHITECTURES)}"
       )
-    # HF ties these to the architecture; keeping them consistent keeps save_pretrained exact.
-    for flag, arch in (("attention_bias", "qwen2"), ("qk_norm", "qwen3")):
-      if getattr(self, flag) != (self.architecture == arch):
-        raise ValueError(
-          f"{flag}={getattr(self, flag)} with architecture={self.architecture!r}: "
-          f"{flag} is set exactly when architecture={arch!r}"
-        )
     for name in ("dtype", "param_dtype"):
       jnp.dtype(getattr(self, name))  # raises on an unknown dtype name
     if self.rope_scaling is not None:
@@ -120,8 +121,6 @@ class ModelConfig:
       rope_scaling=rope_scaling,
       rms_norm_eps=hf_config.get("rms_norm_eps", 1e-6),
       tie_word_embeddings=hf_config.get("tie_word_embeddings", False),
-      attention_bias=model_type == "qwen2",
-      qk_norm=model_type == "qwen3",
       max_position_embeddings=hf_config.get("max_position_embeddings", 2048),
       architecture=model_type,
     )

@@ -93,7 +93,7 @@ def gguf_model_config(reader) -> ModelConfig:
   hidden = int(_require(reader, f"{arch}.embedding_length"))
   vocab = _field(reader, f"{arch}.vocab_size") or len(_require(reader, "tokenizer.ggml.tokens"))
   tensor_names = {t.name for t in reader.tensors}
-  return ModelConfig(
+  config = ModelConfig(
     vocab_size=int(vocab),
     hidden_size=hidden,
     intermediate_size=int(_require(reader, f"{arch}.feed_forward_length")),
@@ -104,11 +104,17 @@ def gguf_model_config(reader) -> ModelConfig:
     rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
     rms_norm_eps=float(np.float32(_require(reader, f"{arch}.attention.layer_norm_rms_epsilon"))),
     tie_word_embeddings="output.weight" not in tensor_names,
-    attention_bias="blk.0.attn_q.bias" in tensor_names,
-    qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
     max_position_embeddings=int(_field(reader, f"{arch}.context_length", 2048)),
     architecture=arch,
   )
+  found = {
+    "attention_bias": "blk.0.attn_q.bias" in tensor_names,
+    "qk_norm": "blk.0.attn_q_norm.weight" in tensor_names,
+  }
+  for flag, present in found.items():
+    if present != getattr(config, flag):
+      raise ValueError(f"GGUF {arch!r}: {flag}={present} in the tensors, unlike the architecture")
+  return config
 
 
 def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:

@@ -17,7 +17,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
@@ -180,15 +179,9 @@ def from_pretrained(
   return model, load_params(path, model, mesh, rules)
 
 
-def _to_host(value: jax.Array) -> np.ndarray:
-  if isinstance(value, jax.Array) and not value.is_fully_addressable:
-    value = multihost_utils.process_allgather(value, tiled=True)
-  return np.asarray(value)
-
-
 def _hf_tensors(params: Any) -> Iterator[tuple[str, np.ndarray]]:
   for path, value in _flat_boxed(nn.meta.unbox(params)).items():
-    host = _to_host(value)
+    host = sharding_lib.to_host(value)
     if path[0] != "layers":
       yield hf_name(path), ours_to_hf(path, host)
       continue

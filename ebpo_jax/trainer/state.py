@@ -77,8 +77,6 @@ def random_init_config(mc: ml_collections.ConfigDict, vocab_size: int) -> models
     num_kv_heads=mc.num_kv_heads,
     head_dim=mc.head_dim,
     architecture=arch,
-    attention_bias=arch == "qwen2",
-    qk_norm=arch == "qwen3",
     tie_word_embeddings=bool(mc.tie_word_embeddings),
     rope_theta=float(mc.rope_theta),
     dtype=mc.dtype,
