@@ -13,8 +13,9 @@ from safetensors.numpy import load_file
 from transformers.integrations.gguf.gguf_tokenizer_mapping import convert_gguf_tokenizer
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from ebpo_jax.models import convert, from_pretrained, gguf_io, init_cache, load_tokenizer
+from ebpo_jax.models import convert, from_pretrained, gguf_io, init_cache
 from ebpo_jax.models.decoder import unstack_layers
+from ebpo_jax.tasks.tokenizers import HFTokenizer
 
 NEW_TOKENS = 32
 CHAT = [{"role": "user", "content": "Write a short poem about the sea and the stars."}]
@@ -80,7 +81,7 @@ def test_converted_weights_and_config_equal_transformers_gguf_loader(converted, 
 
 def test_tokenizer_and_chat_template(converted, reference):
   _, parsed = reference
-  tokenizer = load_tokenizer(converted)
+  tokenizer = HFTokenizer(str(converted)).hf_tokenizer  # the one loader of a directory's tokenizer
   text = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
   assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
   theirs, _ = convert_gguf_tokenizer("llama", parsed["tokenizer"])
@@ -132,7 +133,7 @@ def _our_greedy(path: str, ids: np.ndarray, steps: int) -> tuple[np.ndarray, lis
 
 def test_greedy_continuation_matches_transformers(converted, reference):
   model, _ = reference
-  tokenizer = load_tokenizer(converted)
+  tokenizer = HFTokenizer(str(converted)).hf_tokenizer  # the one loader of a directory's tokenizer
   text = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
   ids = np.asarray([tokenizer(text)["input_ids"]])
   ref_logits, ref_tokens = _reference_greedy(model, ids, NEW_TOKENS)
@@ -254,6 +255,6 @@ def test_tiny_gguf_round_trip(arch, tmp_path):
   with torch.no_grad():
     ref = torch_model(torch.as_tensor(ids)).logits.numpy()
   assert np.max(np.abs(logits - ref)) / np.max(np.abs(ref)) <= 1e-4
-  tokenizer = load_tokenizer(out)
+  tokenizer = HFTokenizer(str(out)).hf_tokenizer
   # Merges "Ġ t", "h e", "Ġt he": no "t he", so the leading "the" stays split.
   assert tokenizer.convert_ids_to_tokens(tokenizer("the the")["input_ids"]) == ["t", "he", "Ġthe"]

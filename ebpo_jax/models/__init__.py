@@ -2,7 +2,7 @@
 
 from ebpo_jax.models.decoder import Decoder, KVCache, ModelConfig, init_cache
 from ebpo_jax.models.gguf_io import convert_gguf, resolve_model_path, smollm2_135m_instruct
-from ebpo_jax.models.hf_io import from_pretrained, load_tokenizer, save_pretrained
+from ebpo_jax.models.hf_io import from_pretrained, save_pretrained
 
 __all__ = [
   "Decoder",
@@ -11,7 +11,6 @@ __all__ = [
   "convert_gguf",
   "from_pretrained",
   "init_cache",
-  "load_tokenizer",
   "resolve_model_path",
   "save_pretrained",
   "smollm2_135m_instruct",

@@ -244,13 +244,3 @@ def _save_readable(tensors: dict[str, np.ndarray], file: str, metadata: dict) ->
   umask = os.umask(0)
   os.umask(umask)
   os.chmod(file, 0o666 & ~umask)
-
-
-def load_tokenizer(path: str) -> Any:
-  """`transformers.AutoTokenizer` from a local directory (offline); pad token defaults to EOS."""
-  from transformers import AutoTokenizer
-
-  tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-  if tokenizer.pad_token is None:
-    tokenizer.pad_token = tokenizer.eos_token
-  return tokenizer
