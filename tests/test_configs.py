@@ -1,11 +1,12 @@
 """Every config file loads and passes the trainer's checks; the paper's runlocal variants train.
 
-Each of the paper's 18 (model, method) pairs runs one RL step at G = 4, and G = 8, 16, 32 run on
-one pair; the methods of a model share the sampler's compiles in this process (jit's own cache),
-so a run after a model's first takes about 10 s. All 72 configs pass check_config. (No persistent
-compilation cache here: loading a train step from it aborted the process now and then.)
+Each of the paper's 18 (model, method) pairs, at G = 4, and G = 8, 16, 32 on one pair, traces the
+trainer's train step in process (abstract shapes: nothing compiles) with the metrics its method
+promises. One method per model runs one real RL step in the trainer's process (e2e, about 35 s
+each). All 72 configs pass check_config.
 """
 
+import functools
 import importlib.util
 import json
 import math
@@ -13,9 +14,13 @@ import pathlib
 import re
 
 import jax
+import jax.numpy as jnp
 import pytest
 
-from ebpo_jax import train
+from ebpo_jax import advantages, sharding, tasks
+from ebpo_jax.trainer import config as config_lib
+from ebpo_jax.trainer import state as state_lib
+from ebpo_jax.trainer import step as step_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -40,14 +45,68 @@ ALL_ARGS = [
 ]
 
 
+# One method per model runs for real (e2e): DAPO's dynamic sampling, EBPO with its KL reference and
+# an untied head, and the curriculum of ebpo_diff.
+E2E_ARGS = ["qwen3_8b,dapo", "llama31_8b,ebpo_topic", "qwen3_14b,ebpo_diff"]
+
+
+def runlocal_model(config):
+  """The runlocal config's model over its task's tokenizer, and its mesh."""
+  task = tasks.get_task(config.task.name, **config.task.options)
+  model = state_lib.make_model(config, state_lib.load_tokenizer(config, task).vocab_size)
+  return model, sharding.make_mesh(dict(config.mesh))
+
+
 @pytest.mark.parametrize("arg", RUN_ARGS)
-def test_runlocal_variant_runs_one_rl_step(arg, tmp_path, monkeypatch):
-  # Plots are covered by test_train; here they would cost seconds per run.
-  monkeypatch.setattr(train.metrics_lib, "plot_metrics", lambda workdir: [])
+def test_runlocal_variant_traces_the_train_step(arg):
+  # jax.eval_shape traces train_step as the trainer jits it (estimator, loss, KL reference, mesh)
+  # on abstract shapes: a config the step cannot run fails here, without compiling.
   method = arg.split(",")[1]
   config = paper.get_config(f"{arg},runlocal")
-  train.check_config(config, jax.device_count())
-  train.run(config, str(tmp_path))
+  config_lib.check_config(config, jax.device_count())
+  model, mesh = runlocal_model(config)
+  optimizer = state_lib.make_optimizer(config)
+  estimator = advantages.from_config(config.rl)
+  num_clusters = 4
+  params = state_lib.abstract_params(model, mesh)
+  state = state_lib.abstract_state(config, optimizer, estimator, num_clusters, params)
+  b, g, n = config.train.batch_size, config.rl.group_size, config.sampling.max_new_tokens
+  p = max(config.sampling.prompt_buckets)
+  shapes = {
+    "prompt_ids": ((b, p), jnp.int32),
+    "prompt_mask": ((b, p), jnp.bool_),
+    "tokens": ((b * g, n), jnp.int32),
+    "completion_mask": ((b * g, n), jnp.bool_),
+    "old_logps": ((b * g, n), jnp.float32),
+    "truncated": ((b * g,), jnp.bool_),
+    "rewards": ((b, g), jnp.float32),
+    "cluster_ids": ((b,), jnp.int32),
+  }
+  batch = {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in shapes.items()}
+  step = functools.partial(
+    step_lib.train_step,
+    model=model,
+    optimizer=optimizer,
+    estimator=estimator,
+    config=config,
+    mesh=mesh,
+  )
+  new_state, metrics = jax.eval_shape(step, state, batch)
+  assert jax.tree.structure(new_state) == jax.tree.structure(state)
+  for key in ("loss", "grad_norm", "entropy", "bad_updates", "reward/mean"):
+    assert metrics[key].shape == (), key
+  assert ("ebpo/shrinkage_mean" in metrics) == method.startswith("ebpo")
+  assert (new_state.ref_params is not None) == (config.rl.loss.kl_coef > 0)
+  assert config.rl.dynamic_sampling == (method == "dapo")
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("arg", E2E_ARGS)
+def test_runlocal_variant_runs_one_rl_step(arg, trainer_cli, tmp_path):
+  method = arg.split(",")[1]
+  config = paper.get_config(f"{arg},runlocal")
+  result = trainer_cli(tmp_path, config=f"configs/paper.py:{arg},runlocal")
+  assert result.returncode == 0, result.stderr[-3000:]
   lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   steps = [m for m in lines if "reward/mean" in m]
   assert [m["step"] for m in steps] == [1]
@@ -66,9 +125,8 @@ def test_runlocal_variant_runs_one_rl_step(arg, tmp_path, monkeypatch):
 @pytest.mark.parametrize("model", list(paper.MODELS))
 def test_runlocal_model_has_the_architecture_of_the_paper_model(model):
   config = paper.get_config(f"{model},grpo,runlocal")
-  task = train.tasks.get_task(config.task.name, **config.task.options)
-  mesh = train.sharding.make_mesh(dict(config.mesh))
-  _, params = train.build_model(config, train.load_tokenizer(config, task), mesh)
+  runlocal, mesh = runlocal_model(config)
+  params = state_lib.abstract_params(runlocal, mesh)  # shapes only: nothing is initialised
   spec = paper.MODELS[model]
   attention = params["layers"]["self_attn"]
   layers, hidden, heads, _ = attention["q_proj"]["kernel"].shape
@@ -83,11 +141,11 @@ def test_runlocal_model_has_the_architecture_of_the_paper_model(model):
 @pytest.mark.parametrize("arg", ALL_ARGS)
 def test_full_and_runlocal_configs_pass_the_trainer_checks(arg):
   full = paper.get_config(arg)
-  train.check_config(full, paper.TARGET_DEVICES)
-  assert train._data_shards(full, paper.TARGET_DEVICES) == 8  # fsdp 8 x tensor 4
+  config_lib.check_config(full, paper.TARGET_DEVICES)
+  assert config_lib._data_shards(full, paper.TARGET_DEVICES) == 8  # fsdp 8 x tensor 4
   # 256 rows per sampler call at every G: the KV cache fits (bench/MEMORY.md)
   assert full.sampling.prompts_per_call * full.rl.group_size == 256
-  train.check_config(paper.get_config(f"{arg},runlocal"), 8)
+  config_lib.check_config(paper.get_config(f"{arg},runlocal"), 8)
 
 
 def test_full_configs_hold_the_paper_hyperparameters():
@@ -176,9 +234,9 @@ def test_bad_arguments_name_the_part(arg, message):
 )
 def test_other_configs_load_and_pass_the_trainer_checks(name):
   module = load_config_module(name)
-  train.check_config(module.get_config(), 1)  # full configs: one device (a GPU) at least
+  config_lib.check_config(module.get_config(), 1)  # full configs: one device (a GPU) at least
   # runlocal: CI's 8 fake devices; the SmolLM2 one runs on one CPU device (tests/test_smollm2.py)
-  train.check_config(module.get_config("runlocal"), 1 if name.startswith("smollm2") else 8)
+  config_lib.check_config(module.get_config("runlocal"), 1 if name.startswith("smollm2") else 8)
   with pytest.raises(ValueError, match="unknown argument"):
     module.get_config("no_such_variant")
 
