@@ -13,12 +13,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import atexit  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import pathlib  # noqa: E402
 import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import tempfile  # noqa: E402
 from collections.abc import Callable, Mapping  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -166,6 +168,11 @@ def tiny_step(tiny_steps) -> TinyStep:
 # ----------------------------------------------------------------------------- the trainer's CLI
 
 
+# A process-wide temporary directory (each xdist worker has its own), removed at exit.
+_SESSION_CACHE = tempfile.mkdtemp(prefix="ebpo_jax_xla_cache_")
+atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
+
+
 def run_trainer(
   workdir,
   *overrides: str,
@@ -176,9 +183,14 @@ def run_trainer(
 ):
   """`python -m ebpo_jax.train --config=CONFIG --workdir=WORKDIR OVERRIDES` on `devices` CPU
   devices from the repository root: the CompletedProcess (output captured), or with
-  `wait=False` the running Popen."""
+  `wait=False` the running Popen. The runs of a session share a persistent compilation cache
+  (their sampler, evaluation and train-step programs mostly repeat): about 3x faster."""
   env = dict(
-    os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu"
+    os.environ,
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+    JAX_PLATFORMS="cpu",
+    JAX_COMPILATION_CACHE_DIR=_SESSION_CACHE,
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
   )
   cmd = [sys.executable, "-m", "ebpo_jax.train", f"--config={config}", f"--workdir={workdir}"]
   cmd += overrides
