@@ -456,18 +456,18 @@ def test_no_retrace_on_second_call():
     _, prior, _ = step_jit(rewards, mask, clusters, prior)
   assert len(traces) == 1
   # Eager calls hit the jit caches too: same shapes and static settings, one compilation each.
-  before = adv_lib._ebpo_jit._cache_size()
+  before = adv_lib.empirical_bayes._ebpo_jit._cache_size()
   for decay in (0.9, 0.5):
     adv_lib.ebpo(rewards, clusters, prior, mask, decay=decay, normalize="cluster")
   adv_lib.ebpo(rewards, clusters, prior, mask, decay=1.0, normalize="cluster")
-  assert adv_lib._ebpo_jit._cache_size() == before + 1
+  assert adv_lib.empirical_bayes._ebpo_jit._cache_size() == before + 1
   # Entries are static: equal hyperparameters share a compilation, other ones get their own.
-  before = adv_lib._run._cache_size()
+  before = adv_lib.registry._run._cache_size()
   for eps in (1e-6, 1e-6, 1e-3):
     adv_lib.Estimator("grpo", adv_lib.GRPOParams(eps=eps))(
       rewards[:5], mask[:5], clusters[:5], prior
     )
-  assert adv_lib._run._cache_size() == before + 2
+  assert adv_lib.registry._run._cache_size() == before + 2
 
 
 def test_every_estimator_has_one_calling_convention():

@@ -1,6 +1,7 @@
 """The policy model: one config-driven decoder, its HF/GGUF weight I/O, and the packaged SmolLM2."""
 
-from ebpo_jax.models.decoder import Decoder, KVCache, ModelConfig, init_cache
+from ebpo_jax.models.config import ModelConfig
+from ebpo_jax.models.decoder import Decoder, KVCache, init_cache
 from ebpo_jax.models.gguf_io import convert_gguf, resolve_model_path, smollm2_135m_instruct
 from ebpo_jax.models.hf_io import from_pretrained, save_pretrained
 

@@ -21,7 +21,8 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from ebpo_jax import sharding as sharding_lib
-from ebpo_jax.models.decoder import Decoder, ModelConfig
+from ebpo_jax.models.config import ModelConfig
+from ebpo_jax.models.decoder import Decoder
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"

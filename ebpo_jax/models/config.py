@@ -1,0 +1,155 @@
+"""The decoder's static config, `ModelConfig`, and its Hugging Face `config.json` in and out.
+
+`ARCHITECTURES` names the supported HF model types; `REMAT_POLICIES` the per-layer remat policies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+ARCHITECTURES = {
+  "llama": "LlamaForCausalLM",
+  "qwen2": "Qwen2ForCausalLM",
+  "qwen3": "Qwen3ForCausalLM",
+}
+REMAT_POLICIES = {
+  "none": None,
+  "full": jax.checkpoint_policies.nothing_saveable,
+  "dots": jax.checkpoint_policies.dots_saveable,
+  "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Static shape and numerics of the decoder; hashable so it can be a linen attribute."""
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rope_theta: float = 10000.0
+  rope_scaling: tuple[tuple[str, Any], ...] | None = None  # hashable form of HF's llama3 rope dict
+  rms_norm_eps: float = 1e-6
+  tie_word_embeddings: bool = False
+  max_position_embeddings: int = 2048
+  dtype: str = "float32"  # compute dtype
+  param_dtype: str = "float32"
+  remat: str = "none"  # per-layer remat policy: one of REMAT_POLICIES
+  architecture: str = "llama"  # llama | qwen2 | qwen3 (for writing config.json back)
+
+  @property
+  def attention_bias(self) -> bool:
+    """Qwen2's q/k/v bias: set by the architecture, as in HF (the one place that says so)."""
+    return self.architecture == "qwen2"
+
+  @property
+  def qk_norm(self) -> bool:
+    """Qwen3's per-head RMSNorm on q and k: set by the architecture, as in HF."""
+    return self.architecture == "qwen3"
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+        f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+      )
+    if self.remat not in REMAT_POLICIES:
+      raise ValueError(f"remat={self.remat!r}; expected one of {sorted(REMAT_POLICIES)}")
+    if self.architecture not in ARCHITECTURES:
+      raise ValueError(
+        f"architecture={self.architecture!r}; expected one of {sorted(ARCHITECTURES)}"
+      )
+    for name in ("dtype", "param_dtype"):
+      jnp.dtype(getattr(self, name))  # raises on an unknown dtype name
+    if self.rope_scaling is not None:
+      rope_type = dict(self.rope_scaling).get("rope_type")
+      if rope_type not in ("llama3", "default"):
+        raise ValueError(f"rope_scaling type {rope_type!r} is not supported (llama3 or default)")
+
+  @classmethod
+  def from_hf(cls, hf_config: dict, **overrides: Any) -> ModelConfig:
+    """Builds a config from a Hugging Face `config.json` dict (transformers 4 or 5 rope keys)."""
+    model_type = hf_config.get("model_type", "llama")
+    if model_type not in ARCHITECTURES:
+      raise ValueError(
+        f"model_type={model_type!r} is not supported; expected one of {sorted(ARCHITECTURES)}"
+      )
+    _check_supported(hf_config, model_type)
+    rope = dict(hf_config.get("rope_parameters") or hf_config.get("rope_scaling") or {})
+    rope_theta = rope.pop("rope_theta", hf_config.get("rope_theta", 10000.0))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope_scaling = None
+    if rope_type != "default":
+      rope.pop("type", None)
+      rope["rope_type"] = rope_type
+      rope_scaling = tuple(sorted(rope.items()))
+    num_heads = hf_config["num_attention_heads"]
+    kwargs = dict(
+      vocab_size=hf_config["vocab_size"],
+      hidden_size=hf_config["hidden_size"],
+      intermediate_size=hf_config["intermediate_size"],
+      num_layers=hf_config["num_hidden_layers"],
+      num_heads=num_heads,
+      num_kv_heads=hf_config.get("num_key_value_heads") or num_heads,
+      head_dim=hf_config.get("head_dim") or hf_config["hidden_size"] // num_heads,
+      rope_theta=float(rope_theta),
+      rope_scaling=rope_scaling,
+      rms_norm_eps=hf_config.get("rms_norm_eps", 1e-6),
+      tie_word_embeddings=hf_config.get("tie_word_embeddings", False),
+      max_position_embeddings=hf_config.get("max_position_embeddings", 2048),
+      architecture=model_type,
+    )
+    kwargs.update(overrides)
+    return cls(**kwargs)
+
+  def to_hf(self) -> dict:
+    """The `config.json` dict transformers needs to rebuild this model."""
+    rope_parameters = {"rope_theta": self.rope_theta, "rope_type": "default"}
+    if self.rope_scaling is not None:
+      rope_parameters.update(dict(self.rope_scaling))
+    hf = {
+      "architectures": [ARCHITECTURES[self.architecture]],
+      "model_type": self.architecture,
+      "vocab_size": self.vocab_size,
+      "hidden_size": self.hidden_size,
+      "intermediate_size": self.intermediate_size,
+      "num_hidden_layers": self.num_layers,
+      "num_attention_heads": self.num_heads,
+      "num_key_value_heads": self.num_kv_heads,
+      "head_dim": self.head_dim,
+      "hidden_act": "silu",
+      "rms_norm_eps": self.rms_norm_eps,
+      "tie_word_embeddings": self.tie_word_embeddings,
+      "max_position_embeddings": self.max_position_embeddings,
+      "rope_theta": self.rope_theta,
+      "rope_parameters": rope_parameters,
+      "attention_dropout": 0.0,
+      "dtype": self.param_dtype,
+    }
+    if self.rope_scaling is not None:
+      hf["rope_scaling"] = rope_parameters
+    if self.architecture == "llama":
+      hf["attention_bias"] = False
+      hf["mlp_bias"] = False
+    return hf
+
+
+def _check_supported(hf_config: dict, model_type: str) -> None:
+  """Rejects config.json features this decoder does not implement, instead of ignoring them."""
+  unsupported = {
+    "hidden_act": hf_config.get("hidden_act", "silu") != "silu",
+    "mlp_bias": bool(hf_config.get("mlp_bias")),
+    "use_sliding_window": bool(hf_config.get("use_sliding_window")),
+    # Llama/Qwen3 `attention_bias` also biases o_proj; only Qwen2's q/k/v bias is implemented.
+    "attention_bias": model_type != "qwen2" and bool(hf_config.get("attention_bias")),
+  }
+  for key, bad in unsupported.items():
+    if bad:
+      raise ValueError(f"config.json {key}={hf_config[key]!r} is not supported for {model_type!r}")
