@@ -19,6 +19,7 @@ SMOKE_RUNS = {
 }
 
 
+@pytest.mark.e2e  # each benchmark is a script run as its own process (6-40 s)
 @pytest.mark.parametrize("name", sorted(SMOKE_RUNS))
 def test_benchmark_runs_and_ends_with_json(name):
   env = dict(
