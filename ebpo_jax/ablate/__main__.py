@@ -1,0 +1,51 @@
+"""`python -m ebpo_jax.ablate`: the command line of `ebpo_jax.ablate` (see its docstring)."""
+
+import pathlib
+import sys
+from collections.abc import Sequence
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from ebpo_jax.ablate import (
+  DEFAULT_VARIANTS,
+  VARIANTS,
+  AblationError,
+  _override_args,
+  run_ablation,
+)
+
+
+def main(argv: Sequence[str]) -> None:
+  del argv
+  f = flags.FLAGS
+  config_flag = f["config"]
+  try:
+    report = run_ablation(
+      config_flags.get_config_filename(config_flag),
+      f.workdir,
+      variants=[v for v in f.variants.split(",") if v],
+      group_sizes=[int(g) for g in f.group_sizes.split(",") if g],
+      seeds=f.seeds,
+      workers=f.workers,
+      overrides=_override_args(config_flags.get_override_values(config_flag)),
+      target_gain=f.target_gain,
+    )
+  except (AblationError, ValueError) as e:
+    sys.exit(f"error: {e}")
+  print(report["markdown"])
+  print(f"report: {pathlib.Path(f.workdir) / 'ablation.md'}")
+
+
+if __name__ == "__main__":
+  config_flags.DEFINE_config_file("config", None, "Experiment config file (path[:arg]).")
+  flags.DEFINE_string("workdir", None, "Directory for the runs, ablation.md and plots.")
+  flags.DEFINE_string(
+    "variants", ",".join(DEFAULT_VARIANTS), f"Comma list of: {', '.join(VARIANTS)}."
+  )
+  flags.DEFINE_string("group_sizes", "8", "Comma list of group sizes G.")
+  flags.DEFINE_integer("seeds", 3, "Number of seeds (0..n-1).")
+  flags.DEFINE_integer("workers", 1, "Runs at once (each one process, one device).")
+  flags.DEFINE_float("target_gain", 0.10, "Gain of the hardest cluster counted as 'reached'.")
+  flags.mark_flags_as_required(["config", "workdir"])
+  app.run(main)
