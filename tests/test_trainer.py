@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ebpo_jax import data, models
+from ebpo_jax import data, metrics, models
 from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import state as state_lib
 
@@ -152,3 +152,18 @@ def test_resume_restores_without_reading_the_model_weights(tiny_hf_model, tmp_pa
     json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()
   ]
   assert steps[-1] == 2 and sorted(os.listdir(workdir / "checkpoints"))[-1] == "2"
+
+
+# ----------------------------------------------------------------------------- metric names
+
+
+@pytest.mark.e2e
+def test_every_default_plot_panel_reads_a_logged_key(arith_run):
+  """The default plots and the trainer name their metrics from one list (ebpo_jax.metrics): every
+  panel pattern matches a key the runlocal EBPO run logged. (The old panels tokens_per_sec,
+  step_time and the per-cluster rewards matched nothing.)"""
+  workdir, _ = arith_run
+  records = metrics.read_metrics(workdir / metrics.METRICS_FILE)
+  assert metrics.missing_panels(records) == []
+  logged = {k for r in records for k in r}
+  assert {"reward/mean/add_1", "ebpo/prior_mean/add_2", "eval/accuracy/add_2"} <= logged
