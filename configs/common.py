@@ -30,6 +30,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.model = ml_collections.ConfigDict()  # the policy (and its frozen KL reference)
   config.model.path = ""  # HF directory or packaged:NAME; "": random-init decoder of this shape
+  config.model.init_from = ""  # trainer workdir: start from its latest checkpoint's params
   config.model.architecture = "llama"  # llama | qwen2 | qwen3; random-init models only
   config.model.tie_word_embeddings = True  # lm_head shares the embedding; random-init models only
   config.model.rope_theta = 10_000.0  # RoPE base frequency; random-init models only

@@ -6,10 +6,11 @@
 
 Every run is `python -m ebpo_jax.train` in its own process (one device each on a CPU), with the
 variant's config overrides. The supervised warm start runs once per seed (a run with
-`train.num_steps=0`); each variant of that seed starts from a copy of its step-0 checkpoint, so all
-variants of a seed share the warm-started policy, the initial evaluation and the data order (the
-data order and the rollout keys follow `seed`). A run that finished is skipped when the ablation is
-started again; one that was interrupted resumes from its latest checkpoint.
+`train.num_steps=0`); each variant of that seed starts from its params (`model.init_from`, no warm
+start of its own) with a fresh state of its own estimator, so all variants of a seed share the
+warm-started policy, the initial evaluation and the data order (they follow `seed`). A run that
+finished is skipped when the ablation is started again; one that was interrupted resumes from its
+latest checkpoint.
 
 Writes WORKDIR/ablation.md (final accuracy mean and spread per variant and group size, per cluster,
 gain of the hardest cluster, zero-advantage share, entropy, steps to a target gain), ablation.json
@@ -22,7 +23,6 @@ import datetime
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import threading
@@ -164,26 +164,16 @@ def _ensure_warm_start(config, workdir, seed, base_args, env) -> pathlib.Path:
   return warm
 
 
-def _start_from_warm(warm: pathlib.Path, run_dir: pathlib.Path) -> None:
-  """Copies the warm start's step-0 checkpoint and metrics into a fresh run directory."""
-  if (run_dir / "checkpoints").exists():
-    return  # started before: the trainer resumes from its own latest checkpoint
-  run_dir.mkdir(parents=True, exist_ok=True)
-  shutil.copy(warm / metrics_lib.METRICS_FILE, run_dir / metrics_lib.METRICS_FILE)
-  tmp = run_dir / "checkpoints.tmp"
-  shutil.rmtree(tmp, ignore_errors=True)
-  shutil.copytree(warm / "checkpoints", tmp)
-  tmp.rename(run_dir / "checkpoints")
-
-
 def _run_one(config, workdir, run: Run, base_args, env, warm_locks) -> dict:
   run_dir = workdir / "runs" / run.name
   if (run_dir / RESULT_FILE).exists():
     return json.loads((run_dir / RESULT_FILE).read_text())
   with warm_locks[run.seed]:
     warm = _ensure_warm_start(config, workdir, run.seed, base_args, env)
-  _start_from_warm(warm, run_dir)
+  # The variant starts from the warm start's params (its own state: the estimator's prior may have
+  # another shape); the same seed gives it the same step-0 evaluation and data order.
   overrides = {**VARIANTS[run.variant], "rl.group_size": run.group_size, "seed": run.seed}
+  overrides.update({"model.init_from": str(warm), "sft.num_steps": 0})
   start = time.perf_counter()
   _train(config, run_dir, [*base_args, *_override_args(overrides)], env)
   result = summarize_run(run_dir, run)
