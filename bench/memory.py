@@ -32,8 +32,6 @@ step compute on the padded length).
 """
 
 import argparse
-import functools
-import importlib.util
 import json
 import math
 import os
@@ -58,10 +56,9 @@ ROWS = [  # (model, method, G): EBPO with the KL term; DAPO without; G 4 (the de
 
 
 def load_paper():
-  spec = importlib.util.spec_from_file_location("paper", os.path.join(ROOT, "configs/paper.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  from ebpo_jax.trainer import config as config_lib
+
+  return config_lib.load_module(os.path.join(ROOT, "configs/paper.py"))
 
 
 def num_params(spec: dict) -> int:
@@ -183,7 +180,6 @@ def compiled_memory(config, spec: dict, prompt_len: int) -> dict:
   jitted as the trainer does (mesh, shardings, donated state)."""
   import jax
   import jax.numpy as jnp
-  from jax.sharding import NamedSharding, PartitionSpec
 
   from ebpo_jax import advantages, sharding
   from ebpo_jax.trainer import state as state_lib
@@ -191,7 +187,6 @@ def compiled_memory(config, spec: dict, prompt_len: int) -> dict:
 
   mesh = sharding.make_mesh(dict(config.mesh))
   model, params = abstract_model(config, spec, mesh)
-  replicated = NamedSharding(mesh, PartitionSpec())
   optimizer = state_lib.make_optimizer(config)
   estimator = advantages.from_config(config.rl)
   state_args = (config, optimizer, estimator, 10)  # 10 clusters
@@ -210,19 +205,7 @@ def compiled_memory(config, spec: dict, prompt_len: int) -> dict:
     "cluster_ids": ((b,), jnp.int32),
   }
   batch = {k: jax.ShapeDtypeStruct(s, t, sharding=rows) for k, (s, t) in shapes.items()}
-  step = jax.jit(
-    functools.partial(
-      step_lib.train_step,
-      model=model,
-      optimizer=optimizer,
-      estimator=estimator,
-      config=config,
-      mesh=mesh,
-    ),
-    in_shardings=(state_shardings, rows),
-    out_shardings=(state_shardings, replicated),
-    donate_argnums=(0,),
-  )
+  step = step_lib.jit_train_step(config, model, optimizer, estimator, mesh, state_shardings)
   t0 = time.perf_counter()
   compiled = step.lower(state, batch).compile()
   compile_s = time.perf_counter() - t0

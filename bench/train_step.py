@@ -11,7 +11,6 @@ JSON line with the EBPO/GRPO time ratio (goal <= 1.02: the prior must be free) a
 """
 
 import argparse
-import functools
 import json
 import os
 import sys
@@ -96,19 +95,7 @@ def compiled_step(shape_name: str, advantage: str, args):
   state_sharding = state_lib.state_shardings(*state_args, params)
   num_params = sum(x.size for x in jax.tree.leaves(params) if x.ndim >= 2)
   state = state_lib.create_state(*state_args, params)  # params are donated
-  step = jax.jit(
-    functools.partial(
-      step_lib.train_step,
-      model=model,
-      optimizer=optimizer,
-      estimator=estimator,
-      config=config,
-      mesh=mesh,
-    ),
-    in_shardings=(state_sharding, sharding.batch_sharding(mesh)),
-    out_shardings=(state_sharding, None),
-    donate_argnums=(0,),
-  )
+  step = step_lib.jit_train_step(config, model, optimizer, estimator, mesh, state_sharding)
   batch = synthetic_batch(args, shape["vocab_size"])
   return step.lower(state, batch).compile(), state, batch, num_params
 

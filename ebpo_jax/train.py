@@ -11,7 +11,6 @@ function. The parts live in ebpo_jax/trainer/; this file is only the entry point
 """
 
 import collections
-import functools
 import sys
 import time
 from collections.abc import Sequence
@@ -21,7 +20,6 @@ import ml_collections
 import numpy as np
 import tqdm
 from absl import app, flags
-from jax.sharding import NamedSharding, PartitionSpec
 from ml_collections import config_flags
 
 from ebpo_jax import advantages, checkpoint, data, sharding
@@ -29,7 +27,7 @@ from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import state as state_lib
-from ebpo_jax.trainer.step import train_step
+from ebpo_jax.trainer.step import jit_train_step
 from ebpo_jax.trainer.warm_start import warm_start
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
@@ -65,17 +63,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   abstract_params = state_lib.abstract_params(model, mesh)
   state_args = (config, optimizer, estimator, len(cluster_names))
   shardings = state_lib.state_shardings(*state_args, abstract_params)
-  traces = collections.Counter()  # Python runs only while tracing: counts (re)compiles
-  step_fn = jax.jit(
-    _counting(
-      functools.partial(
-        train_step, model=model, optimizer=optimizer, estimator=estimator, config=config, mesh=mesh
-      ),
-      traces,
-    ),
-    in_shardings=(shardings, sharding.batch_sharding(mesh)),
-    out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())),
-    donate_argnums=(0,),
+  traces = collections.Counter()  # jit traces of the train step: 1 means no recompile
+  step_fn = jit_train_step(
+    config, model, optimizer, estimator, mesh, shardings, on_trace=lambda: traces.update(["step"])
   )
   sampler = rollouts_lib.make_sampler(model, task, tokenizer, config, mesh)
 
@@ -137,7 +127,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
           metrics_lib.TIME_SAMPLE_S: t1 - t0,
           metrics_lib.TIME_UPDATE_S: t2 - t1,
           metrics_lib.TIME_TOKENS_PER_S: logged[metrics_lib.ROLLOUT_TOKENS] / (t2 - t0),
-          metrics_lib.COMPILES_TRAIN_STEP: traces["train_step"],
+          metrics_lib.COMPILES_TRAIN_STEP: traces["step"],
         }
       )
       if (step + 1) % config.eval.every_steps == 0 or step + 1 == num_steps:
@@ -203,17 +193,6 @@ def finish(workdir: str, cluster_names: Sequence[str]) -> None:
   print(metrics_lib.summary_table(table))
   plots = metrics_lib.plot_metrics(workdir)
   print(f"{len(plots)} plots in {workdir}/plots/")
-
-
-def _counting(fn, counter: collections.Counter):
-  """`fn` that adds 1 to `counter["train_step"]` each time it runs in Python (each jit trace)."""
-
-  @functools.wraps(fn)
-  def wrapped(*args, **kwargs):
-    counter["train_step"] += 1
-    return fn(*args, **kwargs)
-
-  return wrapped
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ import jax.numpy as jnp  # noqa: E402
 import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from ebpo_jax import advantages, checkpoint, models, sharding, tasks  # noqa: E402
 from ebpo_jax.trainer import config as config_lib  # noqa: E402
@@ -141,17 +140,9 @@ def tiny_steps() -> Callable[..., TinyStep]:
       shardings = state_lib.state_shardings(
         config, optimizer, estimator, NUM_CLUSTERS, state_lib.abstract_params(model, mesh)
       )
-      step = jax.jit(  # as the trainer jits it (explicit shardings: a second step hits the cache)
-        functools.partial(
-          step_lib.train_step,
-          model=model,
-          optimizer=optimizer,
-          estimator=estimator,
-          config=config,
-          mesh=mesh,
-        ),
-        in_shardings=(shardings, sharding.batch_sharding(mesh)),
-        out_shardings=(shardings, NamedSharding(mesh, PartitionSpec())),
+      # As the trainer jits it, but nothing donated: tests may share the fresh state.
+      step = step_lib.jit_train_step(
+        config, model, optimizer, estimator, mesh, shardings, donate=False
       )
       cache[key] = TinyStep(config, model, optimizer, estimator, mesh, step)
     return cache[key]

@@ -7,7 +7,6 @@ each). All 72 configs pass check_config.
 """
 
 import functools
-import importlib.util
 import json
 import math
 import pathlib
@@ -26,10 +25,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def load_config_module(name: str):
-  spec = importlib.util.spec_from_file_location(name, ROOT / "configs" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return config_lib.load_module(ROOT / "configs" / f"{name}.py")
 
 
 paper = load_config_module("paper")

@@ -4,6 +4,7 @@ import contextlib
 import importlib.util
 import os
 import sys
+import types
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -39,17 +40,22 @@ def entry_point(verbosity: int = logging.WARNING) -> Iterator[None]:
     sys.exit(f"error: {e}")
 
 
+def load_module(path: str | os.PathLike) -> types.ModuleType:
+  """The Python module of a config file (its `get_config` and any tables it defines)."""
+  path = os.fspath(path)
+  spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+  if spec is None or not os.path.isfile(path):
+    raise ConfigError(f"config file {path!r} not found")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
 def load_config(spec: str | os.PathLike, overrides: Mapping[str, Any] | None = None):
   """The ConfigDict of `configs/NAME.py[:ARG]` (what `--config=` takes), with `overrides`
   (dotted keys, e.g. {"rl.group_size": 4}) applied as `--config.KEY=VALUE` would."""
   path, _, arg = os.fspath(spec).partition(":")
-  module_spec = importlib.util.spec_from_file_location(
-    os.path.splitext(os.path.basename(path))[0], path
-  )
-  if module_spec is None or not os.path.isfile(path):
-    raise ConfigError(f"config file {path!r} not found")
-  module = importlib.util.module_from_spec(module_spec)
-  module_spec.loader.exec_module(module)
+  module = load_module(path)
   config = module.get_config(arg or None)
   if overrides:
     config.update_from_flattened_dict(dict(overrides))

@@ -7,13 +7,14 @@ the registry entry carries its hyperparameters and names its own metrics.
 """
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ebpo_jax import advantages, losses, models, sampling, sharding
 from ebpo_jax import metrics as metrics_lib
@@ -172,6 +173,38 @@ def train_step(
   metrics.update(adv_metrics)
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, prior=prior)
   return new_state, metrics
+
+
+def jit_train_step(
+  config: ml_collections.ConfigDict,
+  model: models.Decoder,
+  optimizer: optax.GradientTransformation,
+  estimator: advantages.Estimator,
+  mesh: Mesh,
+  state_shardings: Any,
+  *,
+  donate: bool = True,
+  on_trace: Callable[[], None] | None = None,
+):
+  """`train_step` jitted as the trainer runs it: explicit state and batch shardings (so a second
+  step hits the compile cache), metrics replicated, the state donated. `on_trace` is called each
+  time jit traces the step (a retrace counter)."""
+  fn = functools.partial(
+    train_step, model=model, optimizer=optimizer, estimator=estimator, config=config, mesh=mesh
+  )
+  if on_trace is not None:
+    traced_fn = fn
+
+    def fn(state, batch):
+      on_trace()
+      return traced_fn(state, batch)
+
+  return jax.jit(
+    fn,
+    in_shardings=(state_shardings, sharding.batch_sharding(mesh)),
+    out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
+    donate_argnums=(0,) if donate else (),
+  )
 
 
 def _rollout_metrics(batch: dict, adv_bg: jax.Array) -> dict:
