@@ -178,8 +178,6 @@ def compiled_sampler_memory(config, spec: dict, prompt_len: int) -> dict:
 def compiled_memory(config, spec: dict, prompt_len: int) -> dict:
   """memory_analysis() of the trainer's train_step on this process's devices (abstract inputs),
   jitted as the trainer does (mesh, shardings, donated state)."""
-  import jax
-  import jax.numpy as jnp
 
   from ebpo_jax import advantages, sharding
   from ebpo_jax.trainer import state as state_lib
@@ -192,19 +190,7 @@ def compiled_memory(config, spec: dict, prompt_len: int) -> dict:
   state_args = (config, optimizer, estimator, 10)  # 10 clusters
   state = state_lib.abstract_state(*state_args, params)
   state_shardings = state_lib.state_shardings(*state_args, params)
-  b, g, n = config.train.batch_size, config.rl.group_size, config.sampling.max_new_tokens
-  rows = sharding.batch_sharding(mesh)
-  shapes = {
-    "prompt_ids": ((b, prompt_len), jnp.int32),
-    "prompt_mask": ((b, prompt_len), jnp.bool_),
-    "tokens": ((b * g, n), jnp.int32),
-    "completion_mask": ((b * g, n), jnp.bool_),
-    "old_logps": ((b * g, n), jnp.float32),
-    "truncated": ((b * g,), jnp.bool_),
-    "rewards": ((b, g), jnp.float32),
-    "cluster_ids": ((b,), jnp.int32),
-  }
-  batch = {k: jax.ShapeDtypeStruct(s, t, sharding=rows) for k, (s, t) in shapes.items()}
+  batch = step_lib.abstract_batch(config, prompt_len, sharding.batch_sharding(mesh))
   step = step_lib.jit_train_step(config, model, optimizer, estimator, mesh, state_shardings)
   t0 = time.perf_counter()
   compiled = step.lower(state, batch).compile()

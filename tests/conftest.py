@@ -89,7 +89,7 @@ class TinyStep:
   B, G, P, N, V = B, G, P, N, V
 
   def batch(self, seed: int = 0) -> dict:
-    """A host batch of `train_step` (BATCH_KEYS) with a left-padded prompt and early stops;
+    """A host batch of `train_step` (step.abstract_batch) with a left-padded prompt and early stops;
     prompts 0-3 are cluster 0, 4-7 cluster 1."""
     rng = np.random.default_rng(seed)
     prompt_mask = np.ones((B, P), bool)

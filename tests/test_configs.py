@@ -13,7 +13,6 @@ import pathlib
 import re
 
 import jax
-import jax.numpy as jnp
 import pytest
 
 from ebpo_jax import advantages, sharding, tasks
@@ -66,19 +65,7 @@ def test_runlocal_variant_traces_the_train_step(arg):
   num_clusters = 4
   params = state_lib.abstract_params(model, mesh)
   state = state_lib.abstract_state(config, optimizer, estimator, num_clusters, params)
-  b, g, n = config.train.batch_size, config.rl.group_size, config.sampling.max_new_tokens
-  p = max(config.sampling.prompt_buckets)
-  shapes = {
-    "prompt_ids": ((b, p), jnp.int32),
-    "prompt_mask": ((b, p), jnp.bool_),
-    "tokens": ((b * g, n), jnp.int32),
-    "completion_mask": ((b * g, n), jnp.bool_),
-    "old_logps": ((b * g, n), jnp.float32),
-    "truncated": ((b * g,), jnp.bool_),
-    "rewards": ((b, g), jnp.float32),
-    "cluster_ids": ((b,), jnp.int32),
-  }
-  batch = {k: jax.ShapeDtypeStruct(shape, dtype) for k, (shape, dtype) in shapes.items()}
+  batch = step_lib.abstract_batch(config, max(config.sampling.prompt_buckets))
   step = functools.partial(
     step_lib.train_step,
     model=model,

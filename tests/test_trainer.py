@@ -2,23 +2,16 @@
 
 import json
 import os
-import pathlib
 import shutil
-import subprocess
-import sys
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ebpo_jax import data, metrics, models
+from ebpo_jax import data, metrics
 from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import state as state_lib
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
 
 # ----------------------------------------------------------------------------- PRNG streams
 
@@ -95,59 +88,26 @@ def test_the_step_loop_makes_no_implicit_transfer(tiny_steps):
 # ----------------------------------------------------------------------------- resume first
 
 
-@pytest.fixture(scope="module")
-def tiny_hf_model(tmp_path_factory):
-  """A random 1-layer Llama written by our save_pretrained, with SmolLM2's tokenizer files."""
-  path = tmp_path_factory.mktemp("tiny_llama")
-  smollm2 = models.smollm2_135m_instruct()
-  config = models.ModelConfig(
-    vocab_size=49152,
-    hidden_size=16,
-    intermediate_size=32,
-    num_layers=1,
-    num_heads=2,
-    num_kv_heads=1,
-    head_dim=8,
-    tie_word_embeddings=True,
-  )
-  model = models.Decoder(config)
-  params = nn.unbox(model.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"])
-  models.save_pretrained(str(path), model, params)
-  for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-    shutil.copy(os.path.join(smollm2, name), path / name)
-  return path
-
-
-def _train(workdir, model_dir, num_steps: int) -> None:
-  env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+@pytest.mark.e2e
+def test_resume_restores_without_reading_the_model_weights(trainer_cli, tiny_llama_dir, tmp_path):
+  """Resume first: with a checkpoint in the workdir the state is restored into abstract shapes;
+  the model directory's weights are never read (here they are deleted before resuming)."""
+  model_dir = tmp_path / "model"
+  shutil.copytree(tiny_llama_dir, model_dir)
+  workdir = tmp_path / "run"
   args = [
-    f"--config={ROOT / 'configs/arith_ebpo.py'}:runlocal",
-    f"--workdir={workdir}",
     f"--config.model.path={model_dir}",
     "--config.sft.num_steps=0",
-    f"--config.train.num_steps={num_steps}",
     "--config.checkpoint.every_steps=1",
     "--config.rl.loss.kl_coef=0.01",  # a reference policy too: it must not be rebuilt either
     "--config.task.num_eval=2",
     "--config.eval.every_steps=100",
   ]
-  proc = subprocess.run(
-    [sys.executable, "-m", "ebpo_jax.train", *args], env=env, capture_output=True, text=True
-  )
-  assert proc.returncode == 0, proc.stderr[-3000:]
-
-
-@pytest.mark.e2e
-def test_resume_restores_without_reading_the_model_weights(tiny_hf_model, tmp_path):
-  """Resume first: with a checkpoint in the workdir the state is restored into abstract shapes;
-  the model directory's weights are never read (here they are deleted before resuming)."""
-  model_dir = tmp_path / "model"
-  shutil.copytree(tiny_hf_model, model_dir)
-  workdir = tmp_path / "run"
-  _train(workdir, model_dir, num_steps=1)
-  for weights in model_dir.glob("*.safetensors"):
-    weights.unlink()
-  _train(workdir, model_dir, num_steps=2)
+  for num_steps in (1, 2):
+    result = trainer_cli(workdir, *args, f"--config.train.num_steps={num_steps}", devices=1)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for weights in model_dir.glob("*.safetensors"):  # the resumed run must not read them
+      weights.unlink()
   steps = [
     json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()
   ]

@@ -20,19 +20,25 @@ from ebpo_jax import advantages, losses, models, sampling, sharding
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.trainer.state import TrainState, step_keys
 
-# The batch train_step takes (device arrays; rows r = b * G + g):
-#   prompt_ids, prompt_mask [B, P]; tokens, completion_mask, old_logps [B*G, N];
-#   truncated [B*G]; rewards [B, G]; cluster_ids [B].
-BATCH_KEYS = (
-  "prompt_ids",
-  "prompt_mask",
-  "tokens",
-  "completion_mask",
-  "old_logps",
-  "truncated",
-  "rewards",
-  "cluster_ids",
-)
+
+def abstract_batch(
+  config: ml_collections.ConfigDict, prompt_len: int, sharding: Any = None
+) -> dict[str, jax.ShapeDtypeStruct]:
+  """The batch `train_step` takes, as shapes (the one statement of its layout; rows r = b * G + g):
+  prompt_ids, prompt_mask [B, P]; tokens, completion_mask, old_logps [B*G, N]; truncated [B*G];
+  rewards [B, G]; cluster_ids [B]."""
+  b, g, n = config.train.batch_size, config.rl.group_size, config.sampling.max_new_tokens
+  shapes = {
+    "prompt_ids": ((b, prompt_len), jnp.int32),
+    "prompt_mask": ((b, prompt_len), jnp.bool_),
+    "tokens": ((b * g, n), jnp.int32),
+    "completion_mask": ((b * g, n), jnp.bool_),
+    "old_logps": ((b * g, n), jnp.float32),
+    "truncated": ((b * g,), jnp.bool_),
+    "rewards": ((b, g), jnp.float32),
+    "cluster_ids": ((b,), jnp.int32),
+  }
+  return {k: jax.ShapeDtypeStruct(s, t, sharding=sharding) for k, (s, t) in shapes.items()}
 
 
 def completion_logits(model: models.Decoder, params: Any, seqs: dict) -> jax.Array:
@@ -122,7 +128,7 @@ def train_step(
   config: ml_collections.ConfigDict,
   mesh: Mesh | None = None,
 ) -> tuple[TrainState, dict]:
-  """One RL step on a scored rollout batch (`BATCH_KEYS`): advantages, then PPO-clip updates.
+  """One RL step on a scored rollout batch (`abstract_batch`): advantages, then PPO-clip updates.
 
   With `mesh`, micro-batch rows are kept sharded over its batch axes. Metrics are scalars, or
   per-cluster vectors [K] that the host splits by cluster name.
