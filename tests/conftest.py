@@ -262,3 +262,13 @@ def tiny_llama_dir(tmp_path_factory) -> pathlib.Path:
   for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
     shutil.copy(os.path.join(smollm2, name), path / name)
   return path
+
+
+def pytest_collection_modifyitems(config, items):
+  """The slow tests (e2e, the real model's first) run first: with xdist workers they then run
+  beside the fast ones instead of leaving one worker busy at the end."""
+  rank = lambda item: (
+    item.get_closest_marker("e2e") is None,
+    "test_smollm2" not in item.nodeid,
+  )
+  items.sort(key=rank)
