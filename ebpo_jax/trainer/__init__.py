@@ -1,8 +1,12 @@
 """The trainer's parts, used by the entry points (train, evaluate, export, ablate, difficulty).
 
-config     loading a config file (`load_config`) and checking every value before compiling
-state      `TrainState`, the optimizer, building the model, a fresh or an abstract state
-step       the pure, jitted `train_step` (advantages, then PPO-clip updates)
-rollouts   host rollouts: sampling, scoring, DAPO refill, the in-training evaluation
+config     loading a config file (`load_config`), checking every value before compiling, the
+           entry points' frame (`entry_point`: bad input -> one line)
+state      `TrainState`, the optimizer, building the model, a fresh or an abstract state, the
+           step's named PRNG streams (`step_keys`)
+step       the pure `train_step` (advantages, then PPO-clip updates) and its one jit
+rollouts   host rollouts (`Sampler` -> `Rollout`): sampling, scoring, DAPO refill, the
+           in-training evaluation
 warm_start the supervised warm start before RL
+policy     a policy for evaluate/export/difficulty: a run's checkpoint or a model directory
 """
