@@ -25,6 +25,7 @@ from ml_collections import config_flags
 from ebpo_jax import advantages, checkpoint, data, sharding
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.trainer import config as config_lib
+from ebpo_jax.trainer import policy as policy_lib
 from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer.step import jit_train_step
@@ -86,7 +87,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     abstract = state_lib.abstract_state(*state_args, abstract_params)
     state, _ = ckpt.restore(latest, abstract, data_iter=batches)
   else:
-    params = state_lib.init_params(config, model, mesh)
+    params = policy_lib.initial_params(config, model, mesh)
     params = warm_start(config, model, params, rows, sampler)
     state = state_lib.create_state(*state_args, params)
     last_eval = evaluate(state)

@@ -1,4 +1,5 @@
-"""Where a policy to evaluate, export or measure comes from: a run's checkpoint or an HF directory.
+"""Where a policy comes from: a run's checkpoint or an HF directory (evaluate, export, difficulty,
+and a fresh run's `model.init_from`).
 
 Used by the entry points evaluate, export and difficulty. A run's checkpoint is read through
 `checkpoint.Checkpointer(read_only=True)` (the only code that knows the checkpoint layout), so a
@@ -19,16 +20,14 @@ def _checkpoints(run_dir: str) -> checkpoint.Checkpointer:
   try:
     return checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), read_only=True)
   except FileNotFoundError:
-    raise PolicyError(
-      f"--run_dir={run_dir}: no checkpoints/ directory (not a trainer workdir?)"
-    ) from None
+    raise PolicyError(f"{run_dir}: no checkpoints/ directory (not a trainer workdir?)") from None
 
 
 def checkpoint_step(run_dir: str, step: int | None) -> int:
   """`step`, checked to exist in `run_dir`'s checkpoints, or the latest one."""
   steps = _checkpoints(run_dir).all_steps()
   if not steps:
-    raise PolicyError(f"--run_dir={run_dir}: no complete checkpoint in {run_dir}/checkpoints")
+    raise PolicyError(f"{run_dir}: no complete checkpoint in {run_dir}/checkpoints")
   if step is None:
     return steps[-1]
   if step not in steps:
@@ -83,15 +82,30 @@ def load_policy(config, tokenizer, mesh, run_dir: str | None, step: int | None):
     path = models.resolve_model_path(config.model.path)
     params = state_lib.init_params(config, model, mesh)
     return model, params, {"kind": "hf", "path": os.path.abspath(path)}
-  abstract = state_lib.abstract_params(model, mesh)
+  params = run_params(run_dir, step, state_lib.abstract_params(model, mesh))
+  return model, params, {"kind": "checkpoint", "run_dir": os.path.abspath(run_dir), "step": step}
+
+
+def run_params(run_dir: str, step: int, abstract: Any) -> Any:
+  """Only the params of checkpoint `step` of `run_dir`, restored into `abstract` (shapes with
+  shardings): no weights are loaded or initialised first."""
   try:
-    params = _checkpoints(run_dir).restore_params(step, abstract)
+    return _checkpoints(run_dir).restore_params(step, abstract)
   except ValueError as e:
     raise PolicyError(
       f"checkpoint {step} of {run_dir} does not fit the model its config builds (a random-init "
       f"model's vocabulary is its task's tokenizer: is config.task the run's?): {e}"
     ) from e
-  return model, params, {"kind": "checkpoint", "run_dir": os.path.abspath(run_dir), "step": step}
+
+
+def initial_params(config: ml_collections.ConfigDict, model, mesh) -> Any:
+  """A fresh run's params: the latest checkpoint's of the run `config.model.init_from` (e.g. an
+  ablation's shared warm start), else `state.init_params` (`config.model.path` or random)."""
+  run_dir = config.model.init_from
+  if not run_dir:
+    return state_lib.init_params(config, model, mesh)
+  step = checkpoint_step(run_dir, None)
+  return run_params(run_dir, step, state_lib.abstract_params(model, mesh))
 
 
 def policy_config(config, run_dir: str | None, step: int | None):

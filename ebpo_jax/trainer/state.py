@@ -7,7 +7,6 @@ shardings. A resumed run builds nothing real: `abstract_state` gives the same tr
 """
 
 import functools
-import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -19,7 +18,7 @@ import ml_collections
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ebpo_jax import advantages, checkpoint, models, sharding, tasks
+from ebpo_jax import advantages, models, sharding, tasks
 from ebpo_jax.models import hf_io
 from ebpo_jax.tasks import tokenizers
 from ebpo_jax.trainer.config import ConfigError
@@ -117,32 +116,12 @@ def abstract_params(model: models.Decoder, mesh: Mesh) -> Any:
 
 
 def init_params(config: ml_collections.ConfigDict, model: models.Decoder, mesh: Mesh) -> Any:
-  """Real params in their shardings: the latest checkpoint's of the run `config.model.init_from`
-  (e.g. a shared warm start), else read from `config.model.path`, else random (`config.seed`)."""
-  if config.model.init_from:
-    return _params_of_run(config.model.init_from, abstract_params(model, mesh))
+  """Real params in their shardings: read from `config.model.path`, else random (`config.seed`)."""
   if config.model.path:
     return hf_io.load_params(models.resolve_model_path(config.model.path), model, mesh)
   shardings = jax.tree.map(lambda x: x.sharding, abstract_params(model, mesh))
   init = lambda rng: nn.unbox(model.init(rng, jnp.zeros((1, 4), jnp.int32))["params"])
   return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(config.seed))
-
-
-def _params_of_run(run_dir: str, abstract: Any) -> Any:
-  """The params of the latest checkpoint in `run_dir`, restored into `abstract`."""
-  try:
-    ckpt = checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), read_only=True)
-  except FileNotFoundError:
-    raise ConfigError(f"config.model.init_from={run_dir!r}: no checkpoints/ directory") from None
-  step = ckpt.latest_step()
-  if step is None:
-    raise ConfigError(f"config.model.init_from={run_dir!r}: no complete checkpoint")
-  try:
-    return ckpt.restore_params(step, abstract)
-  except ValueError as e:
-    raise ConfigError(
-      f"config.model.init_from={run_dir!r}: checkpoint {step} does not fit this model: {e}"
-    ) from None
 
 
 # ----------------------------------------------------------------------------- optimizer
