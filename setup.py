@@ -23,6 +23,8 @@ TEST_REQUIRES = [
     "nbclient>=0.10",
     "nbformat>=5.10",
     "ipykernel>=6.29",
+    # A Google Cloud Storage API on loopback for the gs:// tests (tests/conftest.py gcs_emulator).
+    "gcp-storage-emulator>=2024.8",
 ]
 
 setuptools.setup(

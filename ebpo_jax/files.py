@@ -1,31 +1,132 @@
-"""Atomic writes of local files: a reader sees the old file or the whole new one, never a part.
+"""Paths, local or `gs://bucket/...`: the one layer through which the project reads and writes.
 
-The one copy of the temporary-file-and-rename pattern. A base-layer module: it imports nothing of
-the project, so every layer may use it.
+Every path a user gives (workdir, data, eval rows, a Hugging Face model directory, a tokenizer)
+may be local or on Google Cloud Storage. Remote paths go through `etils.epath` (gs:// by
+`gcsfs`); local paths stay on `os`, so local behaviour (atomic renames, fsync) is unchanged. A
+base-layer module: it imports nothing of the project, so every layer may use it.
 
-The data goes to `.NAME.PID.tmp` in the directory of NAME (a rename is atomic only within one file
-system; the pid keeps two processes writing the same path from sharing a temporary file), is
-fsync'ed, and `os.replace`s NAME. On any error, an interrupt included, the temporary file is
-removed and NAME keeps its old content.
+Writes are atomic: a reader sees the old file or the whole new one, never a part.
+- Local: the data goes to `.NAME.PID.tmp` in the directory of NAME (a rename is atomic only within
+  one file system; the pid keeps two processes writing the same path from sharing a temporary
+  file), is fsync'ed, and `os.replace`s NAME. On any error, an interrupt included, the temporary
+  file is removed and NAME keeps its old content.
+- Remote: the whole content is built in memory and uploaded as one object (an object upload is
+  atomic: readers see the old object or the new one); nothing is uploaded when building it fails.
+
+Object stores cannot append, so `Appender` keeps a remote file's content in memory and uploads
+all of it on every `flush`; locally it appends to the file.
+
+Libraries that need a local file (safetensors' memory map, a tokenizer directory, the parquet
+reader) get one from `local_copy`, which mirrors a remote file or directory into the cache.
+
+The Google Cloud clients follow `STORAGE_EMULATOR_HOST` (gcsfs, google-cloud-storage) and
+`TENSORSTORE_GCS_HTTP_URL` (tensorstore, under orbax): the tests point them at a
+`gcp-storage-emulator` on loopback.
 """
 
 import contextlib
+import hashlib
 import os
+import shutil
+import tempfile
 from collections.abc import Iterable, Iterator
-from typing import BinaryIO
+from typing import IO, BinaryIO
 
-__all__ = ["write_atomic", "write_lines"]
+import fsspec
+from etils import epath
+
+__all__ = [
+  "Appender",
+  "PathLike",
+  "copy_file",
+  "exists",
+  "is_remote",
+  "isdir",
+  "isfile",
+  "join",
+  "listdir",
+  "local_copy",
+  "makedirs",
+  "open_file",
+  "read_bytes",
+  "read_text",
+  "remove_tree",
+  "write_atomic",
+  "write_lines",
+]
+
+PathLike = str | os.PathLike
+CACHE_ENV = "EBPO_JAX_CACHE"  # where remote inputs are mirrored (default ~/.cache/ebpo_jax)
 
 
-def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
-  """Writes `data` (text as UTF-8, or bytes) to the local file `path` atomically; creates the
-  parent directories."""
+def is_remote(path: PathLike) -> bool:
+  """Whether `path` names an object store (`gs://...`) rather than a local file."""
+  return "://" in os.fspath(path)
+
+
+def _path(path: PathLike) -> epath.Path:
+  return epath.Path(os.fspath(path))
+
+
+def join(base: PathLike, *names: str) -> str:
+  """`base/name/...` as a string; remote paths keep their scheme (`gs://b/run/metrics.jsonl`)."""
+  base = os.fspath(base)
+  if is_remote(base):
+    return "/".join([base.rstrip("/"), *(n.strip("/") for n in names)])
+  return os.path.join(base, *names)
+
+
+def exists(path: PathLike) -> bool:
+  return _path(path).exists() if is_remote(path) else os.path.exists(path)
+
+
+def isdir(path: PathLike) -> bool:
+  return _path(path).is_dir() if is_remote(path) else os.path.isdir(path)
+
+
+def isfile(path: PathLike) -> bool:
+  return _path(path).is_file() if is_remote(path) else os.path.isfile(path)
+
+
+def listdir(path: PathLike) -> list[str]:
+  """The names in directory `path`, sorted."""
+  if is_remote(path):
+    return sorted(p.name for p in _path(path).iterdir())
+  return sorted(os.listdir(path))
+
+
+def makedirs(path: PathLike) -> None:
+  """Creates directory `path` and its parents (object stores need none: a no-op there)."""
+  if not is_remote(path):
+    os.makedirs(path, exist_ok=True)
+
+
+def open_file(path: PathLike, mode: str = "r") -> IO:
+  """`path` opened for reading ("r", "rb"); for writing use `write_atomic` or `Appender`."""
+  if mode not in ("r", "rb"):
+    raise ValueError(f"open_file reads only (mode 'r' or 'rb'), got {mode!r}")
+  if is_remote(path):
+    return _path(path).open(mode)
+  return open(path, mode, encoding=None if "b" in mode else "utf-8")  # noqa: SIM115 (the caller's)
+
+
+def read_bytes(path: PathLike) -> bytes:
+  with open_file(path, "rb") as f:
+    return f.read()
+
+
+def read_text(path: PathLike) -> str:
+  return read_bytes(path).decode("utf-8")
+
+
+def write_atomic(path: PathLike, data: str | bytes) -> None:
+  """Writes `data` (text as UTF-8, or bytes) to `path` atomically; creates local parents."""
   payload = data.encode("utf-8") if isinstance(data, str) else data
   with _replacing(path) as f:
     f.write(payload)
 
 
-def write_lines(path: str | os.PathLike, lines: Iterable[str]) -> None:
+def write_lines(path: PathLike, lines: Iterable[str]) -> None:
   """Writes each string of `lines` and a newline after it (e.g. JSONL rows) to `path` atomically.
 
   `lines` may be a generator: it is consumed while writing, and if it raises, `path` is left as
@@ -36,12 +137,29 @@ def write_lines(path: str | os.PathLike, lines: Iterable[str]) -> None:
       f.write(line.encode("utf-8") + b"\n")
 
 
+def copy_file(source: PathLike, target: PathLike) -> None:
+  """Copies one file, local or remote either side; the target is written atomically."""
+  write_atomic(target, read_bytes(source))
+
+
+def remove_tree(path: PathLike) -> None:
+  """Deletes directory `path` and everything under it, if it exists."""
+  if is_remote(path):
+    if _path(path).exists():
+      _path(path).rmtree()
+  else:
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @contextlib.contextmanager
-def _replacing(path: str | os.PathLike) -> Iterator[BinaryIO]:
+def _replacing(path: PathLike) -> Iterator[BinaryIO]:
   """A binary file that replaces `path` when the block ends without an error."""
   path = os.fspath(path)
-  if "://" in path:
-    raise ValueError(f"{path}: atomic writes are for local paths only")
+  if is_remote(path):
+    buffer = _MemoryFile()
+    yield buffer
+    _path(path).write_bytes(buffer.getvalue())
+    return
   directory, name = os.path.split(os.path.abspath(path))
   os.makedirs(directory, exist_ok=True)
   temporary = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
@@ -58,6 +176,20 @@ def _replacing(path: str | os.PathLike) -> Iterator[BinaryIO]:
   _fsync_directory(directory)
 
 
+class _MemoryFile:
+  """The write side of a binary file, kept in memory until it is uploaded whole."""
+
+  def __init__(self):
+    self._parts: list[bytes] = []
+
+  def write(self, data: bytes) -> int:
+    self._parts.append(bytes(data))
+    return len(data)
+
+  def getvalue(self) -> bytes:
+    return b"".join(self._parts)
+
+
 def _fsync_directory(directory: str) -> None:
   """Makes the rename itself durable; skipped where directories cannot be opened (Windows)."""
   try:
@@ -70,3 +202,94 @@ def _fsync_directory(directory: str) -> None:
     pass
   finally:
     os.close(fd)
+
+
+class Appender:
+  """Appends text to `path`. Locally an open file, flushed on `flush`; remotely the whole content
+  (what the file held when opened, then every append) is uploaded as one object on `flush`."""
+
+  def __init__(self, path: PathLike):
+    self.path = os.fspath(path)
+    self._remote = is_remote(self.path)
+    if self._remote:
+      self._content = read_text(self.path) if exists(self.path) else ""
+      self._dirty = False
+    else:
+      makedirs(os.path.dirname(os.path.abspath(self.path)))
+      self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+
+  def write(self, text: str) -> None:
+    if self._remote:
+      self._content += text
+      self._dirty = True
+    else:
+      self._file.write(text)
+
+  def flush(self) -> None:
+    if self._remote:
+      if self._dirty:
+        write_atomic(self.path, self._content)
+        self._dirty = False
+    else:
+      self._file.flush()
+
+  def close(self) -> None:
+    self.flush()
+    if not self._remote:
+      self._file.close()
+
+
+def cache_dir() -> str:
+  """Where remote inputs are mirrored: $EBPO_JAX_CACHE, else ~/.cache/ebpo_jax."""
+  return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "ebpo_jax")
+
+
+def local_copy(path: PathLike) -> str:
+  """A local path with the content of `path`: `path` itself when local; for `gs://...` a file or
+  directory tree mirrored under `cache_dir()/remote/`. A mirrored file is reused while its
+  object is unchanged (the store's checksum of the object's metadata, generation included, is
+  kept beside the mirror); others are downloaded (to a temporary name, then renamed into place)."""
+  path = os.fspath(path)
+  if not is_remote(path):
+    return path
+  source = _path(path)
+  digest = hashlib.sha256(path.rstrip("/").encode()).hexdigest()[:16]
+  root = os.path.join(cache_dir(), "remote", digest)
+  target = os.path.join(root, source.name)
+  if source.is_dir():
+    for item in _walk_files(source):
+      relative = os.path.join(source.name, *item.relative_to(source).parts)
+      _mirror_file(os.fspath(item), root, relative)
+  elif source.exists():
+    _mirror_file(path, root, source.name)
+  else:
+    raise FileNotFoundError(f"{path}: no such file or directory")
+  return target
+
+
+def _walk_files(directory: epath.Path) -> Iterator[epath.Path]:
+  for item in sorted(directory.iterdir()):
+    if item.is_dir():
+      yield from _walk_files(item)
+    else:
+      yield item
+
+
+def _mirror_file(source: str, root: str, relative: str) -> None:
+  """Downloads `source` to `root/relative` unless `root.sums/relative` names its checksum."""
+  store, name = fsspec.core.url_to_fs(source)
+  checksum = str(store.checksum(name))
+  target, sums = os.path.join(root, relative), os.path.join(root + ".sums", relative)
+  if os.path.isfile(target) and os.path.isfile(sums) and read_text(sums) == checksum:
+    return
+  os.makedirs(os.path.dirname(target), exist_ok=True)
+  fd, temporary = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".download.")
+  try:
+    with os.fdopen(fd, "wb") as out, store.open(name, "rb") as f:
+      shutil.copyfileobj(f, out, length=1 << 24)
+    os.replace(temporary, target)
+  except BaseException:
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(temporary)
+    raise
+  write_atomic(sums, checksum)

@@ -12,15 +12,22 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# gcsfs asks the Storage Control API for each bucket's layout (hierarchical or not); the storage
+# emulator (fixture gcs_emulator) has no such API, and gcsfs would log a warning per call.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
 import atexit  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import pathlib  # noqa: E402
+import re  # noqa: E402
 import shutil  # noqa: E402
+import socket  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import time  # noqa: E402
+import uuid  # noqa: E402
 from collections.abc import Callable, Mapping  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -262,6 +269,66 @@ def tiny_llama_dir(tmp_path_factory) -> pathlib.Path:
   for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
     shutil.copy(os.path.join(smollm2, name), path / name)
   return path
+
+
+# ----------------------------------------------------------------------------- a storage bucket
+
+GCS_BUCKET = "ebpo-test"
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def gcs_emulator() -> str:
+  """A Google Cloud Storage API on loopback (`gcp-storage-emulator`, in memory, one per xdist
+  worker) with the bucket GCS_BUCKET; this process and its children use it (gcsfs and
+  google-cloud-storage follow STORAGE_EMULATOR_HOST, tensorstore TENSORSTORE_GCS_HTTP_URL).
+  Returns its URL."""
+  port = _free_port()
+  url = f"http://localhost:{port}"
+  server = subprocess.Popen(
+    ["gcp-storage-emulator", "start", "--host=localhost", f"--port={port}", "--in-memory",
+     f"--default-bucket={GCS_BUCKET}"],
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+  )
+  deadline = time.monotonic() + 30
+  while True:
+    try:
+      socket.create_connection(("localhost", port), timeout=1).close()
+      break
+    except OSError:
+      if server.poll() is not None or time.monotonic() > deadline:
+        server.kill()
+        raise RuntimeError(f"gcp-storage-emulator did not start on port {port}") from None
+      time.sleep(0.1)
+  emulator_env = {
+    "STORAGE_EMULATOR_HOST": url,
+    "TENSORSTORE_GCS_HTTP_URL": url,
+    "GOOGLE_AUTH_TOKEN_FOR_TESTING": "test",
+    "GOOGLE_CLOUD_PROJECT": "test",
+  }
+  saved = {k: os.environ.get(k) for k in emulator_env}
+  os.environ.update(emulator_env)
+  yield url
+  for key, value in saved.items():
+    if value is None:
+      os.environ.pop(key, None)
+    else:
+      os.environ[key] = value
+  server.terminate()
+  server.wait(timeout=10)
+
+
+@pytest.fixture
+def gcs_dir(gcs_emulator, request) -> str:
+  """A fresh `gs://` folder in the emulator's bucket, named after the test."""
+  name = re.sub(r"[^A-Za-z0-9_-]+", "-", request.node.name)[:60]
+  return f"gs://{GCS_BUCKET}/{name}-{uuid.uuid4().hex[:8]}"
 
 
 def pytest_collection_modifyitems(config, items):

@@ -71,8 +71,50 @@ def test_the_temporary_file_is_in_the_same_directory_and_named_with_the_pid(tmp_
   assert seen == [os.path.join(str(tmp_path), f".out.txt.{os.getpid()}.tmp")]
 
 
-def test_remote_paths_are_refused(tmp_path, monkeypatch):
-  monkeypatch.chdir(tmp_path)
-  with pytest.raises(ValueError, match="gs://bucket/x.json: atomic writes are for local paths"):
-    files.write_atomic("gs://bucket/x.json", "x")
-  assert os.listdir(tmp_path) == []
+def test_a_bucket_round_trip(gcs_dir, tmp_path):
+  """Against the storage emulator: atomic writes, reads, listing, appending, copying, mirroring."""
+  target = files.join(gcs_dir, "sub", "out.json")
+  assert target == f"{gcs_dir}/sub/out.json"
+  assert not files.exists(target)
+  files.write_atomic(target, "héllo\n")
+  assert files.read_text(target) == "héllo\n"
+  assert files.isfile(target) and files.isdir(files.join(gcs_dir, "sub"))
+  files.write_lines(files.join(gcs_dir, "rows.jsonl"), (f"{i}" for i in range(3)))
+  assert files.listdir(gcs_dir) == ["rows.jsonl", "sub"]
+  with files.open_file(files.join(gcs_dir, "rows.jsonl")) as f:
+    assert f.read().split() == ["0", "1", "2"]
+
+  def failing():
+    yield "new"
+    raise RuntimeError("row 2 is bad")
+
+  with pytest.raises(RuntimeError, match="row 2 is bad"):
+    files.write_lines(target, failing())
+  assert files.read_text(target) == "héllo\n"  # nothing uploaded
+
+  log = files.join(gcs_dir, "log.txt")
+  appender = files.Appender(log)
+  appender.write("a\n")
+  appender.flush()
+  appender.write("b\n")
+  appender.close()
+  reopened = files.Appender(log)  # a resumed writer keeps what is there
+  reopened.write("c\n")
+  reopened.close()
+  assert files.read_text(log) == "a\nb\nc\n"
+
+  files.copy_file(target, tmp_path / "copy.json")
+  assert (tmp_path / "copy.json").read_text() == "héllo\n"
+  mirror = files.local_copy(files.join(gcs_dir, "sub"))
+  assert os.listdir(mirror) == ["out.json"]
+  files.write_atomic(target, "changed")
+  assert open(os.path.join(files.local_copy(files.join(gcs_dir, "sub")), "out.json")).read() == "changed"
+  files.remove_tree(files.join(gcs_dir, "sub"))
+  assert not files.exists(target)
+
+
+def test_local_paths_pass_through_unchanged(tmp_path):
+  assert files.local_copy(tmp_path) == str(tmp_path)
+  assert not files.is_remote(tmp_path) and files.is_remote("gs://b/x")
+  with pytest.raises(ValueError, match="reads only"):
+    files.open_file(tmp_path / "x", "w")
