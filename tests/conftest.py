@@ -171,18 +171,11 @@ _SESSION_CACHE = tempfile.mkdtemp(prefix="ebpo_jax_xla_cache_")
 atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
 
 
-def run_trainer(
-  workdir,
-  *overrides: str,
-  config: str = ARITH,
-  devices: int = 8,
-  timeout: float = 300,
-  wait: bool = True,
-):
-  """`python -m ebpo_jax.train --config=CONFIG --workdir=WORKDIR OVERRIDES` on `devices` CPU
-  devices from the repository root: the CompletedProcess (output captured), or with
-  `wait=False` the running Popen. The runs of a session share a persistent compilation cache
-  (their sampler, evaluation and train-step programs mostly repeat): about 3x faster."""
+def run_module(module: str, *args: str, devices: int = 8, timeout: float = 300, wait: bool = True):
+  """`python -m MODULE ARGS` on `devices` CPU devices from the repository root: the
+  CompletedProcess (output captured), or with `wait=False` the running Popen. The processes of a
+  session share a persistent compilation cache (their sampler, evaluation and train-step programs
+  mostly repeat): about 3x faster."""
   env = dict(
     os.environ,
     XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
@@ -190,13 +183,25 @@ def run_trainer(
     JAX_COMPILATION_CACHE_DIR=_SESSION_CACHE,
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
   )
-  cmd = [sys.executable, "-m", "ebpo_jax.train", f"--config={config}", f"--workdir={workdir}"]
-  cmd += overrides
+  cmd = [sys.executable, "-m", module, *args]
   if not wait:
     return subprocess.Popen(
       cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
   return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def run_trainer(workdir, *overrides: str, config: str = ARITH, **kwargs):
+  """`python -m ebpo_jax.train --config=CONFIG --workdir=WORKDIR OVERRIDES` by `run_module`."""
+  return run_module(
+    "ebpo_jax.train", f"--config={config}", f"--workdir={workdir}", *overrides, **kwargs
+  )
+
+
+@pytest.fixture(scope="session")
+def module_cli() -> Callable[..., Any]:
+  """`run_module` above: an entry point (evaluate, export, ...) as a process."""
+  return run_module
 
 
 @pytest.fixture(scope="session")
@@ -291,8 +296,14 @@ def gcs_emulator() -> str:
   port = _free_port()
   url = f"http://localhost:{port}"
   server = subprocess.Popen(
-    ["gcp-storage-emulator", "start", "--host=localhost", f"--port={port}", "--in-memory",
-     f"--default-bucket={GCS_BUCKET}"],
+    [
+      "gcp-storage-emulator",
+      "start",
+      "--host=localhost",
+      f"--port={port}",
+      "--in-memory",
+      f"--default-bucket={GCS_BUCKET}",
+    ],
     stdout=subprocess.DEVNULL,
     stderr=subprocess.DEVNULL,
   )

@@ -5,8 +5,6 @@ import json
 import math
 import os
 import pathlib
-import subprocess
-import sys
 
 import pytest
 
@@ -48,16 +46,15 @@ def test_decode_stops_at_the_end_of_turn(model_dir):
   assert tok.decode(ids) == "Answer: 5"
 
 
-def run_module(module: str, *args: str) -> None:
-  """`python -m module args` on one CPU device, as the README runs it; fails with its stderr."""
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-  cmd = [sys.executable, "-m", module, "--config=configs/smollm2_135m_ebpo.py:runlocal", *args]
-  result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-  assert result.returncode == 0, result.stderr[-3000:]
-
-
 @pytest.mark.e2e
-def test_runlocal_trains_two_steps_and_evaluates_from_the_readme_commands(tmp_path):
+def test_runlocal_trains_two_steps_and_evaluates_from_the_readme_commands(tmp_path, module_cli):
+  def run_module(module: str, *args: str) -> None:
+    """`python -m module` on one CPU device, as the README runs it; fails with its stderr. The
+    evaluation reuses the trainer's compiled sampler (the session's compilation cache)."""
+    config = "--config=configs/smollm2_135m_ebpo.py:runlocal"
+    result = module_cli(module, config, *args, devices=1, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+
   run_module("ebpo_jax.train", f"--workdir={tmp_path}")
   lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   train_lines = [m for m in lines if "loss" in m]
