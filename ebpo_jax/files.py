@@ -25,6 +25,7 @@ The Google Cloud clients follow `STORAGE_EMULATOR_HOST` (gcsfs, google-cloud-sto
 """
 
 import contextlib
+import fnmatch
 import hashlib
 import os
 import shutil
@@ -51,6 +52,8 @@ __all__ = [
   "read_bytes",
   "read_text",
   "remove_tree",
+  "staged_dir",
+  "walk_files",
   "write_atomic",
   "write_lines",
 ]
@@ -93,6 +96,21 @@ def listdir(path: PathLike) -> list[str]:
   if is_remote(path):
     return sorted(p.name for p in _path(path).iterdir())
   return sorted(os.listdir(path))
+
+
+def walk_files(path: PathLike) -> list[str]:
+  """The files under directory `path`, as '/'-separated paths relative to it, in the order of
+  their parts (`a/x` before `a-b/x`), local and remote alike."""
+  if is_remote(path):
+    root = _path(path)
+    found = ["/".join(item.relative_to(root).parts) for item in _walk_files(root)]
+  else:
+    found = [
+      os.path.relpath(os.path.join(directory, name), path).replace(os.sep, "/")
+      for directory, _, names in os.walk(path)
+      for name in names
+    ]
+  return sorted(found, key=lambda relative: relative.split("/"))
 
 
 def makedirs(path: PathLike) -> None:
@@ -140,6 +158,22 @@ def write_lines(path: PathLike, lines: Iterable[str]) -> None:
 def copy_file(source: PathLike, target: PathLike) -> None:
   """Copies one file, local or remote either side; the target is written atomically."""
   write_atomic(target, read_bytes(source))
+
+
+@contextlib.contextmanager
+def staged_dir(path: PathLike) -> Iterator[str]:
+  """A local directory for writing the files of directory `path` with libraries that need local
+  files (safetensors, a tokenizer's `save_pretrained`): `path` itself when local (created); for a
+  remote `path`, a temporary directory whose files are copied into `path` (`copy_file`, each file
+  one atomic upload) when the block ends without an error, then removed."""
+  if not is_remote(path):
+    makedirs(path)
+    yield os.fspath(path)
+    return
+  with tempfile.TemporaryDirectory(prefix="ebpo_jax_staged_") as staging:
+    yield staging
+    for relative in walk_files(staging):
+      copy_file(os.path.join(staging, relative), join(path, relative))
 
 
 def remove_tree(path: PathLike) -> None:
@@ -244,11 +278,13 @@ def cache_dir() -> str:
   return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "ebpo_jax")
 
 
-def local_copy(path: PathLike) -> str:
+def local_copy(path: PathLike, *, exclude: Iterable[str] = ()) -> str:
   """A local path with the content of `path`: `path` itself when local; for `gs://...` a file or
   directory tree mirrored under `cache_dir()/remote/`. A mirrored file is reused while its
   object is unchanged (the store's checksum of the object's metadata, generation included, is
-  kept beside the mirror); others are downloaded (to a temporary name, then renamed into place)."""
+  kept beside the mirror); others are downloaded (to a temporary name, then renamed into place).
+  Files of a directory whose name matches a glob pattern of `exclude` (e.g. "*.safetensors" for
+  a model directory's tokenizer) are not mirrored."""
   path = os.fspath(path)
   if not is_remote(path):
     return path
@@ -257,9 +293,10 @@ def local_copy(path: PathLike) -> str:
   root = os.path.join(cache_dir(), "remote", digest)
   target = os.path.join(root, source.name)
   if source.is_dir():
-    for item in _walk_files(source):
-      relative = os.path.join(source.name, *item.relative_to(source).parts)
-      _mirror_file(os.fspath(item), root, relative)
+    patterns = tuple(exclude)
+    for relative in walk_files(path):
+      if not any(fnmatch.fnmatch(relative.rsplit("/", 1)[-1], p) for p in patterns):
+        _mirror_file(join(path, relative), root, os.path.join(source.name, *relative.split("/")))
   elif source.exists():
     _mirror_file(path, root, source.name)
   else:

@@ -108,7 +108,8 @@ def test_a_bucket_round_trip(gcs_dir, tmp_path):
   mirror = files.local_copy(files.join(gcs_dir, "sub"))
   assert os.listdir(mirror) == ["out.json"]
   files.write_atomic(target, "changed")
-  assert open(os.path.join(files.local_copy(files.join(gcs_dir, "sub")), "out.json")).read() == "changed"
+  mirror = files.local_copy(files.join(gcs_dir, "sub"))
+  assert files.read_text(os.path.join(mirror, "out.json")) == "changed"
   files.remove_tree(files.join(gcs_dir, "sub"))
   assert not files.exists(target)
 
@@ -118,3 +119,25 @@ def test_local_paths_pass_through_unchanged(tmp_path):
   assert not files.is_remote(tmp_path) and files.is_remote("gs://b/x")
   with pytest.raises(ValueError, match="reads only"):
     files.open_file(tmp_path / "x", "w")
+
+
+def test_walk_files_and_staged_dir_locally(tmp_path):
+  with files.staged_dir(tmp_path / "out") as staging:
+    assert staging == str(tmp_path / "out")
+    for name in ("a-b/x", "a/y", "a/x", "top"):
+      files.write_atomic(os.path.join(staging, name), name)
+  assert files.walk_files(tmp_path / "out") == ["a/x", "a/y", "a-b/x", "top"]
+
+
+def test_staged_dir_uploads_on_success_only_and_local_copy_excludes(gcs_dir):
+  with files.staged_dir(gcs_dir) as staging:
+    files.write_atomic(os.path.join(staging, "sub", "w.safetensors"), b"weights")
+    files.write_atomic(os.path.join(staging, "config.json"), "{}")
+  assert files.walk_files(gcs_dir) == ["config.json", "sub/w.safetensors"]
+  assert not os.path.exists(staging)
+  with pytest.raises(RuntimeError, match="stop"), files.staged_dir(files.join(gcs_dir, "no")) as s:
+    files.write_atomic(os.path.join(s, "config.json"), "{}")
+    raise RuntimeError("stop")
+  assert not files.exists(files.join(gcs_dir, "no", "config.json"))
+  mirror = files.local_copy(gcs_dir, exclude=["*.safetensors"])
+  assert files.walk_files(mirror) == ["config.json"]
