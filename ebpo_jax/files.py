@@ -39,6 +39,7 @@ from etils import epath
 __all__ = [
   "Appender",
   "PathLike",
+  "abspath",
   "copy_file",
   "exists",
   "is_remote",
@@ -77,6 +78,12 @@ def join(base: PathLike, *names: str) -> str:
   if is_remote(base):
     return "/".join([base.rstrip("/"), *(n.strip("/") for n in names)])
   return os.path.join(base, *names)
+
+
+def abspath(path: PathLike) -> str:
+  """`path` made absolute against the working directory; a remote path is absolute already
+  (`os.path.abspath` would make `gs://b/run` into `CWD/gs:/b/run`)."""
+  return os.fspath(path) if is_remote(path) else os.path.abspath(path)
 
 
 def exists(path: PathLike) -> bool:
