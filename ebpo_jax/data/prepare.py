@@ -1,13 +1,13 @@
 r"""Math data sets in their usual Hugging Face layouts, read into project rows.
 
-`read_source(name, path)` reads a local copy (a `.jsonl`, `.json` or `.parquet` file, or a
-directory of them, all read in sorted order) and returns rows `{"prompt", "answer", "cluster",
-"difficulty", "source", "id"}`: the bare problem text (instruction wrappers such as DAPO's "Solve
-the following math problem step by step..." removed), the gold answer as a string (`\boxed{}` and
-`$...$` removed, numbers without a trailing `.0`), a topic cluster (else the source name) and a
-difficulty (the MATH level, else NaN). Exactly repeated prompts are kept once (DAPO-Math-17k
-repeats each of its ~17k prompts about 100 times). `champ` takes no path: it reads the installed
-`champ-dataset` package (270 problems), the offline evaluation set.
+`read_source(name, path)` reads a copy (a `.jsonl`, `.json` or `.parquet` file, or a directory of
+them, all read in sorted order; local or `gs://...`, as is `prepare`'s output) and returns rows
+`{"prompt", "answer", "cluster", "difficulty", "source", "id"}`: the bare problem text (instruction
+wrappers such as DAPO's "Solve the following math problem step by step..." removed), the gold answer
+as a string (`\boxed{}` and `$...$` removed, numbers without a trailing `.0`), a topic cluster (else
+the source name) and a difficulty (the MATH level, else NaN). Exactly repeated prompts are kept once
+(DAPO-Math-17k repeats each of its ~17k prompts about 100 times). `champ` takes no path: it reads
+the installed `champ-dataset` package (270 problems), the offline evaluation set.
 
 Expected columns of each source, the ids read and the copies known to work: see
 `ebpo_jax.data.sources`. Bad input (a missing column, a malformed line, an empty answer) raises
@@ -24,7 +24,7 @@ Command line (writes JSONL that `ebpo_jax.data.load_rows_and_clusters` reads bac
 import collections
 import json
 import math
-import pathlib
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -58,8 +58,7 @@ def prepare(source: str, path: str | None, out: str, limit: int | None = None) -
   directory holding each source's copy as `<source>` or `<source>.jsonl/.json/.parquet` (champ
   needs none), and `limit` applies to each source.
   """
-  out_path = pathlib.Path(out)
-  if out_path.suffix != ".jsonl":
+  if os.path.splitext(out)[1] != ".jsonl":
     raise DataError(f"{out}: the output must be a .jsonl file")
   if limit is not None and limit < 1:
     raise DataError(f"--limit must be >= 1, got {limit}")
@@ -72,13 +71,13 @@ def prepare(source: str, path: str | None, out: str, limit: int | None = None) -
     rows += kept
     dropped += source_dropped
     counts.append(f"{name} {len(kept)}")
-  _write_jsonl_atomically(out_path, rows)
+  _write_jsonl_atomically(out, rows)
   clusters = len({row["cluster"] for row in rows})
   per_source = f" ({', '.join(counts)})" if len(names) > 1 else ""
   detail = f" ({_describe_dropped(dropped)})" if dropped else ""
   return (
     f"{','.join(names)}: {len(rows)} rows{per_source}, {clusters} clusters, "
-    f"{sum(dropped.values())} dropped{detail} -> {out_path}"
+    f"{sum(dropped.values())} dropped{detail} -> {out}"
   )
 
 
@@ -86,15 +85,15 @@ def _source_path(name: str, directory: str | None) -> str | None:
   """The copy of `name` in `directory`: `<name>` or `<name>.<suffix>`; None for champ."""
   if name == "champ":
     return None
-  if directory is None or not pathlib.Path(directory).is_dir():
+  if directory is None or not files.isdir(directory):
     raise DataError(f"several sources need --path to be a directory of copies, got {directory}")
-  candidates = [pathlib.Path(directory) / f"{name}{suffix}" for suffix in ("", *SUFFIXES)]
-  found = next((c for c in candidates if c.exists()), None)
+  candidates = [files.join(directory, f"{name}{suffix}") for suffix in ("", *SUFFIXES)]
+  found = next((c for c in candidates if files.exists(c)), None)
   if found is None:
     raise DataError(
       f"{directory}: no {name} copy (expected {name}/ or {name}{{{','.join(SUFFIXES)}}})"
     )
-  return str(found)
+  return found
 
 
 # ----------------------------------------------------------------------------- reading
@@ -110,17 +109,15 @@ def _read(name: str, path: str | None) -> tuple[list[dict[str, Any]], collection
       raise DataError("champ is read from the installed champ-dataset package; it takes no path")
     return list(_unique(champ_rows(), dropped)), dropped
   if path is None:
-    raise DataError(f"{name} needs a path to a local copy (a file or a directory)")
-  rows = list(_unique(_source_rows(name, pathlib.Path(path), dropped), dropped))
+    raise DataError(f"{name} needs a path to a copy (a file or a directory)")
+  rows = list(_unique(_source_rows(name, path, dropped), dropped))
   if not rows:
     left = f" left ({_describe_dropped(dropped)} dropped)" if dropped else ""
     raise DataError(f"{path}: no rows{left}")
   return rows, dropped
 
 
-def _source_rows(
-  name: str, path: pathlib.Path, dropped: collections.Counter
-) -> Iterator[dict[str, Any]]:
+def _source_rows(name: str, path: str, dropped: collections.Counter) -> Iterator[dict[str, Any]]:
   layout = LAYOUTS[name]
   for index, (where, record) in enumerate(_records(path)):
     skipped = skip_reason(record) if layout.skip_images_and_proofs else None
@@ -146,35 +143,40 @@ def _unique(
       dropped["duplicate prompts (other answer)"] += 1
 
 
-def _records(path: pathlib.Path) -> Iterator[tuple[str, Any]]:
+def _records(path: str) -> Iterator[tuple[str, Any]]:
   """Yields ("FILE:LINE", record) for each record of a file or of each data file in a directory."""
-  if path.is_dir():
-    files = sorted(
-      p
-      for p in path.rglob("*")
-      if p.is_file()
-      and p.suffix in SUFFIXES
-      and p.name not in _METADATA_FILES
-      and not any(part.startswith(".") for part in p.relative_to(path).parts)
-    )
-    if not files:
+  if files.isdir(path):
+    data_files = [files.join(path, relative) for relative in _data_files(path)]
+    if not data_files:
       raise DataError(f"{path}: no {'/'.join(SUFFIXES)} files in this directory")
-  elif path.is_file():
-    if path.suffix not in SUFFIXES:
-      raise DataError(f"{path}: unknown file type {path.suffix!r}; expected one of {SUFFIXES}")
-    files = [path]
+  elif files.isfile(path):
+    suffix = os.path.splitext(path)[1]
+    if suffix not in SUFFIXES:
+      raise DataError(f"{path}: unknown file type {suffix!r}; expected one of {SUFFIXES}")
+    data_files = [path]
   else:
     raise DataError(f"{path}: no such file or directory")
-  for file in files:
-    if file.suffix == ".parquet":
+  for file in data_files:
+    if file.endswith(".parquet"):
       yield from _parquet_records(file)
     else:
       yield from _json_records(file)
 
 
-def _json_records(path: pathlib.Path) -> Iterator[tuple[str, Any]]:
+def _data_files(directory: str) -> list[str]:
+  """The data files under `directory` (relative paths, sorted), without metadata or hidden ones."""
+  return [
+    relative
+    for relative in files.walk_files(directory)
+    if os.path.splitext(relative)[1] in SUFFIXES
+    and relative.rsplit("/", 1)[-1] not in _METADATA_FILES
+    and not any(part.startswith(".") for part in relative.split("/"))
+  ]
+
+
+def _json_records(path: str) -> Iterator[tuple[str, Any]]:
   """Records of a JSON array file or of a JSONL file (also when it is named `.json`)."""
-  text = path.read_text(encoding="utf-8")
+  text = files.read_text(path)
   if text.lstrip().startswith("["):
     yield from _json_array_records(path, text)
     return
@@ -188,7 +190,7 @@ def _json_records(path: pathlib.Path) -> Iterator[tuple[str, Any]]:
         ) from e
 
 
-def _json_array_records(path: pathlib.Path, text: str) -> Iterator[tuple[str, Any]]:
+def _json_array_records(path: str, text: str) -> Iterator[tuple[str, Any]]:
   """Elements of a top-level JSON array, each with the line it starts on."""
   decoder = json.JSONDecoder()
   position = _skip_space(text, text.index("[") + 1)
@@ -217,12 +219,12 @@ def _skip_space(text: str, position: int) -> int:
   return position
 
 
-def _parquet_records(path: pathlib.Path) -> Iterator[tuple[str, Any]]:
+def _parquet_records(path: str) -> Iterator[tuple[str, Any]]:
   """Records of a Parquet file, read in batches (DAPO-Math-17k's file has ~1.8M rows)."""
   import pyarrow.parquet as pq
 
   try:
-    parquet = pq.ParquetFile(path)
+    parquet = pq.ParquetFile(files.local_copy(path))
     row_number = 0
     for batch in parquet.iter_batches(batch_size=_PARQUET_BATCH):
       for record in batch.to_pylist():
@@ -235,7 +237,7 @@ def _parquet_records(path: pathlib.Path) -> Iterator[tuple[str, Any]]:
 # ----------------------------------------------------------------------------- writing
 
 
-def _write_jsonl_atomically(path: pathlib.Path, rows: list[dict[str, Any]]) -> None:
+def _write_jsonl_atomically(path: str, rows: list[dict[str, Any]]) -> None:
   """Writes rows as JSONL, atomically; NaN difficulties are left out."""
   records = (
     {k: v for k, v in row.items() if not (k == "difficulty" and math.isnan(v))} for row in rows
@@ -265,10 +267,10 @@ if __name__ == "__main__":
   flags.DEFINE_string(
     "path",
     None,
-    "Local copy: a .jsonl/.json/.parquet file or a directory (several sources: a "
+    "A copy (local or gs://): a .jsonl/.json/.parquet file or a directory (several sources: a "
     "directory holding <source> or <source>.jsonl/.json/.parquet for each).",
   )
-  flags.DEFINE_string("out", None, "Output .jsonl file of project rows.")
+  flags.DEFINE_string("out", None, "Output .jsonl file of project rows (local or gs://).")
   flags.DEFINE_integer("limit", None, "Keep only the first N rows of each source (after dedup).")
   flags.mark_flags_as_required(["source", "out"])
   app.run(main)

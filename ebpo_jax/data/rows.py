@@ -1,4 +1,4 @@
-"""Rows of prompts from JSONL or Parquet files, validated up front.
+"""Rows of prompts from JSONL or Parquet files (local or `gs://...`), validated up front.
 
 A row is a plain dict `{"prompt": str, "answer": str, "cluster": int, "difficulty": float}`; other
 keys in the file are kept as they are (e.g. metadata a verifier needs). `cluster` defaults to 0 and
@@ -8,9 +8,11 @@ as strings (names, numbered in order of first appearance) but not both in one fi
 
 import json
 import math
-import pathlib
+import os
 from collections.abc import Iterator
 from typing import Any
+
+from ebpo_jax import files
 
 SUFFIXES = (".jsonl", ".parquet")
 
@@ -19,20 +21,21 @@ class DataError(ValueError):
   """A data file or row that cannot be used; the message starts with `FILE:LINE:`."""
 
 
-def load_rows(path: str | pathlib.Path) -> list[dict[str, Any]]:
+def load_rows(path: files.PathLike) -> list[dict[str, Any]]:
   """Reads and validates every row of a JSONL or Parquet file; DataError on the first bad one."""
   rows, _ = load_rows_and_clusters(path)
   return rows
 
 
-def load_rows_and_clusters(path: str | pathlib.Path) -> tuple[list[dict[str, Any]], list[str]]:
+def load_rows_and_clusters(path: files.PathLike) -> tuple[list[dict[str, Any]], list[str]]:
   """Like `load_rows`, also returning the cluster names (index = cluster id)."""
-  path = pathlib.Path(path)
-  if not path.is_file():
+  path = os.fspath(path)
+  suffix = os.path.splitext(path)[1]
+  if not files.isfile(path):
     raise DataError(f"{path}: no such file")
-  if path.suffix not in SUFFIXES:
-    raise DataError(f"{path}: unknown file type {path.suffix!r}; expected one of {SUFFIXES}")
-  records = _jsonl_records(path) if path.suffix == ".jsonl" else _parquet_records(path)
+  if suffix not in SUFFIXES:
+    raise DataError(f"{path}: unknown file type {suffix!r}; expected one of {SUFFIXES}")
+  records = _jsonl_records(path) if suffix == ".jsonl" else _parquet_records(path)
   clusters = _ClusterIds()
   rows = [_validate(record, f"{path}:{line}", clusters) for line, record in records]
   if not rows:
@@ -40,9 +43,9 @@ def load_rows_and_clusters(path: str | pathlib.Path) -> tuple[list[dict[str, Any
   return rows, clusters.names()
 
 
-def _jsonl_records(path: pathlib.Path) -> Iterator[tuple[int, Any]]:
+def _jsonl_records(path: str) -> Iterator[tuple[int, Any]]:
   """Yields (1-based line number, parsed JSON value) for each non-blank line."""
-  with path.open(encoding="utf-8") as f:
+  with files.open_file(path) as f:
     for line_number, line in enumerate(f, start=1):
       if not line.strip():
         continue
@@ -54,7 +57,7 @@ def _jsonl_records(path: pathlib.Path) -> Iterator[tuple[int, Any]]:
         ) from e
 
 
-def _parquet_records(path: pathlib.Path) -> Iterator[tuple[int, Any]]:
+def _parquet_records(path: str) -> Iterator[tuple[int, Any]]:
   """Yields (1-based row number, row dict) for each row of a Parquet file."""
   try:
     import pyarrow.parquet as pq
@@ -63,7 +66,7 @@ def _parquet_records(path: pathlib.Path) -> Iterator[tuple[int, Any]]:
       f"{path}: reading Parquet needs pyarrow, which is not installed (pip install pyarrow)"
     ) from e
   try:
-    table = pq.read_table(path)
+    table = pq.read_table(files.local_copy(path))
   except Exception as e:  # pyarrow raises several types for unreadable files
     raise DataError(f"{path}: unreadable Parquet file ({e})") from e
   yield from enumerate(table.to_pylist(), start=1)
