@@ -1,5 +1,8 @@
 """Hugging Face directories in and out: config.json + (sharded) safetensors, and the tokenizer.
 
+A directory may be local or `gs://...` (through `ebpo_jax.files`): config.json is read directly,
+each safetensors file from a local mirror (`files.local_copy`: safetensors memory-maps a local
+file), and a remote output directory is written locally first, then uploaded (`files.staged_dir`).
 Weights are read tensor by tensor with `safetensors` (no torch). Per-layer HF tensors are stacked
 along our scanned `layers` axis; with a mesh, every stacked tensor goes straight into its sharding,
 so no device ever holds a full copy of the model.
@@ -20,6 +23,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from ebpo_jax import files
 from ebpo_jax import sharding as sharding_lib
 from ebpo_jax.models.config import ModelConfig
 from ebpo_jax.models.decoder import Decoder
@@ -32,13 +36,12 @@ Path = tuple[str, ...]
 
 def read_hf_config(path: str) -> dict:
   """The `config.json` of a Hugging Face model directory."""
-  config_path = os.path.join(path, CONFIG_FILE)
-  if not os.path.isfile(config_path):
+  config_path = files.join(path, CONFIG_FILE)
+  if not files.isfile(config_path):
     raise FileNotFoundError(
       f"{config_path} not found: {path!r} is not a Hugging Face model directory"
     )
-  with open(config_path) as f:
-    return json.load(f)
+  return json.loads(files.read_text(config_path))
 
 
 def abstract_params(model: Decoder) -> Any:
@@ -93,12 +96,11 @@ class _SafetensorsReader:
   """Lazy access to the tensors of a (sharded) safetensors checkpoint, one tensor at a time."""
 
   def __init__(self, path: str):
-    index_path = os.path.join(path, INDEX_FILE)
-    if os.path.isfile(index_path):
-      with open(index_path) as f:
-        weight_map = json.load(f)["weight_map"]
-    elif os.path.isfile(os.path.join(path, SINGLE_FILE)):
-      with safe_open(os.path.join(path, SINGLE_FILE), framework="np") as f:
+    index_path = files.join(path, INDEX_FILE)
+    if files.isfile(index_path):
+      weight_map = json.loads(files.read_text(index_path))["weight_map"]
+    elif files.isfile(files.join(path, SINGLE_FILE)):
+      with safe_open(files.local_copy(files.join(path, SINGLE_FILE)), framework="np") as f:
         weight_map = dict.fromkeys(f.keys(), SINGLE_FILE)
     else:
       raise FileNotFoundError(f"{path!r} has neither {SINGLE_FILE} nor {INDEX_FILE}")
@@ -109,7 +111,8 @@ class _SafetensorsReader:
       raise KeyError(f"tensor {name!r} missing from the checkpoint in {self.path!r}")
     file = self.weight_map[name]
     if file not in self._files:
-      self._files[file] = safe_open(os.path.join(self.path, file), framework="np")
+      local = files.local_copy(files.join(self.path, file))  # the file itself when local
+      self._files[file] = safe_open(local, framework="np")
     return self._files[file].get_tensor(name)
 
 
@@ -127,7 +130,7 @@ def _read_param(
 def pretrained_config(
   path: str, dtype: Any = jnp.float32, *, param_dtype: Any = None, **config_overrides: Any
 ) -> ModelConfig:
-  """The ModelConfig of a local HF directory (its config.json only; no weights are read)."""
+  """The ModelConfig of an HF directory, local or gs:// (its config.json only; no weights read)."""
   return ModelConfig.from_hf(
     read_hf_config(path),
     dtype=jnp.dtype(dtype).name,
@@ -171,7 +174,7 @@ def from_pretrained(
   rules: sharding_lib.Rules = sharding_lib.DEFAULT_RULES,
   **config_overrides: Any,
 ) -> tuple[Decoder, Any]:
-  """Loads a local HF Llama/Qwen2/Qwen3 directory -> `(Decoder, params)` (plain arrays).
+  """Loads an HF Llama/Qwen2/Qwen3 directory (local or gs://) -> `(Decoder, params)`.
 
   `dtype` is the compute dtype and, unless `param_dtype` is given, the param dtype. With `mesh`,
   each param is placed into its logical sharding under `rules` as it is read.
@@ -198,7 +201,8 @@ def save_pretrained(
   tokenizer: Any = None,
   max_shard_bytes: int = 2 * 1024**3,
 ) -> None:
-  """Writes config.json and safetensors (sharded with an index past `max_shard_bytes`).
+  """Writes config.json and safetensors (sharded with an index past `max_shard_bytes`) into the
+  directory `path`, local or gs:// (written locally, then uploaded file by file).
 
   Arrays are written in their own dtype; on several hosts every process must call this (the
   gather is collective) and process 0 writes.
@@ -206,7 +210,18 @@ def save_pretrained(
   tensors = [(name, np.ascontiguousarray(t)) for name, t in _hf_tensors(params)]
   if jax.process_index() != 0:
     return
-  os.makedirs(path, exist_ok=True)
+  with files.staged_dir(path) as local:
+    _write_directory(local, model, tensors, tokenizer, max_shard_bytes)
+
+
+def _write_directory(
+  path: str,
+  model: Decoder,
+  tensors: list[tuple[str, np.ndarray]],
+  tokenizer: Any,
+  max_shard_bytes: int,
+) -> None:
+  """The files of `save_pretrained` in the local directory `path`."""
   shards: list[dict[str, np.ndarray]] = [{}]
   shard_bytes = 0
   for name, tensor in tensors:

@@ -6,11 +6,14 @@ a chat model's template); `decode(ids)` stops at the first stop id and drops pad
 """
 
 import json
-import os
 from collections.abc import Sequence
 from typing import Any
 
+from ebpo_jax import files
+
 _SPECIALS = 3  # ids 0, 1, 2: pad, BOS, EOS
+# A model directory's weights: a tokenizer needs none of them (not mirrored from gs://).
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.h5", "*.msgpack")
 
 
 class _Own:
@@ -84,13 +87,17 @@ class HFTokenizer:
 
   `chat_template=True` wraps prompts in the directory's chat template (when it has one), with the
   generation prompt appended; otherwise prompts are BOS (if the model has one) + text. Completions
-  stop at EOS or at any `eos_token_id` listed in the directory's generation_config.json.
+  stop at EOS or at any `eos_token_id` listed in the directory's generation_config.json. A `gs://`
+  directory is mirrored (without its weights) by `files.local_copy`.
   """
 
   def __init__(self, path: str, *, chat_template: bool = True):
     from transformers import AutoTokenizer
 
-    self._tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if not files.isdir(path):
+      raise FileNotFoundError(f"{path}: no such tokenizer (model) directory")
+    local = files.local_copy(path, exclude=WEIGHT_FILES)
+    self._tok = AutoTokenizer.from_pretrained(local, local_files_only=True)
     if self._tok.eos_token_id is None:
       raise ValueError(f"{path}: the tokenizer has no EOS token; completions could never stop")
     self.eos_id = int(self._tok.eos_token_id)
@@ -98,7 +105,7 @@ class HFTokenizer:
     self.pad_id = self.eos_id if pad is None else int(pad)
     self.bos_id = None if self._tok.bos_token_id is None else int(self._tok.bos_token_id)
     self.vocab_size = len(self._tok)
-    self.stop_ids = _stop_ids(path, self.eos_id)
+    self.stop_ids = _stop_ids(local, self.eos_id)
     self.use_chat_template = bool(chat_template and self._tok.chat_template)
 
   @property
@@ -130,10 +137,9 @@ class HFTokenizer:
 def _stop_ids(path: str, eos_id: int) -> tuple[int, ...]:
   """EOS plus the `eos_token_id`s of generation_config.json (a chat model's end-of-turn ids)."""
   ids = [eos_id]
-  config_path = os.path.join(path, "generation_config.json")
-  if os.path.isfile(config_path):
-    with open(config_path) as f:
-      extra = json.load(f).get("eos_token_id")
+  config_path = files.join(path, "generation_config.json")
+  if files.isfile(config_path):
+    extra = json.loads(files.read_text(config_path)).get("eos_token_id")
     extra = [] if extra is None else [extra] if isinstance(extra, int) else extra
     ids += [int(i) for i in extra if int(i) not in ids]
   return tuple(ids)
