@@ -289,15 +289,16 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def gcs_emulator() -> str:
-  """A Google Cloud Storage API on loopback (`gcp-storage-emulator`, in memory, one per xdist
-  worker) with the bucket GCS_BUCKET; this process and its children use it (gcsfs and
-  google-cloud-storage follow STORAGE_EMULATOR_HOST, tensorstore TENSORSTORE_GCS_HTTP_URL).
-  Returns its URL."""
+  """A Google Cloud Storage API on loopback (`gcp-storage-emulator`, started by
+  tests/gcs_emulator.py, in memory, one per xdist worker) with the bucket GCS_BUCKET; this process
+  and its children use it (gcsfs and google-cloud-storage follow STORAGE_EMULATOR_HOST,
+  tensorstore TENSORSTORE_GCS_HTTP_URL). Returns its URL."""
   port = _free_port()
   url = f"http://localhost:{port}"
   server = subprocess.Popen(
     [
-      "gcp-storage-emulator",
+      sys.executable,
+      str(ROOT / "tests" / "gcs_emulator.py"),  # the emulator with GCS's generation headers
       "start",
       "--host=localhost",
       f"--port={port}",
