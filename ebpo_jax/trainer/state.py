@@ -18,7 +18,7 @@ import ml_collections
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ebpo_jax import advantages, models, sharding, tasks
+from ebpo_jax import advantages, files, models, sharding, tasks
 from ebpo_jax.models import hf_io
 from ebpo_jax.tasks import tokenizers
 from ebpo_jax.trainer.config import ConfigError
@@ -85,12 +85,25 @@ def random_init_config(mc: ml_collections.ConfigDict, vocab_size: int) -> models
   )
 
 
+def model_dir(config: ml_collections.ConfigDict) -> str:
+  """The Hugging Face directory of `config.model.path` (local or gs://; a `packaged:` model is
+  converted once); ConfigError naming the key when there is none."""
+  try:
+    path = models.resolve_model_path(config.model.path)
+  except ValueError as e:
+    raise ConfigError(f"config.model.path={config.model.path!r}: {e}") from e
+  if not files.isfile(files.join(path, hf_io.CONFIG_FILE)):
+    raise ConfigError(
+      f"config.model.path={config.model.path!r}: not a Hugging Face model directory "
+      f"({files.join(path, hf_io.CONFIG_FILE)} not found)"
+    )
+  return path
+
+
 def load_tokenizer(config: ml_collections.ConfigDict, task: tasks.Task):
   """The model directory's tokenizer, or the task's own for a random-init model."""
   if config.model.path:
-    return tokenizers.HFTokenizer(
-      models.resolve_model_path(config.model.path), chat_template=config.model.chat_template
-    )
+    return tokenizers.HFTokenizer(model_dir(config), chat_template=config.model.chat_template)
   return task.tokenizer
 
 
@@ -99,9 +112,10 @@ def make_model(config: ml_collections.ConfigDict, vocab_size: int) -> models.Dec
   random-init decoder of `config.model`'s shape over `vocab_size` tokens."""
   mc = config.model
   if mc.path:
-    path = models.resolve_model_path(mc.path)
     return models.Decoder(
-      hf_io.pretrained_config(path, mc.dtype, param_dtype=mc.param_dtype, remat=mc.remat)
+      hf_io.pretrained_config(
+        model_dir(config), mc.dtype, param_dtype=mc.param_dtype, remat=mc.remat
+      )
     )
   return models.Decoder(random_init_config(mc, vocab_size))
 
@@ -118,7 +132,7 @@ def abstract_params(model: models.Decoder, mesh: Mesh) -> Any:
 def init_params(config: ml_collections.ConfigDict, model: models.Decoder, mesh: Mesh) -> Any:
   """Real params in their shardings: read from `config.model.path`, else random (`config.seed`)."""
   if config.model.path:
-    return hf_io.load_params(models.resolve_model_path(config.model.path), model, mesh)
+    return hf_io.load_params(model_dir(config), model, mesh)
   shardings = jax.tree.map(lambda x: x.sharding, abstract_params(model, mesh))
   init = lambda rng: nn.unbox(model.init(rng, jnp.zeros((1, 4), jnp.int32))["params"])
   return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(config.seed))
