@@ -4,11 +4,18 @@ metrics.jsonl holds one JSON object per line, each with an integer "step" and fl
 Non-finite values (NaN, inf) are written as JSON `null`: strict JSON has no NaN, and readers
 (`json`, pandas, jq) all accept null. Lines are flushed as written, so after a crash the file
 ends at most with one partial line, which the readers here ignore.
+
+WORKDIR may be `gs://bucket/...` (everything goes through `ebpo_jax.files`). An object store cannot
+append: each flush there uploads metrics.jsonl and the TensorBoard event file whole, so a remote
+writer flushes at most every REMOTE_FLUSH_S seconds (and on `flush()`, which the trainer calls
+whenever it starts a checkpoint, so that the bucket's lines always reach the latest checkpoint).
 """
 
+import io
 import json
 import math
 import os
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -20,6 +27,8 @@ from ebpo_jax import files
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PLOTS_DIR = "plots"
+# How often a writer on an object store uploads (each upload sends the whole files again).
+REMOTE_FLUSH_S = 60.0
 
 # ----------------------------------------------------------------------------- metric names
 # The one copy of every key the trainer writes to metrics.jsonl (contracts: see DESIGN.md).
@@ -115,6 +124,8 @@ class MetricsWriter:
   `enabled=False` (processes other than 0) makes every method a no-op that touches no file.
   `resume_step`: when resuming from a checkpoint at that step, lines (and TensorBoard events)
   with a larger step, written after the checkpoint by the run that died, are dropped first.
+  `flush_every_s`: `write` flushes when this long has passed since the last flush; default 0
+  (every line) for a local WORKDIR, REMOTE_FLUSH_S for a remote one. `flush` and `close` always do.
   """
 
   def __init__(
@@ -124,24 +135,27 @@ class MetricsWriter:
     enabled: bool = True,
     tensorboard: bool = True,
     resume_step: int | None = None,
+    flush_every_s: float | None = None,
   ):
     self.enabled = enabled
-    self.path = os.path.join(os.fspath(workdir), METRICS_FILE)
+    self.path = files.join(workdir, METRICS_FILE)
+    if flush_every_s is None:
+      flush_every_s = REMOTE_FLUSH_S if files.is_remote(workdir) else 0.0
+    self.flush_every_s = flush_every_s
     self._file = None
     self._tb = None
     if not enabled:
       return
-    os.makedirs(workdir, exist_ok=True)
+    files.makedirs(workdir)
     if resume_step is not None:
       truncate_after(workdir, resume_step)
-    self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+    self._file = files.Appender(self.path)
     if tensorboard:
       from tensorboardX import SummaryWriter
 
       purge_step = None if resume_step is None else resume_step + 1
-      self._tb = SummaryWriter(
-        os.path.join(os.fspath(workdir), TENSORBOARD_DIR), purge_step=purge_step
-      )
+      self._tb = SummaryWriter(files.join(workdir, TENSORBOARD_DIR), purge_step=purge_step)
+    self._flushed_at = time.monotonic()
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:
     """Writes one line {"step": step, **metrics}; values are scalars (Python, NumPy or JAX)."""
@@ -153,12 +167,20 @@ class MetricsWriter:
     record = {STEP: int(step)}
     record.update({k: (v if math.isfinite(v) else None) for k, v in values.items()})
     self._file.write(json.dumps(record, allow_nan=False) + "\n")
-    self._file.flush()
     if self._tb is not None:
       for key, value in values.items():
         if math.isfinite(value):  # TensorBoard shows a gap; tensorboardX would warn per value
           self._tb.add_scalar(key, value, global_step=int(step))
+    if time.monotonic() - self._flushed_at >= self.flush_every_s:
+      self.flush()
+
+  def flush(self) -> None:
+    """Makes every line written so far durable (remote: uploads metrics.jsonl and the events)."""
+    if self._file is not None:
+      self._file.flush()
+    if self._tb is not None:
       self._tb.flush()
+    self._flushed_at = time.monotonic()
 
   def close(self) -> None:
     if self._file is not None:
@@ -192,14 +214,14 @@ def _to_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
 
 def _metrics_path(path: str | os.PathLike) -> str:
   path = os.fspath(path)
-  return os.path.join(path, METRICS_FILE) if os.path.isdir(path) else path
+  return files.join(path, METRICS_FILE) if files.isdir(path) else path
 
 
-def _parse_lines(path: str) -> list[tuple[str, dict[str, Any]]]:
-  """(raw line, record) pairs. A last line without newline that is not valid JSON (a process
-  died mid-write) is dropped; any other bad line raises naming FILE:LINE."""
-  with open(path, encoding="utf-8") as f:
-    lines = f.read().split("\n")
+def _parse_lines(path: str, text: str) -> list[tuple[str, dict[str, Any]]]:
+  """(raw line, record) pairs of the content `text` of file `path`. A last line without newline
+  that is not valid JSON (a process died mid-write) is dropped; any other bad line raises naming
+  FILE:LINE."""
+  lines = text.split("\n")
   parsed = []
   for lineno, line in enumerate(lines, start=1):
     if not line.strip():
@@ -218,18 +240,19 @@ def _parse_lines(path: str) -> list[tuple[str, dict[str, Any]]]:
 
 def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
   """The records of a metrics.jsonl file (or of WORKDIR/metrics.jsonl given WORKDIR)."""
-  return [record for _, record in _parse_lines(_metrics_path(path))]
+  path = _metrics_path(path)
+  return [record for _, record in _parse_lines(path, files.read_text(path))]
 
 
 def truncate_after(workdir: str | os.PathLike, step: int) -> int:
   """Drops the lines with "step" > `step` (and a partial last line) from WORKDIR/metrics.jsonl,
   atomically; returns how many lines were dropped. Call when resuming from checkpoint `step`."""
   path = _metrics_path(workdir)
-  if not os.path.exists(path):
+  if not files.exists(path):
     return 0
-  with open(path, encoding="utf-8") as f:
-    total = sum(1 for line in f if line.strip())
-  kept = [line for line, record in _parse_lines(path) if record[STEP] <= step]
+  text = files.read_text(path)
+  total = sum(1 for line in text.split("\n") if line.strip())
+  kept = [line for line, record in _parse_lines(path, text) if record[STEP] <= step]
   files.write_lines(path, kept)
   return total - len(kept)
 
@@ -267,8 +290,8 @@ def plot_metrics(workdir: str | os.PathLike, keys: Sequence[str] | None = None) 
     panels = DEFAULT_PANELS
   else:
     panels = tuple((key.rstrip("/").replace("/", "_"), (key,)) for key in keys)
-  out_dir = os.path.join(os.fspath(workdir), PLOTS_DIR)
-  os.makedirs(out_dir, exist_ok=True)
+  out_dir = files.join(workdir, PLOTS_DIR)
+  files.makedirs(out_dir)
   paths = []
   for name, patterns in panels:
     series = {key: _series(records, key) for key in _matching_keys(patterns, available)}
@@ -284,10 +307,17 @@ def plot_metrics(workdir: str | os.PathLike, keys: Sequence[str] | None = None) 
     ax.grid(alpha=0.3)
     if len(series) > 1:
       ax.legend(fontsize="small")
-    path = os.path.join(out_dir, f"{name}.png")
-    fig.savefig(path, dpi=100, bbox_inches="tight")
+    path = files.join(out_dir, f"{name}.png")
+    files.write_atomic(path, png_bytes(fig))
     paths.append(path)
   return paths
+
+
+def png_bytes(fig, dpi: int = 100) -> bytes:
+  """A matplotlib figure as PNG bytes, for `files.write_atomic` (local or remote alike)."""
+  buffer = io.BytesIO()
+  fig.savefig(buffer, format="png", dpi=dpi, bbox_inches="tight")
+  return buffer.getvalue()
 
 
 def missing_panels(records: Iterable[Mapping[str, Any]]) -> list[str]:

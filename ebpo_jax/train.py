@@ -22,7 +22,7 @@ import tqdm
 from absl import app, flags
 from ml_collections import config_flags
 
-from ebpo_jax import advantages, checkpoint, data, sharding
+from ebpo_jax import advantages, checkpoint, data, files, sharding
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import policy as policy_lib
@@ -32,7 +32,9 @@ from ebpo_jax.trainer.step import jit_train_step
 from ebpo_jax.trainer.warm_start import warm_start
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
-_WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and plots.")
+_WORKDIR = flags.DEFINE_string(
+  "workdir", None, "Directory for checkpoints, metrics and plots (local or gs://bucket/...)."
+)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -76,7 +78,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   # ---- Resume first; else a fresh state (warm start, step-0 evaluation and checkpoint).
   ckpt = checkpoint.Checkpointer(
-    f"{workdir}/checkpoints",
+    files.join(workdir, "checkpoints"),
     max_to_keep=config.checkpoint.max_to_keep,
     save_every=config.checkpoint.every_steps,
   )
@@ -93,6 +95,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     last_eval = evaluate(state)
     writer.write(0, last_eval)
     ckpt.save(0, state, data_iter=batches, config=config.to_dict(), force=True)
+    writer.flush()
 
   # ---- The loop.
   sigterm = checkpoint.install_sigterm_flag()
@@ -142,7 +145,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       )
       stop = sigterm.requested_anywhere()  # every process saves and stops at the same step
       last = step + 1 == num_steps or stop
-      ckpt.save(step + 1, state, data_iter=batches, config=config.to_dict(), force=last)
+      if ckpt.save(step + 1, state, data_iter=batches, config=config.to_dict(), force=last):
+        writer.flush()  # the metrics (remote: uploaded now and then) reach every checkpoint
       if stop:
         ckpt.close()
         writer.close()
@@ -181,7 +185,8 @@ def host_metrics(step_metrics: dict, rollout: rollouts_lib.Rollout, cluster_name
 def finish(workdir: str, cluster_names: Sequence[str]) -> None:
   """The end-of-run summary: accuracy per cluster before and after RL, and the plots."""
   acc = metrics_lib.EVAL_ACCURACY
-  history = [m for m in metrics_lib.read_metrics(f"{workdir}/metrics.jsonl") if acc in m]
+  records = metrics_lib.read_metrics(files.join(workdir, metrics_lib.METRICS_FILE))
+  history = [m for m in records if acc in m]
   if not history:
     return
   first, last = history[0], history[-1]
@@ -193,7 +198,7 @@ def finish(workdir: str, cluster_names: Sequence[str]) -> None:
   print(f"held-out accuracy, step {first['step']} -> step {last['step']}")
   print(metrics_lib.summary_table(table))
   plots = metrics_lib.plot_metrics(workdir)
-  print(f"{len(plots)} plots in {workdir}/plots/")
+  print(f"{len(plots)} plots in {files.join(workdir, metrics_lib.PLOTS_DIR)}/")
 
 
 if __name__ == "__main__":
