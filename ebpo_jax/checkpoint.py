@@ -8,6 +8,8 @@ One step directory per checkpoint under `directory`, with three items:
 Orbax writes each step into `<step>.orbax-checkpoint-tmp` and renames it when complete, so a
 checkpoint whose write was interrupted is never listed, restored or counted as latest; leftover
 temporary directories are deleted when a Checkpointer opens the directory.
+`directory` may be `gs://bucket/...`: orbax writes there through tensorstore; the checks here go
+through `ebpo_jax.files`.
 """
 
 import json
@@ -20,6 +22,8 @@ import grain
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+
+from ebpo_jax import files
 
 _STATE, _DATA_ITER, _CONFIG = "state", "data_iter", "config"
 
@@ -43,10 +47,9 @@ class Checkpointer:
       raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep!r}")
     if save_every is not None and save_every < 1:
       raise ValueError(f"save_every must be >= 1 or None, got {save_every!r}")
-    directory = os.fspath(directory)
-    self.directory = directory if "://" in directory else os.path.abspath(directory)
+    self.directory = files.abspath(directory)
     if read_only:
-      if "://" not in directory and not os.path.isdir(self.directory):
+      if not files.isdir(self.directory):
         raise FileNotFoundError(f"{self.directory}: no such checkpoint directory")
       options = ocp.CheckpointManagerOptions(read_only=True, create=False)
       self._manager = ocp.CheckpointManager(self.directory, options=options)

@@ -3,22 +3,22 @@ and a fresh run's `model.init_from`).
 
 Used by the entry points evaluate, export and difficulty. A run's checkpoint is read through
 `checkpoint.Checkpointer(read_only=True)` (the only code that knows the checkpoint layout), so a
-trainer may keep writing there; only the params are restored, straight into abstract shapes.
+trainer may keep writing there; only the params are restored, straight into abstract shapes. A run
+directory may be local or `gs://bucket/...` (paths through `ebpo_jax.files`).
 """
 
-import os
 from typing import Any
 
 import ml_collections
 
-from ebpo_jax import checkpoint, models
+from ebpo_jax import checkpoint, files, models
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer.config import PolicyError
 
 
 def _checkpoints(run_dir: str) -> checkpoint.Checkpointer:
   try:
-    return checkpoint.Checkpointer(os.path.join(run_dir, "checkpoints"), read_only=True)
+    return checkpoint.Checkpointer(files.join(run_dir, "checkpoints"), read_only=True)
   except FileNotFoundError:
     raise PolicyError(f"{run_dir}: no checkpoints/ directory (not a trainer workdir?)") from None
 
@@ -53,7 +53,7 @@ def with_run_model(config: ml_collections.ConfigDict, run_config) -> ml_collecti
 
 def resolve_run_dir(run_dir: str | None, workdir: str | None, step: int | None) -> str | None:
   """The trainer workdir to read: `--run_dir`, else `--workdir` when it has checkpoints/."""
-  if run_dir is None and workdir and os.path.isdir(os.path.join(workdir, "checkpoints")):
+  if run_dir is None and workdir and files.isdir(files.join(workdir, "checkpoints")):
     run_dir = workdir
   if run_dir is None and step is not None:
     raise PolicyError(f"--step={step} needs a trainer workdir (--run_dir)")
@@ -81,9 +81,9 @@ def load_policy(config, tokenizer, mesh, run_dir: str | None, step: int | None):
   if run_dir is None:
     path = models.resolve_model_path(config.model.path)
     params = state_lib.init_params(config, model, mesh)
-    return model, params, {"kind": "hf", "path": os.path.abspath(path)}
+    return model, params, {"kind": "hf", "path": files.abspath(path)}
   params = run_params(run_dir, step, state_lib.abstract_params(model, mesh))
-  return model, params, {"kind": "checkpoint", "run_dir": os.path.abspath(run_dir), "step": step}
+  return model, params, {"kind": "checkpoint", "run_dir": files.abspath(run_dir), "step": step}
 
 
 def run_params(run_dir: str, step: int, abstract: Any) -> Any:
