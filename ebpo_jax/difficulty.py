@@ -16,7 +16,6 @@ which knows nothing of models.
 """
 
 import json
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -88,7 +87,7 @@ def run(
     mean = float(np.mean([r["pass_rate"] for r in out]))
     print(
       f"{len(out)} prompts x {k} rollouts, params: {origin}, mean pass rate {mean:.3f}, "
-      f"{errors} verifier errors -> {os.path.abspath(output_path)}"
+      f"{errors} verifier errors -> {files.abspath(output_path)}"
     )
   return out
 

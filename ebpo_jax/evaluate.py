@@ -21,13 +21,12 @@ Metrics, overall, per dataset (a row's `source`, else the task name) and per clu
   of maj@j, since samples are i.i.d.); `reward`: the mean reward.
 Writes WORKDIR/eval.json (config, where the params came from, k, counts, metrics) and
 WORKDIR/eval_samples.jsonl (every problem's responses, rewards and extracted answers), each
-atomically, and prints a table.
+atomically (WORKDIR and the run directory may be `gs://bucket/...`), and prints a table.
 """
 
 import collections
 import json
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,9 +37,8 @@ import numpy as np
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from ebpo_jax import data, sharding, tasks
+from ebpo_jax import data, files, sharding, tasks
 from ebpo_jax import metrics as metrics_lib
-from ebpo_jax.files import write_atomic
 from ebpo_jax.tasks import base as tasks_base
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import policy as policy_lib
@@ -250,8 +248,8 @@ def run(
         zip(rows, datasets, clusters, texts, rewards, answers, strict=True)
       )
     ]
-    write_atomic(os.path.join(workdir, SAMPLES_FILE), "".join(to_json(s) + "\n" for s in samples))
-    write_atomic(os.path.join(workdir, EVAL_FILE), to_json(result, indent=2) + "\n")
+    files.write_lines(files.join(workdir, SAMPLES_FILE), (to_json(s) for s in samples))
+    files.write_atomic(files.join(workdir, EVAL_FILE), to_json(result, indent=2) + "\n")
     print(
       f"{len(rows)} problems x {k} samples ({'greedy' if greedy else 'sampled'}), params: "
       f"{origin}, {errors} verifier errors, {result['time_s']:.1f} s"
@@ -279,7 +277,9 @@ def main(argv: Sequence[str]) -> None:
 
 if __name__ == "__main__":
   config_flags.DEFINE_config_file("config", None, "Experiment config file.")
-  flags.DEFINE_string("workdir", None, "Directory for eval.json and eval_samples.jsonl.")
+  flags.DEFINE_string(
+    "workdir", None, "Directory for eval.json and eval_samples.jsonl (local or gs://...)."
+  )
   define_policy_flags()
   flags.mark_flags_as_required(["config"])
   app.run(main)

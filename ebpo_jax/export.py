@@ -2,6 +2,7 @@
 
   python -m ebpo_jax.export --run_dir=/tmp/smollm2_ebpo --out=/tmp/smollm2_ebpo_hf [--step=N]
       [--dtype=bfloat16]
+  python -m ebpo_jax.export --run_dir=gs://bucket/run --out=gs://bucket/run_hf
 
 Reads the run's config from its checkpoint (no --config needed), rebuilds the model it trained,
 restores the policy params of the latest (or `--step`) checkpoint and writes config.json +
@@ -10,10 +11,11 @@ safetensors with `models.save_pretrained`. A run that started from a model direc
 copied over, so `AutoTokenizer` / `AutoModelForCausalLM.from_pretrained(OUT)` load it as they load
 the original. A random-init run uses the task's own character or byte tokenizer, which has no
 Hugging Face form: only the weights and config are written.
+
+The run directory, the source model directory and OUT may each be local or `gs://bucket/...`; a
+remote OUT is written in a local staging directory and uploaded file by file when complete.
 """
 
-import os
-import shutil
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from absl import app, flags, logging
 
-from ebpo_jax import models, sharding, tasks
+from ebpo_jax import files, models, sharding, tasks
 from ebpo_jax.models import hf_io
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import policy as policy_lib
@@ -37,10 +39,10 @@ def tokenizer_files(model_dir: str) -> list[str]:
   template, generation config, README and license."""
   return sorted(
     name
-    for name in os.listdir(model_dir)
-    if os.path.isfile(os.path.join(model_dir, name))
-    and name not in _WEIGHT_FILES
+    for name in files.listdir(model_dir)
+    if name not in _WEIGHT_FILES
     and not name.endswith(_WEIGHT_SUFFIXES)
+    and files.isfile(files.join(model_dir, name))
   )
 
 
@@ -55,14 +57,14 @@ def export(run_dir: str, out: str, *, step: int | None = None, dtype: str = "") 
   model, params, _ = policy_lib.load_policy(config, tokenizer, mesh, run_dir, step)
   if dtype:
     params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)
-  models.save_pretrained(out, model, params)
-  copied = []
   source = policy_lib.model_source(config)
-  if source is not None and jax.process_index() == 0:
-    for name in tokenizer_files(source):
-      shutil.copy2(os.path.join(source, name), os.path.join(out, name))
-      copied.append(name)
-  return {"step": step, "source_model": source, "out": os.path.abspath(out), "copied": copied}
+  copied = tokenizer_files(source) if source is not None else []
+  with files.staged_dir(out) as staging:
+    models.save_pretrained(staging, model, params)  # collective; process 0 writes
+    if jax.process_index() == 0:
+      for name in copied:
+        files.copy_file(files.join(source, name), files.join(staging, name))
+  return {"step": step, "source_model": source, "out": files.abspath(out), "copied": copied}
 
 
 def main(argv: Sequence[str]) -> None:
@@ -79,8 +81,8 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  flags.DEFINE_string("run_dir", None, "Trainer workdir to export from.")
-  flags.DEFINE_string("out", None, "Output Hugging Face directory.")
+  flags.DEFINE_string("run_dir", None, "Trainer workdir to export from (local or gs://...).")
+  flags.DEFINE_string("out", None, "Output Hugging Face directory (local or gs://...).")
   flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
   flags.DEFINE_string("dtype", "", "Cast the weights, e.g. bfloat16 (default: as trained).")
   flags.mark_flags_as_required(["run_dir", "out"])

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 
-from ebpo_jax import advantages
+from ebpo_jax import advantages, files
 
 CLUSTER_LOGIT_RANGE = (-3.0, 1.5)
 COLUMNS = ("baseline_mse", "zero_adv", "signal", "shrinkage", "mean|A|")
@@ -82,7 +82,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--normalize", choices=advantages.NORMALIZATIONS, default="batch")
   parser.add_argument("--decay", type=float, default=1.0, help="EBPO prior decay in (0, 1]")
   parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument("--json", default=None, help="also write the results to this JSON file")
+  parser.add_argument(
+    "--json", default=None, help="also write the results to this JSON file (local or gs://...)"
+  )
   args = parser.parse_args(argv)
   if not 0.0 < args.decay <= 1.0:
     parser.error(f"--decay must be in (0, 1], got {args.decay}")
@@ -172,8 +174,7 @@ def main(argv: Sequence[str] | None = None) -> dict[int, dict[str, dict[str, flo
     print(format_table(group_size, results[group_size]) + "\n", flush=True)
   print(f"done in {time.perf_counter() - start:.1f} s")
   if args.json:
-    with open(args.json, "w") as f:
-      json.dump({"args": vars(args), "results": results}, f, indent=1)
+    files.write_atomic(args.json, json.dumps({"args": vars(args), "results": results}, indent=1))
   return results
 
 
