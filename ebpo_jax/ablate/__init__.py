@@ -15,24 +15,30 @@ latest checkpoint.
 Writes WORKDIR/ablation.md (final accuracy mean and spread per variant and group size, per cluster,
 gain of the hardest cluster, zero-advantage share, entropy, steps to a target gain), ablation.json
 (every run's summary) and plots in WORKDIR/plots/, then prints a short summary.
+
+WORKDIR may be `gs://bucket/...`: the runs are trainer workdirs under it, and every file goes
+through `ebpo_jax.files`. A run's log.txt grows as the run goes on a local WORKDIR; on a bucket
+(which cannot append) the run writes it to a local temporary file, uploaded when the run ends.
 """
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import datetime
 import json
 import os
-import pathlib
 import subprocess
 import sys
+import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, TextIO
 
 import numpy as np
 import tqdm
 
+from ebpo_jax import files
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.ablate.report import (  # noqa: F401  (mean_curve: for notebooks)
   build_report,
@@ -128,9 +134,27 @@ def child_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
   return env
 
 
-def _train(config: str, workdir: pathlib.Path, args: Sequence[str], env: Mapping[str, str]) -> None:
+@contextlib.contextmanager
+def _log_file(path: str) -> Iterator[tuple[str, TextIO]]:
+  """(local path, file open for appending) of a run's log `path`: `path` itself when local; for a
+  remote `path` a local temporary file, appended to `path` (one upload) when the block ends."""
+  if not files.is_remote(path):
+    with open(path, "a", encoding="utf-8") as log:
+      yield path, log
+    return
+  with tempfile.NamedTemporaryFile("a+", encoding="utf-8", suffix=".log") as log:
+    try:
+      yield log.name, log
+    finally:
+      log.flush()
+      appender = files.Appender(path)
+      appender.write(files.read_text(log.name))
+      appender.close()
+
+
+def _train(config: str, workdir: str, args: Sequence[str], env: Mapping[str, str]) -> None:
   """Runs the trainer on `workdir`, output to workdir/log.txt; raises AblationError on failure."""
-  workdir.mkdir(parents=True, exist_ok=True)
+  files.makedirs(workdir)
   cmd = [
     sys.executable,
     "-m",
@@ -139,46 +163,53 @@ def _train(config: str, workdir: pathlib.Path, args: Sequence[str], env: Mapping
     f"--workdir={workdir}",
     *args,
   ]
-  with open(workdir / "log.txt", "a", encoding="utf-8") as log:
+  log_path = files.join(workdir, "log.txt")
+  with _log_file(log_path) as (local_log, log):
     log.write(f"$ {' '.join(cmd)}\n")
     log.flush()
     proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=dict(env), check=False)
+    log.flush()
+    tail = files.read_text(local_log).splitlines()[-5:]
   if proc.returncode != 0:
-    tail = (workdir / "log.txt").read_text(encoding="utf-8", errors="replace").splitlines()[-5:]
     raise AblationError(
-      f"run {workdir.name} failed (exit {proc.returncode}); log: {workdir / 'log.txt'}\n"
+      f"run {_basename(workdir)} failed (exit {proc.returncode}); log: {log_path}\n"
       + "\n".join(tail)
     )
 
 
-def _warm_dir(workdir: pathlib.Path, seed: int) -> pathlib.Path:
-  return workdir / "warm_start" / f"s{seed}"
+def _basename(path: str) -> str:
+  return os.path.basename(os.fspath(path).rstrip("/"))
 
 
-def _ensure_warm_start(config, workdir, seed, base_args, env) -> pathlib.Path:
+def _warm_dir(workdir: str, seed: int) -> str:
+  return files.join(workdir, "warm_start", f"s{seed}")
+
+
+def _ensure_warm_start(config, workdir, seed, base_args, env) -> str:
   """The step-0 checkpoint (warm start + first evaluation) of `seed`, trained once."""
   warm = _warm_dir(workdir, seed)
-  if not (warm / RESULT_FILE).exists():
+  if not files.exists(files.join(warm, RESULT_FILE)):
     _train(config, warm, [*base_args, f"--config.seed={seed}", "--config.train.num_steps=0"], env)
-    (warm / RESULT_FILE).write_text("{}\n")
+    files.write_atomic(files.join(warm, RESULT_FILE), "{}\n")
   return warm
 
 
 def _run_one(config, workdir, run: Run, base_args, env, warm_locks) -> dict:
-  run_dir = workdir / "runs" / run.name
-  if (run_dir / RESULT_FILE).exists():
-    return json.loads((run_dir / RESULT_FILE).read_text())
+  run_dir = files.join(workdir, "runs", run.name)
+  result_path = files.join(run_dir, RESULT_FILE)
+  if files.exists(result_path):
+    return json.loads(files.read_text(result_path))
   with warm_locks[run.seed]:
     warm = _ensure_warm_start(config, workdir, run.seed, base_args, env)
   # The variant starts from the warm start's params (its own state: the estimator's prior may have
   # another shape); the same seed gives it the same step-0 evaluation and data order.
   overrides = {**VARIANTS[run.variant], "rl.group_size": run.group_size, "seed": run.seed}
-  overrides.update({"model.init_from": str(warm), "sft.num_steps": 0})
+  overrides.update({"model.init_from": warm, "sft.num_steps": 0})
   start = time.perf_counter()
   _train(config, run_dir, [*base_args, *_override_args(overrides)], env)
   result = summarize_run(run_dir, run)
   result["wall_s"] = time.perf_counter() - start
-  (run_dir / RESULT_FILE).write_text(json.dumps(result, indent=1) + "\n")
+  files.write_atomic(result_path, json.dumps(result, indent=1) + "\n")
   return result
 
 
@@ -203,7 +234,7 @@ def run_ablation(
   process's environment with one CPU device; pass your own for accelerators). Returns the report
   dict (`rows`, `runs`, `markdown`, `summary`, `plots`).
   """
-  workdir = pathlib.Path(workdir).resolve()
+  workdir = files.abspath(workdir)
   seed_list = list(range(seeds)) if isinstance(seeds, int) else [int(s) for s in seeds]
   runs = plan(variants, group_sizes, seed_list)
   if workers < 1:
@@ -211,7 +242,7 @@ def run_ablation(
   for arg in overrides:
     if not arg.startswith("--config."):
       raise ValueError(f"overrides must look like --config.KEY=VALUE, got {arg!r}")
-  workdir.mkdir(parents=True, exist_ok=True)
+  files.makedirs(workdir)
   env = child_env() if env is None else dict(env)
   warm_locks = {seed: threading.Lock() for seed in seed_list}
   results, failures = [], []
@@ -235,8 +266,10 @@ def run_ablation(
   report["plots"] = plot_ablation(workdir, results)
   header = {"config": config, "overrides": list(overrides), "date": str(datetime.date.today())}
   report["markdown"] = render_markdown(report, header)
-  (workdir / "ablation.md").write_text(report["markdown"])
-  (workdir / "ablation.json").write_text(json.dumps({**header, **report}, indent=1) + "\n")
+  files.write_atomic(files.join(workdir, "ablation.md"), report["markdown"])
+  files.write_atomic(
+    files.join(workdir, "ablation.json"), json.dumps({**header, **report}, indent=1) + "\n"
+  )
   return report
 
 
@@ -276,7 +309,8 @@ def summarize_run(run_dir: str | os.PathLike, run: Run) -> dict:
 
 def load_results(workdir: str | os.PathLike) -> list[dict]:
   """Every finished run's summary under WORKDIR/runs/."""
-  return [
-    json.loads(path.read_text())
-    for path in sorted(pathlib.Path(workdir).glob(f"runs/*/{RESULT_FILE}"))
-  ]
+  runs = files.join(workdir, "runs")
+  if not files.isdir(runs):
+    return []
+  paths = [files.join(runs, name, RESULT_FILE) for name in files.listdir(runs)]
+  return [json.loads(files.read_text(path)) for path in paths if files.exists(path)]

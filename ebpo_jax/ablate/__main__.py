@@ -1,12 +1,12 @@
 """`python -m ebpo_jax.ablate`: the command line of `ebpo_jax.ablate` (see its docstring)."""
 
-import pathlib
 import sys
 from collections.abc import Sequence
 
 from absl import app, flags
 from ml_collections import config_flags
 
+from ebpo_jax import files
 from ebpo_jax.ablate import (
   DEFAULT_VARIANTS,
   VARIANTS,
@@ -34,12 +34,14 @@ def main(argv: Sequence[str]) -> None:
   except (AblationError, ValueError) as e:
     sys.exit(f"error: {e}")
   print(report["markdown"])
-  print(f"report: {pathlib.Path(f.workdir) / 'ablation.md'}")
+  print(f"report: {files.join(f.workdir, 'ablation.md')}")
 
 
 if __name__ == "__main__":
   config_flags.DEFINE_config_file("config", None, "Experiment config file (path[:arg]).")
-  flags.DEFINE_string("workdir", None, "Directory for the runs, ablation.md and plots.")
+  flags.DEFINE_string(
+    "workdir", None, "Directory for the runs, ablation.md and plots (local or gs://...)."
+  )
   flags.DEFINE_string(
     "variants", ",".join(DEFAULT_VARIANTS), f"Comma list of: {', '.join(VARIANTS)}."
   )

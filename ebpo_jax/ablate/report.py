@@ -1,12 +1,12 @@
 """The ablation report: every run's summary -> per-variant tables, paired differences, plots."""
 
 import os
-import pathlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from ebpo_jax import files
 from ebpo_jax import metrics as metrics_lib
 
 
@@ -173,7 +173,8 @@ def render_markdown(report: dict, header: Mapping[str, Any]) -> str:
   lines += ["", "## Summary", "", *(f"- {line}" for line in report["summary"])]
   if report.get("plots"):
     lines += ["", "## Plots", ""]
-    lines += [f"![{pathlib.Path(p).stem}](plots/{pathlib.Path(p).name})" for p in report["plots"]]
+    names = [os.path.basename(p) for p in report["plots"]]
+    lines += [f"![{os.path.splitext(name)[0]}](plots/{name})" for name in names]
   return "\n".join(lines) + "\n"
 
 
@@ -186,8 +187,8 @@ def plot_ablation(workdir: str | os.PathLike, results: Sequence[dict]) -> list[s
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
 
-  out_dir = pathlib.Path(workdir) / metrics_lib.PLOTS_DIR
-  out_dir.mkdir(parents=True, exist_ok=True)
+  out_dir = files.join(workdir, metrics_lib.PLOTS_DIR)
+  files.makedirs(out_dir)
   hard = _hardest_cluster(results)
   keys = ["all"] + ([hard] if hard is not None else [])
   paths = []
@@ -206,9 +207,9 @@ def plot_ablation(workdir: str | os.PathLike, results: Sequence[dict]) -> list[s
       ax.set_xlabel("RL step")
       ax.grid(alpha=0.3)
       ax.legend(fontsize="small")
-    path = out_dir / f"ablation_accuracy_G{g}.png"
-    fig.savefig(path, dpi=90, bbox_inches="tight")
-    paths.append(str(path))
+    path = files.join(out_dir, f"ablation_accuracy_G{g}.png")
+    files.write_atomic(path, metrics_lib.png_bytes(fig, dpi=90))
+    paths.append(path)
   return paths
 
 
