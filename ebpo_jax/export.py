@@ -12,8 +12,8 @@ copied over, so `AutoTokenizer` / `AutoModelForCausalLM.from_pretrained(OUT)` lo
 the original. A random-init run uses the task's own character or byte tokenizer, which has no
 Hugging Face form: only the weights and config are written.
 
-The run directory, the source model directory and OUT may each be local or `gs://bucket/...`; a
-remote OUT is written in a local staging directory and uploaded file by file when complete.
+The run directory, the source model directory and OUT may each be local or `gs://bucket/...`
+(`save_pretrained` writes a remote OUT locally, then uploads it file by file).
 """
 
 from collections.abc import Sequence
@@ -57,13 +57,13 @@ def export(run_dir: str, out: str, *, step: int | None = None, dtype: str = "") 
   model, params, _ = policy_lib.load_policy(config, tokenizer, mesh, run_dir, step)
   if dtype:
     params = jax.tree.map(lambda x: x.astype(jnp.dtype(dtype)), params)
+  models.save_pretrained(out, model, params)  # collective; process 0 writes
+  copied = []
   source = policy_lib.model_source(config)
-  copied = tokenizer_files(source) if source is not None else []
-  with files.staged_dir(out) as staging:
-    models.save_pretrained(staging, model, params)  # collective; process 0 writes
-    if jax.process_index() == 0:
-      for name in copied:
-        files.copy_file(files.join(source, name), files.join(staging, name))
+  if source is not None and jax.process_index() == 0:
+    for name in tokenizer_files(source):
+      files.copy_file(files.join(source, name), files.join(out, name))
+      copied.append(name)
   return {"step": step, "source_model": source, "out": files.abspath(out), "copied": copied}
 
 
