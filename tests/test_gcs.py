@@ -1,12 +1,15 @@
 """gs:// inputs and several hosts on a bucket, against the storage emulator (conftest's
 `gcs_emulator`, `gcs_dir`), nothing mocked: rows, prepared and clustered data, a Hugging Face
 model directory and its tokenizer read from the bucket as from local disk; a trainer run whose
-`data.path` and `model.path` are on the bucket; two processes training into a gs:// workdir."""
+`data.path` and `model.path` are on the bucket; two processes (launch/local_multiprocess.sh)
+training into a gs:// workdir and resuming from it."""
 
 import json
 import math
 import os
 import pathlib
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -14,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ebpo_jax import files, models, tasks
+from ebpo_jax import checkpoint, files, models, sharding, tasks
 from ebpo_jax.data import DataError, cluster, load_rows_and_clusters, prepare
 from ebpo_jax.models import gguf_io, hf_io
 from ebpo_jax.tasks import tokenizers
@@ -222,3 +225,72 @@ def test_a_run_on_bucket_data_and_model_matches_the_run_on_local_copies(
     for key, value in want.items():
       assert have[key] == pytest.approx(value, rel=1e-6, abs=1e-7, nan_ok=True), key
   assert len(files.walk_files(tmp_path / "cache")) > 0  # the bucket's model was mirrored
+
+
+# ----------------------------------------------------------------------------- several hosts
+
+TWO_PROCESS_RUN = (
+  f"--config={ROOT}/configs/arith_ebpo.py:runlocal",
+  "--config.sft.num_steps=0",
+  "--config.checkpoint.every_steps=2",
+  "--config.eval.every_steps=2",
+  "--config.rewards.workers=0",
+  "--config.rl.loss.entropy_coef=0.01",  # the random model's rewards are all 0: this moves it
+  "--config.mesh.data=1",
+  "--config.mesh.fsdp=8",
+  "--config.mesh.tensor=1",
+)
+
+
+def _two_processes(workdir: str, num_steps: int, cwd, cache) -> subprocess.CompletedProcess:
+  """launch/local_multiprocess.sh 2 on TWO_PROCESS_RUN from `cwd`, compiled programs cached in
+  `cache`; the emulator's variables pass through the script to both processes."""
+  env = {
+    **os.environ,
+    "PYTHON": sys.executable,
+    "PYTHONPATH": str(ROOT),  # cwd is elsewhere
+    "JAX_COMPILATION_CACHE_DIR": str(cache),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+  }
+  return subprocess.run(
+    [ROOT / "launch" / "local_multiprocess.sh", "2", *TWO_PROCESS_RUN, f"--workdir={workdir}"]
+    + [f"--config.train.num_steps={num_steps}"],
+    cwd=cwd,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+
+
+@pytest.mark.e2e
+def test_two_processes_train_into_a_bucket_and_resume_from_it(gcs_dir, tmp_path, arith_config):
+  """Process 0 writes metrics.jsonl (each line once), both processes write their shards of every
+  checkpoint, and a second 2-process run resumes from the bucket's latest checkpoint."""
+  workdir, cwd = files.join(gcs_dir, "run"), tmp_path / "cwd"
+  cwd.mkdir()
+  for num_steps in (2, 3):
+    result = _two_processes(workdir, num_steps, cwd, cache=tmp_path / "xla_cache")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-1000:]
+    assert "[rank 0] " in result.stdout and "[rank 1] " in result.stdout
+    lines = files.read_text(files.join(workdir, "metrics.jsonl")).splitlines()
+    assert [json.loads(line)["step"] for line in lines] == list(range(num_steps + 1))
+    assert len(set(lines)) == len(lines)
+  assert os.listdir(cwd) == []  # nothing written locally (no folder named "gs:")
+  written = files.walk_files(workdir)
+  assert [name for name in written if name.endswith(".jsonl")] == ["metrics.jsonl"]
+  assert sum("tfevents" in name for name in written) == 2  # process 0's, one per run
+  for rank in (0, 1):  # every process wrote its shards of the last checkpoint
+    assert any(name.startswith(f"checkpoints/3/state/ocdbt.process_{rank}/") for name in written)
+  checkpoints = files.join(workdir, "checkpoints")
+  assert [n for n in files.listdir(checkpoints) if n.isdigit()] == ["2", "3"]  # max_to_keep=2
+
+  # The 2-process checkpoint restores in this process (8 devices, another layout of processes).
+  config = arith_config({"mesh.data": 1, "mesh.fsdp": 8, "mesh.tensor": 1})
+  model = state_lib.make_model(config, tasks.get_task("arithmetic").tokenizer.vocab_size)
+  mesh = sharding.make_mesh(dict(config.mesh))
+  with checkpoint.Checkpointer(checkpoints) as ckpt:
+    at_2 = jax.tree.leaves(ckpt.restore_params(2, state_lib.abstract_params(model, mesh)))
+    at_3 = jax.tree.leaves(ckpt.restore_params(3, state_lib.abstract_params(model, mesh)))
+  assert all(np.isfinite(np.asarray(x)).all() for x in at_3)
+  assert any(not np.array_equal(a, b) for a, b in zip(at_2, at_3, strict=True))  # step 3 trained
