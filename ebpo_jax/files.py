@@ -62,6 +62,11 @@ __all__ = [
 PathLike = str | os.PathLike
 CACHE_ENV = "EBPO_JAX_CACHE"  # where remote inputs are mirrored (default ~/.cache/ebpo_jax)
 
+# Other processes write the same bucket (the trainer's processes, an evaluation, an ablation's
+# runs): a listing or existence check must ask the store. gcsfs would answer from the listings it
+# cached, so a file another process wrote since stayed missing for this process.
+fsspec.config.conf.setdefault("gcs", {})["use_listings_cache"] = False
+
 
 def is_remote(path: PathLike) -> bool:
   """Whether `path` names an object store (`gs://...`) rather than a local file."""
