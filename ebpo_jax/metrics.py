@@ -5,10 +5,11 @@ Non-finite values (NaN, inf) are written as JSON `null`: strict JSON has no NaN,
 (`json`, pandas, jq) all accept null. Lines are flushed as written, so after a crash the file
 ends at most with one partial line, which the readers here ignore.
 
-WORKDIR may be `gs://bucket/...` (everything goes through `ebpo_jax.files`). An object store cannot
-append: each flush there uploads metrics.jsonl and the TensorBoard event file whole, so a remote
-writer flushes at most every REMOTE_FLUSH_S seconds (and on `flush()`, which the trainer calls
-whenever it starts a checkpoint, so that the bucket's lines always reach the latest checkpoint).
+WORKDIR may be `gs://bucket/...` (everything goes through `ebpo_jax.files`, TensorBoard's event
+file included). An object store cannot append: each flush there uploads metrics.jsonl and the
+TensorBoard event file whole, so a remote writer flushes at most every REMOTE_FLUSH_S seconds (and
+on `flush()`, which the trainer calls whenever it starts a checkpoint, so that the bucket's lines
+always reach the latest checkpoint).
 """
 
 import io
@@ -151,10 +152,8 @@ class MetricsWriter:
       truncate_after(workdir, resume_step)
     self._file = files.Appender(self.path)
     if tensorboard:
-      from tensorboardX import SummaryWriter
-
       purge_step = None if resume_step is None else resume_step + 1
-      self._tb = SummaryWriter(files.join(workdir, TENSORBOARD_DIR), purge_step=purge_step)
+      self._tb = _summary_writer(files.join(workdir, TENSORBOARD_DIR), purge_step)
     self._flushed_at = time.monotonic()
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -195,6 +194,51 @@ class MetricsWriter:
 
   def __exit__(self, *exc_info) -> None:
     self.close()
+
+
+def _summary_writer(logdir: str, purge_step: int | None):
+  """A tensorboardX SummaryWriter on `logdir`; a remote logdir's event file goes through
+  `ebpo_jax.files` (`_RemoteEventFile`). `purge_step`: TensorBoard drops the events of earlier
+  files from that step on (the steps a resumed run writes again)."""
+  from tensorboardX import SummaryWriter, record_writer
+
+  if files.is_remote(logdir):
+    scheme = logdir.split("://", 1)[0]
+    record_writer.register_writer_factory(scheme, _RemoteEventFileFactory())
+  return SummaryWriter(logdir, purge_step=purge_step)
+
+
+class _RemoteEventFile:
+  """One TensorBoard event file on an object store: the records are kept in memory and the whole
+  file is uploaded (`files.write_atomic`) on a flush that has something new. tensorboardX's own
+  gs:// writer uploads once more from `__del__` after `close`, at interpreter exit; with the store
+  gone by then it retries for minutes."""
+
+  def __init__(self, path: str):
+    self._path = path
+    self._data = bytearray()
+    self._uploaded = -1  # bytes in the last upload
+
+  def write(self, data: bytes) -> None:
+    self._data += data
+
+  def flush(self) -> None:
+    if len(self._data) != self._uploaded:
+      files.write_atomic(self._path, bytes(self._data))
+      self._uploaded = len(self._data)
+
+  def close(self) -> None:
+    self.flush()
+
+
+class _RemoteEventFileFactory:
+  """tensorboardX's writer factory (`record_writer.register_writer_factory`) for one scheme."""
+
+  def open(self, path: str) -> _RemoteEventFile:
+    return _RemoteEventFile(path)
+
+  def directory_check(self, path: str) -> None:
+    del path  # an object store has no directories to create
 
 
 def _to_floats(metrics: Mapping[str, Any]) -> dict[str, float]:
