@@ -1,0 +1,179 @@
+"""Every output on a gs:// workdir, against the storage emulator (conftest's `gcs_emulator`,
+`gcs_dir`), nothing mocked: metrics.jsonl and its flush policy, TensorBoard events (the purge on
+resume), plots, checkpoints, eval.json and eval samples, exports, ablation files. The e2e test
+trains into the bucket, loses its latest checkpoint (as a run that died before it completed),
+resumes exactly from the bucket, then evaluates and exports reading the run from there."""
+
+import json
+import pathlib
+import struct
+import subprocess
+import sys
+
+import pytest
+from tensorboardX.proto import event_pb2
+
+from ebpo_jax import ablate, checkpoint, export, files
+from ebpo_jax import metrics as metrics_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def comparable(lines: list[dict]) -> list[dict]:
+  """Metrics without wall-clock timings, which differ between runs by nature."""
+  return [{k: v for k, v in m.items() if k not in metrics_lib.TIMING_KEYS} for m in lines]
+
+
+def tensorboard_scalars(logdir: str) -> dict[tuple[str, int], list[float]]:
+  """{(tag, step): values} as TensorBoard reads the event files of `logdir` (oldest file first):
+  a SessionLog START at step s (tensorboardX's purge_step) drops the earlier events with step >= s.
+  A (tag, step) with two values means the resume did not purge."""
+  scalars: dict[tuple[str, int], list[float]] = {}
+  for name in sorted(files.listdir(logdir)):  # events.out.tfevents.<time>.<host>: oldest first
+    for event in _events(files.read_bytes(files.join(logdir, name))):
+      if event.session_log.status == event_pb2.SessionLog.START:
+        scalars = {key: v for key, v in scalars.items() if key[1] < event.step}
+      for value in event.summary.value:
+        scalars.setdefault((value.tag, event.step), []).append(value.simple_value)
+  return scalars
+
+
+def _events(data: bytes) -> list[event_pb2.Event]:
+  """The events of one TFRecord file (length, its CRC, the event, its CRC)."""
+  events, pos = [], 0
+  while pos < len(data):
+    (length,) = struct.unpack("<Q", data[pos : pos + 8])
+    events.append(event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length]))
+    pos += 12 + length + 4
+  return events
+
+
+# ----------------------------------------------------------------------------- in process
+
+
+def test_abspath_keeps_a_remote_path_whole(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)
+  assert files.abspath("gs://bucket/run") == "gs://bucket/run"
+  assert files.abspath("run") == str(tmp_path / "run")
+
+
+def test_metrics_writer_on_a_bucket_flushes_by_time_and_resumes(gcs_dir):
+  path = files.join(gcs_dir, metrics_lib.METRICS_FILE)
+  with metrics_lib.MetricsWriter(gcs_dir, flush_every_s=3600) as writer:
+    writer.write(1, {"loss": 1.0})
+    assert not files.isdir(gcs_dir)  # not due yet: neither metrics.jsonl nor events uploaded
+    writer.flush()
+    assert files.listdir(gcs_dir) == ["metrics.jsonl", "tensorboard"]
+    writer.write(2, {"loss": 2.0})
+    assert [r["step"] for r in metrics_lib.read_metrics(path)] == [1]
+  assert [r["step"] for r in metrics_lib.read_metrics(gcs_dir)] == [1, 2]  # close uploads
+  assert metrics_lib.MetricsWriter(gcs_dir, enabled=False).flush_every_s == (
+    metrics_lib.REMOTE_FLUSH_S
+  )
+  with metrics_lib.MetricsWriter(gcs_dir, tensorboard=False, resume_step=1) as writer:
+    writer.write(2, {"loss": 20.0})
+  records = metrics_lib.read_metrics(gcs_dir)
+  assert [(r["step"], r["loss"]) for r in records] == [(1, 1.0), (2, 20.0)]
+  assert metrics_lib.truncate_after(files.join(gcs_dir, "missing"), 1) == 0
+  plots = metrics_lib.plot_metrics(gcs_dir, keys=["loss"])
+  assert plots == [files.join(gcs_dir, "plots", "loss.png")]
+  assert files.read_bytes(plots[0]).startswith(PNG)
+  assert not (ROOT / "gs:").exists()
+
+
+def test_a_missing_checkpoint_directory_on_a_bucket_names_it(gcs_dir):
+  missing = files.join(gcs_dir, "checkpoints")
+  with pytest.raises(FileNotFoundError, match=f"^{missing}: no such checkpoint directory"):
+    checkpoint.Checkpointer(missing, read_only=True)
+
+
+# ----------------------------------------------------------------------------- processes
+
+
+@pytest.mark.e2e
+def test_a_listing_sees_what_another_process_wrote_since(gcs_dir):
+  files.write_atomic(files.join(gcs_dir, "a"), "a")
+  path = files.join(gcs_dir, "sub", "b")
+  assert files.listdir(gcs_dir) == ["a"] and not files.exists(path)
+  write = f"from ebpo_jax import files; files.write_atomic({path!r}, 'b')"
+  subprocess.run([sys.executable, "-c", write], check=True, cwd=ROOT, timeout=120)
+  assert files.listdir(gcs_dir) == ["a", "sub"] and files.exists(path)
+
+
+@pytest.mark.e2e
+def test_a_run_on_a_bucket_resumes_exactly_then_evaluates_and_exports_from_it(
+  arith_run, trainer_cli, module_cli, gcs_dir, tmp_path
+):
+  reference, _ = arith_run  # the same 4 steps, uninterrupted, in a local workdir
+  first = trainer_cli(gcs_dir, "--config.train.num_steps=4")
+  assert first.returncode == 0, first.stderr[-3000:]
+  written = files.walk_files(gcs_dir)
+  assert {"metrics.jsonl", "checkpoints/4/commit_success.txt", "plots/reward.png"} <= set(written)
+  assert len([name for name in written if name.startswith("tensorboard/events.")]) == 1
+  assert f"plots in {gcs_dir}/plots/" in first.stdout
+  # Died before checkpoint 4 completed: its lines of steps 3 and 4 are on the bucket, the
+  # checkpoint is not. The run resumes from checkpoint 2 and writes steps 3 and 4 again.
+  files.remove_tree(files.join(gcs_dir, "checkpoints", "4"))
+  second = trainer_cli(gcs_dir, "--config.train.num_steps=4")
+  assert second.returncode == 0, second.stderr[-3000:]
+  lines = metrics_lib.read_metrics(gcs_dir)
+  assert comparable(lines) == comparable(metrics_lib.read_metrics(reference))
+  # TensorBoard: a second event file purges steps >= 3 of the first; one value per (tag, step),
+  # the metrics.jsonl one.
+  scalars = tensorboard_scalars(files.join(gcs_dir, metrics_lib.TENSORBOARD_DIR))
+  logged = {(k, m["step"]): v for m in lines for k, v in m.items() if k != "step" and v is not None}
+  assert scalars.keys() == logged.keys()
+  wrong = {key: (v, logged[key]) for key, v in scalars.items() if v != pytest.approx([logged[key]])}
+  assert not wrong
+  assert files.read_bytes(files.join(gcs_dir, "plots", "reward.png")).startswith(PNG)
+
+  # evaluate and export read the run from the bucket and write there.
+  config = "--config=configs/arith_ebpo.py:runlocal"
+  evaluated = module_cli("ebpo_jax.evaluate", config, f"--workdir={gcs_dir}")
+  assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+  saved = json.loads(files.read_text(files.join(gcs_dir, "eval.json")))
+  assert saved["params"] == {"kind": "checkpoint", "run_dir": gcs_dir, "step": 4}
+  samples = files.read_text(files.join(gcs_dir, "eval_samples.jsonl")).splitlines()
+  assert len(samples) == saved["num_problems"] > 0
+  out = files.join(gcs_dir, "hf")
+  exported = module_cli("ebpo_jax.export", f"--run_dir={gcs_dir}", f"--out={out}")
+  assert exported.returncode == 0, exported.stderr[-3000:]
+  assert f"step 4 of {gcs_dir} -> {out};" in exported.stdout
+  local = export.export(gcs_dir, str(tmp_path / "hf"))  # the same export, to local disk
+  assert local["step"] == 4
+  names = files.walk_files(out)
+  assert names == files.walk_files(tmp_path / "hf") == ["config.json", "model.safetensors"]
+  for name in names:
+    assert files.read_bytes(files.join(out, name)) == (tmp_path / "hf" / name).read_bytes()
+
+  # The ablation report reads runs and writes its files on the bucket as on disk.
+  run = ablate.Run("ebpo_running", 4, 0)
+  result = ablate.summarize_run(gcs_dir, run)
+  assert result["curve"]["step"] == [0, 2, 4]
+  ablation = files.join(gcs_dir, "ablation")
+  files.write_atomic(files.join(ablation, "runs", run.name, ablate.RESULT_FILE), json.dumps(result))
+  assert ablate.load_results(ablation) == [result]
+  (plot,) = ablate.plot_ablation(ablation, [result])
+  assert plot == files.join(ablation, "plots", "ablation_accuracy_G4.png")
+  assert files.read_bytes(plot).startswith(PNG)
+  assert not (ROOT / "gs:").exists()  # nothing went to a local folder named after the scheme
+
+
+@pytest.mark.e2e
+def test_a_failed_ablation_run_on_a_bucket_uploads_its_log(gcs_dir):
+  warm = files.join(gcs_dir, "warm_start", "s0")
+  with pytest.raises(ablate.AblationError, match=f"log: {warm}/log.txt") as error:
+    ablate.run_ablation(
+      f"{ROOT}/configs/arith_ebpo.py:runlocal",
+      gcs_dir,
+      variants=["grpo"],
+      group_sizes=[4],
+      seeds=1,
+      overrides=["--config.rl.ebpo.decay=1.5"],  # the warm start stops on it
+      progress=False,
+    )
+  log = files.read_text(files.join(warm, "log.txt"))
+  assert log.startswith("$ ") and "config.rl.ebpo.decay=1.5: must lie in (0, 1]" in log
+  assert "must lie in (0, 1]" in str(error.value)  # the log's tail
+  assert not files.exists(files.join(gcs_dir, "ablation.md"))
