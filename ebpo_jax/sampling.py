@@ -411,22 +411,47 @@ def generate(
     spec = sharding.logical_to_spec(prompt_ids_bp.shape, ("batch", None), mesh)
     prompt_ids_bp = jax.device_put(prompt_ids_bp, NamedSharding(mesh, spec))
     prompt_mask_bp = jax.device_put(prompt_mask_bp, NamedSharding(mesh, spec))
-  return _generate(
-    params,
-    prompt_ids_bp,
-    prompt_mask_bp,
-    rng,
-    _device_scalar(temperature, mesh),
-    _device_scalar(top_p, mesh),
-    model=model,
-    group_size=int(group_size),
-    max_new_tokens=int(max_new_tokens),
-    greedy=bool(greedy),
-    stop_ids=tuple(int(s) for s in stop_ids),
-    top_k=int(top_k),
-    pad_id=int(pad_id),
-    mesh=mesh,
-  )
+  static = _static_args(model, group_size, max_new_tokens, greedy, stop_ids, top_k, pad_id, mesh)
+  temperature, top_p = _device_scalar(temperature, mesh), _device_scalar(top_p, mesh)
+  return _generate(params, prompt_ids_bp, prompt_mask_bp, rng, temperature, top_p, **static)
+
+
+def trace_generate(
+  model: nn.Module,
+  params,
+  prompt_ids_bp,
+  prompt_mask_bp,
+  rng,
+  temperature,
+  top_p,
+  *,
+  group_size: int = 1,
+  max_new_tokens: int,
+  top_k: int = 0,
+  greedy: bool = False,
+  stop_ids: Sequence[int] = (),
+  pad_id: int = 0,
+  mesh: Mesh | None = None,
+) -> jax.stages.Traced:
+  """The program `generate` runs, traced for these inputs (arrays or `jax.ShapeDtypeStruct`s
+  with shardings; temperature and top_p as float32 scalars) with the same static arguments.
+  `.jaxpr` is its computation and `.lower().compile()` compiles it: what ebpo_jax.aot measures."""
+  static = _static_args(model, group_size, max_new_tokens, greedy, stop_ids, top_k, pad_id, mesh)
+  return _generate.trace(params, prompt_ids_bp, prompt_mask_bp, rng, temperature, top_p, **static)
+
+
+def _static_args(model, group_size, max_new_tokens, greedy, stop_ids, top_k, pad_id, mesh) -> dict:
+  """`_generate`'s static arguments, normalised (hashable Python values: one compile each)."""
+  return {
+    "model": model,
+    "group_size": int(group_size),
+    "max_new_tokens": int(max_new_tokens),
+    "greedy": bool(greedy),
+    "stop_ids": tuple(int(s) for s in stop_ids),
+    "top_k": int(top_k),
+    "pad_id": int(pad_id),
+    "mesh": mesh,
+  }
 
 
 def _device_scalar(x: float | jax.Array, mesh: Mesh | None) -> jax.Array:

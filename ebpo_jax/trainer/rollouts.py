@@ -95,6 +95,20 @@ def _split_keys(key: jax.Array, n: int) -> tuple[jax.Array, ...]:
   return tuple(jax.random.split(key, n))
 
 
+def generate_options(config, tokenizer, *, group_size: int, greedy: bool) -> dict:
+  """The static options of the Sampler's `sampling.generate` calls (one compile per distinct
+  set): what ebpo_jax.aot compiles the sampler with too."""
+  sc = config.sampling
+  return {
+    "group_size": group_size,
+    "max_new_tokens": sc.max_new_tokens,
+    "top_k": sc.top_k,
+    "greedy": greedy,
+    "stop_ids": tokenizer.stop_ids,
+    "pad_id": tokenizer.pad_id,
+  }
+
+
 class Sampler:
   """Samples and scores completions of data rows with the policy's jitted sampler."""
 
@@ -136,21 +150,17 @@ class Sampler:
     sc = self.config.sampling
     spec = sharding.row_sharding(ids.shape, self.mesh)
     ids, mask = sharding.place_from_host(ids, spec), sharding.place_from_host(mask, spec)
+    options = generate_options(self.config, self.tokenizer, group_size=group_size, greedy=greedy)
     out = sampling.generate(
       self.model,
       params,
       ids,
       mask,
       key,
-      group_size=group_size,
-      max_new_tokens=sc.max_new_tokens,
       temperature=sc.temperature,
       top_p=sc.top_p,
-      top_k=sc.top_k,
-      greedy=greedy,
-      stop_ids=self.tokenizer.stop_ids,
-      pad_id=self.tokenizer.pad_id,
       mesh=self.mesh,
+      **options,
     )
     tokens, lengths = sharding.to_host((out.tokens, out.lengths))
     n = len(rows)
