@@ -1,4 +1,5 @@
-"""Packaging for ebpo_jax: `pip install -e .` (runtime) and `pip install -e '.[test]'` (tests)."""
+"""Packaging for ebpo_jax: `pip install -e .` (runtime), `pip install -e '.[test]'` (tests) and
+`pip install -e '.[aot]'` (the TPU compiler for `python -m ebpo_jax.aot` on any machine)."""
 
 import pathlib
 
@@ -11,6 +12,10 @@ def _requirements() -> list[str]:
   lines = (HERE / "requirements.txt").read_text().splitlines()
   return [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
 
+
+# The TPU compiler for `python -m ebpo_jax.aot` on a machine without a TPU: the libtpu that jax's own
+# `tpu` extra names for the jax of requirements.txt (0.10.2). TPU VMs get it from jax[tpu].
+AOT_REQUIRES = ["libtpu==0.0.42.*"]
 
 TEST_REQUIRES = [
     "pytest>=8",
@@ -25,6 +30,7 @@ TEST_REQUIRES = [
     "ipykernel>=6.29",
     # A Google Cloud Storage API on loopback for the gs:// tests (tests/conftest.py gcs_emulator).
     "gcp-storage-emulator>=2024.8",
+    *AOT_REQUIRES,  # tests/test_aot.py, tests/test_launch.py (tpu_pod.sh's fit check)
 ]
 
 setuptools.setup(
@@ -36,5 +42,5 @@ setuptools.setup(
     python_requires=">=3.11",
     packages=setuptools.find_packages(include=["ebpo_jax", "ebpo_jax.*"]),
     install_requires=_requirements(),
-    extras_require={"test": TEST_REQUIRES},
+    extras_require={"test": TEST_REQUIRES, "aot": AOT_REQUIRES},
 )

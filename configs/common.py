@@ -40,6 +40,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.num_heads = 2  # query heads
   config.model.num_kv_heads = 2  # key/value heads (GQA: divides num_heads)
   config.model.head_dim = 32  # per-head width
+  config.model.vocab_size = 0  # model.path's vocabulary, for ebpo_jax.aot without the directory
   config.model.dtype = "float32"  # compute dtype: float32 | bfloat16
   config.model.param_dtype = "float32"  # master-weight dtype: float32 | bfloat16
   config.model.remat = "none"  # per-layer rematerialisation: none | full | dots | dots_no_batch

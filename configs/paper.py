@@ -161,6 +161,7 @@ def _paper_recipe(model: str, group_size: int) -> ml_collections.ConfigDict:
   for key in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
     config.model[key] = spec[key]  # the checkpoint's shape (bench/memory.py reads it)
   config.model.head_dim = spec["head_dim"]
+  config.model.vocab_size = spec["vocab_size"]  # ebpo_jax.aot: this shape, without the directory
   config.model.dtype = "bfloat16"
   config.model.param_dtype = "float32"  # master weights: see bench/RESULTS.md
   config.model.remat = "full"  # see bench/RESULTS.md

@@ -1,0 +1,558 @@
+"""Will it fit? The train step and a sampler call compiled by the TPU compiler, on any machine.
+
+  python -m ebpo_jax.aot --config=configs/paper.py:qwen3_8b,ebpo_topic,g4 --topology=v5p-64 \
+      [--config.KEY=VALUE ...] [--prompt_len=N]
+
+SLICE is a slice name, as `gcloud` spells the accelerator type (`v5p-64`, `v4-32`: TensorCores,
+two per chip, so v5p-64 is 32 chips; `v5e-16` or `v5litepod-16`, `v6e-8`: chips), or a topology
+(`v5p:4x4x2`, `v5e:2x2`). With `libtpu` installed (`pip install -e '.[aot]'`) JAX hands out
+compile-only devices of that topology; the config's mesh is built over them and two programs are
+compiled from abstract sharded inputs (`jax.ShapeDtypeStruct`; nothing is allocated):
+- the trainer's own train step (`jit_train_step`, as train.py jits it: state shardings, the state
+  donated) on a batch at the prompt bucket `--prompt_len` (default: for a task's own rows, the
+  bucket of the longest training prompt; for a rows file, the largest bucket: the worst case);
+- one sampler call (`sampling.prompts_per_call` prompts x G rows: prefill, then the decode loop)
+  with the Sampler's own static options (`rollouts.generate_options`).
+
+Memory per chip is the compiler's `memory_analysis()`: arguments + outputs - aliased (the donated
+state is updated in place) + temporaries + generated code. While the sampler runs, the rest of the
+train state (optimizer moments, the KL reference) and the rollouts already drawn this step (up to
+1 + `rl.max_refill_rounds` rounds of the step's batch) wait on the device beside it; their shard
+sizes are added to the sampler's. A phase fits when its bytes are at most the HBM that the TPU
+compiler makes available on the chip (CHIPS). A program that cannot fit does not compile at all:
+the compiler's RESOURCE_EXHAUSTED message gives the bytes it needed.
+
+FLOPs and bytes accessed are the compiler's `cost_analysis()` (per chip), which counts the body of
+a loop once, whatever its trip count: the layers under `nn.scan`, the micro-batches and updates of
+the train step (`lax.scan`), the sampler's decode `while_loop`. The correction comes from the
+program's jaxpr: the FLOPs (2 x M x N x K) and operand bytes of every `dot_general` are summed once
+with each loop body counted once, as the compiler counts, and once weighted by trip counts (a scan
+its length; the decode loop `max_new_tokens - 1` steps, every row running to the limit; a `cond`
+its largest branch). The compiler's FLOPs are scaled by the first ratio, its bytes by the second.
+This assumes the compiler's per-chip count is spread over the program like the dots are: close
+for FLOPs (matmuls are nearly all of them) and for the train step, whose work is all inside its
+loops; the sampler's bytes also scale what lies outside the decode loop (the prefill) by the
+loop's ratio, so they are an estimate, good to a small factor. The uncorrected counts and both
+ratios are in the JSON (`flops_counted_once`, `bytes_counted_once`, `loop_factor_*`).
+
+The roofline time of a program is max(FLOPs / peak FLOP/s, bytes / HBM bandwidth) per chip, from
+the published peaks in CHIPS; it leaves out collectives over the interconnect and the host. An RL
+step is one train step plus ceil(batch / prompts_per_call) sampler calls per rollout round. The
+two programs compile at once, in two threads (the compiler mostly keeps to one core).
+
+Last line of stdout: one JSON object (`topology`, `chips`, `fits`, `hbm_bytes_per_chip`,
+`train_step` and `sampler` with `bytes_per_chip`, `flops`, ...). Exit status 0 whether or not it
+fits (launch/tpu_pod.sh reads `fits`); 1 with one line for a bad config or an unknown slice.
+"""
+
+import concurrent.futures
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+from absl import app, flags
+from jax.extend import core as jax_core
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from ml_collections import config_flags
+
+from ebpo_jax import advantages, models, sampling, sharding
+from ebpo_jax.trainer import config as config_lib
+from ebpo_jax.trainer import rollouts as rollouts_lib
+from ebpo_jax.trainer import state as state_lib
+from ebpo_jax.trainer.step import abstract_batch, jit_train_step
+
+GIB = 2**30
+
+
+@dataclasses.dataclass(frozen=True)
+class Chip:
+  """One TPU generation: published per-chip peaks, and the HBM its compiler lets a program use."""
+
+  peak_flops: float  # bf16 FLOP/s
+  hbm_bytes: int  # published HBM capacity
+  hbm_bandwidth: float  # bytes/s
+  usable_hbm_bytes: int  # what the TPU compiler (libtpu 0.0.42) reports as available HBM
+  cores_per_chip: int  # TensorCores a slice name counts per chip (v4-32, v5p-64: 2)
+  dims: int  # torus dimensions (3: v4, v5p; 2: v5e, v6e)
+
+
+# Cloud TPU documentation, "TPU versions" (system architecture pages), per chip. The usable HBM is
+# the compiler's: "exceeds available HBM (95.74G)" for an oversized program, in GiB.
+CHIPS = {
+  "v4": Chip(275e12, 32 * GIB, 1200e9, int(30.75 * GIB), 2, 3),
+  "v5e": Chip(197e12, 16 * GIB, 819e9, int(15.75 * GIB), 1, 2),
+  "v5p": Chip(459e12, 95 * GIB, 2765e9, int(95.74 * GIB), 2, 3),
+  "v6e": Chip(918e12, 32 * GIB, 1640e9, int(31.25 * GIB), 1, 2),
+}
+_ALIASES = {"v5litepod": "v5e", "v5lite": "v5e"}  # gcloud's name for v5e slices
+_CHIP_COUNTS = {2: (1, 4, 8, 16, 32, 64, 128, 256), 3: (4, 8, 16, 32, 64, 128, 256, 512, 1024)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+  """A TPU slice: its generation and the chips along each torus axis."""
+
+  generation: str
+  shape: tuple[int, ...]
+
+  @property
+  def chip(self) -> Chip:
+    return CHIPS[self.generation]
+
+  @property
+  def chips(self) -> int:
+    return math.prod(self.shape)
+
+  @property
+  def topology(self) -> str:
+    return f"{self.generation}:{'x'.join(map(str, self.shape))}"
+
+  @property
+  def accelerator_type(self) -> str:
+    """gcloud's name of the slice (v5p-64, v5litepod-16)."""
+    prefix = "v5litepod" if self.generation == "v5e" else self.generation
+    return f"{prefix}-{self.chips * self.chip.cores_per_chip}"
+
+
+def known_slices() -> list[str]:
+  """The slice names `parse_slice` knows (every topology `GEN:AxB[xC]` is accepted too)."""
+  return [
+    Slice(gen, _shape(chip.dims, n)).accelerator_type.replace("v5litepod", "v5e")
+    for gen, chip in CHIPS.items()
+    for n in _CHIP_COUNTS[chip.dims]
+  ]
+
+
+def _shape(dims: int, chips: int) -> tuple[int, ...]:
+  """The usual torus of `chips` chips: from 2x2(x1), doubling the last of the smallest axes
+  (v5p-64: 2x4x4; v5e-32: 4x8)."""
+  shape = [1] * dims if chips == 1 else [2, 2] + [1] * (dims - 2)
+  while math.prod(shape) < chips:
+    smallest = min(shape)
+    last = max(i for i, s in enumerate(shape) if s == smallest)
+    shape[last] *= 2
+  return tuple(shape)
+
+
+def parse_slice(name: str) -> Slice:
+  """`v5p-64` (gcloud's accelerator type), `v5litepod-16`, or a topology `v5p:4x4x2`."""
+  known = ", ".join(known_slices())
+  error = ValueError(
+    f"--topology={name!r}: unknown slice; known: {known}; or a topology GEN:AxB[xC] "
+    f"(GEN in {', '.join(CHIPS)})"
+  )
+  if ":" in name:
+    gen, _, dims = name.partition(":")
+    gen = _ALIASES.get(gen, gen)
+    if gen not in CHIPS or not re.fullmatch(r"\d+(x\d+)*", dims):
+      raise error
+    shape = tuple(int(d) for d in dims.split("x"))
+    if len(shape) != CHIPS[gen].dims or min(shape) < 1:
+      raise ValueError(f"--topology={name!r}: a {gen} topology has {CHIPS[gen].dims} axes")
+    return Slice(gen, shape)
+  match = re.fullmatch(r"(v\w+?)-(\d+)", name)
+  if not match:
+    raise error
+  gen, count = _ALIASES.get(match[1], match[1]), int(match[2])
+  if gen not in CHIPS or count % CHIPS[gen].cores_per_chip:
+    raise error
+  chips = count // CHIPS[gen].cores_per_chip
+  if chips not in _CHIP_COUNTS[CHIPS[gen].dims]:
+    raise error
+  return Slice(gen, _shape(CHIPS[gen].dims, chips))
+
+
+def topology_devices(tpu: Slice) -> list[jax.Device]:
+  """Compile-only TPU devices of the slice, one per chip (v4 as megacore: one device per chip)."""
+  from jax.experimental import topologies
+
+  os.environ.setdefault("TPU_ACCELERATOR_TYPE", tpu.accelerator_type)  # libtpu probes less
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  # Compile-only: several compiles (tests, a sweep) may hold libtpu at once.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  extra = {"chip_config_name": "megacore"} if tpu.generation == "v4" else {}
+  try:
+    topology = topologies.get_topology_desc(platform="tpu", topology_name=tpu.topology, **extra)
+  except (RuntimeError, ValueError) as e:
+    raise RuntimeError(
+      f"no TPU compiler for {tpu.topology} ({str(e).splitlines()[0]}); "
+      "install libtpu: pip install -e '.[aot]'"
+    ) from None
+  return list(topology.devices)
+
+
+# ----------------------------------------------------------------------------- loop correction
+
+
+@dataclasses.dataclass
+class DotCount:
+  """FLOPs and operand bytes of a jaxpr's `dot_general`s, loop bodies counted once (`*_once`, as
+  the compiler's cost analysis counts them) and weighted by their trip counts."""
+
+  flops_once: float = 0.0
+  flops: float = 0.0
+  bytes_once: float = 0.0
+  bytes: float = 0.0
+
+  def add(self, other: "DotCount", trips: float) -> None:
+    self.flops_once += other.flops_once
+    self.bytes_once += other.bytes_once
+    self.flops += trips * other.flops
+    self.bytes += trips * other.bytes
+
+
+def _nbytes(aval) -> int:
+  return math.prod(aval.shape) * aval.dtype.itemsize
+
+
+def _sub_jaxprs(value) -> list:
+  if isinstance(value, jax_core.ClosedJaxpr):
+    return [value.jaxpr]
+  if isinstance(value, jax_core.Jaxpr):
+    return [value]
+  if isinstance(value, tuple | list):
+    return [j for v in value for j in _sub_jaxprs(v)]
+  return []
+
+
+def count_dots(jaxpr: jax_core.Jaxpr, while_trips: int) -> DotCount:
+  """`DotCount` of `jaxpr` and everything nested in it; a `while` body runs `while_trips` times."""
+  total = DotCount()
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == "dot_general":
+      (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+      lhs = eqn.invars[0].aval
+      k = math.prod(lhs.shape[d] for d in lhs_contract)
+      flops = 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
+      nbytes = float(sum(_nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars)))
+      total.add(DotCount(flops, flops, nbytes, nbytes), 1)
+    elif name == "cond":  # one branch runs: the costliest
+      branches = [count_dots(j, while_trips) for j in _sub_jaxprs(eqn.params["branches"])]
+      total.add(max(branches, key=lambda c: c.flops), 1)
+    else:
+      trips = {"scan": eqn.params.get("length", 1), "while": while_trips}.get(name, 1)
+      for value in eqn.params.values():
+        for sub in _sub_jaxprs(value):
+          total.add(count_dots(sub, while_trips), trips)
+  return total
+
+
+# ----------------------------------------------------------------------------- compiling
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """What is compiled: the config's model and state, abstract, on the slice's mesh."""
+
+  config: ml_collections.ConfigDict
+  tpu: Slice
+  mesh: Mesh
+  model: models.Decoder
+  params: Any  # abstract, sharded
+  stop_ids: tuple[int, ...]
+  pad_id: int
+  num_clusters: int
+  prompt_len: int  # the prompt bucket compiled
+
+
+def _model_dir(path: str) -> bool:
+  return path.startswith("packaged:") or os.path.isfile(os.path.join(path, "config.json"))
+
+
+def make_target(config: ml_collections.ConfigDict, tpu: Slice, prompt_len: int = 0) -> Target:
+  """The config's mesh over the slice's devices, its model and abstract params. The model is
+  `model.path`'s (config.json and tokenizer) when that directory is on this machine; otherwise
+  a decoder of the config's shape keys over `model.vocab_size` tokens (placeholder stop and pad
+  ids, which do not change what is compiled); a random-init model uses the task's tokenizer.
+  `prompt_len` 0: for a task's own rows (random-init models), the bucket of the longest training
+  prompt, as the trainer pads them; otherwise the largest bucket (the worst case)."""
+  config_lib.check_config(config, tpu.chips)
+  mesh = sharding.make_mesh(dict(config.mesh), topology_devices(tpu))
+  mc, num_clusters = config.model, 16
+  if mc.path and _model_dir(mc.path):
+    tokenizer = state_lib.load_tokenizer(config, task=None)
+    model = state_lib.make_model(config, tokenizer.vocab_size)
+  elif mc.path:
+    if mc.vocab_size < 1:
+      raise config_lib.ConfigError(
+        f"config.model.path={mc.path!r} is not a model directory on this machine: set "
+        f"config.model.vocab_size (with the shape keys) to compile its shape"
+      )
+    model = models.Decoder(state_lib.random_init_config(mc, mc.vocab_size))
+    tokenizer = None
+  else:
+    task, rows, cluster_names, _ = rollouts_lib.load_task_and_rows(config)
+    tokenizer = state_lib.load_tokenizer(config, task)
+    model, num_clusters = state_lib.make_model(config, tokenizer.vocab_size), len(cluster_names)
+    # The bucket of the longest training prompt: the widest batch the run will compile.
+    sampler = rollouts_lib.Sampler(model, task, tokenizer, config, None, mesh)
+    prompt_len = prompt_len or sampler.prompts(rows)[0].shape[1]
+  stop_ids, pad_id = (tokenizer.stop_ids, tokenizer.pad_id) if tokenizer else ((1,), 0)
+  params = state_lib.abstract_params(model, mesh)
+  prompt_len = prompt_len or max(config.sampling.prompt_buckets)
+  return Target(config, tpu, mesh, model, params, tuple(stop_ids), pad_id, num_clusters, prompt_len)
+
+
+def _shard_bytes(tree: Any) -> int:
+  """Bytes of one device's shards of an abstract sharded tree."""
+  leaves = jax.tree.leaves(tree)
+  return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
+
+
+def _memory(compiled) -> dict:
+  m = compiled.memory_analysis()
+  parts = {
+    "argument_bytes": m.argument_size_in_bytes,
+    "output_bytes": m.output_size_in_bytes,
+    "alias_bytes": m.alias_size_in_bytes,
+    "temp_bytes": m.temp_size_in_bytes,
+    "code_bytes": m.generated_code_size_in_bytes,
+  }
+  total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+  total += m.temp_size_in_bytes + m.generated_code_size_in_bytes
+  return {"bytes_per_chip": total, **parts}
+
+
+def _costs(compiled, dots: DotCount, chip: Chip) -> dict:
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  flops_factor = dots.flops / dots.flops_once if dots.flops_once else 1.0
+  bytes_factor = dots.bytes / dots.bytes_once if dots.bytes_once else 1.0
+  flops = float(cost.get("flops", 0.0)) * flops_factor
+  nbytes = float(cost.get("bytes accessed", 0.0)) * bytes_factor
+  compute_s, memory_s = flops / chip.peak_flops, nbytes / chip.hbm_bandwidth
+  return {
+    "flops": flops,
+    "bytes_accessed": nbytes,
+    "flops_counted_once": float(cost.get("flops", 0.0)),
+    "bytes_counted_once": float(cost.get("bytes accessed", 0.0)),
+    "loop_factor_flops": flops_factor,
+    "loop_factor_bytes": bytes_factor,
+    "jaxpr_dots": dataclasses.asdict(dots),
+    "roofline_s": max(compute_s, memory_s),
+    "bound": "compute" if compute_s >= memory_s else "HBM",
+  }
+
+
+_NEEDED = re.compile(r"(?:required for HLO temporaries|Used) \(?([\d.]+)([KMGT])")
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """A lowered program, its jaxpr's dot counts, and what its report adds (shard sizes)."""
+
+  lowered: jax.stages.Lowered
+  dots: DotCount
+  extra: dict
+
+
+def compile_program(program: Program, chip: Chip) -> dict:
+  """Compiles a lowered program: its memory and costs, or, when the compiler finds that it does
+  not fit, the bytes its message names and the message."""
+  t0 = time.perf_counter()
+  try:
+    compiled = program.lowered.compile()
+  except jax.errors.JaxRuntimeError as e:
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    found = _NEEDED.search(str(e))
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    needed = int(float(found[1]) * scale[found[2]]) if found else None
+    line = str(e).strip().splitlines()[0]
+    result = {"bytes_per_chip": needed, "compile_error": line, "flops": None, "roofline_s": None}
+    return {**result, **program.extra}
+  result = {**_memory(compiled), **_costs(compiled, program.dots, chip), **program.extra}
+  result["compile_s"] = time.perf_counter() - t0
+  return result
+
+
+def train_step_program(target: Target) -> Program:
+  """The trainer's jitted train step (state donated), lowered for a batch at the target's prompt
+  bucket."""
+  config, mesh, prompt_len = target.config, target.mesh, target.prompt_len
+  optimizer = state_lib.make_optimizer(config)
+  estimator = advantages.from_config(config.rl)
+  state_args = (config, optimizer, estimator, target.num_clusters)
+  state = state_lib.abstract_state(*state_args, target.params)
+  shardings = state_lib.state_shardings(*state_args, target.params)
+  batch = abstract_batch(config, prompt_len, sharding.batch_sharding(mesh))
+  step = jit_train_step(config, target.model, optimizer, estimator, mesh, shardings)
+  traced = step.trace(state, batch)
+  extra = {"state_bytes": _shard_bytes(state), "batch_bytes": _shard_bytes(batch)}
+  return Program(traced.lower(), count_dots(traced.jaxpr.jaxpr, while_trips=1), extra)
+
+
+def sampler_program(target: Target) -> Program:
+  """One sampler call of the trainer's rollouts (`sampling.prompts_per_call` prompts x G rows,
+  prefill and decode), lowered as `rollouts.Sampler` calls `sampling.generate`."""
+  config, mesh, prompt_len = target.config, target.mesh, target.prompt_len
+  prompts = config.sampling.prompts_per_call or config.train.batch_size
+  ids = jax.ShapeDtypeStruct((prompts, prompt_len), jnp.int32)
+  rows = sharding.row_sharding(ids.shape, mesh)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
+  tokenizer = _Ids(target.stop_ids, target.pad_id)
+  options = rollouts_lib.generate_options(
+    config, tokenizer, group_size=config.rl.group_size, greedy=False
+  )
+  traced = sampling.trace_generate(
+    target.model,
+    target.params,
+    jax.ShapeDtypeStruct(ids.shape, jnp.int32, sharding=rows),
+    jax.ShapeDtypeStruct(ids.shape, jnp.bool_, sharding=rows),
+    jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated),
+    scalar,
+    scalar,
+    mesh=mesh,
+    **options,
+  )
+  dots = count_dots(traced.jaxpr.jaxpr, while_trips=config.sampling.max_new_tokens - 1)
+  extra = {"prompts_per_call": prompts, "calls_per_round": -(-config.train.batch_size // prompts)}
+  return Program(traced.lower(), dots, extra)
+
+
+def compile_train_step(target: Target) -> dict:
+  """`train_step_program` compiled."""
+  return compile_program(train_step_program(target), target.tpu.chip)
+
+
+def compile_sampler(target: Target) -> dict:
+  """`sampler_program` compiled."""
+  return compile_program(sampler_program(target), target.tpu.chip)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Ids:
+  stop_ids: tuple[int, ...]
+  pad_id: int
+
+
+def resident_while_sampling(target: Target, train: dict) -> int:
+  """Bytes per chip that wait on the device during a sampler call: the train state but its params
+  (the sampler's argument) and up to 1 + `rl.max_refill_rounds` rounds of the step's rollouts."""
+  params = _shard_bytes(target.params)
+  rounds = 1 + (target.config.rl.max_refill_rounds if target.config.rl.dynamic_sampling else 0)
+  return train["state_bytes"] - params + rounds * train["batch_bytes"]
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def check(config: ml_collections.ConfigDict, tpu: Slice, prompt_len: int = 0) -> dict:
+  """Compiles both programs of `config` for `tpu`; the report (the JSON line of the CLI)."""
+  target = make_target(config, tpu, prompt_len)
+  programs = [train_step_program(target), sampler_program(target)]
+  # Two compiles at once: the compiler mostly runs on one thread.
+  with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    train, sampler = pool.map(lambda p: compile_program(p, tpu.chip), programs)
+  resident = resident_while_sampling(target, train)
+  sampler["resident_bytes"] = resident
+  sampler["program_bytes"] = sampler["bytes_per_chip"]
+  if sampler["bytes_per_chip"] is not None:
+    sampler["bytes_per_chip"] += resident
+  return summarize(config, tpu, target.prompt_len, train, sampler)
+
+
+def summarize(config, tpu: Slice, prompt_len: int, train: dict, sampler: dict) -> dict:
+  """The report of two compiled phases: fits, headroom, the roofline step time."""
+  usable = tpu.chip.usable_hbm_bytes
+  needed = [p["bytes_per_chip"] for p in (train, sampler)]
+  fits = all(n is not None and n <= usable for n in needed)
+  report = {
+    "topology": tpu.topology,
+    "slice": tpu.accelerator_type,
+    "chips": tpu.chips,
+    "mesh": sharding.mesh_shape(dict(config.mesh), tpu.chips),
+    "prompt_len": prompt_len,
+    "fits": fits,
+    "hbm_bytes_per_chip": usable,
+    "headroom_bytes": None if None in needed else usable - max(needed),
+    "train_step": train,
+    "sampler": sampler,
+  }
+  if train["roofline_s"] is not None and sampler["roofline_s"] is not None:
+    rounds = 1 + (config.rl.max_refill_rounds if config.rl.dynamic_sampling else 0)
+    calls = sampler["calls_per_round"]
+    report["rl_step_roofline_s"] = train["roofline_s"] + calls * sampler["roofline_s"]
+    report["rl_step_roofline_s_max_refill"] = (
+      train["roofline_s"] + rounds * calls * sampler["roofline_s"]
+    )
+  return report
+
+
+def _gb(n: float | None) -> str:
+  return "?" if n is None else f"{n / 1e9:.2f} GB"
+
+
+def describe(report: dict) -> str:
+  """The human-readable lines above the JSON."""
+  usable = report["hbm_bytes_per_chip"]
+  lines = [
+    f"{report['slice']} ({report['topology']}, {report['chips']} chips), mesh {report['mesh']}, "
+    f"prompt bucket {report['prompt_len']}; HBM per chip the compiler allows: {_gb(usable)}"
+  ]
+  for name, p in (("train step", report["train_step"]), ("sampler call", report["sampler"])):
+    if p.get("compile_error"):
+      lines.append(f"{name}: does not fit: {p['compile_error']}")
+      continue
+    lines.append(
+      f"{name}: {_gb(p['bytes_per_chip'])} per chip = arguments {_gb(p['argument_bytes'])} + "
+      f"outputs {_gb(p['output_bytes'])} - aliased {_gb(p['alias_bytes'])} + temporaries "
+      f"{_gb(p['temp_bytes'])} + code {_gb(p['code_bytes'])}"
+      + (f" + waiting {_gb(p['resident_bytes'])}" if "resident_bytes" in p else "")
+    )
+    lines.append(
+      f"  {p['flops'] / 1e12:.1f} TFLOP and {_gb(p['bytes_accessed'])} accessed per chip (the "
+      f"compiler counts loop bodies once: x{p['loop_factor_flops']:.0f} FLOPs, "
+      f"x{p['loop_factor_bytes']:.0f} bytes by trip counts); roofline {p['roofline_s']:.2f} s, "
+      f"{p['bound']}-bound; compiled in {p['compile_s']:.0f} s"
+    )
+  if "rl_step_roofline_s" in report:
+    lines.append(
+      f"RL step roofline: {report['rl_step_roofline_s']:.0f} s (train step + "
+      f"{report['sampler']['calls_per_round']} sampler calls; up to "
+      f"{report['rl_step_roofline_s_max_refill']:.0f} s with every refill round)"
+    )
+  verdict = "fits" if report["fits"] else "DOES NOT FIT"
+  headroom = report["headroom_bytes"]
+  lines.append(f"{verdict}: headroom {_gb(headroom)} per chip" if headroom is not None else verdict)
+  return "\n".join(lines)
+
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
+_TOPOLOGY = flags.DEFINE_string("topology", None, "Slice (v5p-64, v5e-16) or topology (v5p:4x4x2).")
+_PROMPT_LEN = flags.DEFINE_integer(
+  "prompt_len",
+  0,
+  "Prompt bucket to compile; 0: the longest training prompt's bucket when the rows are "
+  "the task's own, else the largest of sampling.prompt_buckets.",
+)
+
+
+def main(argv: Sequence[str]) -> None:
+  del argv
+  if not os.environ.get("JAX_PLATFORMS"):
+    jax.config.update("jax_platforms", "cpu")  # the TPU devices are compile-only
+  with config_lib.entry_point():
+    try:
+      tpu = parse_slice(_TOPOLOGY.value or "")
+    except ValueError as e:
+      sys.exit(f"error: {e}")
+    report = check(_CONFIG.value, tpu, _PROMPT_LEN.value)
+    print(describe(report), flush=True)
+    print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["config", "topology"])
+  app.run(main)

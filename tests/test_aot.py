@@ -1,0 +1,133 @@
+"""ebpo_jax.aot: slice names, the loop correction of the compiler's cost analysis, and the TPU
+compiler's verdict on the default job (libtpu compiles for a TPU topology on this CPU machine).
+The oversized case, and launch/tpu_pod.sh stopping on it, is in tests/test_launch.py."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from ebpo_jax import aot
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _python(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  return subprocess.run(
+    [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+  )
+
+
+# ----------------------------------------------------------------------------- slice names
+
+
+@pytest.mark.parametrize(
+  ("name", "generation", "shape", "accelerator_type"),
+  [
+    ("v5p-64", "v5p", (2, 4, 4), "v5p-64"),  # TensorCores: 32 chips
+    ("v5p-8", "v5p", (2, 2, 1), "v5p-8"),
+    ("v4-32", "v4", (2, 2, 4), "v4-32"),
+    ("v5e-16", "v5e", (4, 4), "v5litepod-16"),  # chips
+    ("v5litepod-16", "v5e", (4, 4), "v5litepod-16"),  # gcloud's spelling
+    ("v5e-1", "v5e", (1, 1), "v5litepod-1"),
+    ("v6e-8", "v6e", (2, 4), "v6e-8"),
+    ("v5p:4x4x2", "v5p", (4, 4, 2), "v5p-64"),
+    ("v5e:2x2", "v5e", (2, 2), "v5litepod-4"),
+  ],
+)
+def test_parse_slice(name, generation, shape, accelerator_type):
+  tpu = aot.parse_slice(name)
+  assert (tpu.generation, tpu.shape, tpu.accelerator_type) == (generation, shape, accelerator_type)
+  assert tpu.topology == f"{generation}:{'x'.join(map(str, shape))}"
+
+
+@pytest.mark.parametrize("name", ["v7-8", "v5p-63", "v5p-6", "tpu", "v5e:2x2x2", "v5p:2x2", ""])
+def test_unknown_slices_name_the_known_ones(name):
+  with pytest.raises(ValueError, match="--topology=") as error:
+    aot.parse_slice(name)
+  if ":" not in name:
+    assert "v5p-64" in str(error.value) and "v5e-16" in str(error.value)
+
+
+def test_every_known_slice_parses_back():
+  for name in aot.known_slices():
+    assert aot.parse_slice(name).accelerator_type.replace("v5litepod", "v5e") == name
+
+
+# ----------------------------------------------------------------------------- loop correction
+
+
+def test_count_dots_weights_loop_bodies_by_their_trip_counts():
+  w, x = jnp.ones((16, 32)), jnp.ones((8, 16))
+
+  def f(w, x):
+    once = x @ w  # 2 * 8 * 16 * 32 = 8192 FLOPs
+    scanned = jax.lax.scan(lambda c, _: (c, c @ w), x, None, length=5)[1]  # 5 x 8192
+    looped = jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] @ w[:, :16]), (0, x))
+    return once, scanned, looped  # the while body: 2 * 8 * 16 * 16 = 4096 FLOPs
+
+  count = aot.count_dots(jax.make_jaxpr(f)(w, x).jaxpr, while_trips=7)
+  assert count.flops_once == 8192 + 8192 + 4096  # each body once, as the compiler counts
+  assert count.flops == 8192 + 5 * 8192 + 7 * 4096
+  assert count.bytes == 6 * 4 * (8 * 16 + 16 * 32 + 8 * 32) + 7 * 4 * (8 * 16 + 16 * 16 + 8 * 16)
+
+
+# ----------------------------------------------------------------------------- the TPU compiler
+
+
+@pytest.mark.e2e  # the TPU compiler in a process of its own (~20 s)
+def test_default_job_fits_a_v5e_2x2_slice():
+  result = _python(["-m", "ebpo_jax.aot", "--config=configs/arith_ebpo.py", "--topology=v5e:2x2"])
+  assert result.returncode == 0, result.stderr[-3000:]
+  report = json.loads(result.stdout.strip().splitlines()[-1])
+  assert (report["topology"], report["chips"], report["fits"]) == ("v5e:2x2", 4, True)
+  assert report["hbm_bytes_per_chip"] == aot.CHIPS["v5e"].usable_hbm_bytes
+  for phase in ("train_step", "sampler"):
+    assert report[phase]["bytes_per_chip"] > 0 and report[phase]["flops"] > 0
+  # Donated: the state's buffers are reused for the new state, so they are not counted twice.
+  assert report["train_step"]["alias_bytes"] > 0
+  assert "fits: headroom" in result.stdout
+
+
+LAYER_SWEEP = textwrap.dedent(
+  """
+  import json, jax
+  jax.config.update("jax_platforms", "cpu")
+  from ebpo_jax import aot
+  from ebpo_jax.trainer import config as config_lib
+  out = {}
+  for layers in (2, 4, 8):
+    config = config_lib.load_config(
+      "configs/arith_ebpo.py", {"model.num_layers": layers, "model.remat": "full"}
+    )
+    step = aot.compile_train_step(aot.make_target(config, aot.parse_slice("v5e:2x2")))
+    out[layers] = (step["flops"], step["flops_counted_once"])
+  print(json.dumps(out))
+  """
+)
+
+
+@pytest.mark.e2e  # three train-step compiles in a process of its own (~30 s)
+def test_scanned_layers_are_counted_once_per_layer():
+  """The compiler counts the scanned layers once: its FLOPs barely move from 2 to 8 layers. The
+  corrected FLOPs grow by the same amount per layer (4 -> 8 is twice 2 -> 4), and that amount
+  is about 2 x a layer's params x the tokens x 4 passes (forward, remat, backward twice)."""
+  result = _python(["-c", LAYER_SWEEP])
+  assert result.returncode == 0, result.stderr[-3000:]
+  flops = {int(k): v for k, v in json.loads(result.stdout.strip().splitlines()[-1]).items()}
+  per_layer = (flops[4][0] - flops[2][0]) / 2
+  assert (flops[8][0] - flops[4][0]) / 4 == pytest.approx(per_layer, rel=0.05)
+  assert flops[8][1] - flops[2][1] < 0.1 * (flops[8][0] - flops[2][0])  # uncorrected: ~flat
+  # arith_ebpo: hidden 64, 2 + 2 heads of 32, MLP 192; 32 prompts x G 8 rows of 8 + 4 tokens
+  # (prompt bucket 8), over 4 chips.
+  layer_params = 64 * 64 * 2 + 64 * 64 * 2 + 3 * 64 * 192
+  tokens = 32 * 8 * (8 + 4)
+  assert per_layer == pytest.approx(2 * layer_params * tokens * 4 / 4, rel=0.35)
