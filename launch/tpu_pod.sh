@@ -7,7 +7,8 @@
 #   launch/tpu_pod.sh --attach    # stream worker 0's log again (after Ctrl-C or a dropped link)
 #   launch/tpu_pod.sh --stop      # SIGTERM the trainers on all workers (they checkpoint and exit)
 #
-# Steps: create the slice, or reuse it if `describe` finds it; copy this checkout to every worker
+# Steps: check on this machine that the config fits the slice (PRECHECK); create the slice, or
+# reuse it if `describe` finds it; copy this checkout to every worker
 # (or clone a git branch there); `pip install -e .` plus jax[tpu] on every worker; start the trainer
 # on all workers at once, detached (nohup, log in ~/$LOG on each worker); stream worker 0's log
 # until its trainer exits, and exit with its status. Ctrl-C stops the stream, not the run.
@@ -33,8 +34,15 @@
 #   EXTRA_ARGS        more trainer flags, split on spaces, e.g. "--config.train.num_steps=500"
 #   LOG               the trainer's log file on each worker, in the home directory (default
 #                     ebpo_train.log; LOG.pid and LOG.rc hold its process id and exit status)
-#   DRY_RUN           1: print every command instead of running it (same as --dry-run); with
-#                     DRY_RUN_TPU_EXISTS=1 the dry run takes the reuse branch, else the create one
+#   PRECHECK          1 (default): before creating or using the slice, compile the train step and
+#                     a sampler call for ACCELERATOR_TYPE with the TPU compiler on this machine
+#                     (`python -m ebpo_jax.aot --config=$CONFIG --topology=$ACCELERATOR_TYPE` plus
+#                     EXTRA_ARGS' --config.* flags; needs `pip install -e '.[aot]'`, 1-10 min)
+#                     and stop if it does not fit the chips' HBM; 0: skip the check
+#   PYTHON            the Python that runs the check here (default python3)
+#   DRY_RUN           1: print every command instead of running it (same as --dry-run; the check
+#                     is printed, not run); with DRY_RUN_TPU_EXISTS=1 the dry run takes the reuse
+#                     branch, else the create one
 set -euo pipefail
 
 # shellcheck source=launch/common.sh
@@ -54,6 +62,8 @@ REPO_DIR=${REPO_DIR:-ebpo-jax}
 INSTALL=${INSTALL:-1}
 JAX_PIP_SPEC=${JAX_PIP_SPEC:-jax[tpu]}
 LOG=${LOG:-ebpo_train.log}
+PRECHECK=${PRECHECK:-1}
+PYTHON=${PYTHON:-python3}
 if [[ $action == launch ]]; then
   require WORKDIR "a gs:// path that every host can write"
   [[ $WORKDIR == gs://* ]] ||
@@ -69,6 +79,33 @@ fi
 # Runs a shell command line on the workers ("all" or an index).
 on_workers() {
   run "${tpu_vm[@]}" ssh "$TPU_NAME" "${where[@]}" --worker="$1" --command="$2"
+}
+
+# Compiles the config for the slice here (ebpo_jax.aot) and stops unless it fits.
+precheck() {
+  local extra word check=() last
+  [[ $PRECHECK == 1 ]] || return 0
+  read -ra extra <<<"${EXTRA_ARGS:-}"
+  check=("$PYTHON" -m ebpo_jax.aot --config="${CONFIG:-$DEFAULT_CONFIG}"
+    --topology="$ACCELERATOR_TYPE")
+  for word in "${extra[@]}"; do
+    if [[ $word == --config.* ]]; then
+      check+=("$word")
+    fi
+  done
+  echo "# checking that the config fits $ACCELERATOR_TYPE (TPU compiler, here; PRECHECK=0 skips)"
+  print_command "${check[@]}"
+  if [[ $DRY_RUN == 1 ]]; then
+    return 0
+  fi
+  # The check's report goes to the terminal; its last line is the JSON verdict.
+  last=$(cd "$REPO_ROOT" && "${check[@]}" | tee /dev/stderr | tail -n 1) ||
+    fail "the fit check failed (above); fix it, or skip it with PRECHECK=0"
+  [[ $last == *'"fits": true'* ]] ||
+    fail "the config does not fit $ACCELERATOR_TYPE's HBM (report above); nothing was created" \
+      "or started. Shrink the config (e.g. sampling.prompts_per_call, train.micro_batch_size)" \
+      "or take a larger slice; PRECHECK=0 skips the check"
+  echo "# it fits"
 }
 
 create_or_reuse() {
@@ -145,6 +182,7 @@ exit \$(cat ~/$LOG.rc 2>/dev/null || echo 1)"
 
 case $action in
   launch)
+    precheck
     create_or_reuse
     ship_code
     install_code

@@ -4,6 +4,7 @@ handling, and the multi-host check: 2 processes x 4 CPU devices match 1 process 
 import json
 import os
 import pathlib
+import shlex
 import stat
 import subprocess
 import sys
@@ -22,7 +23,7 @@ SCRIPT_VARS = frozenset(
   | {"REPO_URL", "BRANCH", "REPO_DIR", "INSTALL", "JAX_PIP_SPEC", "CONFIG", "WORKDIR"}
   | {"EXTRA_ARGS", "LOG", "DRY_RUN", "DRY_RUN_TPU_EXISTS", "NUM_GPUS", "CUDA_VISIBLE_DEVICES"}
   | {"MEM_FRACTION", "PREALLOCATE", "PYTHON", "GRACE_S", "JAX_COORDINATOR_ADDRESS"}
-  | {"JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "XLA_FLAGS"}
+  | {"JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "XLA_FLAGS", "PRECHECK"}
 )
 TPU_VARS = {
   "TPU_NAME": "ebpo-test",
@@ -34,6 +35,11 @@ TPU_VARS = {
   "EXTRA_ARGS": "--config.train.num_steps=7 --config.seed=3",
 }
 TRAIN_ARGS = "--config=configs/arith_ebpo.py:runlocal --workdir=gs://bucket/runs/arith"
+# The fit check tpu_pod.sh runs first, here: the config and EXTRA_ARGS' --config.* flags.
+PRECHECK_CMD = (
+  "+ python3 -m ebpo_jax.aot --config=configs/arith_ebpo.py:runlocal --topology=v5p-64 "
+  "--config.train.num_steps=7 --config.seed=3"
+)
 
 
 def _run(argv: list[str], timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
@@ -65,7 +71,8 @@ def _executable(path: pathlib.Path, text: str) -> pathlib.Path:
 def test_tpu_pod_dry_run_creates_copies_installs_and_runs_on_all_workers():
   result = _run([LAUNCH / "tpu_pod.sh", "--dry-run"], **TPU_VARS)
   assert result.returncode == 0, result.stderr
-  cmds = _commands(result.stdout)
+  precheck, *cmds = _commands(result.stdout)
+  assert precheck == PRECHECK_CMD  # printed, not run, in a dry run
   where = "--zone=us-east5-a --project=my-proj"
   assert cmds[0].startswith(f"+ gcloud compute tpus tpu-vm describe ebpo-test {where}")
   assert cmds[1] == (
@@ -99,7 +106,8 @@ def test_tpu_pod_dry_run_reuses_an_existing_slice_and_clones_with_git():
     INSTALL="0",
   )
   assert result.returncode == 0, result.stderr
-  cmds = _commands(result.stdout)
+  precheck, *cmds = _commands(result.stdout)
+  assert precheck == PRECHECK_CMD
   assert "reusing TPU VM ebpo-test" in result.stdout
   assert not any(" create " in c or " scp " in c or "pip install" in c for c in cmds)
   assert "--worker=all" in cmds[1]
@@ -108,8 +116,13 @@ def test_tpu_pod_dry_run_reuses_an_existing_slice_and_clones_with_git():
 
 
 def test_tpu_pod_runs_gcloud_and_ships_this_checkout(tmp_path):
-  """The real (not dry) path, against a fake gcloud that logs its calls and the tarball's files."""
+  """The real (not dry) path, against a fake gcloud that logs its calls and the tarball's files,
+  after the fit check (a fake python that logs its words and reports a fit)."""
   log = tmp_path / "gcloud.log"
+  _executable(
+    tmp_path / "python3",
+    '#!/usr/bin/env bash\necho "python3 $*" >> "$FAKE_GCLOUD_LOG"\necho \'{"fits": true}\'\n',
+  )
   _executable(
     tmp_path / "gcloud",
     "#!/usr/bin/env bash\n"
@@ -122,7 +135,8 @@ def test_tpu_pod_runs_gcloud_and_ships_this_checkout(tmp_path):
   path = f"{tmp_path}:{os.environ['PATH']}"
   result = _run([LAUNCH / "tpu_pod.sh"], **TPU_VARS, PATH=path, FAKE_GCLOUD_LOG=str(log))
   assert result.returncode == 0, result.stderr
-  calls = log.read_text().splitlines()
+  precheck, *calls = log.read_text().splitlines()
+  assert precheck == PRECHECK_CMD.removeprefix("+ ")  # on this machine, before any gcloud call
   assert [c.split()[4] for c in calls] == ["describe", "create", "scp", "ssh", "ssh", "ssh", "ssh"]
   shipped = set(pathlib.Path(f"{log}.files").read_text().split())
   assert {"setup.py", "ebpo_jax/train.py", "configs/arith_ebpo.py", "launch/tpu_pod.sh"} <= shipped
@@ -159,10 +173,12 @@ def test_tpu_pod_runs_the_trainer_detached_with_its_words_intact(tmp_path):
     "WORKDIR": "gs://bucket/it's here",
     "EXTRA_ARGS": "--config.name=a'b --config.path=$HOME --config.glob=*",
     "INSTALL": "0",
+    "PRECHECK": "0",  # the python3 here is the workers' stand-in trainer
   }
   path = f"{bin_dir}:{os.environ['PATH']}"
   result = _run([LAUNCH / "tpu_pod.sh"], **variables, PATH=path, HOME=str(home))
   assert result.returncode == 7, result.stderr
+  assert "ebpo_jax.aot" not in result.stdout  # PRECHECK=0: no fit check
   assert "trainer says hi" in result.stdout
   assert (home / "ebpo-jax" / "launch" / "common.sh").exists()  # shipped with the scripts
   assert (home / "trainer_args").read_text().splitlines() == [
@@ -177,6 +193,64 @@ def test_tpu_pod_runs_the_trainer_detached_with_its_words_intact(tmp_path):
     "--config.glob=*",
   ]
   assert (home / "ebpo_train.log.rc").read_text() == "7\n"
+
+
+@pytest.mark.parametrize(
+  ("report", "message"),
+  [
+    ("echo '{\"fits\": false}'", "the config does not fit v5p-64's HBM"),
+    ("echo error: config.x; exit 1", "the fit check failed"),
+  ],
+)
+def test_tpu_pod_stops_before_gcloud_when_the_check_says_no(tmp_path, report, message):
+  log = tmp_path / "gcloud.log"
+  _executable(tmp_path / "gcloud", f'#!/usr/bin/env bash\necho "gcloud $*" >> "{log}"\n')
+  _executable(tmp_path / "python3", f"#!/usr/bin/env bash\n{report}\n")
+  result = _run([LAUNCH / "tpu_pod.sh"], **TPU_VARS, PATH=f"{tmp_path}:{os.environ['PATH']}")
+  assert result.returncode == 2
+  assert message in result.stderr and "PRECHECK=0" in result.stderr
+  assert not log.exists()
+
+
+@pytest.mark.e2e  # the TPU compiler, for real, on the default job (~30 s)
+def test_tpu_pod_stops_when_the_tpu_compiler_says_the_config_does_not_fit(tmp_path):
+  """A million prompts per sampler call: the sampler's KV cache exceeds a v5e chip's HBM. The
+  check reports fits false (the compiler's own out-of-memory verdict) and no gcloud runs."""
+  log = tmp_path / "gcloud.log"
+  _executable(tmp_path / "gcloud", f'#!/usr/bin/env bash\necho "gcloud $*" >> "{log}"\n')
+  variables = {
+    **TPU_VARS,
+    "ACCELERATOR_TYPE": "v5litepod-4",
+    "CONFIG": "configs/arith_ebpo.py",
+    "EXTRA_ARGS": "--config.sampling.prompts_per_call=1000000 --config.train.num_steps=3",
+  }
+  env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "PYTHON": sys.executable}
+  result = _run([LAUNCH / "tpu_pod.sh"], timeout=300, **variables, **env, JAX_PLATFORMS="cpu")
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert "does not fit v5litepod-4's HBM" in result.stderr
+  assert not log.exists()
+  (line,) = [ln for ln in result.stderr.splitlines() if ln.startswith('{"topology"')]
+  report = json.loads(line)
+  assert (report["topology"], report["chips"], report["fits"]) == ("v5e:2x2", 4, False)
+  assert report["train_step"]["bytes_per_chip"] < report["hbm_bytes_per_chip"]
+  assert report["sampler"]["bytes_per_chip"] > report["hbm_bytes_per_chip"]
+  assert "RESOURCE_EXHAUSTED" in report["sampler"]["compile_error"]
+
+
+def test_the_readme_dry_run_line_works_as_printed():
+  (line,) = [
+    ln.strip()
+    for ln in (REPO / "README.md").read_text().splitlines()
+    if "DRY_RUN=1" in ln and "launch/tpu_pod.sh" in ln
+  ]
+  words = shlex.split(line, comments=True)
+  env = dict(w.split("=", 1) for w in words[:-1])
+  assert words[-1] == "launch/tpu_pod.sh" and all(k.isupper() for k in env)
+  result = _run([REPO / words[-1]], **env)
+  assert result.returncode == 0, result.stderr
+  precheck, describe, *_ = _commands(result.stdout)
+  assert f"--topology={env['ACCELERATOR_TYPE']}" in precheck
+  assert describe.startswith(f"+ gcloud compute tpus tpu-vm describe {env['TPU_NAME']}")
 
 
 @pytest.mark.parametrize(
