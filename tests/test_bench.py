@@ -16,6 +16,7 @@ SMOKE_RUNS = {
   "sampler": ["--quick", "--reps=1", "--new-tokens=8"],
   "train_step": ["--quick"],
   "gpu": ["--dry-run"],
+  "memory": ["--quick"],  # the TPU compiler on a runlocal config for v5p:2x2x1
 }
 
 
