@@ -120,6 +120,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       bad_in_a_row = bad_in_a_row + 1 if step_metrics[metrics_lib.BAD_UPDATES] > 0 else 0
       if bad_in_a_row >= config.train.max_bad_steps:
         ckpt.close()
+        writer.close()  # a remote writer uploads the lines it holds
         sys.exit(
           f"error: non-finite loss or grad norm in {bad_in_a_row} steps in a row "
           f"(train.max_bad_steps={config.train.max_bad_steps}); last good checkpoint kept"
