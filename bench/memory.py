@@ -3,6 +3,7 @@
     python bench/memory.py --results=/tmp/memory.jsonl        # every model x method at G = 4, 32
     python bench/memory.py --results=/tmp/memory.jsonl --write=/tmp/tables.md  # + the tables
     python bench/memory.py --configs="qwen3_8b,dapo,g32" --results=/tmp/one.jsonl  # some rows
+    python bench/memory.py --results=/tmp/memory.jsonl --tables_only  # the tables; no compiles
     python bench/memory.py --quick            # CI smoke run: a runlocal config on v5p:2x2x1
 
 Everything is `ebpo_jax.aot`'s (`python -m ebpo_jax.aot` compiles one config): the trainer's jitted
@@ -251,6 +252,9 @@ def main() -> None:
   parser.add_argument("--write", default="", help="also write the markdown tables to this file")
   parser.add_argument("--no_max_prompts", dest="max_prompts", action="store_false")
   parser.add_argument("--quick", action="store_true", help="a runlocal config on v5p:2x2x1")
+  parser.add_argument(
+    "--tables_only", action="store_true", help="the tables of the --results file; no compiles"
+  )
   args = parser.parse_args()
   jax.config.update("jax_platforms", "cpu")
   if args.quick:
@@ -258,7 +262,7 @@ def main() -> None:
     args.max_prompts = False
   args.configs = [c for c in args.configs.split(";") if c] or default_configs()
   tpu = aot.parse_slice(args.topology)
-  rows = sweep(args, tpu)
+  rows = list(_load(args.results).values()) if args.tables_only else sweep(args, tpu)
   tables = table(rows) + "\n\n" + prompts_table(rows)
   print(tables, end="\n\n")
   if args.write:

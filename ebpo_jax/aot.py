@@ -171,6 +171,10 @@ def parse_slice(name: str) -> Slice:
   return Slice(gen, _shape(CHIPS[gen].dims, chips))
 
 
+class NoTpuCompiler(RuntimeError):
+  """libtpu is missing, or cannot describe the topology."""
+
+
 def topology_devices(tpu: Slice) -> list[jax.Device]:
   """Compile-only TPU devices of the slice, one per chip (v4 as megacore: one device per chip)."""
   from jax.experimental import topologies
@@ -183,7 +187,7 @@ def topology_devices(tpu: Slice) -> list[jax.Device]:
   try:
     topology = topologies.get_topology_desc(platform="tpu", topology_name=tpu.topology, **extra)
   except (RuntimeError, ValueError) as e:
-    raise RuntimeError(
+    raise NoTpuCompiler(
       f"no TPU compiler for {tpu.topology} ({str(e).splitlines()[0]}); "
       "install libtpu: pip install -e '.[aot]'"
     ) from None
@@ -499,7 +503,8 @@ def describe(report: dict) -> str:
   usable = report["hbm_bytes_per_chip"]
   lines = [
     f"{report['slice']} ({report['topology']}, {report['chips']} chips), mesh {report['mesh']}, "
-    f"prompt bucket {report['prompt_len']}; HBM per chip the compiler allows: {_gb(usable)}"
+    f"prompt bucket {report['prompt_len']}; HBM per chip the compiler allows: "
+    f"{usable / GIB:.2f} GiB = {_gb(usable)}"
   ]
   for name, p in (("train step", report["train_step"]), ("sampler call", report["sampler"])):
     if p.get("compile_error"):
@@ -546,9 +551,11 @@ def main(argv: Sequence[str]) -> None:
   with config_lib.entry_point():
     try:
       tpu = parse_slice(_TOPOLOGY.value or "")
-    except ValueError as e:
+      report = check(_CONFIG.value, tpu, _PROMPT_LEN.value)
+    except (ValueError, NoTpuCompiler) as e:  # a bad slice name (ConfigError: entry_point's)
+      if isinstance(e, config_lib.USER_ERRORS):
+        raise
       sys.exit(f"error: {e}")
-    report = check(_CONFIG.value, tpu, _PROMPT_LEN.value)
     print(describe(report), flush=True)
     print(json.dumps(report), flush=True)
 

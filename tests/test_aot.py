@@ -131,3 +131,17 @@ def test_scanned_layers_are_counted_once_per_layer():
   layer_params = 64 * 64 * 2 + 64 * 64 * 2 + 3 * 64 * 192
   tokens = 32 * 8 * (8 + 4)
   assert per_layer == pytest.approx(2 * layer_params * tokens * 4 / 4, rel=0.35)
+
+
+@pytest.mark.parametrize(
+  ("flags", "message"),
+  [
+    (["--topology=v9-8"], "error: --topology='v9-8': unknown slice; known: v4-8,"),
+    (["--topology=v5e-4", "--config.rl.group_size=1"], "error: config.rl.group_size=1: must be"),
+  ],
+)
+def test_bad_input_exits_with_one_line(flags, message):
+  result = _python(["-m", "ebpo_jax.aot", "--config=configs/arith_ebpo.py", *flags], timeout=120)
+  assert result.returncode == 1
+  assert result.stderr.strip().splitlines()[-1].startswith(message)
+  assert "Traceback" not in result.stderr
