@@ -11,7 +11,7 @@ from typing import Any
 
 import ml_collections
 
-from ebpo_jax import checkpoint, files, models
+from ebpo_jax import checkpoint, files
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer.config import PolicyError
 
@@ -79,7 +79,7 @@ def load_policy(config, tokenizer, mesh, run_dir: str | None, step: int | None):
   check_policy_source(config, run_dir)
   model = state_lib.make_model(config, tokenizer.vocab_size)
   if run_dir is None:
-    path = models.resolve_model_path(config.model.path)
+    path = state_lib.model_dir(config)
     params = state_lib.init_params(config, model, mesh)
     return model, params, {"kind": "hf", "path": files.abspath(path)}
   params = run_params(run_dir, step, state_lib.abstract_params(model, mesh))
@@ -119,4 +119,4 @@ def policy_config(config, run_dir: str | None, step: int | None):
 
 def model_source(config: ml_collections.ConfigDict) -> Any:
   """The resolved model directory of `config.model.path`, or None for a random-init model."""
-  return models.resolve_model_path(config.model.path) if config.model.path else None
+  return state_lib.model_dir(config) if config.model.path else None
