@@ -1,31 +1,41 @@
 """Checkpoints of the training state, the data iterator and the config (orbax), and SIGTERM.
 
-One step directory per checkpoint under `directory`, with three items:
+One step directory per checkpoint under `directory`, with four items:
   state/      the TrainState pytree (any pytree of jax arrays: params, optax state, prior, typed
               PRNG keys, step), written sharded by every process (orbax OCDBT)
+  checksums/  two uint32 sums per array of the state (JSON), computed on the devices at save and
+              compared after every restore: flipped bytes in a chunk are an error, not garbage
   data_iter/  the grain iterator state, one JSON file per process
   config/     the run config as JSON
 Orbax writes each step into `<step>.orbax-checkpoint-tmp` and renames it when complete, so a
 checkpoint whose write was interrupted is never listed, restored or counted as latest; leftover
-temporary directories are deleted when a Checkpointer opens the directory.
+temporary directories are deleted when a Checkpointer opens the directory. `restore_latest`
+falls back past checkpoints that do not restore or verify (one line on stderr says so).
 `directory` may be `gs://bucket/...`: orbax writes there through tensorstore; the checks here go
 through `ebpo_jax.files`.
 """
 
+import functools
 import json
 import os
 import signal
+import sys
 from collections.abc import Mapping
 from typing import Any
 
 import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
 from ebpo_jax import files
 
-_STATE, _DATA_ITER, _CONFIG = "state", "data_iter", "config"
+_STATE, _DATA_ITER, _CONFIG, _CHECKSUMS = "state", "data_iter", "config", "checksums"
+
+
+class CorruptCheckpointError(Exception):
+  """A checkpoint that does not restore, or whose arrays differ from their saved checksums."""
 
 
 class Checkpointer:
@@ -91,7 +101,10 @@ class Checkpointer:
       return False
     if not force and not self._manager.should_save(step):
       return False
-    items = {_STATE: ocp.args.StandardSave(state)}
+    items = {
+      _STATE: ocp.args.StandardSave(state),
+      _CHECKSUMS: ocp.args.JsonSave({"leaves": state_checksums(state)}),
+    }
     if data_iter is not None:
       items[_DATA_ITER] = grain.checkpoint.CheckpointSave(data_iter)
     if config is not None:
@@ -126,9 +139,55 @@ class Checkpointer:
       items[_DATA_ITER] = grain.checkpoint.CheckpointRestore(data_iter)
     if _CONFIG in saved_items:
       items[_CONFIG] = ocp.args.JsonRestore()
+    if _CHECKSUMS in saved_items:  # checkpoints written before checksums are not verified
+      items[_CHECKSUMS] = ocp.args.JsonRestore()
     restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+    if _CHECKSUMS in saved_items:
+      self._verify(step, restored[_STATE], restored[_CHECKSUMS]["leaves"])
     config = restored[_CONFIG] if _CONFIG in saved_items else None
     return restored[_STATE], config
+
+  def restore_latest(
+    self, abstract_state: Any, *, data_iter: Any = None
+  ) -> tuple[int, Any, dict[str, Any] | None]:
+    """`restore` of the newest checkpoint that restores and verifies: (step, state, config).
+
+    Newer ones that fail are deleted (a later save of their step would otherwise be skipped as
+    existing), and one line on stderr says so; CorruptCheckpointError when none restores.
+    """
+    self.wait()
+    failed = []
+    for step in reversed(self.all_steps()):
+      try:
+        state, config = self.restore(step, abstract_state, data_iter=data_iter)
+      except Exception as e:  # orbax and tensorstore raise many kinds; each means "unusable"
+        failed.append(f"checkpoint {step} ({_first_line(e)})")
+        continue
+      if failed:
+        for bad in self.all_steps():
+          if bad > step:
+            self._manager.delete(bad)
+        if jax.process_index() == 0:
+          print(
+            f"warning: {'; '.join(failed)} in {self.directory} did not restore: deleted; "
+            f"resuming from step {step}",
+            file=sys.stderr,
+          )
+      return step, state, config
+    if not failed:
+      raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
+    raise CorruptCheckpointError(f"no checkpoint in {self.directory} restores: {'; '.join(failed)}")
+
+  def _verify(self, step: int, state: Any, saved: list) -> None:
+    """Raises CorruptCheckpointError naming the first array whose checksums differ."""
+    got = state_checksums(state)
+    if got == saved:
+      return
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    bad = next((p for p, a, b in zip(paths, got, saved, strict=False) if a != b), "the tree")
+    raise CorruptCheckpointError(
+      f"checkpoint {step} in {self.directory} is corrupt: the checksum of state{bad} differs"
+    )
 
   def restore_params(self, step: int, abstract_params: Any) -> Any:
     """Only the policy params of checkpoint `step` (`state.params`), restored into
@@ -162,6 +221,58 @@ class Checkpointer:
 
   def __exit__(self, *exc_info) -> None:
     self.close()
+
+
+def _first_line(error: Exception) -> str:
+  lines = str(error).strip().splitlines()
+  return f"{type(error).__name__}: {lines[0][:160] if lines else ''}"
+
+
+def _leaf_words(x: jax.Array) -> jax.Array:
+  """The array's bits as uint32 words (one per element; 8-byte elements give two)."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    x = jax.random.key_data(x)
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[x.dtype.itemsize]
+  return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+def _leaf_checksum(x: jax.Array) -> jax.Array:
+  """[2] uint32: the sum of the words and the sum of word * (2 * flat index + 1), mod 2^32.
+
+  The flat index comes from iotas (no reshape, so a sharded array is never regathered); the
+  second sum also catches moved or swapped chunks."""
+  words = _leaf_words(x)
+  index, stride = jnp.zeros(words.shape, jnp.uint32), 1
+  for axis in reversed(range(words.ndim)):
+    iota = jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
+    index, stride = index + iota * jnp.uint32(stride), (stride * words.shape[axis]) % 2**32
+  weighted = words * (2 * index + 1)
+  return jnp.stack([words.sum(dtype=jnp.uint32), weighted.sum(dtype=jnp.uint32)])
+
+
+def state_checksums(state: Any) -> list[list[int]]:
+  """Two uint32 checksums per array leaf of `state`, computed on its devices (jitted)."""
+  leaves = jax.tree.leaves(state)
+  if not leaves:
+    return []
+  first = getattr(leaves[0], "sharding", None)
+  replicated = (
+    jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
+    if isinstance(first, jax.sharding.NamedSharding)
+    else None
+  )
+  sums = _jit_checksums(replicated)(leaves)
+  return np.asarray(jax.device_get(sums)).tolist()
+
+
+@functools.lru_cache(maxsize=8)
+def _jit_checksums(out_sharding):
+  """The jitted checksum function (one per output sharding, so a second save does not retrace)."""
+  return jax.jit(
+    lambda leaves: jnp.stack([_leaf_checksum(x) for x in leaves]), out_shardings=out_sharding
+  )
 
 
 def _to_json_dict(config: Mapping[str, Any]) -> dict[str, Any]:

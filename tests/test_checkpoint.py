@@ -238,3 +238,76 @@ def test_sigterm_sets_the_flag_instead_of_exiting():
   finally:
     flag.uninstall()
   assert signal.getsignal(signal.SIGTERM) is not flag._handle
+
+
+# ----------------------------------------------------------------------------- corruption
+
+
+def _weights(seed: float) -> dict:
+  return {"w": jnp.arange(32768, dtype=jnp.float32) + seed, "step": jnp.int32(seed)}
+
+
+def _weights_abstract() -> dict:
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), jax.eval_shape(_weights, 0.0)
+  )
+
+
+def _flip_bytes_of_largest_file(step_dir, count: int = 4096) -> None:
+  """Inverts `count` bytes in the middle of the largest file under `step_dir` (the weight chunk)."""
+  paths = [p for p in step_dir.rglob("*") if p.is_file()]
+  largest = max(paths, key=lambda p: p.stat().st_size)
+  data = bytearray(largest.read_bytes())
+  middle = len(data) // 2
+  data[middle : middle + count] = bytes(b ^ 0xFF for b in data[middle : middle + count])
+  largest.write_bytes(bytes(data))
+
+
+def _two_checkpoints(directory) -> None:
+  with checkpoint.Checkpointer(directory) as ckpt:
+    ckpt.save(1, _weights(1.0))
+    ckpt.save(2, _weights(2.0))
+
+
+def test_flipped_bytes_in_a_weight_chunk_are_detected(tmp_path):
+  directory = tmp_path / "ckpt"
+  _two_checkpoints(directory)
+  _flip_bytes_of_largest_file(directory / "2" / "state")
+  with (
+    checkpoint.Checkpointer(directory) as ckpt,
+    pytest.raises(checkpoint.CorruptCheckpointError, match="checkpoint 2"),
+  ):
+    ckpt.restore(2, _weights_abstract())
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate_metadata"])
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys, damage):
+  directory = tmp_path / "ckpt"
+  _two_checkpoints(directory)
+  if damage == "flip":
+    _flip_bytes_of_largest_file(directory / "2" / "state")
+  else:  # every metadata file of the state item cut in half: orbax raises a long traceback
+    for path in (directory / "2" / "state").rglob("*"):
+      if path.is_file() and path.stat().st_size < 4096:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+  with checkpoint.Checkpointer(directory) as ckpt:
+    step, state, _ = ckpt.restore_latest(_weights_abstract())
+    assert step == 1 and int(state["step"]) == 1
+    np.testing.assert_array_equal(state["w"], np.arange(32768, dtype=np.float32) + 1.0)
+    # The corrupt step is gone, so the run's next save of step 2 is not skipped as existing.
+    assert ckpt.all_steps() == [1]
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "checkpoint 2" in err[0] and "step 1" in err[0], err
+
+
+def test_no_checkpoint_that_restores_is_one_clear_error(tmp_path):
+  directory = tmp_path / "ckpt"
+  _two_checkpoints(directory)
+  for step in ("1", "2"):
+    _flip_bytes_of_largest_file(directory / step / "state")
+  with (
+    checkpoint.Checkpointer(directory) as ckpt,
+    pytest.raises(checkpoint.CorruptCheckpointError, match="no checkpoint .* restores"),
+  ):
+    ckpt.restore_latest(_weights_abstract())
