@@ -82,13 +82,16 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     max_to_keep=config.checkpoint.max_to_keep,
     save_every=config.checkpoint.every_steps,
   )
-  latest = ckpt.latest_step()
+  latest = None
+  if ckpt.all_steps():  # the newest checkpoint that restores and verifies
+    abstract = state_lib.abstract_state(*state_args, abstract_params)
+    try:
+      latest, state, _ = ckpt.restore_latest(abstract, data_iter=batches)
+    except checkpoint.CorruptCheckpointError as e:
+      sys.exit(f"error: {e}")
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_main, resume_step=latest)
   last_eval = {}
-  if latest is not None:
-    abstract = state_lib.abstract_state(*state_args, abstract_params)
-    state, _ = ckpt.restore(latest, abstract, data_iter=batches)
-  else:
+  if latest is None:
     params = policy_lib.initial_params(config, model, mesh)
     params = warm_start(config, model, params, rows, sampler)
     state = state_lib.create_state(*state_args, params)
