@@ -45,6 +45,7 @@ class SampleOutput(NamedTuple):
   mask: jax.Array  # [B*G, N] bool: completion tokens, the stop token included
   lengths: jax.Array  # [B*G] int32: mask.sum(-1)
   truncated: jax.Array  # [B*G] bool: reached max_new_tokens without a stop token
+  nonfinite: jax.Array  # [B*G] bool: a NaN or inf logit was met; the row ended there (pad_id)
 
 
 # ----------------------------------------------------------------------------- prompts and buckets
@@ -172,6 +173,7 @@ def inverse_cdf_draw(probs_bv: jax.Array, u_b: jax.Array) -> jax.Array:
 class _Drawn(NamedTuple):
   token: jax.Array  # [B] int32
   logprob: jax.Array  # [B] float32, under the policy at temperature 1
+  nonfinite: jax.Array  # [B] bool: the row's logits hold a NaN or inf (token and logprob unusable)
 
 
 def _draw(
@@ -197,7 +199,9 @@ def _draw(
     probs_bv = jnp.exp(shifted_bv)
     token = inverse_cdf_draw(probs_bv, jax.random.uniform(key, rows.shape))
   logprob = logits_bv[rows, token] - jax.nn.logsumexp(logits_bv, axis=-1)
-  return _Drawn(token.astype(jnp.int32), logprob)
+  # NaN probabilities send the inverse-CDF search into the padded vocabulary (ids >= V).
+  nonfinite = ~jnp.isfinite(logits_bv).all(axis=-1)
+  return _Drawn(token.astype(jnp.int32), logprob, nonfinite)
 
 
 # ----------------------------------------------------------------------------- the decode loop
@@ -211,6 +215,7 @@ class _Carry(NamedTuple):
   lengths: jax.Array  # [R] int32
   tokens: jax.Array  # [R, N] int32
   logprobs: jax.Array  # [R, N] float32
+  nonfinite: jax.Array  # [R] bool: a live row met non-finite logits (and was ended)
 
 
 def _prefill(apply, config, prompt_ids_bp, prompt_mask_bp, max_new_tokens: int):
@@ -270,17 +275,21 @@ def _constrain_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
 
 
 def _record(carry: _Carry, drawn: _Drawn, stop_ids: tuple[int, ...], pad_id: int) -> _Carry:
-  """Writes the token drawn at `carry.step` (pad and 0 for rows already done)."""
+  """Writes the token drawn at `carry.step` (pad and 0 for rows already done). A live row whose
+  logits were non-finite gets pad_id there, is flagged and ends."""
   live = ~carry.done
-  token = jnp.where(live, drawn.token, pad_id)
+  broken = live & drawn.nonfinite
+  token = jnp.where(live & ~broken, drawn.token, pad_id)
+  stopped = live & jnp.isin(token, jnp.asarray(stop_ids, jnp.int32))
   column = (slice(None), carry.step)
   return carry._replace(
     step=carry.step + 1,
     last_token=token,
-    done=carry.done | (live & jnp.isin(token, jnp.asarray(stop_ids, jnp.int32))),
+    done=carry.done | stopped | broken,
     lengths=carry.lengths + live,
     tokens=carry.tokens.at[column].set(token),
-    logprobs=carry.logprobs.at[column].set(jnp.where(live, drawn.logprob, 0.0)),
+    logprobs=carry.logprobs.at[column].set(jnp.where(live & ~broken, drawn.logprob, 0.0)),
+    nonfinite=carry.nonfinite | broken,
   )
 
 
@@ -333,6 +342,7 @@ def _generate(
     lengths=jnp.zeros((rows,), jnp.int32),
     tokens=jnp.full((rows, width), pad_id, jnp.int32),
     logprobs=jnp.zeros((rows, width), jnp.float32),
+    nonfinite=jnp.zeros((rows,), bool),
   )
   carry = _record(carry, draw(first_logits_rv, jax.random.fold_in(rng, 0)), stop_ids, pad_id)
 
@@ -353,6 +363,7 @@ def _generate(
     mask=mask,
     lengths=carry.lengths,
     truncated=~carry.done,
+    nonfinite=carry.nonfinite,
   )
 
 
@@ -388,7 +399,8 @@ def generate(
     mesh: when given, rows and the cache are sharded over ('data', 'fsdp') of this mesh.
 
   Returns:
-    `SampleOutput` with `[B * G, N]` tokens, log-probs and mask, `[B * G]` lengths and truncated.
+    `SampleOutput` with `[B * G, N]` tokens, log-probs and mask, `[B * G]` lengths, truncated
+    and nonfinite (the caller treats a flagged row's step as bad).
   """
   prompt_ids_bp = jnp.asarray(prompt_ids_bp, jnp.int32)
   prompt_mask_bp = jnp.asarray(prompt_mask_bp, bool)

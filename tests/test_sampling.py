@@ -328,3 +328,16 @@ def test_decode_loop_updates_the_cache_in_place(policy):
     if sorted(dims.split(",")) == sorted(["6", "2", "12", "8"]):
       assert op != "copy" and "copy" not in name and "transpose" not in name, (name, dims, op)
     assert "dynamic-slice" not in op and "dynamic_slice" not in name, (name, dims, op)
+
+
+def test_non_finite_logits_are_flagged_and_never_give_an_out_of_vocabulary_token(policy):
+  model, params = policy
+  # NaN in the final norm's scale: every logit of every row is NaN. The draw's probabilities are
+  # then NaN and the inverse-CDF search ran off into the padded vocabulary (ids up to 255 of 64).
+  params = dict(params, norm=jax.tree.map(lambda x: x * jnp.nan, params["norm"]))
+  out, _, _ = _sample(model, params, jax.random.key(2))
+  assert out.nonfinite.shape == (len(PROMPTS) * 4,)
+  assert np.asarray(out.nonfinite).all()
+  assert (np.asarray(out.tokens) < TINY.vocab_size).all()
+  clean, _, _ = _sample(model, policy[1], jax.random.key(2))
+  assert not np.asarray(clean.nonfinite).any()
