@@ -110,6 +110,7 @@ class TinyStep:
       "completion_mask": mask,
       "old_logps": np.log(rng.uniform(0.05, 0.3, (B * G, N))).astype(np.float32),
       "truncated": np.zeros(B * G, bool),
+      "nonfinite": np.zeros(B * G, bool),
       "rewards": rng.integers(0, 2, (B, G)).astype(np.float32),
       "cluster_ids": np.array([0] * 4 + [1] * 4, np.int32),
     }

@@ -48,6 +48,7 @@ class FakeSampler:
       mask=jnp.ones(tokens.shape, bool).at[:, 1].set(False),
       old_logps=jnp.asarray(-tokens, jnp.float32),
       truncated=jnp.zeros(len(tokens), bool),
+      nonfinite=jnp.zeros(len(tokens), bool),
     )
 
 

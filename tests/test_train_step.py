@@ -63,3 +63,31 @@ def test_sequences_put_completions_after_left_padded_prompts():
   np.testing.assert_array_equal(seqs["positions"][0], [0, 0, 0, 1, 2, 3])
   np.testing.assert_array_equal(seqs["positions"][3], [0, 1, 2, 3, 4, 5])
   np.testing.assert_array_equal(seqs["input_ids"][1], [0, 0, 5, 6, 13, 2])
+
+
+def test_bad_steps_in_a_row_are_counted_in_the_state(tiny_step):
+  # The counter of consecutive bad steps lives in the TrainState (so it is checkpointed and
+  # survives a restart) and a good step resets it.
+  good, nan = tiny_step.batch(0), tiny_step.batch(1)
+  nan["old_logps"][1, 0] = np.nan
+  state = tiny_step.fresh_state()
+  assert int(state.bad_steps) == 0
+  state, _ = tiny_step(nan, state)
+  state, _ = tiny_step(nan, state)
+  assert int(state.bad_steps) == 2
+  state, _ = tiny_step(good, state)
+  assert int(state.bad_steps) == 0
+
+
+def test_a_rollout_with_non_finite_logits_is_a_bad_step(tiny_step):
+  # The sampler flags rows that met NaN/inf logits (their tokens are not the policy's): the step
+  # skips its update and its prior update, and counts as bad.
+  batch = tiny_step.batch()
+  batch["nonfinite"][5] = True
+  state = tiny_step.fresh_state()
+  new_state, metrics = tiny_step(batch, state)
+  assert float(metrics["bad_updates"]) >= 1.0 and int(new_state.bad_steps) == 1
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(new_state.params), strict=True):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(new_state.prior.rewards.count, state.prior.rewards.count)
+  assert int(new_state.step) == 1

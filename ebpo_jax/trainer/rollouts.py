@@ -43,6 +43,7 @@ class Rollout:
   mask: jax.Array  # [N*G, T] bool
   old_logps: jax.Array  # [N*G, T] float32: log-probs of the sampling policy at temperature 1
   truncated: jax.Array  # [N*G] bool: no stop token within max_new_tokens
+  nonfinite: jax.Array  # [N*G] bool: the sampler met non-finite logits (the step is bad)
 
   @property
   def group_size(self) -> int:
@@ -52,7 +53,15 @@ class Rollout:
     return {f: getattr(self, f) for f in _DEVICE_FIELDS}
 
 
-_DEVICE_FIELDS = ("prompt_ids", "prompt_mask", "tokens", "mask", "old_logps", "truncated")
+_DEVICE_FIELDS = (
+  "prompt_ids",
+  "prompt_mask",
+  "tokens",
+  "mask",
+  "old_logps",
+  "truncated",
+  "nonfinite",
+)
 
 
 def _concat_rollouts(parts: Sequence[Rollout]) -> Rollout:
@@ -183,6 +192,7 @@ class Sampler:
       mask=out.mask,
       old_logps=out.logprobs,
       truncated=out.truncated,
+      nonfinite=out.nonfinite,
     )
 
   def _verify(self, texts: list[str], rows: list[dict], group_size: int):
@@ -328,6 +338,7 @@ def to_batch(rollout: Rollout, rewards: np.ndarray, mesh: Mesh) -> dict:
     "completion_mask": rollout.mask,
     "old_logps": rollout.old_logps,
     "truncated": rollout.truncated,
+    "nonfinite": rollout.nonfinite,
   }
   return {
     **jax.device_put(on_device, spec),

@@ -33,6 +33,9 @@ class TrainState(flax.struct.PyTreeNode):
   prior: advantages.PriorState  # the estimator's prior (EBPO's per-cluster Welford accumulators)
   rng: jax.Array  # uint32 [2]: the run's key; a step's keys come from `step_keys`
   ref_params: Any  # frozen reference policy for the KL term; None when rl.loss.kl_coef == 0
+  # int32 []: RL steps in a row whose update was skipped (non-finite loss, grad norm or logits);
+  # in the state so that a restarted run keeps counting towards train.max_bad_steps.
+  bad_steps: jax.Array
 
 
 # ----------------------------------------------------------------------------- PRNG streams
@@ -205,6 +208,7 @@ def _state_fn(
       prior=estimator.init_prior(num_clusters),
       rng=jax.random.PRNGKey(config.seed),
       ref_params=jax.tree.map(jnp.copy, params) if config.rl.loss.kl_coef > 0 else None,
+      bad_steps=jnp.zeros((), jnp.int32),
     )
 
   return fresh
@@ -224,6 +228,7 @@ def state_shardings(
     prior=jax.tree.map(lambda _: replicated, shapes.prior),
     rng=replicated,
     ref_params=param_shardings if shapes.ref_params is not None else None,
+    bad_steps=replicated,
   )
 
 

@@ -25,8 +25,8 @@ def abstract_batch(
   config: ml_collections.ConfigDict, prompt_len: int, sharding: Any = None
 ) -> dict[str, jax.ShapeDtypeStruct]:
   """The batch `train_step` takes, as shapes (the one statement of its layout; rows r = b * G + g):
-  prompt_ids, prompt_mask [B, P]; tokens, completion_mask, old_logps [B*G, N]; truncated [B*G];
-  rewards [B, G]; cluster_ids [B]."""
+  prompt_ids, prompt_mask [B, P]; tokens, completion_mask, old_logps [B*G, N]; truncated,
+  nonfinite (the sampler met non-finite logits) [B*G]; rewards [B, G]; cluster_ids [B]."""
   b, g, n = config.train.batch_size, config.rl.group_size, config.sampling.max_new_tokens
   shapes = {
     "prompt_ids": ((b, prompt_len), jnp.int32),
@@ -35,6 +35,7 @@ def abstract_batch(
     "completion_mask": ((b * g, n), jnp.bool_),
     "old_logps": ((b * g, n), jnp.float32),
     "truncated": ((b * g,), jnp.bool_),
+    "nonfinite": ((b * g,), jnp.bool_),
     "rewards": ((b, g), jnp.float32),
     "cluster_ids": ((b,), jnp.int32),
   }
@@ -132,9 +133,16 @@ def train_step(
 
   With `mesh`, micro-batch rows are kept sharded over its batch axes. Metrics are scalars, or
   per-cluster vectors [K] that the host splits by cluster name.
+
+  The non-finite policy: an update whose loss or grad norm is not finite is skipped (params and
+  optimizer state kept); a batch whose sampling met non-finite logits skips every update and the
+  prior's. A step with any skipped update is bad: `bad_updates` counts them, `state.bad_steps`
+  counts bad steps in a row (reset by a good step).
   """
   rl, tc = config.rl, config.train
+  rollout_finite = ~batch["nonfinite"].any()
   adv_bg, prior, adv_metrics = estimator(batch["rewards"], None, batch["cluster_ids"], state.prior)
+  prior = jax.tree.map(lambda new, old: jnp.where(rollout_finite, new, old), prior, state.prior)
   seqs = sampling.build_sequences(
     batch["prompt_ids"],
     batch["prompt_mask"],
@@ -161,7 +169,7 @@ def train_step(
     grad_norm = optax.global_norm(grads)
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & rollout_finite
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     carry = (keep(new_params, params), keep(new_opt_state, opt_state))
     return carry, {
@@ -175,9 +183,12 @@ def train_step(
   bad = upd.pop("bad")
   metrics = {k: v.mean() for k, v in upd.items()}
   metrics[metrics_lib.BAD_UPDATES] = bad.sum()
+  bad_steps = jnp.where(bad.sum() > 0, state.bad_steps + 1, 0)
   metrics.update(_rollout_metrics(batch, adv_bg))
   metrics.update(adv_metrics)
-  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state, prior=prior)
+  new_state = state.replace(
+    step=state.step + 1, params=params, opt_state=opt_state, prior=prior, bad_steps=bad_steps
+  )
   return new_state, metrics
 
 
