@@ -27,6 +27,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.data = ml_collections.ConfigDict()  # the training rows and their order
   config.data.path = ""  # JSONL/Parquet of {prompt, answer, cluster?, difficulty?}; "": the task
   config.data.order = "shuffle"  # shuffle | clustered (cluster runs) | curriculum (easy -> hard)
+  config.data.skip_bad_rows = False  # drop (and count) rows the tokenizer or buckets reject
 
   config.model = ml_collections.ConfigDict()  # the policy (and its frozen KL reference)
   config.model.path = ""  # HF directory or packaged:NAME; "": random-init decoder of this shape

@@ -76,6 +76,7 @@ TIME_TOKENS_PER_S = "time/tokens_per_s"  # ROLLOUT_TOKENS / TIME_STEP_S
 EVAL_ACCURACY = "eval/accuracy"
 
 # Keys that measure wall-clock time: they differ between an interrupted and a straight run.
+EVAL_VERIFIER_ERRORS = "eval/verifier_errors"  # evaluation verifier calls that raised or timed out
 TIMING_KEYS = (TIME_STEP_S, TIME_TOKENS_PER_S, TIME_SAMPLE_S, TIME_UPDATE_S)
 # Keys that are also logged per cluster, as per_cluster(key, name).
 PER_CLUSTER_KEYS = (REWARD_MEAN, EVAL_ACCURACY, EBPO_PRIOR_MEAN)
@@ -86,7 +87,7 @@ KEYS = frozenset(
   | {DAPO_KEPT_FRAC, DAPO_ROUNDS, DAPO_FILLED_GROUPS}
   | {LOSS, PG_LOSS, KL, ENTROPY, CLIPFRAC, CLIPFRAC_LOW, CLIPFRAC_HIGH, DUAL_CLIPFRAC}
   | {RATIO_MEAN, APPROX_KL, GRAD_NORM, BAD_UPDATES, COMPILES_TRAIN_STEP, *TIMING_KEYS}
-  | {EVAL_ACCURACY}
+  | {EVAL_ACCURACY, EVAL_VERIFIER_ERRORS}
 )
 
 

@@ -14,6 +14,7 @@ import collections
 import sys
 import time
 from collections.abc import Sequence
+from typing import NoReturn
 
 import jax
 import ml_collections
@@ -25,7 +26,6 @@ from ml_collections import config_flags
 from ebpo_jax import advantages, checkpoint, data, files, sharding
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.trainer import config as config_lib
-from ebpo_jax.trainer import policy as policy_lib
 from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer.step import jit_train_step
@@ -50,6 +50,7 @@ def main(argv: Sequence[str]) -> None:
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains (or resumes) under `config` in `workdir`; returns the last evaluation."""
   is_main = jax.process_index() == 0
+  sigterm = checkpoint.install_sigterm_flag()  # the whole run, the warm start included
   mesh = sharding.make_mesh(dict(config.mesh))
 
   # ---- Task and data.
@@ -92,17 +93,21 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_main, resume_step=latest)
   last_eval = {}
   if latest is None:
-    params = policy_lib.initial_params(config, model, mesh)
-    params = warm_start(config, model, params, rows, sampler)
+    params = warm_start(config, model, mesh, rows, sampler, workdir=workdir, sigterm=sigterm)
+    if sigterm.requested_anywhere():
+      exit_on_sigterm(ckpt, writer, "the warm start saved its own checkpoint")
     state = state_lib.create_state(*state_args, params)
     last_eval = evaluate(state)
     writer.write(0, last_eval)
     ckpt.save(0, state, data_iter=batches, config=config.to_dict(), force=True)
     writer.flush()
+    if sigterm.requested_anywhere():
+      exit_on_sigterm(ckpt, writer, "saved the checkpoint of step 0")
 
-  # ---- The loop.
-  sigterm = checkpoint.install_sigterm_flag()
-  bad_in_a_row = 0
+  # ---- The loop. A step whose update was skipped (non-finite loss, grad norm or logits) is never
+  # checkpointed, so it cannot rotate the last good checkpoint out; its save, if one was due, is
+  # made at the next good step. The count of bad steps in a row lives in the state.
+  save_owed = False
   start, num_steps = int(state.step), config.train.num_steps
   bar = tqdm.trange(
     start, num_steps, initial=start, total=num_steps, desc="rl", disable=not is_main
@@ -118,9 +123,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       )
       t1 = time.perf_counter()
       state, step_metrics = step_fn(state, batch)
-      step_metrics = jax.device_get(step_metrics)
+      step_metrics, bad_in_a_row = jax.device_get((step_metrics, state.bad_steps))
       t2 = time.perf_counter()
-      bad_in_a_row = bad_in_a_row + 1 if step_metrics[metrics_lib.BAD_UPDATES] > 0 else 0
       if bad_in_a_row >= config.train.max_bad_steps:
         ckpt.close()
         writer.close()  # a remote writer uploads the lines it holds
@@ -149,13 +153,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       )
       stop = sigterm.requested_anywhere()  # every process saves and stops at the same step
       last = step + 1 == num_steps or stop
-      if ckpt.save(step + 1, state, data_iter=batches, config=config.to_dict(), force=last):
+      if bad_in_a_row > 0:
+        save_owed = True
+      elif ckpt.save(
+        step + 1, state, data_iter=batches, config=config.to_dict(), force=last or save_owed
+      ):
         writer.flush()  # the metrics (remote: uploaded now and then) reach every checkpoint
+        save_owed = False
       if stop:
-        ckpt.close()
-        writer.close()
-        print(f"SIGTERM: saved the checkpoint of step {step + 1}; exiting", file=sys.stderr)
-        sys.exit(143)
+        exit_on_sigterm(ckpt, writer, f"the checkpoint of step {ckpt.latest_step()} is the latest")
 
   # ---- The end: wait for the last save, print the summary, draw the plots.
   ckpt.close()
@@ -167,6 +173,15 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
 
 # ----------------------------------------------------------------------------- helpers of run
+
+
+def exit_on_sigterm(ckpt: checkpoint.Checkpointer, writer, saved: str) -> NoReturn:
+  """Waits for the pending save, closes the metrics (a remote writer uploads its lines) and exits
+  with 143, the status of a process ended by SIGTERM."""
+  ckpt.close()
+  writer.close()
+  print(f"SIGTERM: {saved}; exiting", file=sys.stderr)
+  sys.exit(143)
 
 
 def host_metrics(step_metrics: dict, rollout: rollouts_lib.Rollout, cluster_names) -> dict:

@@ -142,6 +142,6 @@ def test_scanned_layers_are_counted_once_per_layer():
 )
 def test_bad_input_exits_with_one_line(flags, message):
   result = _python(["-m", "ebpo_jax.aot", "--config=configs/arith_ebpo.py", *flags], timeout=120)
-  assert result.returncode == 1
+  assert result.returncode in (1, 2)  # 2: a bad config value (entry_point); 1: a bad slice
   assert result.stderr.strip().splitlines()[-1].startswith(message)
   assert "Traceback" not in result.stderr

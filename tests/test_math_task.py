@@ -188,7 +188,8 @@ def test_pathological_answer_costs_at_most_the_pool_timeout():
 
 def test_math_verify_times_itself_out_below_a_longer_pool_timeout():
   """With a pool timeout above math-verify's own (2 s), the slow comparison scores 0 without
-  costing a worker, and the batch goes on."""
+  costing a worker, is counted as a verifier error (it was silently a wrong answer), and the
+  batch goes on."""
   row = {"prompt": "p", "answer": "3"}
   responses = ["Answer: 3", "Answer: (10^{10})!", "Answer: 3.0"]
   with RewardPool(workers=1, timeout_s=6.0) as pool:
@@ -196,7 +197,8 @@ def test_math_verify_times_itself_out_below_a_longer_pool_timeout():
     start = time.monotonic()
     rewards, errors = pool.score(math_score, responses, [row] * 3)
     elapsed = time.monotonic() - start
-  assert rewards.tolist() == [1.0, 0.0, 1.0] and errors == 0
+  assert rewards.tolist() == [1.0, 0.0, 1.0] and errors == 1
+  assert "math-verify timed out" in pool.last_errors[0]
   assert 2.0 <= elapsed < 6.0
 
 

@@ -9,7 +9,7 @@ as strings (names, numbered in order of first appearance) but not both in one fi
 import json
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ebpo_jax import files
@@ -29,6 +29,20 @@ def load_rows(path: files.PathLike) -> list[dict[str, Any]]:
 
 def load_rows_and_clusters(path: files.PathLike) -> tuple[list[dict[str, Any]], list[str]]:
   """Like `load_rows`, also returning the cluster names (index = cluster id)."""
+  rows, names, _ = load_checked_rows(path)
+  return rows, names
+
+
+# Bad rows listed in one DataError, one line each, before the rest are counted.
+MAX_LISTED = 20
+
+
+def load_checked_rows(
+  path: files.PathLike, check: Callable[[dict], str | None] | None = None, *, skip_bad: bool = False
+) -> tuple[list[dict[str, Any]], list[str], list[str]]:
+  """Rows, cluster names and the `FILE:LINE: problem` of each bad row: not UTF-8, not JSON, not a
+  valid row, or a row for which `check` returns a problem (e.g. a prompt the tokenizer cannot
+  encode). With `skip_bad` the bad rows are dropped; otherwise one DataError lists them all."""
   path = os.fspath(path)
   suffix = os.path.splitext(path)[1]
   if not files.isfile(path):
@@ -37,24 +51,57 @@ def load_rows_and_clusters(path: files.PathLike) -> tuple[list[dict[str, Any]], 
     raise DataError(f"{path}: unknown file type {suffix!r}; expected one of {SUFFIXES}")
   records = _jsonl_records(path) if suffix == ".jsonl" else _parquet_records(path)
   clusters = _ClusterIds()
-  rows = [_validate(record, f"{path}:{line}", clusters) for line, record in records]
+  rows, problems = [], []
+  for line, record in records:
+    try:
+      row = _checked_row(record, f"{path}:{line}", clusters, check)
+    except DataError as e:
+      problems.append(str(e))
+      continue
+    rows.append(row)
+  if problems and not skip_bad:
+    raise DataError(listing(problems))
   if not rows:
     raise DataError(f"{path}: no rows")
-  return rows, clusters.names()
+  return rows, clusters.names(), problems
+
+
+def listing(problems: Sequence[str]) -> str:
+  """Problems one per line, the first MAX_LISTED of them, and how many more."""
+  lines = list(problems[:MAX_LISTED])
+  if len(problems) > MAX_LISTED:
+    lines.append(f"... and {len(problems) - MAX_LISTED} more bad rows")
+  return "\n".join(lines)
+
+
+def _checked_row(record: Any, where: str, clusters: "_ClusterIds", check) -> dict[str, Any]:
+  if isinstance(record, DataError):
+    raise record
+  row = _validate(record, where, clusters)
+  problem = check(row) if check is not None else None
+  if problem:
+    raise DataError(f"{where}: {problem}")
+  return row
 
 
 def _jsonl_records(path: str) -> Iterator[tuple[int, Any]]:
-  """Yields (1-based line number, parsed JSON value) for each non-blank line."""
-  with files.open_file(path) as f:
-    for line_number, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
-      try:
-        yield line_number, json.loads(line)
-      except json.JSONDecodeError as e:
-        raise DataError(
-          f"{path}:{line_number}: malformed JSON ({e.msg} at column {e.colno})"
-        ) from e
+  """Yields (1-based line number, parsed JSON value or the line's DataError) for each non-blank
+  line. Lines end at \\n only (JSON strings may hold U+2028 and other separators)."""
+  with files.open_file(path, "rb") as f:
+    for line_number, raw in enumerate(f, start=1):
+      if raw.strip():
+        yield line_number, _parsed(raw, f"{path}:{line_number}")
+
+
+def _parsed(raw: bytes, where: str) -> Any:
+  try:
+    line = raw.decode("utf-8")
+  except UnicodeDecodeError as e:
+    return DataError(f"{where}: not UTF-8 text (byte 0x{raw[e.start]:02x} at column {e.start + 1})")
+  try:
+    return json.loads(line)
+  except json.JSONDecodeError as e:
+    return DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno})")
 
 
 def _parquet_records(path: str) -> Iterator[tuple[int, Any]]:

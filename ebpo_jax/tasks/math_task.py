@@ -11,11 +11,13 @@ math-verify interrupts slow parsing and comparisons with SIGALRM (the main threa
 signal cannot interrupt (a long big-integer operation in C).
 """
 
+import itertools
 import pathlib
 import re
 from typing import Any
 
 from math_verify import parse, verify  # at module level: a worker imports it when it unpickles
+from math_verify.errors import TimeoutException
 
 from ebpo_jax.data import load_rows_and_clusters
 from ebpo_jax.data.prepare import read_source
@@ -79,18 +81,43 @@ def normalize_math_answer(answer: str) -> str:
   return answer
 
 
+class MathVerifyTimeout(Exception):
+  """math-verify's own timeout: the call scores 0 and the reward pool counts it as an error
+  (math-verify itself would log a warning and return a plain "not equivalent")."""
+
+
 def _parse(answer: str) -> list[Any]:
-  r"""math-verify's parse of an answer: in `\boxed{}`, unless it still holds `$` math itself."""
+  r"""math-verify's parse of an answer: in `\boxed{}`, unless it still holds `$` math itself.
+  An answer it cannot parse gives [] (as math-verify does); its timeout raises MathVerifyTimeout."""
   text = answer if _MATH_DOLLAR.search(answer) else f"\\boxed{{{answer}}}"
-  return parse(text, parsing_timeout=PARSE_TIMEOUT_S)
+  try:
+    return parse(text, parsing_timeout=PARSE_TIMEOUT_S, raise_on_error=True)
+  except TimeoutException:
+    raise MathVerifyTimeout(f"math-verify timed out parsing (> {PARSE_TIMEOUT_S} s)") from None
+  except Exception:
+    return []
+
+
+def _equal(gold: Any, predicted: Any) -> bool:
+  """math-verify's comparison of one parsed pair; an error is False (as math-verify's own), its
+  timeout raises MathVerifyTimeout."""
+  try:
+    return bool(verify(gold, predicted, timeout_seconds=VERIFY_TIMEOUT_S, raise_on_error=True))
+  except TimeoutException:
+    raise MathVerifyTimeout(f"math-verify timed out comparing (> {VERIFY_TIMEOUT_S} s)") from None
+  except Exception:
+    return False
 
 
 def math_answers_equivalent(gold: str, predicted: str) -> bool:
-  """Whether math-verify finds `predicted` equivalent to `gold` (both answers, not responses)."""
+  """Whether math-verify finds `predicted` equivalent to `gold` (both answers, not responses):
+  `verify(parse(gold), parse(predicted))`, pair by pair as math-verify does, so that its own
+  timeouts raise MathVerifyTimeout instead of scoring a silent 0."""
   gold, predicted = normalize_math_answer(gold), normalize_math_answer(predicted)
   if not gold or not predicted:
     return False
-  return bool(verify(_parse(gold), _parse(predicted), timeout_seconds=VERIFY_TIMEOUT_S))
+  pairs = itertools.product(_parse(gold), _parse(predicted))
+  return any(_equal(g, p) for g, p in pairs)
 
 
 def math_score(response: str, row: dict[str, Any]) -> float:

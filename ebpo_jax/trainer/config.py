@@ -1,8 +1,11 @@
 """Loading a config file and checking every value before anything compiles."""
 
 import contextlib
+import difflib
 import importlib.util
+import json
 import os
+import struct
 import sys
 import types
 from collections.abc import Iterator, Mapping, Sequence
@@ -11,7 +14,7 @@ from typing import Any
 import ml_collections
 from absl import logging
 
-from ebpo_jax import advantages, data, losses, models, sharding
+from ebpo_jax import advantages, data, files, losses, models, sharding
 
 
 class ConfigError(ValueError):
@@ -23,21 +26,70 @@ class PolicyError(ValueError):
   pass."""
 
 
-# Bad input of an entry point: each exits with one line (never a traceback).
+# Bad input of an entry point: each exits with one line (never a traceback) and this status.
 USER_ERRORS = (ConfigError, PolicyError, data.DataError)
+BAD_INPUT_STATUS = 2
 
 
 @contextlib.contextmanager
 def entry_point(verbosity: int = logging.WARNING) -> Iterator[None]:
   """The frame of every command-line entry point: absl logging at `verbosity` (orbax logs each
   save at INFO), `jax.distributed` joined when the environment asks for it, and a bad input
-  (USER_ERRORS) turned into `error: <message>` and exit status 1."""
+  (USER_ERRORS) turned into `error: <message>` and exit status 2 (BAD_INPUT_STATUS)."""
   logging.set_verbosity(verbosity)
   try:
     sharding.init_distributed()
     yield
   except USER_ERRORS as e:
-    sys.exit(f"error: {e}")
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(BAD_INPUT_STATUS)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing (pass as `app.run(main, flags_parser=parse_flags)`), with a `--config.KEY`
+  override that names no key of the config file turned into one line with the closest key and
+  exit status 2 (ml_collections raises a long traceback from inside the parser)."""
+  from absl import app
+
+  try:
+    return app.parse_flags_with_usage(argv)
+  except (AttributeError, KeyError, TypeError):
+    problem = _unknown_override(argv)
+    if problem is None:
+      raise
+    print(f"error: {problem}", file=sys.stderr, flush=True)
+    sys.exit(BAD_INPUT_STATUS)
+
+
+def _unknown_override(argv: Sequence[str]) -> str | None:
+  """The first `--config.KEY=VALUE` of `argv` whose KEY the `--config=` file lacks, described with
+  the closest known key; None when every key exists (or the config file does not load)."""
+  spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+  if spec is None:
+    return None
+  try:
+    known = set(flat_keys(load_config(spec)))
+  except Exception:  # the file's own error is absl's to report
+    return None
+  for arg in argv:
+    if not arg.startswith("--config."):
+      continue
+    key = arg.removeprefix("--config.").split("=", 1)[0]
+    if key not in known and not any(k.startswith(key + ".") for k in known):
+      close = difflib.get_close_matches(key, sorted(known), n=1)
+      hint = f"; did you mean {close[0]}?" if close else ""
+      return f"{arg}: no config key {key}{hint}"
+  return None
+
+
+def flat_keys(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+  """Every dotted key of `config` (nested ConfigDicts descended, their own keys included)."""
+  keys = []
+  for name, value in config.items():
+    keys.append(prefix + name)
+    if isinstance(value, ml_collections.ConfigDict):
+      keys += flat_keys(value, f"{prefix}{name}.")
+  return keys
 
 
 def load_module(path: str | os.PathLike) -> types.ModuleType:
@@ -133,6 +185,7 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
     "train.micro_batch_size",
     f"must divide mini_batch_size * group_size = {mini_rows}",
   )
+  _check_counts_and_rates(config)
   data_shards = _data_shards(config, num_devices)
   _require(
     micro % data_shards == 0 and tc.batch_size % data_shards == 0,
@@ -149,3 +202,98 @@ def _data_shards(config, num_devices: int) -> int:
   except ValueError as e:
     raise ConfigError(f"config.{e}") from None
   return sizes["data"] * sizes["fsdp"]
+
+
+# (key, lowest allowed value, whether the bound itself is allowed) of plain numeric keys.
+_BOUNDS = (
+  ("task.num_train", 1, True),
+  ("task.num_eval", 1, True),
+  ("eval.every_steps", 1, True),
+  ("eval.num_samples", 1, True),
+  ("train.log_every", 1, True),
+  ("train.grad_clip", 0, True),
+  ("train.warmup_steps", 0, True),
+  ("train.weight_decay", 0, True),
+  ("rl.loss.dual_clip", 1, False),
+  ("rl.loss.kl_coef", 0, True),
+  ("rl.loss.entropy_coef", 0, True),
+  ("sampling.top_k", 0, True),
+  ("checkpoint.every_steps", 1, True),
+  ("checkpoint.max_to_keep", 1, True),
+  ("rewards.workers", 0, True),
+  ("rewards.timeout_s", 0, False),
+  ("sft.num_steps", 0, True),
+  ("sft.batch_size", 1, True),
+  ("sft.learning_rate", 0, False),
+)
+_DTYPES = ("float32", "bfloat16")
+
+
+def _check_counts_and_rates(config: ml_collections.ConfigDict) -> None:
+  """Counts, cadences, rates and bounds that would fail late (a modulo by zero, an empty
+  evaluation, a checkpoint manager error after the warm start) or train wrongly."""
+  for key, low, inclusive in _BOUNDS:
+    value = _get(config, key)
+    ok = value >= low if inclusive else value > low
+    _require(ok, config, key, f"must be {'>=' if inclusive else '>'} {low}")
+  _choice(config, "model.dtype", _DTYPES)
+  _choice(config, "model.param_dtype", _DTYPES)
+  buckets = tuple(config.sampling.prompt_buckets)
+  _require(
+    bool(buckets) and all(isinstance(b, int) and b >= 1 for b in buckets),
+    config,
+    "sampling.prompt_buckets",
+    "must be a non-empty list of positive token counts",
+  )
+
+
+def check_model_path(config: ml_collections.ConfigDict) -> None:
+  """ConfigError naming the key and the file unless `config.model.path` (local or gs://) is a
+  directory with a config.json and intact safetensors files; the files' check of an entry point,
+  before anything compiles (check_config checks values only). A `packaged:` model is checked when
+  it is converted."""
+  path = config.model.path
+  if not path or path.startswith(models.gguf_io.PACKAGED_PREFIX):
+    return
+  if not files.isdir(path):
+    raise ConfigError(f"config.model.path={path!r}: no such model directory")
+  try:
+    check_model_files(path)
+  except ValueError as e:
+    raise ConfigError(f"config.model.path={path!r}: {e}") from None
+
+
+def check_model_files(path: str) -> None:
+  """ValueError naming the file when the Hugging Face directory `path` lacks a readable
+  config.json, or a safetensors file is not one or is shorter than its header says."""
+  config_file = files.join(path, models.hf_io.CONFIG_FILE)
+  if not files.isfile(config_file):
+    raise ValueError(f"{config_file}: not found (not a Hugging Face model directory)")
+  try:
+    json.loads(files.read_text(config_file))
+  except (ValueError, UnicodeDecodeError) as e:
+    raise ValueError(f"{config_file}: not JSON ({e})") from None
+  for name in files.listdir(path):
+    if name.endswith(".safetensors"):
+      _check_safetensors(files.join(path, name))
+
+
+def _check_safetensors(path: str) -> None:
+  """The 8-byte header length, the JSON header and the file size its tensors' offsets imply."""
+  with files.open_file(path, "rb") as f:
+    size = f.seek(0, os.SEEK_END)
+    f.seek(0)
+    head = f.read(8)
+    header_len = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+    if not 2 <= header_len <= 100_000_000:
+      raise ValueError(f"{path}: not a safetensors file ({size} bytes)")
+    if header_len > size - 8:
+      raise ValueError(f"{path}: truncated ({size} bytes; its header alone needs {8 + header_len})")
+    try:
+      header = json.loads(f.read(header_len))
+    except (ValueError, UnicodeDecodeError):
+      raise ValueError(f"{path}: truncated or corrupt safetensors header") from None
+  ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+  expected = 8 + header_len + max(ends, default=0)
+  if size < expected:
+    raise ValueError(f"{path}: truncated ({size} bytes; its header needs {expected})")

@@ -1,0 +1,168 @@
+"""Bad input stops before anything compiles, with one line per problem: config values (each named
+with the value received, exit status 2), a typo in a `--config.KEY` override (one line with the
+closest key), model files, and data rows the task's tokenizer cannot encode or that are longer
+than the largest prompt bucket (`FILE:LINE:`; dropped and counted with `data.skip_bad_rows`)."""
+
+import json
+import struct
+import types
+
+import ml_collections
+import numpy as np
+import pytest
+
+from ebpo_jax import data
+from ebpo_jax import metrics as metrics_lib
+from ebpo_jax.trainer import config as config_lib
+from ebpo_jax.trainer import rollouts
+
+# (override, the start of the message); each failed late or with a traceback before the check.
+BAD_VALUES = [
+  ({"eval.every_steps": 0}, "config.eval.every_steps=0: must be >= 1"),
+  ({"train.log_every": 0}, "config.train.log_every=0: must be >= 1"),
+  ({"task.num_eval": 0}, "config.task.num_eval=0: must be >= 1"),
+  ({"task.num_train": 0}, "config.task.num_train=0: must be >= 1"),
+  ({"rl.loss.dual_clip": 1.0}, "config.rl.loss.dual_clip=1.0: must be > 1"),
+  ({"rl.loss.dual_clip": 0.5}, "config.rl.loss.dual_clip=0.5: must be > 1"),
+  ({"train.grad_clip": -1.0}, "config.train.grad_clip=-1.0: must be >= 0"),
+  ({"train.warmup_steps": -1}, "config.train.warmup_steps=-1: must be >= 0"),
+  ({"train.weight_decay": -0.1}, "config.train.weight_decay=-0.1: must be >= 0"),
+  ({"checkpoint.every_steps": 0}, "config.checkpoint.every_steps=0: must be >= 1"),
+  ({"checkpoint.max_to_keep": 0}, "config.checkpoint.max_to_keep=0: must be >= 1"),
+  ({"rewards.workers": -1}, "config.rewards.workers=-1: must be >= 0"),
+  ({"rewards.timeout_s": 0.0}, "config.rewards.timeout_s=0.0: must be > 0"),
+  ({"sft.num_steps": -1}, "config.sft.num_steps=-1: must be >= 0"),
+  ({"sft.batch_size": 0}, "config.sft.batch_size=0: must be >= 1"),
+  ({"sft.learning_rate": 0.0}, "config.sft.learning_rate=0.0: must be > 0"),
+  ({"eval.num_samples": 0}, "config.eval.num_samples=0: must be >= 1"),
+  ({"sampling.top_k": -1}, "config.sampling.top_k=-1: must be >= 0"),
+  ({"rl.loss.kl_coef": -1.0}, "config.rl.loss.kl_coef=-1.0: must be >= 0"),
+  ({"model.dtype": "float8"}, "config.model.dtype='float8': must be one of"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", BAD_VALUES, ids=lambda v: str(v)[:40])
+def test_bad_config_value_is_one_line_naming_the_key(arith_config, overrides, message):
+  with pytest.raises(config_lib.ConfigError) as error:
+    config_lib.check_config(arith_config(overrides), num_devices=8)
+  assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_bad_input_exits_with_status_2_and_one_line(capsys):
+  with pytest.raises(SystemExit) as exit_info, config_lib.entry_point():
+    raise config_lib.ConfigError("config.train.log_every=0: must be >= 1")
+  assert exit_info.value.code == 2
+  assert capsys.readouterr().err == "error: config.train.log_every=0: must be >= 1\n"
+
+
+def _model_dir(tmp_path, *, truncate: int = 0):
+  """A model directory: config.json and a model.safetensors of one tensor, cut short by
+  `truncate` bytes."""
+  header = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+  blob = struct.pack("<Q", len(header)) + header + bytes(16)
+  (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+  (tmp_path / "model.safetensors").write_bytes(blob[: len(blob) - truncate])
+  return tmp_path
+
+
+@pytest.mark.parametrize(
+  "truncate, message", [(4, "truncated"), (40, "truncated"), (200, "not a safetensors file")]
+)
+def test_truncated_weights_file_is_named(arith_config, tmp_path, truncate, message):
+  model_dir = _model_dir(tmp_path, truncate=truncate)
+  with pytest.raises(config_lib.ConfigError) as error:
+    config_lib.check_model_path(arith_config({"model.path": str(model_dir)}))
+  text = str(error.value)
+  assert f"{model_dir / 'model.safetensors'}: {message}" in text and "\n" not in text
+
+
+def test_missing_model_directory_is_named(arith_config, tmp_path):
+  with pytest.raises(config_lib.ConfigError, match="^config.model.path='/nonexistent': no such"):
+    config_lib.check_model_path(arith_config({"model.path": "/nonexistent"}))
+  (tmp_path / "config.json").write_text("{")
+  with pytest.raises(config_lib.ConfigError, match="config.json: not JSON"):
+    config_lib.check_model_path(arith_config({"model.path": str(tmp_path)}))
+
+
+def test_intact_model_directory_passes_the_file_check(arith_config, tmp_path):
+  config_lib.check_model_path(arith_config({"model.path": str(_model_dir(tmp_path))}))
+
+
+@pytest.mark.e2e
+def test_cli_typo_in_a_config_key_is_one_line_with_the_suggestion(trainer_cli, tmp_path):
+  result = trainer_cli(tmp_path, "--config.train.num_step=3", timeout=120)
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert result.stderr.strip() == (
+    "error: --config.train.num_step=3: no config key train.num_step; did you mean train.num_steps?"
+  )
+
+
+# ----------------------------------------------------------------------------- data rows
+
+GOOD = b'{"prompt": "1+1=", "answer": "2"}\n'
+
+
+def _rows_file(tmp_path, lines: list[bytes]):
+  path = tmp_path / "rows.jsonl"
+  path.write_bytes(b"".join(lines))
+  return path
+
+
+def _bad_rows(tmp_path):
+  """Lines 2, 3 and 5 are bad for the arithmetic task's 18-token vocabulary and buckets (6, 8)."""
+  return _rows_file(
+    tmp_path,
+    [
+      GOOD,
+      '{"prompt": "1+\u00e9=", "answer": "2"}\n'.encode(),  # not in the vocabulary
+      b'{"prompt": "1+1+1+1+1=", "answer": "5"}\n',  # BOS + 10 tokens > 8
+      GOOD,
+      b'{"prompt": "1+\xff=", "answer": "2"}\n',  # not UTF-8
+    ],
+  )
+
+
+def test_every_bad_row_is_one_line_before_compiling(arith_config, tmp_path):
+  path = _bad_rows(tmp_path)
+  config = arith_config({"data.path": str(path), "sampling.prompt_buckets": (6, 8)})
+  with pytest.raises(data.DataError) as error:
+    rollouts.load_task_and_rows(config)
+  lines = str(error.value).splitlines()
+  assert len(lines) == 3, lines
+  assert lines[0].startswith(f"{path}:2: prompt: character 'é' is not in the vocabulary")
+  assert lines[1].startswith(f"{path}:3: prompt: 11 tokens, longer than the largest prompt bucket")
+  assert lines[2].startswith(f"{path}:5: not UTF-8 text")
+
+
+def test_skip_bad_rows_drops_and_counts_them(arith_config, tmp_path, capsys):
+  path = _bad_rows(tmp_path)
+  config = arith_config(
+    {"data.path": str(path), "sampling.prompt_buckets": (6, 8), "data.skip_bad_rows": True}
+  )
+  _, rows, _, _ = rollouts.load_task_and_rows(config)
+  assert [row["prompt"] for row in rows] == ["1+1=", "1+1="]
+  assert f"{path}: dropped 3 bad rows of 5 (data.skip_bad_rows=True); first: {path}:2:" in (
+    capsys.readouterr().err
+  )
+
+
+def test_task_rows_too_long_for_the_buckets_are_named(arith_config):
+  config = arith_config({"sampling.prompt_buckets": (4,)})
+  with pytest.raises(data.DataError, match=r"arithmetic train row 0: prompt: \d+ tokens, longer"):
+    rollouts.load_task_and_rows(config)
+
+
+# ----------------------------------------------------------------------------- verifier errors
+
+
+def test_in_training_evaluation_counts_verifier_errors():
+  """The in-training evaluation logs its failed verifier calls (they scored 0 unseen)."""
+  rollout = types.SimpleNamespace(rewards=np.array([[1.0], [0.0], [0.0]]), errors=2)
+  sampler = types.SimpleNamespace(
+    config=ml_collections.ConfigDict({"eval": {"greedy": True}}),
+    rollout=lambda *args, **kwargs: rollout,
+  )
+  rows = [{"cluster": 0}, {"cluster": 1}, {"cluster": 1}]
+  result = rollouts.evaluate_accuracy(sampler, None, rows, ["a", "b"], key=None)
+  assert result[metrics_lib.EVAL_VERIFIER_ERRORS] == 2
+  assert metrics_lib.EVAL_VERIFIER_ERRORS in metrics_lib.KEYS
