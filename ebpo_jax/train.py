@@ -44,6 +44,7 @@ def main(argv: Sequence[str]) -> None:
     raise app.UsageError("--workdir is required")
   with config_lib.entry_point():
     config_lib.check_config(config, jax.device_count())
+    config_lib.check_model_path(config)  # a missing or truncated model file: one line
     run(config, workdir)
 
 
@@ -222,4 +223,4 @@ def finish(workdir: str, cluster_names: Sequence[str]) -> None:
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config"])
-  app.run(main)
+  app.run(main, flags_parser=config_lib.parse_flags)  # a --config.KEY typo: one line

@@ -1,4 +1,9 @@
-"""The supervised warm start: a few steps of prompt -> answer before RL (`config.sft`)."""
+"""The supervised warm start: a few steps of prompt -> answer before RL (`config.sft`).
+
+It keeps its own checkpoint (params and optimizer state, in `WORKDIR/warm_start/`): written when
+it finishes, so a run that dies before its first RL checkpoint does not redo it, and when SIGTERM
+arrives mid-way, so a restarted run continues from that step with the same batches.
+"""
 
 import functools
 import sys
@@ -11,7 +16,8 @@ import numpy as np
 import optax
 import tqdm
 
-from ebpo_jax import models, sampling
+from ebpo_jax import checkpoint, files, models, sampling
+from ebpo_jax.trainer import policy as policy_lib
 from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer.step import completion_logprobs
@@ -29,17 +35,56 @@ def _targets(sampler: rollouts_lib.Sampler, rows: Sequence[dict], max_len: int):
   return targets, target_mask
 
 
+WARM_START_DIR = "warm_start"
+
+
+def _abstract_sft_state(optimizer, model: models.Decoder, mesh) -> dict:
+  """{"params", "opt_state"} of the warm start as `jax.ShapeDtypeStruct`s with shardings."""
+  params = state_lib.abstract_params(model, mesh)
+  shardings = state_lib.opt_state_shardings(optimizer, params)
+  opt_state = jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+    jax.eval_shape(optimizer.init, params),
+    shardings,
+  )
+  return {"params": params, "opt_state": opt_state}
+
+
+def _resume_or_start(config, model, mesh, optimizer, ckpt) -> tuple[int, Any, Any]:
+  """(steps done, params, opt_state): the warm start's own checkpoint, else the initial params."""
+  try:
+    done, state, _ = ckpt.restore_latest(_abstract_sft_state(optimizer, model, mesh))
+  except FileNotFoundError:  # none saved
+    pass
+  except checkpoint.CorruptCheckpointError as e:  # redoing the warm start is always safe
+    print(f"warning: {e}; the warm start starts over", file=sys.stderr)
+  else:
+    if jax.process_index() == 0:
+      print(f"warm start: resumed after step {done} of {config.sft.num_steps}", file=sys.stderr)
+    return done, state["params"], state["opt_state"]
+  params = policy_lib.initial_params(config, model, mesh)
+  return 0, params, state_lib.init_opt_state(optimizer, params)
+
+
 def warm_start(
   config: ml_collections.ConfigDict,
   model: models.Decoder,
-  params: Any,
+  mesh,
   rows: Sequence[dict],
   sampler: rollouts_lib.Sampler,
+  *,
+  workdir: str,
+  sigterm: checkpoint.SigtermFlag,
 ) -> Any:
-  """`params` after `config.sft.num_steps` supervised steps (AdamW) on the rows' answers."""
+  """The initial params (`policy.initial_params`) after `config.sft.num_steps` supervised steps
+  (AdamW) on the rows' answers, resumed from the warm start's checkpoint in `workdir` if any.
+
+  On SIGTERM (`sigterm`, checked every step) it saves its checkpoint and returns early: the
+  caller sees `sigterm.requested` and exits.
+  """
   sc = config.sft
   if sc.num_steps == 0:
-    return params
+    return policy_lib.initial_params(config, model, mesh)
   optimizer = optax.adamw(sc.learning_rate)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -55,9 +100,21 @@ def warm_start(
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
-  opt_state = state_lib.init_opt_state(optimizer, params)
+  ckpt = checkpoint.Checkpointer(files.join(workdir, WARM_START_DIR), max_to_keep=1)
+  done, params, opt_state = _resume_or_start(config, model, mesh, optimizer, ckpt)
   rng = np.random.default_rng(config.seed)
-  for _ in tqdm.trange(sc.num_steps, desc="warm start", disable=jax.process_index() != 0):
+  for _ in range(min(done, sc.num_steps)):  # the batches of the steps already done
+    rng.integers(0, len(rows), sc.batch_size)
+  quiet = jax.process_index() != 0
+  bar = tqdm.trange(
+    done, sc.num_steps, initial=done, total=sc.num_steps, desc="warm start", disable=quiet
+  )
+  for step in bar:
+    if sigterm.requested_anywhere():
+      if step > done:
+        ckpt.save(step, {"params": params, "opt_state": opt_state}, force=True)
+      ckpt.close()
+      return params
     batch_rows = [rows[i] for i in rng.integers(0, len(rows), sc.batch_size)]
     prompt_ids, prompt_mask = sampler.prompts(batch_rows)
     targets, target_mask = _targets(sampler, batch_rows, config.sampling.max_new_tokens)
@@ -68,8 +125,12 @@ def warm_start(
       "target_mask": target_mask,
     }
     params, opt_state, loss = sft_step(params, opt_state, batch)
-  if jax.process_index() == 0:
-    print(
-      f"warm start: {sc.num_steps} supervised steps, final loss {float(loss):.4f}", file=sys.stderr
-    )
+  if done < sc.num_steps:
+    ckpt.save(sc.num_steps, {"params": params, "opt_state": opt_state}, force=True)
+    if not quiet:
+      print(
+        f"warm start: {sc.num_steps} supervised steps, final loss {float(loss):.4f}",
+        file=sys.stderr,
+      )
+  ckpt.close()
   return params
