@@ -111,6 +111,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.checkpoint.every_steps = 50  # RL steps between checkpoints
   config.checkpoint.max_to_keep = 2  # newest checkpoints kept
 
+  config.workdir = ml_collections.ConfigDict()  # this start on --workdir (ebpo_jax.trainer.workdir)
+  config.workdir.break_lock = False  # take over a bucket workdir's lock left by a dead run
+  # Steps and evaluation, logging and checkpoint cadence may change on a resume; other changes from
+  # WORKDIR/config.json stop it unless accepted here.
+  config.workdir.accept_changes = ""  # comma-separated dotted keys, or "all"
+
   config.mesh = ml_collections.ConfigDict()  # device mesh; the product is the device count
   config.mesh.data = 1  # data-parallel replicas
   config.mesh.fsdp = -1  # parameter/data sharding; -1: all remaining devices

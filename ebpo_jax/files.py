@@ -52,11 +52,13 @@ __all__ = [
   "open_file",
   "read_bytes",
   "read_text",
+  "remove",
   "remove_tree",
   "staged_dir",
   "walk_files",
   "write_atomic",
   "write_lines",
+  "write_new",
 ]
 
 PathLike = str | os.PathLike
@@ -186,6 +188,37 @@ def staged_dir(path: PathLike) -> Iterator[str]:
     yield staging
     for relative in walk_files(staging):
       copy_file(os.path.join(staging, relative), join(path, relative))
+
+
+def write_new(path: PathLike, data: str) -> bool:
+  """Creates file `path` holding `data` only if no file `path` exists: True when created, False
+  when one existed. Atomic between processes (a lock): locally `O_EXCL`, on GCS an upload with
+  `ifGenerationMatch=0`, which the store refuses when the object exists."""
+  payload = data.encode("utf-8")
+  if is_remote(path):
+    store, name = fsspec.core.url_to_fs(os.fspath(path))
+    try:
+      store.pipe_file(name, payload, mode="create")
+    except FileExistsError:
+      return False
+    return True
+  try:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+  except FileExistsError:
+    return False
+  with os.fdopen(fd, "wb") as f:
+    f.write(payload)
+  return True
+
+
+def remove(path: PathLike) -> None:
+  """Deletes file `path` if it exists."""
+  if is_remote(path):
+    with contextlib.suppress(FileNotFoundError):
+      _path(path).unlink()
+  else:
+    with contextlib.suppress(FileNotFoundError):
+      os.remove(path)
 
 
 def remove_tree(path: PathLike) -> None:

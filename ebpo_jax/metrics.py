@@ -28,6 +28,8 @@ from ebpo_jax import files
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PLOTS_DIR = "plots"
+# MetricsWriter's resume_step when nothing was restored: every line of an earlier start is dropped.
+FRESH_START = -1
 # How often a writer on an object store uploads (each upload sends the whole files again).
 REMOTE_FLUSH_S = 60.0
 
@@ -125,7 +127,8 @@ class MetricsWriter:
 
   `enabled=False` (processes other than 0) makes every method a no-op that touches no file.
   `resume_step`: when resuming from a checkpoint at that step, lines (and TensorBoard events)
-  with a larger step, written after the checkpoint by the run that died, are dropped first.
+  with a larger step, written after the checkpoint by the run that died, are dropped first;
+  FRESH_START (a run that restored nothing) drops them all. None: appends to what is there.
   `flush_every_s`: `write` flushes when this long has passed since the last flush; default 0
   (every line) for a local WORKDIR, REMOTE_FLUSH_S for a remote one. `flush` and `close` always do.
   """

@@ -28,6 +28,7 @@ from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import state as state_lib
+from ebpo_jax.trainer import workdir as workdir_lib
 from ebpo_jax.trainer.step import jit_train_step
 from ebpo_jax.trainer.warm_start import warm_start
 
@@ -45,7 +46,8 @@ def main(argv: Sequence[str]) -> None:
   with config_lib.entry_point():
     config_lib.check_config(config, jax.device_count())
     config_lib.check_model_path(config)  # a missing or truncated model file: one line
-    run(config, workdir)
+    with workdir_lib.claim(workdir, config):  # locked; config.json checked against this config
+      run(config, workdir)
 
 
 def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -91,7 +93,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       latest, state, _ = ckpt.restore_latest(abstract, data_iter=batches)
     except checkpoint.CorruptCheckpointError as e:
       sys.exit(f"error: {e}")
-  writer = metrics_lib.MetricsWriter(workdir, enabled=is_main, resume_step=latest)
+  # metrics.jsonl keeps only the lines of the steps restored (none on a fresh start), always.
+  resume_step = metrics_lib.FRESH_START if latest is None else latest
+  writer = metrics_lib.MetricsWriter(workdir, enabled=is_main, resume_step=resume_step)
   last_eval = {}
   if latest is None:
     params = warm_start(config, model, mesh, rows, sampler, workdir=workdir, sigterm=sigterm)

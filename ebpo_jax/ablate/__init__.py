@@ -9,8 +9,9 @@ variant's config overrides. The supervised warm start runs once per seed (a run 
 `train.num_steps=0`); each variant of that seed starts from its params (`model.init_from`, no warm
 start of its own) with a fresh state of its own estimator, so all variants of a seed share the
 warm-started policy, the initial evaluation and the data order (they follow `seed`). A run that
-finished is skipped when the ablation is started again; one that was interrupted resumes from its
-latest checkpoint.
+finished is skipped when the ablation is started again, unless its resolved config changed (the
+config file, the overrides, or its seed's warm start): then it runs again from scratch; one that was
+interrupted resumes from its latest checkpoint.
 
 Writes WORKDIR/ablation.md (final accuracy mean and spread per variant and group size, per cluster,
 gain of the hardest cluster, zero-advantage share, entropy, steps to a target gain), ablation.json
@@ -46,6 +47,7 @@ from ebpo_jax.ablate.report import (  # noqa: F401  (mean_curve: for notebooks)
   plot_ablation,
   render_markdown,
 )
+from ebpo_jax.trainer import workdir as workdir_lib
 
 # Each variant sets every estimator key, so the base config's choice does not leak into it.
 _EBPO = {"rl.advantage": "ebpo", "rl.ebpo.decay": 1.0, "rl.ebpo.per_cluster": True}
@@ -186,27 +188,57 @@ def _warm_dir(workdir: str, seed: int) -> str:
 
 
 def _ensure_warm_start(config, workdir, seed, base_args, env) -> str:
-  """The step-0 checkpoint (warm start + first evaluation) of `seed`, trained once."""
+  """The step-0 checkpoint (warm start + first evaluation) of `seed`, trained once per config: a
+  warm start of another config is trained again, and the runs of its seed, which started from the
+  old one, are deleted first."""
   warm = _warm_dir(workdir, seed)
-  if not files.exists(files.join(warm, RESULT_FILE)):
-    _train(config, warm, [*base_args, f"--config.seed={seed}", "--config.train.num_steps=0"], env)
-    files.write_atomic(files.join(warm, RESULT_FILE), "{}\n")
+  args = [*base_args, f"--config.seed={seed}", "--config.train.num_steps=0"]
+  if _ran_with(warm, config, args):
+    if files.exists(files.join(warm, RESULT_FILE)):
+      return warm
+  else:
+    for run_dir in _seed_runs(workdir, seed):
+      files.remove_tree(run_dir)
+    files.remove_tree(warm)
+  _train(config, warm, args, env)
+  files.write_atomic(files.join(warm, RESULT_FILE), "{}\n")
   return warm
 
 
+def _ran_with(run_dir: str, config: str, args: Sequence[str]) -> bool:
+  """Whether `run_dir` holds a run (config.json) of the config that `config` and `args` resolve
+  to; any changed key counts, steps included (the result would differ)."""
+  saved = workdir_lib.saved_config(run_dir)
+  return saved is not None and not workdir_lib.changed_keys(
+    saved, workdir_lib.resolved_config(config, args)
+  )
+
+
+def _seed_runs(workdir: str, seed: int) -> list[str]:
+  runs = files.join(workdir, "runs")
+  names = files.listdir(runs) if files.isdir(runs) else []
+  return [files.join(runs, name) for name in names if name.endswith(f"_s{seed}")]
+
+
 def _run_one(config, workdir, run: Run, base_args, env, warm_locks) -> dict:
+  """Trains `run` (or resumes it), unless it finished under the same config; returns its result.
+  A run of another config (changed overrides, config file or warm start) starts afresh."""
   run_dir = files.join(workdir, "runs", run.name)
-  result_path = files.join(run_dir, RESULT_FILE)
-  if files.exists(result_path):
-    return json.loads(files.read_text(result_path))
   with warm_locks[run.seed]:
     warm = _ensure_warm_start(config, workdir, run.seed, base_args, env)
   # The variant starts from the warm start's params (its own state: the estimator's prior may have
   # another shape); the same seed gives it the same step-0 evaluation and data order.
   overrides = {**VARIANTS[run.variant], "rl.group_size": run.group_size, "seed": run.seed}
   overrides.update({"model.init_from": warm, "sft.num_steps": 0})
+  args = [*base_args, *_override_args(overrides)]
+  result_path = files.join(run_dir, RESULT_FILE)
+  if _ran_with(run_dir, config, args):
+    if files.exists(result_path):
+      return json.loads(files.read_text(result_path))
+  else:
+    files.remove_tree(run_dir)
   start = time.perf_counter()
-  _train(config, run_dir, [*base_args, *_override_args(overrides)], env)
+  _train(config, run_dir, args, env)
   result = summarize_run(run_dir, run)
   result["wall_s"] = time.perf_counter() - start
   files.write_atomic(result_path, json.dumps(result, indent=1) + "\n")

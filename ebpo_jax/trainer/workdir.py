@@ -1,0 +1,271 @@
+"""A run's workdir: its lock and its config.json (DESIGN.md: "A workdir holds config.json (the
+resolved config of the run) and is locked while a run uses it").
+
+The lock, WORKDIR/lock, holds the identity of the run that has the workdir (host, pid, start time):
+- Local: the file is `flock`ed; the OS releases the lock when the process ends, however it ends
+  (kill -9 included), so a local lock is never stale.
+- On a bucket (`gs://...`) an object cannot be flocked: the lock is the object itself, created
+  only where none exists (GCS's `ifGenerationMatch=0`), and deleted when the run ends. A run killed
+  with no chance to clean up (kill -9, a preempted VM) leaves it behind; the next run then stops
+  and names the object to delete, or `--config.workdir.break_lock=True` takes it over. A lock whose
+  holder ran on this host and is dead is taken over without asking.
+Under `jax.distributed` only process 0 takes the lock and checks the config; the others learn the
+outcome from it and stop with it.
+
+config.json is the resolved config of the run (rewritten by every run that starts). A run whose
+config differs from it in a key that defines the experiment stops with one line listing the keys,
+before anything compiles; SAFE_KEYS (steps, evaluation, logging and checkpoint cadence, ...) may
+change on a resume, and `--config.workdir.accept_changes=KEY,...` (or `all`) accepts others.
+"""
+
+import contextlib
+import datetime
+import fcntl
+import json
+import os
+import socket
+import uuid
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from absl import flags
+from ml_collections import config_flags
+
+from ebpo_jax import files
+from ebpo_jax.trainer.config import ConfigError
+
+CONFIG_FILE = "config.json"
+LOCK_FILE = "lock"
+# Keys whose change does not change the experiment: a resume may change them freely.
+SAFE_KEYS = frozenset(
+  {
+    "train.num_steps",
+    "train.log_every",
+    "train.max_bad_steps",
+    "train.transfer_guard",
+    "eval.every_steps",
+    "eval.num_samples",
+    "eval.path",
+    "checkpoint.every_steps",
+    "checkpoint.max_to_keep",
+    "rewards.workers",
+  }
+)
+# Keys about this invocation only (the workdir's own switches): never compared.
+SESSION_PREFIX = "workdir."
+
+
+class WorkdirError(ConfigError):
+  """The workdir is in use, or holds a run of another config; the message says what to do."""
+
+
+# ----------------------------------------------------------------------------- the lock
+
+
+class Lock:
+  """The held lock of a workdir; `release` gives it up (idempotent)."""
+
+  def __init__(self, path: str, token: str, fd: int | None):
+    self.path, self._token, self._fd = path, token, fd
+
+  def release(self) -> None:
+    if self._fd is not None:  # local: closing the flocked file releases it
+      os.ftruncate(self._fd, 0)
+      os.close(self._fd)
+      self._fd = None
+    elif self._token is not None:  # remote: delete the object if it is still ours
+      if _holder(self.path).get("token") == self._token:
+        files.remove(self.path)
+      self._token = None
+
+
+def lock(workdir: str, *, break_lock: bool = False) -> Lock:
+  """Takes the lock of `workdir` or raises WorkdirError naming the holder (never waits)."""
+  path = files.join(workdir, LOCK_FILE)
+  token = uuid.uuid4().hex
+  identity = {
+    "host": socket.gethostname(),
+    "pid": os.getpid(),
+    "started": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    "token": token,
+  }
+  text = json.dumps(identity) + "\n"
+  if not files.is_remote(workdir):
+    return Lock(path, token, _flock(path, text, workdir))
+  if files.write_new(path, text):
+    return Lock(path, token, None)
+  holder = _holder(path)
+  if not (break_lock or _dead_here(holder)):
+    raise WorkdirError(
+      f"{workdir} is in use by {_describe(holder)} (lock object {path}); if that run is dead, "
+      f"delete {path} or pass --config.workdir.break_lock=True"
+    )
+  files.write_atomic(path, text)  # taken over
+  return Lock(path, token, None)
+
+
+def _flock(path: str, text: str, workdir: str) -> int:
+  files.makedirs(workdir)
+  fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    os.close(fd)
+    raise WorkdirError(f"{workdir} is in use by {_describe(_holder(path))}") from None
+  os.ftruncate(fd, 0)
+  os.pwrite(fd, text.encode(), 0)
+  return fd
+
+
+def _holder(path: str) -> dict[str, Any]:
+  """The identity in lock file `path`; {} when it is gone or not written yet."""
+  try:
+    return json.loads(files.read_text(path))
+  except (FileNotFoundError, ValueError):
+    return {}
+
+
+def _describe(holder: Mapping[str, Any]) -> str:
+  if not holder:
+    return "another run (starting)"
+  return f"a run on host {holder['host']} pid {holder['pid']} since {holder['started']}"
+
+
+def _dead_here(holder: Mapping[str, Any]) -> bool:
+  """Whether the lock's holder ran on this host and its process is gone."""
+  if holder.get("host") != socket.gethostname():
+    return False
+  try:
+    os.kill(int(holder["pid"]), 0)
+  except ProcessLookupError:
+    return True
+  except (PermissionError, KeyError, ValueError):
+    return False
+  return False
+
+
+# ----------------------------------------------------------------------------- config.json
+
+
+def config_json(config: ml_collections.ConfigDict | Mapping[str, Any]) -> dict[str, Any]:
+  """`config` as the JSON config.json holds (tuples as lists)."""
+  if isinstance(config, ml_collections.ConfigDict):
+    return json.loads(config.to_json_best_effort())
+  return json.loads(json.dumps(config, default=str))
+
+
+def changed_keys(saved: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple]:
+  """{dotted key: (saved value, new value)} of the keys whose values differ (a key on one side
+  only: None on the other); SESSION_PREFIX keys are not compared."""
+  before, after = _flatten(config_json(saved)), _flatten(config_json(new))
+  return {
+    key: (before.get(key), after.get(key))
+    for key in sorted(before.keys() | after.keys())
+    if not key.startswith(SESSION_PREFIX) and before.get(key) != after.get(key)
+  }
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, Mapping):
+      flat.update(_flatten(value, f"{prefix}{key}."))
+    else:
+      flat[f"{prefix}{key}"] = value
+  return flat
+
+
+def save_config(workdir: str, config) -> None:
+  """Writes WORKDIR/config.json."""
+  text = json.dumps(config_json(config), indent=1, sort_keys=True) + "\n"
+  files.write_atomic(files.join(workdir, CONFIG_FILE), text)
+
+
+def saved_config(workdir: str) -> dict[str, Any] | None:
+  """WORKDIR/config.json, or None when the workdir has none."""
+  path = files.join(workdir, CONFIG_FILE)
+  return json.loads(files.read_text(path)) if files.exists(path) else None
+
+
+def check_and_save_config(workdir: str, config: ml_collections.ConfigDict) -> None:
+  """Raises WorkdirError when WORKDIR/config.json differs from `config` in a key neither safe nor
+  accepted (`workdir.accept_changes`); else writes `config` as the new config.json."""
+  saved = saved_config(workdir)
+  if saved is not None:
+    changed = changed_keys(saved, config)
+    refused = [key for key in changed if key not in SAFE_KEYS | _accepted(config, changed)]
+    if refused:
+      listing = ", ".join(f"{key} ({changed[key][0]!r} -> {changed[key][1]!r})" for key in refused)
+      raise WorkdirError(
+        f"{files.join(workdir, CONFIG_FILE)}: the run used another config: {listing}; resume "
+        "with the same values, use another --workdir, or accept the change with "
+        f"--config.workdir.accept_changes={','.join(refused)}"
+      )
+  save_config(workdir, config)
+
+
+def _accepted(config: ml_collections.ConfigDict, changed: Mapping[str, Any]) -> set[str]:
+  text = config.workdir.accept_changes.strip()
+  if text == "all":
+    return set(changed)
+  keys = {key.strip() for key in text.split(",") if key.strip()}
+  known = _flatten(config_json(config))
+  unknown = sorted(keys - known.keys())
+  if unknown:
+    raise WorkdirError(
+      f"config.workdir.accept_changes={text!r}: no config key {', '.join(unknown)} "
+      "(comma-separated dotted keys, or 'all')"
+    )
+  return keys
+
+
+# ----------------------------------------------------------------------------- a run's claim
+
+
+@contextlib.contextmanager
+def claim(workdir: str, config: ml_collections.ConfigDict) -> Iterator[None]:
+  """The workdir for the life of a run: locked, its config.json checked and written (process 0);
+  unlocked when the block ends (an exception or sys.exit included). Raises WorkdirError in every
+  process when process 0 could not claim it."""
+  held, error = None, None
+  if jax.process_index() == 0:
+    try:
+      held = lock(workdir, break_lock=config.workdir.break_lock)
+      check_and_save_config(workdir, config)
+    except WorkdirError as e:
+      error = e
+      if held is not None:
+        held.release()
+  if not _everyone_agrees(error is None) and error is None:
+    error = WorkdirError(f"process 0 could not claim {workdir} (its output says why)")
+  if error is not None:
+    raise error
+  try:
+    yield
+  finally:
+    if held is not None:
+      held.release()
+
+
+def _everyone_agrees(ok: bool) -> bool:
+  """Process 0's `ok`, in every process (one broadcast when there are several)."""
+  if jax.process_count() == 1:
+    return ok
+  from jax.experimental import multihost_utils
+
+  return bool(multihost_utils.broadcast_one_to_all(np.int32(ok)))
+
+
+# ----------------------------------------------------------------------------- tools
+
+
+def resolved_config(spec: str, args: Sequence[str]) -> ml_collections.ConfigDict:
+  """The config the trainer resolves from `--config=SPEC` and `args` (`--config.KEY=VALUE`)."""
+  argv = ["resolve", f"--config={spec}", *args]
+  flag_values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", None, "", flag_values=flag_values, sys_argv=argv)
+  flag_values(argv)
+  return flag_values.config

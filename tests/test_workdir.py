@@ -1,0 +1,215 @@
+"""The workdir of a run (ebpo_jax.trainer.workdir): its lock, local and on a bucket; its
+config.json, compared on resume; metrics.jsonl cut back to what a restart restores; an ablation
+reruns a variant whose config changed. In process, except one trainer test with two processes."""
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ebpo_jax import ablate, files
+from ebpo_jax import metrics as metrics_lib
+from ebpo_jax.trainer import workdir as workdir_lib
+
+# ----------------------------------------------------------------------------- the lock
+
+
+def one_line(error: pytest.ExceptionInfo) -> str:
+  message = str(error.value)
+  assert "\n" not in message, message
+  return message
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "gcs"])
+def test_a_second_lock_fails_at_once_naming_the_holder(tmp_path, request, remote):
+  workdir = request.getfixturevalue("gcs_dir") if remote else str(tmp_path / "w")
+  first = workdir_lib.lock(workdir)
+  start = time.monotonic()
+  with pytest.raises(workdir_lib.WorkdirError) as error:
+    workdir_lib.lock(workdir)
+  assert time.monotonic() - start < 10
+  message = one_line(error)
+  assert f"{workdir} is in use by" in message
+  assert f"host {socket.gethostname()} pid {os.getpid()}" in message
+  first.release()
+  workdir_lib.lock(workdir).release()  # free again once released
+  if remote:
+    assert not files.exists(files.join(workdir, workdir_lib.LOCK_FILE))
+
+
+def test_a_local_lock_dies_with_its_process(tmp_path):
+  # flock: the OS releases the lock of a killed process; nothing stale is left to break.
+  workdir = str(tmp_path / "w")
+  code = "import sys,time; from ebpo_jax.trainer import workdir as w; w.lock(sys.argv[1]);"
+  holder = subprocess.Popen(
+    [sys.executable, "-c", code + "print('locked', flush=True); time.sleep(60)", workdir],
+    stdout=subprocess.PIPE,
+    text=True,
+  )
+  try:
+    assert holder.stdout.readline().strip() == "locked"
+    with pytest.raises(workdir_lib.WorkdirError, match=f"pid {holder.pid}"):
+      workdir_lib.lock(workdir)
+  finally:
+    holder.kill()
+    holder.wait()
+  workdir_lib.lock(workdir).release()
+
+
+def test_a_stale_lock_on_a_bucket_says_how_to_break_it(gcs_dir):
+  lock_path = files.join(gcs_dir, workdir_lib.LOCK_FILE)
+  # A run on another machine that was killed (kill -9, preemption) left its lock object.
+  stale = {"host": "tpu-worker-0", "pid": 4242, "started": "2026-11-30T01:02:03Z", "token": "x"}
+  files.write_atomic(lock_path, json.dumps(stale))
+  with pytest.raises(workdir_lib.WorkdirError) as error:
+    workdir_lib.lock(gcs_dir)
+  message = one_line(error)
+  assert "host tpu-worker-0 pid 4242 since 2026-11-30T01:02:03Z" in message
+  assert f"delete {lock_path}" in message and "--config.workdir.break_lock=True" in message
+  mine = workdir_lib.lock(gcs_dir, break_lock=True)
+  assert json.loads(files.read_text(lock_path))["pid"] == os.getpid()
+  mine.release()
+  assert not files.exists(lock_path)
+
+
+def test_a_lock_of_a_dead_process_on_this_host_is_broken(gcs_dir):
+  dead = subprocess.Popen([sys.executable, "-c", "pass"])
+  dead.wait()
+  lock_path = files.join(gcs_dir, workdir_lib.LOCK_FILE)
+  stale = {"host": socket.gethostname(), "pid": dead.pid, "started": "then", "token": "x"}
+  files.write_atomic(lock_path, json.dumps(stale))
+  workdir_lib.lock(gcs_dir).release()
+
+
+# ----------------------------------------------------------------------------- config.json
+
+
+def test_config_json_is_written_then_a_changed_key_stops_the_resume(arith_config, tmp_path):
+  workdir = str(tmp_path)
+  workdir_lib.check_and_save_config(workdir, arith_config())
+  saved = json.loads((tmp_path / workdir_lib.CONFIG_FILE).read_text())
+  assert saved["rl"]["group_size"] == 4 and saved["seed"] == 0
+  changed = arith_config({"rl.group_size": 2, "seed": 1, "train.batch_size": 16})
+  with pytest.raises(workdir_lib.WorkdirError) as error:
+    workdir_lib.check_and_save_config(workdir, changed)
+  message = one_line(error)
+  assert "rl.group_size (4 -> 2), seed (0 -> 1), train.batch_size (8 -> 16)" in message
+  assert "--config.workdir.accept_changes=rl.group_size,seed,train.batch_size" in message
+  assert json.loads((tmp_path / workdir_lib.CONFIG_FILE).read_text()) == saved  # unchanged
+
+
+def test_safe_keys_and_accepted_changes_resume(arith_config, tmp_path):
+  workdir = str(tmp_path)
+  workdir_lib.check_and_save_config(workdir, arith_config())
+  cadence = {"train.num_steps": 9, "eval.every_steps": 3, "checkpoint.every_steps": 3}
+  workdir_lib.check_and_save_config(workdir, arith_config({**cadence, "train.log_every": 2}))
+  assert json.loads((tmp_path / workdir_lib.CONFIG_FILE).read_text())["train"]["num_steps"] == 9
+  with pytest.raises(workdir_lib.WorkdirError, match=r"seed \(0 -> 3\)"):
+    workdir_lib.check_and_save_config(workdir, arith_config({"seed": 3}))
+  with pytest.raises(workdir_lib.WorkdirError, match=r"^config\.workdir\.accept_changes"):
+    workdir_lib.check_and_save_config(
+      workdir, arith_config({"seed": 3, "workdir.accept_changes": "sed"})
+    )
+  workdir_lib.check_and_save_config(
+    workdir, arith_config({"seed": 3, "workdir.accept_changes": "seed"})
+  )
+  workdir_lib.check_and_save_config(workdir, arith_config({"workdir.accept_changes": "all"}))
+  assert json.loads((tmp_path / workdir_lib.CONFIG_FILE).read_text())["seed"] == 0
+
+
+def test_config_check_on_a_bucket(arith_config, gcs_dir):
+  workdir_lib.check_and_save_config(gcs_dir, arith_config())
+  with pytest.raises(workdir_lib.WorkdirError, match=r"rl\.advantage \('ebpo' -> 'grpo'\)"):
+    workdir_lib.check_and_save_config(gcs_dir, arith_config({"rl.advantage": "grpo"}))
+
+
+# ----------------------------------------------------------------------------- metrics.jsonl
+
+
+def steps_in(workdir) -> list[int]:
+  return [r["step"] for r in metrics_lib.read_metrics(workdir)]
+
+
+def test_a_fresh_start_empties_metrics_and_a_resume_cuts_them(tmp_path):
+  # A kill between the step-0 evaluation line and checkpoint 0: nothing to restore on restart.
+  with metrics_lib.MetricsWriter(tmp_path, resume_step=metrics_lib.FRESH_START) as writer:
+    writer.write(0, {"eval/accuracy": 0.5})
+  with metrics_lib.MetricsWriter(tmp_path, resume_step=metrics_lib.FRESH_START) as writer:
+    writer.write(0, {"eval/accuracy": 0.5})
+    writer.write(1, {"loss": 1.0})
+  assert steps_in(tmp_path) == [0, 1]
+  with metrics_lib.MetricsWriter(tmp_path, resume_step=0) as writer:
+    writer.write(1, {"loss": 1.0})
+  assert steps_in(tmp_path) == [0, 1]
+
+
+# ----------------------------------------------------------------------------- the trainer
+
+
+@pytest.mark.e2e
+def test_two_trainers_a_changed_config_and_a_restart_with_nothing_to_restore(trainer_cli, tmp_path):
+  # num_steps=0: the warm start, the step-0 evaluation and checkpoint (the lock is held meanwhile).
+  first = trainer_cli(tmp_path, "--config.train.num_steps=0", wait=False)
+  try:
+    lock_path = tmp_path / workdir_lib.LOCK_FILE
+    deadline = time.monotonic() + 120
+    while not (lock_path.exists() and f'"pid": {first.pid}' in lock_path.read_text()):
+      assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()
+      time.sleep(0.2)
+    second = trainer_cli(tmp_path, "--config.train.num_steps=0", timeout=60)
+    assert second.returncode != 0
+    errors = second.stderr.strip().splitlines()
+    assert len(errors) == 1 and f"pid {first.pid}" in errors[0], second.stderr[-2000:]
+    assert first.wait(timeout=300) == 0, first.stderr.read()[-3000:]
+  finally:
+    first.kill()
+  assert steps_in(tmp_path) == [0]  # written once: the second run wrote nothing
+  changed = trainer_cli(tmp_path, "--config.train.num_steps=0", "--config.rl.group_size=2")
+  assert changed.returncode != 0
+  assert changed.stderr.strip().splitlines() == [
+    f"error: {tmp_path}/config.json: the run used another config: rl.group_size (4 -> 2); "
+    "resume with the same values, use another --workdir, or accept the change with "
+    "--config.workdir.accept_changes=rl.group_size"
+  ]
+  # Nothing to restore (checkpoints deleted, or a kill before checkpoint 0): a fresh start, and
+  # metrics.jsonl holds its lines only.
+  shutil.rmtree(tmp_path / "checkpoints")
+  again = trainer_cli(tmp_path, "--config.train.num_steps=0")
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert steps_in(tmp_path) == [0]
+
+
+# ----------------------------------------------------------------------------- ablations
+
+
+def test_an_ablation_reruns_a_variant_whose_config_changed(tmp_path, monkeypatch):
+  trained = []
+
+  def fake_train(config, workdir, args, env):
+    del env
+    assert not files.exists(files.join(workdir, "stale")), "a changed run starts afresh"
+    trained.append(os.path.basename(workdir))
+    files.write_atomic(files.join(workdir, "stale"), "")
+    workdir_lib.save_config(workdir, workdir_lib.resolved_config(config, args))
+
+  monkeypatch.setattr(ablate, "_train", fake_train)
+  monkeypatch.setattr(ablate, "summarize_run", lambda run_dir, run: {"name": run.name})
+  config = os.path.join(os.path.dirname(__file__), "..", "configs", "arith_ebpo.py:runlocal")
+  run = ablate.Run("grpo", 4, 0)
+  args = ["--config.train.num_steps=2"]
+  ablate._run_one(config, str(tmp_path), run, args, {}, {0: ablate.threading.Lock()})
+  assert trained == ["s0", run.name]
+  ablate._run_one(config, str(tmp_path), run, args, {}, {0: ablate.threading.Lock()})
+  assert trained == ["s0", run.name]  # unchanged: the result is reused
+  args = ["--config.train.num_steps=3"]  # the variant's config changed, not the warm start's
+  ablate._run_one(config, str(tmp_path), run, args, {}, {0: ablate.threading.Lock()})
+  assert trained == ["s0", run.name, run.name]
+  # Only the warm start's config changed (a variant runs with sft.num_steps=0): both rerun.
+  args.append("--config.sft.num_steps=7")
+  ablate._run_one(config, str(tmp_path), run, args, {}, {0: ablate.threading.Lock()})
+  assert trained == ["s0", run.name, run.name, "s0", run.name]
