@@ -107,7 +107,8 @@ def test_safe_keys_and_accepted_changes_resume(arith_config, tmp_path):
   workdir = str(tmp_path)
   workdir_lib.check_and_save_config(workdir, arith_config())
   cadence = {"train.num_steps": 9, "eval.every_steps": 3, "checkpoint.every_steps": 3}
-  workdir_lib.check_and_save_config(workdir, arith_config({**cadence, "train.log_every": 2}))
+  layout = {"train.log_every": 2, "mesh.fsdp": 1, "mesh.data": 8}
+  workdir_lib.check_and_save_config(workdir, arith_config({**cadence, **layout}))
   assert json.loads((tmp_path / workdir_lib.CONFIG_FILE).read_text())["train"]["num_steps"] == 9
   with pytest.raises(workdir_lib.WorkdirError, match=r"seed \(0 -> 3\)"):
     workdir_lib.check_and_save_config(workdir, arith_config({"seed": 3}))

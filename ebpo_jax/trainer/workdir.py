@@ -14,8 +14,8 @@ outcome from it and stop with it.
 
 config.json is the resolved config of the run (rewritten by every run that starts). A run whose
 config differs from it in a key that defines the experiment stops with one line listing the keys,
-before anything compiles; SAFE_KEYS (steps, evaluation, logging and checkpoint cadence, ...) may
-change on a resume, and `--config.workdir.accept_changes=KEY,...` (or `all`) accepts others.
+before anything compiles; SAFE_KEYS (steps, evaluation, logging and checkpoint cadence, the mesh,
+...) may change on a resume; `--config.workdir.accept_changes=KEY,...` (or `all`) accepts others.
 """
 
 import contextlib
@@ -52,6 +52,10 @@ SAFE_KEYS = frozenset(
     "checkpoint.every_steps",
     "checkpoint.max_to_keep",
     "rewards.workers",
+    # The device layout: a checkpoint restores onto another mesh, and the math is the same.
+    "mesh.data",
+    "mesh.fsdp",
+    "mesh.tensor",
   }
 )
 # Keys about this invocation only (the workdir's own switches): never compared.
