@@ -29,6 +29,7 @@ import fnmatch
 import hashlib
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterable, Iterator
 from typing import IO, BinaryIO
@@ -156,6 +157,22 @@ def write_atomic(path: PathLike, data: str | bytes) -> None:
   payload = data.encode("utf-8") if isinstance(data, str) else data
   with _replacing(path) as f:
     f.write(payload)
+
+
+def default_file_mode() -> int:
+  """The mode `open()` gives a new file: 0666 less the process umask. Read without `os.umask`,
+  which can only be read by setting it (for that moment, for every thread of the process)."""
+  try:
+    with open("/proc/self/status") as f:
+      umask = next((line.split()[1] for line in f if line.startswith("Umask:")), None)
+    if umask is not None:
+      return 0o666 & ~int(umask, 8)
+  except OSError:
+    pass  # no procfs (macOS): create a file and look
+  with tempfile.TemporaryDirectory(prefix="ebpo_jax_mode_") as directory:
+    probe = os.path.join(directory, "probe")
+    os.close(os.open(probe, os.O_CREAT | os.O_WRONLY, 0o666))
+    return stat.S_IMODE(os.stat(probe).st_mode)
 
 
 def write_lines(path: PathLike, lines: Iterable[str]) -> None:
@@ -367,6 +384,7 @@ def _mirror_file(source: str, root: str, relative: str) -> None:
   os.makedirs(os.path.dirname(target), exist_ok=True)
   fd, temporary = tempfile.mkstemp(dir=os.path.dirname(target), prefix=".download.")
   try:
+    os.fchmod(fd, default_file_mode())  # mkstemp's 0600, as every other file we write: 0666 - umask
     with os.fdopen(fd, "wb") as out, store.open(name, "rb") as f:
       shutil.copyfileobj(f, out, length=1 << 24)
     os.replace(temporary, target)

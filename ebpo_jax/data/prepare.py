@@ -180,7 +180,8 @@ def _json_records(path: str) -> Iterator[tuple[str, Any]]:
   if text.lstrip().startswith("["):
     yield from _json_array_records(path, text)
     return
-  for line_number, line in enumerate(text.splitlines(), start=1):
+  # Lines end at \n only: splitlines would also break at U+2028 and the like inside strings.
+  for line_number, line in enumerate(text.split("\n"), start=1):
     if line.strip():
       try:
         yield f"{path}:{line_number}", json.loads(line)

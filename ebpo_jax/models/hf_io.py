@@ -257,6 +257,4 @@ def _save_readable(tensors: dict[str, np.ndarray], file: str, metadata: dict) ->
   """safetensors' save_file, with the usual file mode (it writes 0600; other users, e.g. a vLLM
   server, could not read the export)."""
   save_file(tensors, file, metadata=metadata)
-  umask = os.umask(0)
-  os.umask(umask)
-  os.chmod(file, 0o666 & ~umask)
+  os.chmod(file, files.default_file_mode())
