@@ -15,6 +15,7 @@ falls back past checkpoints that do not restore or verify (one line on stderr sa
 through `ebpo_jax.files`.
 """
 
+import dataclasses
 import functools
 import json
 import os
@@ -132,20 +133,53 @@ class Checkpointer:
         f"no checkpoint for step {step} in {self.directory}; steps: {self.all_steps()}"
       )
     saved_items = set(self._manager.item_metadata(step).keys())
-    items = {_STATE: ocp.args.StandardRestore(abstract_state)}
+    if data_iter is not None and _DATA_ITER not in saved_items:
+      raise ValueError(f"checkpoint {step} in {self.directory} has no data iterator state")
+    try:
+      return self._restore_items(step, abstract_state, data_iter, saved_items, added=())
+    except ValueError:  # a tree that differs; only a counter added since is accepted
+      added = self._counters_added_since(step, abstract_state)
+      if not added:
+        raise
+      return self._restore_items(step, abstract_state, data_iter, saved_items, added=added)
+
+  def _restore_items(self, step, abstract_state, data_iter, saved_items, *, added) -> tuple:
+    """(state, config) of checkpoint `step`, verified; the fields `added` restore as 0."""
+    if added:
+      fields = [f.name for f in dataclasses.fields(abstract_state) if f.name not in added]
+      items = {_STATE: ocp.args.StandardRestore({n: getattr(abstract_state, n) for n in fields})}
+    else:
+      items = {_STATE: ocp.args.StandardRestore(abstract_state)}
     if data_iter is not None:
-      if _DATA_ITER not in saved_items:
-        raise ValueError(f"checkpoint {step} in {self.directory} has no data iterator state")
       items[_DATA_ITER] = grain.checkpoint.CheckpointRestore(data_iter)
     if _CONFIG in saved_items:
       items[_CONFIG] = ocp.args.JsonRestore()
     if _CHECKSUMS in saved_items:  # checkpoints written before checksums are not verified
       items[_CHECKSUMS] = ocp.args.JsonRestore()
     restored = self._manager.restore(step, args=ocp.args.Composite(**items))
+    state = restored[_STATE]
+    if added:  # the saved fields in the state's order (as saved), then the counters
+      state = abstract_state.replace(**state, **dict.fromkeys(added))
     if _CHECKSUMS in saved_items:
-      self._verify(step, restored[_STATE], restored[_CHECKSUMS]["leaves"])
+      self._verify(step, state, restored[_CHECKSUMS]["leaves"])
+    if added:
+      state = state.replace(**{n: _zeros_like(getattr(abstract_state, n)) for n in added})
     config = restored[_CONFIG] if _CONFIG in saved_items else None
-    return restored[_STATE], config
+    return state, config
+
+  def _counters_added_since(self, step: int, abstract_state: Any) -> list[str]:
+    """The fields of a dataclass state (e.g. TrainState) that checkpoint `step` lacks, when each
+    is a scalar integer (a counter added later, like `bad_steps`); else []."""
+    if not dataclasses.is_dataclass(abstract_state):
+      return []
+    saved = self._manager.item_metadata(step)[_STATE]
+    saved = getattr(saved, "tree", saved)
+    if not isinstance(saved, Mapping):
+      return []
+    fields = [f.name for f in dataclasses.fields(abstract_state)]
+    missing = [n for n in fields if n not in saved and getattr(abstract_state, n) is not None]
+    counters = [n for n in missing if _is_scalar_int(getattr(abstract_state, n))]
+    return counters if counters == missing else []
 
   def restore_latest(
     self, abstract_state: Any, *, data_iter: Any = None
@@ -221,6 +255,15 @@ class Checkpointer:
 
   def __exit__(self, *exc_info) -> None:
     self.close()
+
+
+def _is_scalar_int(x: Any) -> bool:
+  return getattr(x, "shape", None) == () and jnp.issubdtype(x.dtype, jnp.integer)
+
+
+def _zeros_like(abstract: jax.ShapeDtypeStruct) -> jax.Array:
+  """A zero of `abstract`'s shape and dtype, placed with its sharding."""
+  return jax.device_put(np.zeros(abstract.shape, abstract.dtype), abstract.sharding)
 
 
 def _first_line(error: Exception) -> str:

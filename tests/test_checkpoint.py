@@ -311,3 +311,31 @@ def test_no_checkpoint_that_restores_is_one_clear_error(tmp_path):
     pytest.raises(checkpoint.CorruptCheckpointError, match="no checkpoint .* restores"),
   ):
     ckpt.restore_latest(_weights_abstract())
+
+
+@flax.struct.dataclass
+class _OldState:
+  w: jax.Array
+  step: jax.Array
+
+
+@flax.struct.dataclass
+class _NewState:
+  w: jax.Array
+  step: jax.Array
+  bad_steps: jax.Array  # a counter added after _OldState's checkpoints were written
+
+
+def test_a_counter_added_to_the_state_later_restores_as_zero(tmp_path):
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  with checkpoint.Checkpointer(tmp_path / "ckpt") as ckpt:
+    ckpt.save(4, _OldState(jnp.arange(6.0), jnp.int32(4)))
+    ckpt.wait()
+    shapes = _NewState(jnp.zeros(6), jnp.int32(0), jnp.int32(0))
+    abstract = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), shapes
+    )
+    step, state, _ = ckpt.restore_latest(abstract)
+  assert step == 4 and int(state.step) == 4 and int(state.bad_steps) == 0
+  np.testing.assert_array_equal(state.w, np.arange(6.0))
+  assert state.bad_steps.sharding == device
