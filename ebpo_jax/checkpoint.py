@@ -132,7 +132,7 @@ class Checkpointer:
       raise FileNotFoundError(
         f"no checkpoint for step {step} in {self.directory}; steps: {self.all_steps()}"
       )
-    saved_items = set(self._manager.item_metadata(step).keys())
+    saved_items = self._saved_items(step)
     if data_iter is not None and _DATA_ITER not in saved_items:
       raise ValueError(f"checkpoint {step} in {self.directory} has no data iterator state")
     try:
@@ -235,11 +235,16 @@ class Checkpointer:
 
   def saved_config(self, step: int) -> dict[str, Any] | None:
     """The config saved with checkpoint `step`, or None when it has none."""
-    if _CONFIG not in set(self._manager.item_metadata(step).keys()):
+    if _CONFIG not in self._saved_items(step):
       return None
     return self._manager.restore(
       step, args=ocp.args.Composite(**{_CONFIG: ocp.args.JsonRestore()})
     )[_CONFIG]
+
+  def _saved_items(self, step: int) -> set[str]:
+    """The item names checkpoint `step` holds: its directory's entries (orbax's item_metadata
+    would warn once per item that this manager has no handler registered for yet)."""
+    return set(files.listdir(files.join(self.directory, str(step))))
 
   def wait(self) -> None:
     """Blocks until pending asynchronous saves are complete (and raises their errors)."""
