@@ -287,7 +287,7 @@ def _leaf_words(x: jax.Array) -> jax.Array:
 
 
 def _leaf_checksum(x: jax.Array) -> jax.Array:
-  """[2] uint32: the sum of the words and the sum of word * (2 * flat index + 1), mod 2^32.
+  """[2] uint32: the sum of the words and the sum of mix(word) * (2 * flat index + 1), mod 2^32.
 
   The flat index comes from iotas (no reshape, so a sharded array is never regathered); the
   second sum also catches moved or swapped chunks."""
@@ -296,7 +296,8 @@ def _leaf_checksum(x: jax.Array) -> jax.Array:
   for axis in reversed(range(words.ndim)):
     iota = jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis)
     index, stride = index + iota * jnp.uint32(stride), (stride * words.shape[axis]) % 2**32
-  weighted = words * (2 * index + 1)
+  mixed = (words ^ (words >> 16)) * 0x45D9F3B  # spreads the high bits (float exponents) down
+  weighted = (mixed ^ (mixed >> 16)) * (2 * index + 1)
   return jnp.stack([words.sum(dtype=jnp.uint32), weighted.sum(dtype=jnp.uint32)])
 
 
