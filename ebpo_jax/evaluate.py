@@ -176,10 +176,17 @@ def metrics_table(metrics: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------- main
 
 
-def eval_rows(config, task) -> tuple[list[dict], list[str], str]:
-  """(rows, cluster names, description) from `config.eval.path`, else the task's eval split."""
+def eval_rows(config, task, tokenizer) -> tuple[list[dict], list[str], str]:
+  """(rows, cluster names, description) from `config.eval.path`, else the task's eval split. A
+  file's rows are tokenized first, as the trainer's: one `FILE:LINE:` line per row that does not
+  encode or fit the largest prompt bucket (dropped and counted with `data.skip_bad_rows`)."""
   if config.eval.path:
-    rows, names = data.load_rows_and_clusters(config.eval.path)
+    check = rollouts_lib.row_checker(task, tokenizer, config.sampling.prompt_buckets)
+    rows, names, dropped = data.load_checked_rows(
+      config.eval.path, check, skip_bad=config.data.skip_bad_rows
+    )
+    if dropped:
+      print(f"{config.eval.path}: dropped {len(dropped)} bad rows; first: {dropped[0]}")
     return rows, names, config.eval.path
   n = config.task.num_eval * len(task.cluster_names)
   return task.rows("eval", n, config.seed), list(task.cluster_names), f"{task.name} eval split"
@@ -203,8 +210,8 @@ def run(
   config_lib.check_config(config, jax.device_count())
   mesh = sharding.make_mesh(dict(config.mesh))
   task = tasks.get_task(config.task.name, **config.task.options)
-  rows, cluster_names, rows_origin = eval_rows(config, task)
   tokenizer = state_lib.load_tokenizer(config, task)
+  rows, cluster_names, rows_origin = eval_rows(config, task, tokenizer)
   model, params, origin = policy_lib.load_policy(config, tokenizer, mesh, run_dir, step)
   greedy = bool(config.eval.greedy and k == 1)
   sampler = rollouts_lib.make_sampler(model, task, tokenizer, config, mesh)

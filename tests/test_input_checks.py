@@ -166,3 +166,16 @@ def test_in_training_evaluation_counts_verifier_errors():
   result = rollouts.evaluate_accuracy(sampler, None, rows, ["a", "b"], key=None)
   assert result[metrics_lib.EVAL_VERIFIER_ERRORS] == 2
   assert metrics_lib.EVAL_VERIFIER_ERRORS in metrics_lib.KEYS
+
+
+def test_evaluate_checks_its_rows_file_too(arith_config, tmp_path):
+  from ebpo_jax import evaluate, tasks
+
+  path = _bad_rows(tmp_path)
+  config = arith_config({"eval.path": str(path), "sampling.prompt_buckets": (6, 8)})
+  task = tasks.get_task(config.task.name, **config.task.options)
+  with pytest.raises(data.DataError) as error:
+    evaluate.eval_rows(config, task, task.tokenizer)
+  assert [line.split(": ")[0] for line in str(error.value).splitlines()] == [
+    f"{path}:{n}" for n in (2, 3, 5)
+  ]
