@@ -42,6 +42,17 @@ def test_a_second_lock_fails_at_once_naming_the_holder(tmp_path, request, remote
     assert not files.exists(files.join(workdir, workdir_lib.LOCK_FILE))
 
 
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "gcs"])
+def test_write_new_creates_only_once(tmp_path, request, remote):
+  folder = request.getfixturevalue("gcs_dir") if remote else str(tmp_path)
+  path = files.join(folder, "once")
+  assert files.write_new(path, "first") and not files.write_new(path, "second")
+  assert files.read_text(path) == "first"
+  files.remove(path)
+  files.remove(path)  # gone already: nothing to do
+  assert not files.exists(path)
+
+
 def test_a_local_lock_dies_with_its_process(tmp_path):
   # flock: the OS releases the lock of a killed process; nothing stale is left to break.
   workdir = str(tmp_path / "w")

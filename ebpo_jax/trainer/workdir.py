@@ -135,7 +135,8 @@ def _holder(path: str) -> dict[str, Any]:
 def _describe(holder: Mapping[str, Any]) -> str:
   if not holder:
     return "another run (starting)"
-  return f"a run on host {holder['host']} pid {holder['pid']} since {holder['started']}"
+  host, pid, started = (holder.get(key, "?") for key in ("host", "pid", "started"))
+  return f"a run on host {host} pid {pid} since {started}"
 
 
 def _dead_here(holder: Mapping[str, Any]) -> bool:
