@@ -12,9 +12,9 @@ v5p-64, the paper configs' slice) with abstract sharded inputs; see that module'
 what is counted. This script adds the sweep: the sampler program depends on the model, G and
 `sampling.*`, not on the method (`rollouts.generate_options`), so it is compiled once per model x G
 and each method adds its own waiting state and rollouts; and the largest
-`sampling.prompts_per_call` that fits each model x G for every method: one more sampler compile
-near the first guess, and the line through the two compiled points (bytes grow linearly with the
-prompts per call).
+`sampling.prompts_per_call` that fits each model x G for every method: a first guess scales the
+configured call's bytes (all but the params and the code) with the prompts; one more sampler
+compile there gives a second point, and the line through the two compiled points the answer.
 
 Results go to the `--results` JSON-lines file one line at a time; a rerun keeps the lines already
 there (a run cut short resumes). The last line of stdout is the JSON list of the rows.
@@ -89,15 +89,21 @@ def train_row(arg: str, tpu: aot.Slice, sampler: dict) -> dict:
   return aot.summarize(config, tpu, target.prompt_len, train, sampler)
 
 
+def first_guess(sampler: dict, resident: int, usable: int, rows_multiple: int) -> int:
+  """The most prompts per call if all of the configured call's bytes but the params and the code
+  grew in proportion to the prompts (the KV cache, the prefill's and the decode's buffers)."""
+  p0, b0 = sampler["prompts_per_call"], sampler["program_bytes_alone"]
+  fixed = sampler["argument_bytes"] + sampler["code_bytes"]
+  return int(p0 * (usable - resident - fixed) / (b0 - fixed)) // rows_multiple * rows_multiple
+
+
 def most_prompts(arg: str, tpu: aot.Slice, first: dict, resident: int, rows_multiple: int) -> dict:
-  """The largest prompts per call whose sampler fits beside `resident` bytes. The configured
-  call's bytes, all but the params and the code taken as growing with the prompts, give a first
-  guess; one compile there gives a second point, and the line through both points the prediction.
+  """The largest prompts per call whose sampler fits beside `resident` bytes: one compile at the
+  first guess gives a second point, and the line through both compiled points the prediction.
   "Confirmed" is the largest count that compiled and fit."""
   p0, b0 = first["prompts_per_call"], first["program_bytes_alone"]
   usable = tpu.chip.usable_hbm_bytes
-  fixed0 = first["argument_bytes"] + first["code_bytes"]
-  guess = int(p0 * (usable - resident - fixed0) / (b0 - fixed0)) // rows_multiple * rows_multiple
+  guess = first_guess(first, resident, usable, rows_multiple)
   second = sampler_row(arg, tpu, guess)
   b1 = second["bytes_per_chip"]  # from the compiler's message when it did not fit
   fits = second.get("compile_error") is None and b1 + resident <= usable
@@ -220,28 +226,62 @@ def table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def prompts_table(rows: list[dict]) -> str:
-  """The largest prompts per call per model x G (markdown)."""
+def readme_table(rows: list[dict]) -> str:
+  """The README's compact table: GB per chip of both phases, fit, roofline RL step."""
   lines = [
-    "| model, G | configured prompts x G rows | largest prompts per call that fits, every method "
-    "(predicted) | compiled at: GB/chip (sampler + waiting) | confirmed | GB per extra prompt |",
+    "| config | train step GB/chip | sampling GB/chip (sampler call + waiting) | fits "
+    "| train / sampler TFLOP per chip | roofline RL step |",
     "|---|---|---|---|---|---|",
   ]
-  samplers = {r["key"].split(":", 1)[1]: r["sampler"] for r in rows if "sampler:" in r["key"]}
   for r in rows:
-    if not r["key"].startswith("max_prompts:"):
+    if "train_step" not in r:
       continue
-    group = r["key"].split(":", 1)[1]
+    t, s = r["train_step"], r["sampler"]
+    roof = r.get("rl_step_roofline_s")
     cells = [
-      group,
-      f"{samplers[group]['prompts_per_call']} x {r['group_size']}",
-      str(r.get("max_prompts_per_call") or "-"),
-      f"{r.get('compiled_at')}: {_gb(r.get('bytes_at_compiled'))}",
-      str(r.get("confirmed_prompts_per_call")),
-      f"{r['bytes_per_prompt'] / GB:.3f}" if r.get("bytes_per_prompt") else "-",
+      r["key"],
+      _gb(t["bytes_per_chip"]),
+      f"{_gb(s['bytes_per_chip'])} ({_gb(s['program_bytes'])} + {_gb(s['resident_bytes'])})",
+      "yes" if r["fits"] else "**no**",
+      f"{_tflop(t)} / {_tflop(s)}",
+      "-" if roof is None else f"{roof / 60:.0f} min ({t['bound']}-bound train step)",
     ]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
+
+
+def prompts_table(rows: list[dict], usable: int) -> str:
+  """The largest prompts per call per model x G, for every method (markdown): the first guess
+  from the configured call, and where the search ran, the compiled second point and the line."""
+  lines = [
+    "| model, G | configured prompts x G rows | first guess (configured call scaled) "
+    "| compiled there: GB/chip with the waiting state | largest that fits (line through both) "
+    "| GB per extra prompt |",
+    "|---|---|---|---|---|---|",
+  ]
+  by_key = {r["key"]: r for r in rows}
+  for r in rows:
+    if not r["key"].startswith("sampler:"):
+      continue
+    group, g = r["key"].split(":", 1)[1], r["group_size"]
+    waiting = [x["sampler"]["resident_bytes"] for x in rows if "train_step" in x and _in(x, group)]
+    found = by_key.get(f"max_prompts:{group}", {})
+    guess = first_guess(r["sampler"], max(waiting, default=0), usable, max(1, 8 // g))
+    compiled = found.get("bytes_at_compiled")
+    cells = [
+      group,
+      f"{r['sampler']['prompts_per_call']} x {g}",
+      str(guess),
+      "-" if not found else f"{_gb(compiled)} ({'fits' if compiled <= usable else 'no'})",
+      str(found.get("max_prompts_per_call") or "-"),
+      f"{found['bytes_per_prompt'] / GB:.3f}" if found.get("bytes_per_prompt") else "-",
+    ]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def _in(row: dict, group: str) -> bool:
+  return _group(row["key"])[0] == group
 
 
 def main() -> None:
@@ -263,7 +303,8 @@ def main() -> None:
   args.configs = [c for c in args.configs.split(";") if c] or default_configs()
   tpu = aot.parse_slice(args.topology)
   rows = list(_load(args.results).values()) if args.tables_only else sweep(args, tpu)
-  tables = table(rows) + "\n\n" + prompts_table(rows)
+  prompts = prompts_table(rows, tpu.chip.usable_hbm_bytes)
+  tables = "\n\n".join((table(rows), prompts, readme_table(rows)))
   print(tables, end="\n\n")
   if args.write:
     with open(args.write, "w") as f:
