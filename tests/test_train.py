@@ -2,8 +2,11 @@
 ebpo_jax.train): CLI, metrics, resume, SIGTERM, 1 device == 8, bad input, the non-finite policy.
 Config and data errors are also checked in process, before anything compiles."""
 
+import contextlib
 import json
+import os
 import pathlib
+import re
 import signal
 import time
 
@@ -152,17 +155,53 @@ def test_bad_input_stops_the_cli_with_one_line(trainer_cli, tmp_path, override, 
 def test_non_finite_steps_in_a_row_abort_with_a_clear_message(trainer_cli, tmp_path):
   # An infinite overlong penalty over the whole completion (buffer = max_new_tokens): every reward
   # is -inf, so every advantage, loss and update is non-finite and skipped (the params stay
-  # finite). The run stops after max_bad_steps = 2 steps in a row with one line, keeping the last
-  # good checkpoint (step 0; runlocal saves every 2 steps, and the bad step 2 is not saved).
+  # finite). The run stops after max_bad_steps = 3 steps in a row with one line, keeping the last
+  # good checkpoint: with a save due every step and only one kept, the bad steps 1 and 2 were
+  # saved and rotated step 0 out; a skipped update is never checkpointed.
   result = trainer_cli(
     tmp_path,
     "--config.rl.overlong_buffer=4",
     "--config.rl.overlong_penalty=inf",
     "--config.train.num_steps=6",
-    "--config.train.max_bad_steps=2",
+    "--config.train.max_bad_steps=3",
+    "--config.checkpoint.every_steps=1",
+    "--config.checkpoint.max_to_keep=1",
   )
   assert result.returncode != 0
   message = result.stderr.strip().splitlines()[-1]
-  assert "non-finite loss or grad norm in 2 steps in a row" in message
-  assert "train.max_bad_steps=2" in message
-  assert checkpoint.Checkpointer(tmp_path / "checkpoints").latest_step() == 0
+  assert "non-finite loss or grad norm in 3 steps in a row" in message
+  assert "train.max_bad_steps=3" in message
+  assert checkpoint.Checkpointer(tmp_path / "checkpoints").all_steps() == [0]
+
+
+def _wait_for_warm_start_progress(proc, timeout: float = 240) -> str:
+  """The trainer's stderr up to a warm-start progress bar showing >= 1 step done."""
+  fd = proc.stderr.fileno()
+  os.set_blocking(fd, False)
+  seen, deadline = "", time.time() + timeout
+  while time.time() < deadline and not re.search(r"warm start:.*\| *[1-9]\d*/", seen):
+    with contextlib.suppress(BlockingIOError):  # nothing new yet
+      seen += os.read(fd, 65536).decode(errors="replace")
+    time.sleep(0.05)
+  os.set_blocking(fd, True)
+  return seen
+
+
+@pytest.mark.e2e
+def test_sigterm_in_the_warm_start_saves_it_and_the_restart_continues_it(trainer_cli, tmp_path):
+  # One device: no cross-device rendezvous that a loaded 2-core machine can time out (item 11);
+  # no RL step: the warm start, the step-0 evaluation and checkpoint are what is tested.
+  args = ("--config.sft.num_steps=300", "--config.train.num_steps=0")
+  proc = trainer_cli(tmp_path, *args, devices=1, wait=False)
+  _wait_for_warm_start_progress(proc)
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=120)
+  assert proc.returncode == 143, err[-3000:]
+  assert "SIGTERM" in err
+  (done,) = checkpoint.Checkpointer(tmp_path / "warm_start").all_steps()
+  assert 0 < done < 300
+  resumed = trainer_cli(tmp_path, *args, devices=1)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert f"warm start: resumed after step {done} of 300" in resumed.stderr
+  assert checkpoint.Checkpointer(tmp_path / "checkpoints").all_steps() == [0]
+  assert checkpoint.Checkpointer(tmp_path / "warm_start").all_steps() == [300]
