@@ -179,3 +179,18 @@ def test_evaluate_checks_its_rows_file_too(arith_config, tmp_path):
   assert [line.split(": ")[0] for line in str(error.value).splitlines()] == [
     f"{path}:{n}" for n in (2, 3, 5)
   ]
+
+
+def test_truncated_packaged_gguf_file_is_named(arith_config, tmp_path, monkeypatch):
+  from ebpo_jax.models import gguf_io
+
+  gguf_file = tmp_path / "model.gguf"
+  gguf_file.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + bytes(10))  # cut after the version
+  monkeypatch.setattr(gguf_io, "packaged_smollm2_gguf", lambda: str(gguf_file))
+  monkeypatch.setenv("EBPO_JAX_CACHE", str(tmp_path / "cache"))  # nothing converted yet
+  config = arith_config({"model.path": "packaged:smollm2-135m-instruct"})
+  with pytest.raises(config_lib.ConfigError) as error:
+    config_lib.check_model_path(config)
+  text = str(error.value)
+  assert text.startswith("config.model.path='packaged:smollm2-135m-instruct': ")
+  assert f"{gguf_file}: not a readable GGUF file" in text and "\n" not in text

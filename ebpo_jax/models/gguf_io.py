@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import tempfile
 from typing import Any
 
@@ -224,7 +225,10 @@ def convert_gguf(gguf_path: str, out_dir: str, dtype: str = "float32") -> str:
 
   if not files.isfile(gguf_path):
     raise FileNotFoundError(f"GGUF file {gguf_path!r} not found")
-  reader = gguf.GGUFReader(files.local_copy(gguf_path))
+  try:
+    reader = gguf.GGUFReader(files.local_copy(gguf_path))
+  except (ValueError, OSError, IndexError, struct.error) as e:  # gguf's errors on a cut file
+    raise ValueError(f"{gguf_path}: not a readable GGUF file (truncated or corrupt: {e})") from None
   config = gguf_model_config(reader)
   np_dtype = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}[dtype]
   tensors = gguf_tensors(reader, config, np_dtype)

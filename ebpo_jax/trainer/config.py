@@ -250,17 +250,23 @@ def _check_counts_and_rates(config: ml_collections.ConfigDict) -> None:
 def check_model_path(config: ml_collections.ConfigDict) -> None:
   """ConfigError naming the key and the file unless `config.model.path` (local or gs://) is a
   directory with a config.json and intact safetensors files; the files' check of an entry point,
-  before anything compiles (check_config checks values only). A `packaged:` model is checked when
-  it is converted."""
+  before anything compiles (check_config checks values only). A `packaged:` model is converted
+  (once, cached) and its GGUF file named when it does not read."""
   path = config.model.path
-  if not path or path.startswith(models.gguf_io.PACKAGED_PREFIX):
+  if not path:
     return
+  if path.startswith(models.gguf_io.PACKAGED_PREFIX):
+    try:  # converted once (cached) here rather than later: a truncated GGUF file is named
+      path = models.resolve_model_path(path)
+    except (ValueError, OSError) as e:
+      raise ConfigError(f"config.model.path={config.model.path!r}: {e}") from None
+  key = f"config.model.path={config.model.path!r}"
   if not files.isdir(path):
-    raise ConfigError(f"config.model.path={path!r}: no such model directory")
+    raise ConfigError(f"{key}: no such model directory")
   try:
     check_model_files(path)
   except ValueError as e:
-    raise ConfigError(f"config.model.path={path!r}: {e}") from None
+    raise ConfigError(f"{key}: {e}") from None
 
 
 def check_model_files(path: str) -> None:
