@@ -194,3 +194,17 @@ def test_truncated_packaged_gguf_file_is_named(arith_config, tmp_path, monkeypat
   text = str(error.value)
   assert text.startswith("config.model.path='packaged:smollm2-135m-instruct': ")
   assert f"{gguf_file}: not a readable GGUF file" in text and "\n" not in text
+
+
+@pytest.mark.parametrize(
+  "argv",
+  [
+    ["train", "--config=configs/arith_ebpo.py:runlocal", "--config.trian.num_steps=3"],
+    ["train", "--config", "configs/arith_ebpo.py", "--config.trian.num_steps", "3"],
+  ],
+)
+def test_a_typo_in_an_override_key_is_found_in_either_flag_form(argv):
+  problem = config_lib._unknown_override(argv)
+  assert problem is not None and "no config key trian.num_steps; did you mean train.num_steps?" in (
+    problem
+  )

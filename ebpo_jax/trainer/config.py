@@ -64,7 +64,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 def _unknown_override(argv: Sequence[str]) -> str | None:
   """The first `--config.KEY=VALUE` of `argv` whose KEY the `--config=` file lacks, described with
   the closest known key; None when every key exists (or the config file does not load)."""
-  spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+  spec = _flag_value(argv, "--config")
   if spec is None:
     return None
   try:
@@ -79,6 +79,16 @@ def _unknown_override(argv: Sequence[str]) -> str | None:
       close = difflib.get_close_matches(key, sorted(known), n=1)
       hint = f"; did you mean {close[0]}?" if close else ""
       return f"{arg}: no config key {key}{hint}"
+  return None
+
+
+def _flag_value(argv: Sequence[str], flag: str) -> str | None:
+  """The value of `flag` in `argv`, given as `FLAG=VALUE` or as `FLAG VALUE`."""
+  for i, arg in enumerate(argv):
+    if arg.startswith(flag + "="):
+      return arg.split("=", 1)[1]
+    if arg == flag and i + 1 < len(argv):
+      return argv[i + 1]
   return None
 
 
