@@ -42,7 +42,7 @@ two programs compile at once, in two threads (the compiler mostly keeps to one c
 
 Last line of stdout: one JSON object (`topology`, `chips`, `fits`, `hbm_bytes_per_chip`,
 `train_step` and `sampler` with `bytes_per_chip`, `flops`, ...). Exit status 0 whether or not it
-fits (launch/tpu_pod.sh reads `fits`); 1 with one line for a bad config or an unknown slice.
+fits (launch/tpu_pod.sh reads `fits`); 2 with one line for a bad config or an unknown slice.
 """
 
 import concurrent.futures
@@ -534,32 +534,32 @@ def describe(report: dict) -> str:
   return "\n".join(lines)
 
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
-_TOPOLOGY = flags.DEFINE_string("topology", None, "Slice (v5p-64, v5e-16) or topology (v5p:4x4x2).")
-_PROMPT_LEN = flags.DEFINE_integer(
-  "prompt_len",
-  0,
-  "Prompt bucket to compile; 0: the longest training prompt's bucket when the rows are "
-  "the task's own, else the largest of sampling.prompt_buckets.",
-)
-
-
 def main(argv: Sequence[str]) -> None:
   del argv
+  f = flags.FLAGS
   if not os.environ.get("JAX_PLATFORMS"):
     jax.config.update("jax_platforms", "cpu")  # the TPU devices are compile-only
   with config_lib.entry_point():
     try:
-      tpu = parse_slice(_TOPOLOGY.value or "")
-      report = check(_CONFIG.value, tpu, _PROMPT_LEN.value)
+      tpu = parse_slice(f.topology or "")
+      report = check(f.config, tpu, f.prompt_len)
     except (ValueError, NoTpuCompiler) as e:  # a bad slice name (ConfigError: entry_point's)
       if isinstance(e, config_lib.USER_ERRORS):
         raise
-      sys.exit(f"error: {e}")
+      print(f"error: {e}", file=sys.stderr, flush=True)
+      sys.exit(config_lib.BAD_INPUT_STATUS)
     print(describe(report), flush=True)
     print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":
+  config_flags.DEFINE_config_file("config", None, "Experiment config file.")
+  flags.DEFINE_string("topology", None, "Slice (v5p-64, v5e-16) or topology (v5p:4x4x2).")
+  flags.DEFINE_integer(
+    "prompt_len",
+    0,
+    "Prompt bucket to compile; 0: the longest training prompt's bucket when the rows are "
+    "the task's own, else the largest of sampling.prompt_buckets.",
+  )
   flags.mark_flags_as_required(["config", "topology"])
-  app.run(main)
+  app.run(main, flags_parser=config_lib.parse_flags)  # a --config.KEY typo: one line
