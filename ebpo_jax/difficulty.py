@@ -107,4 +107,4 @@ if __name__ == "__main__":
   flags.DEFINE_string("run_dir", None, "Trainer workdir whose checkpoint to measure.")
   flags.DEFINE_integer("step", None, "Checkpoint step of --run_dir (default: the latest).")
   flags.mark_flags_as_required(["config", "input", "output"])
-  app.run(main)
+  app.run(main, flags_parser=config_lib.parse_flags)  # a --config.KEY typo: one line

@@ -289,4 +289,4 @@ if __name__ == "__main__":
   )
   define_policy_flags()
   flags.mark_flags_as_required(["config"])
-  app.run(main)
+  app.run(main, flags_parser=config_lib.parse_flags)  # a --config.KEY typo: one line

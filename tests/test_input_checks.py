@@ -97,6 +97,15 @@ def test_cli_typo_in_a_config_key_is_one_line_with_the_suggestion(trainer_cli, t
   )
 
 
+@pytest.mark.e2e
+@pytest.mark.parametrize("module", ["ebpo_jax.evaluate", "ebpo_jax.difficulty", "ebpo_jax.ablate"])
+def test_every_config_entry_point_reports_a_key_typo_in_one_line(module_cli, module):
+  args = ["--config=configs/arith_ebpo.py:runlocal", "--config.sed=1"]
+  result = module_cli(module, *args, devices=1, timeout=120)
+  assert result.returncode == 2, result.stderr[-3000:]
+  assert result.stderr.strip() == "error: --config.sed=1: no config key sed; did you mean seed?"
+
+
 # ----------------------------------------------------------------------------- data rows
 
 GOOD = b'{"prompt": "1+1=", "answer": "2"}\n'
