@@ -76,9 +76,9 @@ TIME_TOKENS_PER_S = "time/tokens_per_s"  # ROLLOUT_TOKENS / TIME_STEP_S
 
 # Evaluation lines.
 EVAL_ACCURACY = "eval/accuracy"
+EVAL_VERIFIER_ERRORS = "eval/verifier_errors"  # evaluation verifier calls that raised or timed out
 
 # Keys that measure wall-clock time: they differ between an interrupted and a straight run.
-EVAL_VERIFIER_ERRORS = "eval/verifier_errors"  # evaluation verifier calls that raised or timed out
 TIMING_KEYS = (TIME_STEP_S, TIME_TOKENS_PER_S, TIME_SAMPLE_S, TIME_UPDATE_S)
 # Keys that are also logged per cluster, as per_cluster(key, name).
 PER_CLUSTER_KEYS = (REWARD_MEAN, EVAL_ACCURACY, EBPO_PRIOR_MEAN)
