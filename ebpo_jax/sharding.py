@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+import re
+from collections.abc import MutableMapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -111,6 +112,29 @@ def logical_shardings(abstract_tree: Any, mesh: Mesh, rules: Rules = DEFAULT_RUL
     return NamedSharding(mesh, PartitionSpec())
 
   return jax.tree.map(leaf_sharding, abstract_tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
+
+
+_FAKE_CPU_DEVICES_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+
+
+def size_cpu_thread_pools(environ: MutableMapping[str, str] = os.environ) -> None:
+  """Room in XLA:CPU's thread pools for N > 1 CPU devices (`XLA_FLAGS=
+  --xla_force_host_platform_device_count=N` or `JAX_NUM_CPU_DEVICES=N`): sets `PJRT_NPROC` (the
+  pools' size; XLA's own is max(cores, N)) to max(cores, 2 N) unless it is set already. Call it
+  before anything touches a device; accelerators and a single CPU device are left alone.
+
+  Each device's part of a program holds a pool thread until the program ends, and a launch that
+  waits for a device's in-flight slot holds one too. With only N threads (N > cores), one
+  device's part can find none free: the other N - 1 wait at the program's first all-reduce and
+  XLA aborts the process after 40 s ("Expected 8 threads to join the rendezvous, but only 6 of
+  them arrived"), as the 8-device warm start did on 2 cores (issue 14 item 11).
+  """
+  counts = [int(n) for n in _FAKE_CPU_DEVICES_FLAG.findall(environ.get("XLA_FLAGS", ""))]
+  count = environ.get("JAX_NUM_CPU_DEVICES", "")
+  counts.append(int(count) if count.isdigit() else 0)  # not a number: jax's to report
+  devices = max(counts)
+  if devices > 1 and not environ.get("PJRT_NPROC"):
+    environ["PJRT_NPROC"] = str(max(os.cpu_count() or 1, 2 * devices))
 
 
 DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")

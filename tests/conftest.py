@@ -16,6 +16,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # emulator (fixture gcs_emulator) has no such API, and gcsfs would log a warning per call.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
+from ebpo_jax import sharding  # noqa: E402  (imports jax: after the variables above)
+
+sharding.size_cpu_thread_pools()  # as the entry points do: 8 devices on 2 cores abort without it
+
 import atexit  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402

@@ -35,9 +35,11 @@ BAD_INPUT_STATUS = 2
 def entry_point(verbosity: int = logging.WARNING) -> Iterator[None]:
   """The frame of every command-line entry point: absl logging at `verbosity` (orbax logs each
   save at INFO), `jax.distributed` joined when the environment asks for it, and a bad input
-  (USER_ERRORS) turned into `error: <message>` and exit status 2 (BAD_INPUT_STATUS)."""
+  (USER_ERRORS) turned into `error: <message>` and exit status 2 (BAD_INPUT_STATUS); on N fake CPU
+  devices, XLA:CPU thread pools that fit them (`sharding.size_cpu_thread_pools`)."""
   logging.set_verbosity(verbosity)
   try:
+    sharding.size_cpu_thread_pools()  # 8 CPU devices on 2 cores: no rendezvous abort
     sharding.init_distributed()
     yield
   except USER_ERRORS as e:
