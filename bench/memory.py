@@ -156,7 +156,7 @@ def sweep(args, tpu: aot.Slice) -> list[dict]:
     max_key = f"max_prompts:{group}"
     if args.max_prompts and max_key not in done:
       resident = max(done[a]["sampler"]["resident_bytes"] for a in group_args)
-      rows_multiple = max(1, 8 // group_size)  # rows over the 8 data x fsdp shards
+      rows_multiple = 8  # prompts over the 8 data x fsdp shards, else the prefill is replicated
       _log(f"{group}: the largest prompts_per_call")
       found = most_prompts(group_args[0], tpu, sampler, resident, rows_multiple)
       done[max_key] = {"key": max_key, "group_size": group_size, "resident_bytes": resident}
@@ -266,7 +266,7 @@ def prompts_table(rows: list[dict], usable: int) -> str:
     group, g = r["key"].split(":", 1)[1], r["group_size"]
     waiting = [x["sampler"]["resident_bytes"] for x in rows if "train_step" in x and _in(x, group)]
     found = by_key.get(f"max_prompts:{group}", {})
-    guess = first_guess(r["sampler"], max(waiting, default=0), usable, max(1, 8 // g))
+    guess = first_guess(r["sampler"], max(waiting, default=0), usable, 8)
     compiled = found.get("bytes_at_compiled")
     cells = [
       group,
