@@ -62,24 +62,31 @@ def load_config(shape: dict, advantage: str, args):
   config.train.batch_size = args.rows // args.group_size
   config.train.mini_batch_size = config.train.batch_size
   config.train.micro_batch_size = args.micro_rows
+  config.sampling.max_new_tokens = args.new_tokens
   config.model.dtype = config.model.param_dtype = args.dtype
   config.mesh.data, config.mesh.fsdp = 1, -1
   return config
 
 
-def synthetic_batch(args, vocab: int, seed: int = 0) -> dict:
+def synthetic_batch(config, prompt_len: int, vocab: int, seed: int = 0) -> dict:
+  """A batch of `step.abstract_batch`'s layout: random prompts, completions and 0/1 rewards,
+  every mask on, no row truncated or non-finite."""
   rng = np.random.default_rng(seed)
-  prompts = args.rows // args.group_size
-  return {
-    "prompt_ids": rng.integers(3, vocab, (prompts, args.prompt_len)).astype(np.int32),
-    "prompt_mask": np.ones((prompts, args.prompt_len), bool),
-    "tokens": rng.integers(3, vocab, (args.rows, args.new_tokens)).astype(np.int32),
-    "completion_mask": np.ones((args.rows, args.new_tokens), bool),
-    "old_logps": np.full((args.rows, args.new_tokens), -np.log(vocab), np.float32),
-    "truncated": np.zeros(args.rows, bool),
-    "rewards": rng.integers(0, 2, (prompts, args.group_size)).astype(np.float32),
-    "cluster_ids": (np.arange(prompts) % 3).astype(np.int32),
+  tokens = lambda shape: rng.integers(3, vocab, shape).astype(np.int32)
+  fill = {
+    "prompt_ids": tokens,
+    "tokens": tokens,
+    "old_logps": lambda shape: np.full(shape, -np.log(vocab), np.float32),
+    "rewards": lambda shape: rng.integers(0, 2, shape).astype(np.float32),
+    "cluster_ids": lambda shape: (np.arange(shape[0]) % 3).astype(np.int32),
   }
+  batch = {}
+  for key, spec in step_lib.abstract_batch(config, prompt_len).items():
+    if key in fill:
+      batch[key] = fill[key](spec.shape)
+    else:  # the masks on, the per-row flags (truncated, nonfinite) off
+      batch[key] = np.full(spec.shape, key.endswith("_mask"), bool)
+  return batch
 
 
 def compiled_step(shape_name: str, advantage: str, args):
@@ -96,7 +103,7 @@ def compiled_step(shape_name: str, advantage: str, args):
   num_params = sum(x.size for x in jax.tree.leaves(params) if x.ndim >= 2)
   state = state_lib.create_state(*state_args, params)  # params are donated
   step = step_lib.jit_train_step(config, model, optimizer, estimator, mesh, state_sharding)
-  batch = synthetic_batch(args, shape["vocab_size"])
+  batch = synthetic_batch(config, args.prompt_len, shape["vocab_size"])
   return step.lower(state, batch).compile(), state, batch, num_params
 
 
