@@ -32,6 +32,7 @@ sys.path.insert(0, ROOT)
 import jax  # noqa: E402
 
 from ebpo_jax import aot  # noqa: E402
+from ebpo_jax import tpu as tpu_lib  # noqa: E402
 from ebpo_jax.trainer import config as config_lib  # noqa: E402
 
 GB = 1e9
@@ -68,7 +69,7 @@ def _log(message: str) -> None:
   print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def sampler_row(arg: str, tpu: aot.Slice, prompts_per_call: int = 0) -> dict:
+def sampler_row(arg: str, tpu: tpu_lib.Slice, prompts_per_call: int = 0) -> dict:
   """The sampler call of `arg`'s model x G (optionally at another `prompts_per_call`)."""
   config = config_lib.load_config(f"{PAPER}:{arg}")
   if prompts_per_call:
@@ -76,7 +77,7 @@ def sampler_row(arg: str, tpu: aot.Slice, prompts_per_call: int = 0) -> dict:
   return aot.compile_sampler(aot.make_target(config, tpu))
 
 
-def train_row(arg: str, tpu: aot.Slice, sampler: dict) -> dict:
+def train_row(arg: str, tpu: tpu_lib.Slice, sampler: dict) -> dict:
   """The train step of `arg`, and the sampler's bytes with this method's waiting state."""
   config = config_lib.load_config(f"{PAPER}:{arg}")
   target = aot.make_target(config, tpu)
@@ -97,7 +98,9 @@ def first_guess(sampler: dict, resident: int, usable: int, rows_multiple: int) -
   return int(p0 * (usable - resident - fixed) / (b0 - fixed)) // rows_multiple * rows_multiple
 
 
-def most_prompts(arg: str, tpu: aot.Slice, first: dict, resident: int, rows_multiple: int) -> dict:
+def most_prompts(
+  arg: str, tpu: tpu_lib.Slice, first: dict, resident: int, rows_multiple: int
+) -> dict:
   """The largest prompts per call whose sampler fits beside `resident` bytes: one compile at the
   first guess gives a second point, and the line through both compiled points the prediction.
   "Confirmed" is the largest count that compiled and fit."""
@@ -126,7 +129,7 @@ def _group(arg: str) -> tuple[str, int]:
   return f"{model},g{group_size}" + (",runlocal" if runlocal else ""), group_size
 
 
-def sweep(args, tpu: aot.Slice) -> list[dict]:
+def sweep(args, tpu: tpu_lib.Slice) -> list[dict]:
   """Every config of `args.configs`; sampler compiled once per model x G."""
   done = _load(args.results)
   groups: dict[str, list[str]] = {}
@@ -301,7 +304,7 @@ def main() -> None:
     args.configs, args.topology = "qwen3_8b,ebpo_topic,g4,runlocal", "v5p:2x2x1"
     args.max_prompts = False
   args.configs = [c for c in args.configs.split(";") if c] or default_configs()
-  tpu = aot.parse_slice(args.topology)
+  tpu = tpu_lib.parse_slice(args.topology)
   rows = list(_load(args.results).values()) if args.tables_only else sweep(args, tpu)
   prompts = prompts_table(rows, tpu.chip.usable_hbm_bytes)
   tables = "\n\n".join((table(rows), prompts, readme_table(rows)))

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from ebpo_jax import aot
+from ebpo_jax import tpu as tpu_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -44,7 +45,7 @@ def _python(args: list[str], timeout: float = 300) -> subprocess.CompletedProces
   ],
 )
 def test_parse_slice(name, generation, shape, accelerator_type):
-  tpu = aot.parse_slice(name)
+  tpu = tpu_lib.parse_slice(name)
   assert (tpu.generation, tpu.shape, tpu.accelerator_type) == (generation, shape, accelerator_type)
   assert tpu.topology == f"{generation}:{'x'.join(map(str, shape))}"
 
@@ -52,14 +53,14 @@ def test_parse_slice(name, generation, shape, accelerator_type):
 @pytest.mark.parametrize("name", ["v7-8", "v5p-63", "v5p-6", "tpu", "v5e:2x2x2", "v5p:2x2", ""])
 def test_unknown_slices_name_the_known_ones(name):
   with pytest.raises(ValueError, match="--topology=") as error:
-    aot.parse_slice(name)
+    tpu_lib.parse_slice(name)
   if ":" not in name:
     assert "v5p-64" in str(error.value) and "v5e-16" in str(error.value)
 
 
 def test_every_known_slice_parses_back():
-  for name in aot.known_slices():
-    assert aot.parse_slice(name).accelerator_type.replace("v5litepod", "v5e") == name
+  for name in tpu_lib.known_slices():
+    assert tpu_lib.parse_slice(name).accelerator_type.replace("v5litepod", "v5e") == name
 
 
 # ----------------------------------------------------------------------------- loop correction
@@ -89,7 +90,7 @@ def test_default_job_fits_a_v5e_2x2_slice():
   assert result.returncode == 0, result.stderr[-3000:]
   report = json.loads(result.stdout.strip().splitlines()[-1])
   assert (report["topology"], report["chips"], report["fits"]) == ("v5e:2x2", 4, True)
-  assert report["hbm_bytes_per_chip"] == aot.CHIPS["v5e"].usable_hbm_bytes
+  assert report["hbm_bytes_per_chip"] == tpu_lib.CHIPS["v5e"].usable_hbm_bytes
   for phase in ("train_step", "sampler"):
     assert report[phase]["bytes_per_chip"] > 0 and report[phase]["flops"] > 0
   # Donated: the state's buffers are reused for the new state, so they are not counted twice.
@@ -102,13 +103,14 @@ LAYER_SWEEP = textwrap.dedent(
   import json, jax
   jax.config.update("jax_platforms", "cpu")
   from ebpo_jax import aot
+  from ebpo_jax import tpu as tpu_lib
   from ebpo_jax.trainer import config as config_lib
   out = {}
   for layers in (2, 4, 8):
     config = config_lib.load_config(
       "configs/arith_ebpo.py", {"model.num_layers": layers, "model.remat": "full"}
     )
-    step = aot.compile_train_step(aot.make_target(config, aot.parse_slice("v5e:2x2")))
+    step = aot.compile_train_step(aot.make_target(config, tpu_lib.parse_slice("v5e:2x2")))
     out[layers] = (step["flops"], step["flops_counted_once"])
   print(json.dumps(out))
   """
