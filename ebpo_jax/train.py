@@ -28,9 +28,9 @@ from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import state as state_lib
+from ebpo_jax.trainer import warm_start as warm_start_lib
 from ebpo_jax.trainer import workdir as workdir_lib
 from ebpo_jax.trainer.step import jit_train_step
-from ebpo_jax.trainer.warm_start import warm_start
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
 _WORKDIR = flags.DEFINE_string(
@@ -98,7 +98,9 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_main, resume_step=resume_step)
   last_eval = {}
   if latest is None:
-    params = warm_start(config, model, mesh, rows, sampler, workdir=workdir, sigterm=sigterm)
+    params = warm_start_lib.warm_start(
+      config, model, mesh, rows, sampler, workdir=workdir, sigterm=sigterm
+    )
     if sigterm.requested_anywhere():
       exit_on_sigterm(ckpt, writer, "the warm start saved its own checkpoint")
     state = state_lib.create_state(*state_args, params)
@@ -108,6 +110,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
     writer.flush()
     if sigterm.requested_anywhere():
       exit_on_sigterm(ckpt, writer, "saved the checkpoint of step 0")
+    ckpt.wait()  # checkpoint 0 is written: the warm start's own one is no longer needed
+  warm_start_lib.discard(workdir)
 
   # ---- The loop. A step whose update was skipped (non-finite loss, grad norm or logits) is never
   # checkpointed, so it cannot rotate the last good checkpoint out; its save, if one was due, is

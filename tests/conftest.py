@@ -177,10 +177,10 @@ atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
 
 
 def run_module(module: str, *args: str, devices: int = 8, timeout: float = 300, wait: bool = True):
-  """`python -m MODULE ARGS` on `devices` CPU devices from the repository root: the
-  CompletedProcess (output captured), or with `wait=False` the running Popen. The processes of a
-  session share a persistent compilation cache (their sampler, evaluation and train-step programs
-  mostly repeat): about 3x faster."""
+  """`python -m MODULE ARGS` (`python MODULE ARGS` for a `.py` path) on `devices` CPU devices
+  from the repository root: the CompletedProcess (output captured), or with `wait=False` the
+  running Popen. The processes of a session share a persistent compilation cache (their sampler,
+  evaluation and train-step programs mostly repeat): about 3x faster."""
   env = dict(
     os.environ,
     XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
@@ -188,7 +188,7 @@ def run_module(module: str, *args: str, devices: int = 8, timeout: float = 300, 
     JAX_COMPILATION_CACHE_DIR=_SESSION_CACHE,
     JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
   )
-  cmd = [sys.executable, "-m", module, *args]
+  cmd = [sys.executable, *([module] if module.endswith(".py") else ["-m", module]), *args]
   if not wait:
     return subprocess.Popen(
       cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

@@ -91,12 +91,31 @@ def test_cli_run_writes_metrics_checkpoints_and_summary(arith_run):
 
 
 @pytest.mark.e2e
-def test_resume_gives_the_same_metrics_as_a_straight_run(arith_run, trainer_cli, tmp_path):
+def test_kill_9_at_three_moments_then_resume_equals_a_straight_run(
+  arith_run, module_cli, trainer_cli, tmp_path
+):
+  # One workdir, SIGKILLed three times, each restart going further: after the step-0 evaluation
+  # line (no checkpoint yet: the warm start's own checkpoint is all there is), while checkpoint 2
+  # is being written, and after the training line of step 3 (checkpoint 2 is the latest). The
+  # fourth run finishes; its metrics equal the uninterrupted run's, line for line, none twice.
   reference, _ = arith_run
-  first = trainer_cli(tmp_path, "--config.train.num_steps=2")
-  assert first.returncode == 0, first.stderr[-3000:]
-  second = trainer_cli(tmp_path, "--config.train.num_steps=4")
-  assert second.returncode == 0, second.stderr[-3000:]
+  checkpoints = tmp_path / "checkpoints"
+
+  def killed_at(moment: str):
+    args = ("--config=configs/arith_ebpo.py:runlocal", f"--workdir={tmp_path}")
+    result = module_cli("tests/killed_trainer.py", moment, *args, "--config.train.num_steps=4")
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    return [(m["step"], "eval/accuracy" in m) for m in read(tmp_path)]
+
+  assert killed_at("eval:0") == [(0, True)]
+  assert not checkpoints.exists() or not checkpoint.Checkpointer(checkpoints).all_steps()
+  assert killed_at("save:2") == [(0, True), (1, False), (2, True)]
+  assert any(p.name.startswith("2.orbax-checkpoint-tmp") for p in checkpoints.iterdir())
+  assert not (tmp_path / "warm_start").exists()  # once checkpoint 0 was written
+  assert killed_at("train:3") == [(0, True), (1, False), (2, True), (3, False)]
+  assert checkpoint.Checkpointer(checkpoints).all_steps() == [0, 2]
+  finished = trainer_cli(tmp_path, "--config.train.num_steps=4")
+  assert finished.returncode == 0, finished.stderr[-3000:]
   assert comparable(read(tmp_path)) == comparable(read(reference))
 
 
@@ -204,4 +223,4 @@ def test_sigterm_in_the_warm_start_saves_it_and_the_restart_continues_it(trainer
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f"warm start: resumed after step {done} of 300" in resumed.stderr
   assert checkpoint.Checkpointer(tmp_path / "checkpoints").all_steps() == [0]
-  assert checkpoint.Checkpointer(tmp_path / "warm_start").all_steps() == [300]
+  assert not (tmp_path / "warm_start").exists()  # checkpoint 0 holds all it held

@@ -2,7 +2,8 @@
 
 It keeps its own checkpoint (params and optimizer state, in `WORKDIR/warm_start/`): written when
 it finishes, so a run that dies before its first RL checkpoint does not redo it, and when SIGTERM
-arrives mid-way, so a restarted run continues from that step with the same batches.
+arrives mid-way, so a restarted run continues from that step with the same batches. The trainer
+deletes it (`discard`) once the RL checkpoint of step 0, which holds the same params, is written.
 """
 
 import functools
@@ -36,6 +37,13 @@ def _targets(sampler: rollouts_lib.Sampler, rows: Sequence[dict], max_len: int):
 
 
 WARM_START_DIR = "warm_start"
+
+
+def discard(workdir: str) -> None:
+  """Deletes the warm start's checkpoint (on process 0): a whole copy of the params and the
+  optimizer state, no longer needed once an RL checkpoint exists."""
+  if jax.process_index() == 0:
+    files.remove_tree(files.join(workdir, WARM_START_DIR))
 
 
 def _abstract_sft_state(optimizer, model: models.Decoder, mesh) -> dict:

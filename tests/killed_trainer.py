@@ -1,0 +1,59 @@
+"""`python -m ebpo_jax.train`, SIGKILLed at one chosen moment (tests/test_train.py's kill -9 test).
+
+    python tests/killed_trainer.py POINT:STEP --config=... --workdir=... [--config.K=V ...]
+
+POINT is `eval` (the evaluation line of STEP has just reached metrics.jsonl, its checkpoint not
+yet started), `save` (the checkpoint of STEP has just started: orbax is writing it in the
+background) or `train` (the training line of STEP has just reached metrics.jsonl). Nothing in the
+trainer knows about this: the moments are found by wrapping its checkpoint and metrics writers.
+"""
+
+import os
+import signal
+import sys
+
+from absl import app
+
+from ebpo_jax import checkpoint, train
+from ebpo_jax import metrics as metrics_lib
+
+
+def _die() -> None:
+  os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill_in_save(step: int) -> None:
+  save = checkpoint.Checkpointer.save
+
+  def killing_save(self, at, *args, **kwargs):
+    started = save(self, at, *args, **kwargs)
+    if started and at == step and os.path.basename(str(self.directory)) == "checkpoints":
+      _die()
+    return started
+
+  checkpoint.Checkpointer.save = killing_save
+
+
+def _kill_after_line(step: int, key: str) -> None:
+  write = metrics_lib.MetricsWriter.write
+
+  def killing_write(self, at, values):
+    write(self, at, values)
+    if at == step and key in values:
+      self.flush()
+      _die()
+
+  metrics_lib.MetricsWriter.write = killing_write
+
+
+def main() -> None:
+  point, step = sys.argv.pop(1).split(":")
+  if point == "save":
+    _kill_in_save(int(step))
+  else:
+    _kill_after_line(int(step), {"eval": "eval/accuracy", "train": "reward/mean"}[point])
+  app.run(train.main)
+
+
+if __name__ == "__main__":
+  main()
