@@ -3,14 +3,16 @@
 One step directory per checkpoint under `directory`, with four items:
   state/      the TrainState pytree (any pytree of jax arrays: params, optax state, prior, typed
               PRNG keys, step), written sharded by every process (orbax OCDBT)
-  checksums/  two uint32 sums per array of the state (JSON), computed on the devices at save and
-              compared after every restore: flipped bytes in a chunk are an error, not garbage
+  checksums/  two uint32 sums per array of the state and the array's path (JSON), computed on the
+              devices at save and compared after every restore (`restore_params` too): flipped
+              bytes in a chunk are an error, not garbage
   data_iter/  the grain iterator state, one JSON file per process
   config/     the run config as JSON
 Orbax writes each step into `<step>.orbax-checkpoint-tmp` and renames it when complete, so a
 checkpoint whose write was interrupted is never listed, restored or counted as latest; leftover
 temporary directories are deleted when a Checkpointer opens the directory. `restore_latest`
-falls back past checkpoints that do not restore or verify (one line on stderr says so).
+falls back past checkpoints that do not restore or verify, moving them to `<directory>.unusable/`
+(one line on stderr says so).
 `directory` may be `gs://bucket/...`: orbax writes there through tensorstore; the checks here go
 through `ebpo_jax.files`.
 """
@@ -22,13 +24,14 @@ import os
 import signal
 import sys
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 import grain
 import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from ebpo_jax import files
 
@@ -104,7 +107,7 @@ class Checkpointer:
       return False
     items = {
       _STATE: ocp.args.StandardSave(state),
-      _CHECKSUMS: ocp.args.JsonSave({"leaves": state_checksums(state)}),
+      _CHECKSUMS: ocp.args.JsonSave({"leaves": state_checksums(state), "paths": _paths(state)}),
     }
     if data_iter is not None:
       items[_DATA_ITER] = grain.checkpoint.CheckpointSave(data_iter)
@@ -186,8 +189,9 @@ class Checkpointer:
   ) -> tuple[int, Any, dict[str, Any] | None]:
     """`restore` of the newest checkpoint that restores and verifies: (step, state, config).
 
-    Newer ones that fail are deleted (a later save of their step would otherwise be skipped as
-    existing), and one line on stderr says so; CorruptCheckpointError when none restores.
+    Newer ones that fail are moved to `<directory>.unusable/` (a later save of their step would
+    otherwise be skipped as existing; moved, not deleted, so that a transient read error destroys
+    nothing), and one line on stderr says so; CorruptCheckpointError when none restores.
     """
     self.wait()
     failed = []
@@ -198,13 +202,11 @@ class Checkpointer:
         failed.append(f"checkpoint {step} ({_first_line(e)})")
         continue
       if failed:
-        for bad in self.all_steps():
-          if bad > step:
-            self._manager.delete(bad)
+        aside = self._move_aside([bad for bad in self.all_steps() if bad > step])
         if jax.process_index() == 0:
           print(
-            f"warning: {'; '.join(failed)} in {self.directory} did not restore: deleted; "
-            f"resuming from step {step}",
+            f"warning: {'; '.join(failed)} in {self.directory} did not restore: moved to "
+            f"{aside}; resuming from step {step}",
             file=sys.stderr,
           )
       return step, state, config
@@ -212,26 +214,56 @@ class Checkpointer:
       raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
     raise CorruptCheckpointError(f"no checkpoint in {self.directory} restores: {'; '.join(failed)}")
 
+  def _move_aside(self, steps: list[int]) -> str:
+    """Moves the directories of `steps` (process 0) into `<directory>.unusable/`, as `<step>` or
+    `<step>.<n>` when that name is taken; every process then sees them gone. Returns the folder."""
+    aside = f"{self.directory.rstrip('/')}.unusable"
+    if jax.process_index() == 0:
+      for step in steps:
+        target, n = files.join(aside, str(step)), 1
+        while files.exists(target):
+          target, n = files.join(aside, f"{step}.{n}"), n + 1
+        files.move_tree(files.join(self.directory, str(step)), target)
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices("ebpo_jax: unusable checkpoints moved aside")
+    self._manager.reload()
+    return aside
+
   def _verify(self, step: int, state: Any, saved: list) -> None:
     """Raises CorruptCheckpointError naming the first array whose checksums differ."""
     got = state_checksums(state)
-    if got == saved:
-      return
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-    bad = next((p for p, a, b in zip(paths, got, saved, strict=False) if a != b), "the tree")
+    if got != saved:
+      bad = next((p for p, a, b in zip(_paths(state), got, saved, strict=False) if a != b), "")
+      self._corrupt(step, bad)
+
+  def _corrupt(self, step: int, path: str) -> NoReturn:
+    where = f"state{path}" if path else "the state's tree"
     raise CorruptCheckpointError(
-      f"checkpoint {step} in {self.directory} is corrupt: the checksum of state{bad} differs"
+      f"checkpoint {step} in {self.directory} is corrupt: the checksum of {where} differs"
     )
 
   def restore_params(self, step: int, abstract_params: Any) -> Any:
     """Only the policy params of checkpoint `step` (`state.params`), restored into
-    `abstract_params` (`jax.ShapeDtypeStruct`s with shardings); nothing else is read."""
+    `abstract_params` (`jax.ShapeDtypeStruct`s with shardings) and verified against their saved
+    checksums (checkpoints since the checksums named their arrays); nothing else is read."""
     item = {"params": abstract_params}
-    args = ocp.args.PyTreeRestore(
-      item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
-    )
-    restored = self._manager.restore(step, args=ocp.args.Composite(**{_STATE: args}))
-    return restored[_STATE]["params"]
+    args = {
+      _STATE: ocp.args.PyTreeRestore(
+        item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
+      )
+    }
+    if _CHECKSUMS in self._saved_items(step):
+      args[_CHECKSUMS] = ocp.args.JsonRestore()
+    restored = self._manager.restore(step, args=ocp.args.Composite(**args))
+    params = restored[_STATE]["params"]
+    saved = restored[_CHECKSUMS] if _CHECKSUMS in args else {}
+    if "paths" in saved:
+      by_path = dict(zip(saved["paths"], saved["leaves"], strict=True))
+      for path, sums in zip(_paths(params), state_checksums(params), strict=True):
+        expected = by_path.get(f".params{path}", by_path.get(f"['params']{path}"))
+        if expected != sums:
+          self._corrupt(step, f".params{path}")
+    return params
 
   def saved_config(self, step: int) -> dict[str, Any] | None:
     """The config saved with checkpoint `step`, or None when it has none."""
@@ -299,6 +331,11 @@ def _leaf_checksum(x: jax.Array) -> jax.Array:
   mixed = (words ^ (words >> 16)) * 0x45D9F3B  # spreads the high bits (float exponents) down
   weighted = (mixed ^ (mixed >> 16)) * (2 * index + 1)
   return jnp.stack([words.sum(dtype=jnp.uint32), weighted.sum(dtype=jnp.uint32)])
+
+
+def _paths(state: Any) -> list[str]:
+  """The path of each array leaf of `state`, in leaf order (`.params['w']`, `['step']`)."""
+  return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
 
 
 def state_checksums(state: Any) -> list[list[int]]:

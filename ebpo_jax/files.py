@@ -50,6 +50,7 @@ __all__ = [
   "listdir",
   "local_copy",
   "makedirs",
+  "move_tree",
   "open_file",
   "read_bytes",
   "read_text",
@@ -245,6 +246,16 @@ def remove_tree(path: PathLike) -> None:
       _path(path).rmtree()
   else:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def move_tree(source: PathLike, target: PathLike) -> None:
+  """Moves directory `source` to `target` (which must not exist), creating its parents. Remote:
+  gcsfs copies each object within the store (no download) and then deletes the originals."""
+  if is_remote(source):
+    fsspec.filesystem("gs").mv(os.fspath(source), os.fspath(target), recursive=True)
+  else:
+    os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+    os.rename(source, target)
 
 
 @contextlib.contextmanager

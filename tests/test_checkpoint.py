@@ -295,10 +295,17 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
     step, state, _ = ckpt.restore_latest(_weights_abstract())
     assert step == 1 and int(state["step"]) == 1
     np.testing.assert_array_equal(state["w"], np.arange(32768, dtype=np.float32) + 1.0)
-    # The corrupt step is gone, so the run's next save of step 2 is not skipped as existing.
+    # The corrupt step is moved aside (not deleted: a transient read error must not destroy
+    # it), so the run's next save of step 2 is not skipped as existing.
     assert ckpt.all_steps() == [1]
+    ckpt.save(2, _weights(2.0))
+  aside = tmp_path / "ckpt.unusable" / "2"
+  assert sorted(p.name for p in aside.iterdir()) == sorted(
+    p.name for p in (directory / "2").iterdir()
+  )
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "checkpoint 2" in err[0] and "step 1" in err[0], err
+  assert f"moved to {aside.parent};" in err[0]
 
 
 def test_no_checkpoint_that_restores_is_one_clear_error(tmp_path):
@@ -311,6 +318,27 @@ def test_no_checkpoint_that_restores_is_one_clear_error(tmp_path):
     pytest.raises(checkpoint.CorruptCheckpointError, match="no checkpoint .* restores"),
   ):
     ckpt.restore_latest(_weights_abstract())
+
+
+@flax.struct.dataclass
+class _ParamsState:
+  params: dict
+  step: jax.Array
+
+
+def test_restore_params_verifies_the_params_it_reads(tmp_path):
+  directory = tmp_path / "ckpt"
+  with checkpoint.Checkpointer(directory) as ckpt:
+    ckpt.save(1, _ParamsState(params=_weights(1.0), step=jnp.int32(1)))
+  abstract = _weights_abstract()
+  with checkpoint.Checkpointer(directory, read_only=True) as ckpt:
+    np.testing.assert_array_equal(ckpt.restore_params(1, abstract)["w"], _weights(1.0)["w"])
+  _flip_bytes_of_largest_file(directory / "1" / "state")
+  with (
+    checkpoint.Checkpointer(directory, read_only=True) as ckpt,
+    pytest.raises(checkpoint.CorruptCheckpointError, match=r"checkpoint 1 .*state.params\['w'\]"),
+  ):
+    ckpt.restore_params(1, abstract)
 
 
 @flax.struct.dataclass

@@ -141,3 +141,15 @@ def test_staged_dir_uploads_on_success_only_and_local_copy_excludes(gcs_dir):
   assert not files.exists(files.join(gcs_dir, "no", "config.json"))
   mirror = files.local_copy(gcs_dir, exclude=["*.safetensors"])
   assert files.walk_files(mirror) == ["config.json"]
+
+
+@pytest.mark.parametrize("remote", [False, True])
+def test_move_tree_moves_a_directory_whole(tmp_path, request, remote):
+  base = request.getfixturevalue("gcs_dir") if remote else str(tmp_path)
+  source, target = files.join(base, "ckpt", "2"), files.join(base, "aside", "2")
+  files.write_atomic(files.join(source, "state", "data"), b"\x00\x01")
+  files.write_atomic(files.join(source, "config.json"), "{}")
+  files.move_tree(source, target)
+  assert not files.exists(source)
+  assert files.walk_files(target) == ["config.json", "state/data"]
+  assert files.read_bytes(files.join(target, "state", "data")) == b"\x00\x01"
