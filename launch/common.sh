@@ -64,13 +64,16 @@ trainer_args() {
   train_args=(--config="${CONFIG:-$DEFAULT_CONFIG}" --workdir="$WORKDIR" "${extra[@]}")
 }
 
-# Prints the words as one shell command line, quoting only the words that need it (in single
-# quotes), so that the line pastes back into a shell, or runs remotely, as the same words.
+# Prints the words as one shell command line, quoting only the words that need it, so that the
+# line pastes back into a shell, or runs remotely, as the same words: in double quotes a word that
+# holds single quotes and nothing that double quotes expand (it reads better), else in single quotes.
 quote_words() {
   local word out=""
   for word in "$@"; do
     if [[ $word =~ ^[A-Za-z0-9_./:=@,+%^-]+$ ]]; then
       out+="$word "
+    elif [[ $word == *\'* && $word != *[\"\$\`\\!]* ]]; then
+      out+="\"$word\" "
     else
       out+="'${word//\'/\'\\\'\'}' "
     fi

@@ -5,13 +5,15 @@
 #
 #   TPU_NAME=ebpo ZONE=us-east5-a WORKDIR=gs://BUCKET/runs/arith launch/tpu_pod.sh [--dry-run]
 #   launch/tpu_pod.sh --attach    # stream worker 0's log again (after Ctrl-C or a dropped link)
-#   launch/tpu_pod.sh --stop      # SIGTERM the trainers on all workers (they checkpoint and exit)
+#   launch/tpu_pod.sh --stop      # SIGTERM the trainers on all workers (they checkpoint and exit
+#                                 # with 143, which --attach then reports)
 #
 # Steps: check on this machine that the config fits the slice (PRECHECK); create the slice, or
 # reuse it if `describe` finds it; copy this checkout to every worker
 # (or clone a git branch there); `pip install -e .` plus jax[tpu] on every worker; start the trainer
-# on all workers at once, detached (nohup, log in ~/$LOG on each worker); stream worker 0's log
-# until its trainer exits, and exit with its status. Ctrl-C stops the stream, not the run.
+# on all workers at once, detached (setsid nohup, log in ~/$LOG on each worker); stream worker 0's
+# log until its trainer exits, and exit with its status. Ctrl-C stops the stream, not the run.
+# Every value is passed to the workers' shell quoted, as one literal word.
 #
 # Variables (required ones marked *):
 #   TPU_NAME*         name of the TPU VM slice
@@ -69,6 +71,16 @@ if [[ $action == launch ]]; then
   [[ $WORKDIR == gs://* ]] ||
     echo "# warning: WORKDIR=$WORKDIR is not a gs:// path; every host must see the same directory"
 fi
+
+# ~/NAME for the workers' shell: their home directory, then NAME as one literal word.
+in_home() {
+  # shellcheck disable=SC2088 # the tilde is for the workers' shell
+  echo "~/$(quote_words "$1")"
+}
+remote_repo=$(in_home "$REPO_DIR")
+remote_log=$(in_home "$LOG")
+remote_pid=$(in_home "$LOG.pid")
+remote_rc=$(in_home "$LOG.rc")
 
 tpu_vm=(gcloud compute tpus tpu-vm)
 where=(--zone="$ZONE")
@@ -146,13 +158,16 @@ ship_code() {
           tar -C "$REPO_ROOT" -czf "$tarball" --null -T -
       fi
       run "${tpu_vm[@]}" scp "$tarball" "$TPU_NAME:ebpo_jax_code.tgz" "${where[@]}" --worker=all
-      on_workers all "mkdir -p ~/$REPO_DIR && tar -xzf ~/ebpo_jax_code.tgz -C ~/$REPO_DIR"
+      on_workers all "mkdir -p $remote_repo && tar -xzf ~/ebpo_jax_code.tgz -C $remote_repo"
       ;;
     git)
       [[ -n $REPO_URL ]] || fail "CODE=git needs REPO_URL (the git remote to clone)"
-      on_workers all "if [ -d ~/$REPO_DIR/.git ]; then git -C ~/$REPO_DIR fetch origin $BRANCH \
-&& git -C ~/$REPO_DIR checkout -B $BRANCH FETCH_HEAD; \
-else git clone --branch $BRANCH $REPO_URL ~/$REPO_DIR; fi"
+      local branch url
+      branch=$(quote_words "$BRANCH")
+      url=$(quote_words "$REPO_URL")
+      on_workers all "if [ -d $remote_repo/.git ]; then git -C $remote_repo fetch origin $branch \
+&& git -C $remote_repo checkout -B $branch FETCH_HEAD; \
+else git clone --branch $branch $url $remote_repo; fi"
       ;;
     *) fail "CODE=$CODE: must be copy or git" ;;
   esac
@@ -160,24 +175,34 @@ else git clone --branch $BRANCH $REPO_URL ~/$REPO_DIR; fi"
 
 install_code() {
   if [[ $INSTALL == 1 ]]; then
-    on_workers all "cd ~/$REPO_DIR && python3 -m pip install -q -e . \"$JAX_PIP_SPEC\""
+    on_workers all "cd $remote_repo && python3 -m pip install -q -e . $(quote_words "$JAX_PIP_SPEC")"
   fi
 }
 
 start_trainer() {
-  local train_cmd
+  local train_cmd keeper
   trainer_args
   # EBPO_JAX_DISTRIBUTED=auto: the trainer calls jax.distributed.initialize(), which reads the
   # slice's hosts from the TPU metadata. Quoted twice: for the remote shell, then for bash -c.
   train_cmd="EBPO_JAX_DISTRIBUTED=auto $(quote_words python3 -m ebpo_jax.train "${train_args[@]}")"
-  on_workers all "cd ~/$REPO_DIR && rm -f ~/$LOG.rc && setsid nohup bash -c \
-$(quote_words "$train_cmd; echo \$? > ~/$LOG.rc") > ~/$LOG 2>&1 < /dev/null & echo \$! > ~/$LOG.pid"
+  # A detached shell (setsid nohup: it outlives the ssh session) starts the trainer, writes the
+  # trainer's own pid to LOG.pid, so that --stop's SIGTERM reaches the trainer (which checkpoints
+  # and exits with 143), then waits for it and writes its status to LOG.rc. That shell ignores
+  # SIGTERM, so the status is written even when the signal goes to every process. The ssh command
+  # returns once LOG.pid is written (at most 10 s).
+  keeper="$train_cmd & echo \$! > $remote_pid; trap \"\" TERM; wait \$!; echo \$? > $remote_rc"
+  on_workers all "cd $remote_repo || exit; rm -f $remote_pid $remote_rc; \
+setsid nohup bash -c $(quote_words "$keeper") > $remote_log 2>&1 < /dev/null & \
+for _ in \$(seq 100); do [ -s $remote_pid ] && exit; sleep 0.1; done; \
+echo \"error: the trainer did not start on \$(hostname); see $remote_log\" >&2; exit 1"
 }
 
 stream_worker0() {
   echo "# streaming worker 0's ~/$LOG (Ctrl-C stops the stream; the run goes on: --attach)"
-  on_workers 0 "tail -n +1 --pid=\$(cat ~/$LOG.pid) -F ~/$LOG; \
-exit \$(cat ~/$LOG.rc 2>/dev/null || echo 1)"
+  # LOG.rc is written just after the trainer exits, so tail may return before it is there.
+  on_workers 0 "tail -n +1 --pid=\$(cat $remote_pid) -F $remote_log; \
+for _ in \$(seq 50); do [ -s $remote_rc ] && break; sleep 0.2; done; \
+exit \$(cat $remote_rc 2>/dev/null || echo 1)"
 }
 
 case $action in
@@ -190,5 +215,9 @@ case $action in
     stream_worker0
     ;;
   attach) stream_worker0 ;;
-  stop) on_workers all "kill -TERM -- -\$(cat ~/$LOG.pid) && echo stopping on \$(hostname)" ;;
+  stop)
+    on_workers all "if [ -s $remote_rc ]; then \
+echo \"\$(hostname): the trainer has exited (status \$(cat $remote_rc))\"; \
+else kill -TERM \$(cat $remote_pid) && echo \"stopping on \$(hostname)\"; fi"
+    ;;
 esac

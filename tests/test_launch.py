@@ -1,10 +1,12 @@
 """launch/: the dry runs of tpu_pod.sh and gpu.sh, local_multiprocess.sh's usage errors and failure
 handling, and the multi-host check: 2 processes x 4 CPU devices match 1 process x 8 devices."""
 
+import contextlib
 import json
 import os
 import pathlib
 import shlex
+import signal
 import stat
 import subprocess
 import sys
@@ -83,7 +85,8 @@ def test_tpu_pod_dry_run_creates_copies_installs_and_runs_on_all_workers():
   assert cmds[3].startswith("+ gcloud compute tpus tpu-vm scp /tmp/ebpo_jax_code_")
   assert cmds[3].endswith(f"ebpo-test:ebpo_jax_code.tgz {where} --worker=all")
   assert "--worker=all" in cmds[4] and "tar -xzf ~/ebpo_jax_code.tgz -C ~/ebpo-jax" in cmds[4]
-  assert "--worker=all" in cmds[5] and 'pip install -q -e . "jax[tpu]"' in cmds[5]
+  pip = "--worker=all \"--command=cd ~/ebpo-jax && python3 -m pip install -q -e . 'jax[tpu]'\""
+  assert cmds[5].endswith(pip)  # the spec quoted for the workers' shell
   assert "--worker=all" in cmds[6]
   assert (
     f"python3 -m ebpo_jax.train {TRAIN_ARGS} --config.train.num_steps=7 --config.seed=3"
@@ -145,10 +148,11 @@ def test_tpu_pod_runs_gcloud_and_ships_this_checkout(tmp_path):
   assert not pathlib.Path(tarball).exists()  # removed on exit
 
 
-def test_tpu_pod_runs_the_trainer_detached_with_its_words_intact(tmp_path):
-  """The real path with a fake gcloud that runs each ssh --command in a local shell (HOME is the
-  worker's home): words with quotes, spaces and `$` reach the trainer as given, and the script
-  streams its log and exits with its status."""
+@pytest.fixture
+def fake_pod(tmp_path) -> tuple[pathlib.Path, pathlib.Path, dict[str, str]]:
+  """A slice of one worker on this machine: a fake gcloud runs each ssh --command in a local
+  shell in the worker's home (HOME), as sshd would; fake git and python3 (the stand-in trainer)
+  go in the returned bin directory. Returns the home, that directory and the environment."""
   home, bin_dir = tmp_path / "home", tmp_path / "bin"
   home.mkdir()
   bin_dir.mkdir()
@@ -158,9 +162,17 @@ def test_tpu_pod_runs_the_trainer_detached_with_its_words_intact(tmp_path):
     'case "$4" in\n'
     "  describe) exit 1 ;;\n"
     '  scp) cp "$5" "$HOME/ebpo_jax_code.tgz" ;;\n'
-    '  ssh) for a; do [[ $a == --command=* ]] && exec bash -c "${a#--command=}"; done ;;\n'
+    '  ssh) cd "$HOME" || exit\n'
+    '    for a; do [[ $a == --command=* ]] && exec bash -c "${a#--command=}"; done ;;\n'
     "esac\n",
   )
+  return home, bin_dir, {"PATH": f"{bin_dir}:{os.environ['PATH']}", "HOME": str(home)}
+
+
+def test_tpu_pod_runs_the_trainer_detached_with_its_words_intact(fake_pod):
+  """Words with quotes, spaces and `$` reach the trainer as given, and the script streams its log
+  and exits with its status."""
+  home, bin_dir, env = fake_pod
   _executable(
     bin_dir / "python3",
     "#!/usr/bin/env bash\n"
@@ -175,8 +187,7 @@ def test_tpu_pod_runs_the_trainer_detached_with_its_words_intact(tmp_path):
     "INSTALL": "0",
     "PRECHECK": "0",  # the python3 here is the workers' stand-in trainer
   }
-  path = f"{bin_dir}:{os.environ['PATH']}"
-  result = _run([LAUNCH / "tpu_pod.sh"], **variables, PATH=path, HOME=str(home))
+  result = _run([LAUNCH / "tpu_pod.sh"], **variables, **env)
   assert result.returncode == 7, result.stderr
   assert "ebpo_jax.aot" not in result.stdout  # PRECHECK=0: no fit check
   assert "trainer says hi" in result.stdout
@@ -193,6 +204,113 @@ def test_tpu_pod_runs_the_trainer_detached_with_its_words_intact(tmp_path):
     "--config.glob=*",
   ]
   assert (home / "ebpo_train.log.rc").read_text() == "7\n"
+
+
+def _nasty(tag: str) -> str:
+  """A value that a remote shell would split, glob or run unless it is quoted."""
+  return f'{tag} it\'s "{tag}"; touch PWNED; $(touch PWNED) `touch PWNED` *'
+
+
+@pytest.mark.parametrize("code", ["copy", "git"])
+def test_tpu_pod_passes_its_values_to_the_workers_literally(fake_pod, tmp_path, code):
+  """REPO_DIR, LOG, BRANCH, REPO_URL and JAX_PIP_SPEC with spaces, quotes, `;`, `$(...)` and `*`
+  reach git, pip and the log as given, and nothing in them runs on the worker. CODE=git runs
+  twice: a clone, then a fetch and checkout of the existing clone."""
+  home, bin_dir, env = fake_pod
+  calls = home / "calls"
+  log_calls = f'{{ printf "%s\\n" "$PWD" "$@"; echo ---; }} >> "{calls}"\n'
+  if code == "git":  # CODE=copy runs the real git here, to list the files it ships
+    _executable(
+      bin_dir / "git",
+      f"#!/usr/bin/env bash\n{log_calls}"
+      'if [[ $1 == clone ]]; then mkdir -p "${@: -1}/.git"; fi\n',
+    )
+  _executable(bin_dir / "python3", f"#!/usr/bin/env bash\n{log_calls}echo trainer says hi\n")
+  repo_dir, log, branch, url, spec = map(_nasty, ["dir", "log", "branch", "url", "spec"])
+  variables = {
+    **TPU_VARS,
+    "CODE": code,
+    "REPO_DIR": repo_dir,
+    "LOG": log,
+    "BRANCH": branch,
+    "REPO_URL": url,
+    "JAX_PIP_SPEC": spec,
+    "PRECHECK": "0",
+  }
+  for _ in range(2 if code == "git" else 1):
+    result = _run([LAUNCH / "tpu_pod.sh"], **variables, **env)
+    assert result.returncode == 0, result.stdout + result.stderr
+  repo = home / repo_dir
+  pip = [str(repo), "-m", "pip", "install", "-q", "-e", ".", spec]
+  train = [str(repo), "-m", "ebpo_jax.train", "--config=configs/arith_ebpo.py:runlocal"]
+  train += ["--workdir=gs://bucket/runs/arith", "--config.train.num_steps=7", "--config.seed=3"]
+  clone = [str(home), "clone", "--branch", branch, url, str(repo)]
+  fetch = [str(home), "-C", str(repo), "fetch", "origin", branch]
+  checkout = [str(home), "-C", str(repo), "checkout", "-B", branch, "FETCH_HEAD"]
+  expected = {
+    "copy": [pip, train],
+    "git": [clone, pip, train, fetch, checkout, pip, train],
+  }[code]
+  assert [c.splitlines() for c in calls.read_text().split("---\n")[:-1]] == expected
+  if code == "copy":
+    assert (repo / "launch" / "tpu_pod.sh").exists()
+  assert "trainer says hi" in (home / log).read_text()
+  assert (home / f"{log}.rc").read_text() == "0\n"
+  assert not list(tmp_path.rglob("PWNED")) and not (REPO / "PWNED").exists()
+
+
+def test_tpu_pod_stop_terminates_the_trainer_and_attach_reports_143(fake_pod):
+  """--stop sends SIGTERM to the trainer itself (LOG.pid is its pid), which saves and exits with
+  143; the launch's stream and a later --attach both end with that status."""
+  home, bin_dir, env = fake_pod
+  _executable(
+    bin_dir / "python3",
+    "#!/usr/bin/env bash\n"
+    "trap 'echo SIGTERM: saved; echo TERM > \"$HOME/trainer_got\"; exit 143' TERM\n"
+    'echo $$ > "$HOME/trainer_pid"\n'
+    "echo trainer started\n"
+    "for _ in $(seq 600); do sleep 0.1; done\n",
+  )
+  variables = {**TPU_VARS, "INSTALL": "0", "PRECHECK": "0"}
+  launch = subprocess.Popen(
+    [LAUNCH / "tpu_pod.sh"],
+    cwd=REPO,
+    env={**{k: v for k, v in os.environ.items() if k not in SCRIPT_VARS}, **variables, **env},
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+  pid_file = home / "trainer_pid"  # written by the trainer once its SIGTERM handler is set
+  try:
+    deadline = time.monotonic() + 60
+    started = (pid_file, home / "ebpo_train.log.pid")
+    while not all(f.exists() for f in started) and launch.poll() is None:
+      assert time.monotonic() < deadline, "the trainer did not start"
+      time.sleep(0.1)
+    assert all(f.exists() for f in started), launch.communicate(timeout=10)
+    stop = _run([LAUNCH / "tpu_pod.sh", "--stop"], **variables, **env)
+    assert stop.returncode == 0, stop.stdout + stop.stderr
+    assert "stopping on" in stop.stdout
+    out, err = launch.communicate(timeout=30)
+    assert (home / "trainer_got").read_text() == "TERM\n"  # the trainer's own handler ran
+    assert (home / "ebpo_train.log.pid").read_text() == pid_file.read_text()
+    assert (home / "ebpo_train.log.rc").read_text() == "143\n"
+    assert launch.returncode == 143, out + err
+    assert "trainer started" in out and "SIGTERM: saved" in out
+    attach = _run([LAUNCH / "tpu_pod.sh", "--attach"], **variables, **env)
+    assert attach.returncode == 143, attach.stdout + attach.stderr
+    assert "SIGTERM: saved" in attach.stdout
+    again = _run([LAUNCH / "tpu_pod.sh", "--stop"], **variables, **env)  # no stale pid is signalled
+    assert again.returncode == 0 and "the trainer has exited (status 143)" in again.stdout
+  finally:
+    if launch.poll() is None:
+      launch.kill()
+      launch.wait()
+    if pid_file.exists():  # a stand-in that --stop missed: end it, by its pid
+      trainer = int(pid_file.read_text())
+      with contextlib.suppress(OSError):
+        if str(bin_dir / "python3") in pathlib.Path(f"/proc/{trainer}/cmdline").read_text():
+          os.kill(trainer, signal.SIGKILL)
 
 
 @pytest.mark.parametrize(
