@@ -5,16 +5,16 @@
 POINT is `eval` (the evaluation line of STEP has just reached metrics.jsonl, its checkpoint not
 yet started), `save` (the checkpoint of STEP has just started: orbax is writing it in the
 background) or `train` (the training line of STEP has just reached metrics.jsonl). Nothing in the
-trainer knows about this: the moments are found by wrapping its checkpoint and metrics writers.
+trainer knows about this: the moments are found by wrapping its checkpoint and metrics writers,
+then the trainer runs as `python -m ebpo_jax.train` would run it.
 """
 
 import os
+import runpy
 import signal
 import sys
 
-from absl import app
-
-from ebpo_jax import checkpoint, train
+from ebpo_jax import checkpoint
 from ebpo_jax import metrics as metrics_lib
 
 
@@ -52,7 +52,7 @@ def main() -> None:
     _kill_in_save(int(step))
   else:
     _kill_after_line(int(step), {"eval": "eval/accuracy", "train": "reward/mean"}[point])
-  app.run(train.main)
+  runpy.run_module("ebpo_jax.train", run_name="__main__", alter_sys=True)  # python -m, wrapped
 
 
 if __name__ == "__main__":
