@@ -146,7 +146,7 @@ def test_evaluate_cli_on_a_trainer_workdir_writes_eval_json(arith_run, tmp_path)
     f"--config={CONFIG}:runlocal",
     f"--workdir={run_dir}",  # evaluates the workdir's own checkpoints
     "--config.eval.num_samples=4",
-    "--config.sampling.prompts_per_call=6",  # 16 problems: calls of 6, 6 and 4 (+2 copies)
+    "--config.sampling.prompts_per_call=8",  # 16 problems: two sampler calls
   )
   assert result.returncode == 0, result.stderr[-3000:]
   saved = json.loads((run_dir / "eval.json").read_text())
@@ -197,7 +197,6 @@ def test_evaluate_a_hugging_face_directory(arith_config, tiny_llama_dir, tmp_pat
       "task.num_eval": 2,
       "eval.num_samples": 2,
       "sampling.max_new_tokens": 4,
-      "sampling.prompts_per_call": 4,
     }
   )
   result = evaluate.run(config, str(tmp_path))

@@ -217,3 +217,12 @@ def test_a_typo_in_an_override_key_is_found_in_either_flag_form(argv):
   assert problem is not None and "no config key trian.num_steps; did you mean train.num_steps?" in (
     problem
   )
+
+
+def test_prompts_per_call_must_split_over_the_data_devices(arith_config):
+  # 206 prompts on data x fsdp = 8 chips: every chip would hold every prompt's prefill.
+  config = arith_config({"sampling.prompts_per_call": 206})
+  with pytest.raises(config_lib.ConfigError, match="multiple of the mesh's data x fsdp = 8"):
+    config_lib.check_config(config, num_devices=8)
+  config_lib.check_config(arith_config({"sampling.prompts_per_call": 208}), num_devices=8)
+  config_lib.check_config(config, num_devices=2)  # data x fsdp = 2

@@ -206,6 +206,14 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
     f"prompts per step and rows per micro-batch ({micro}) must be divisible by the mesh's "
     f"data x fsdp = {data_shards} devices",
   )
+  # Else the prompts of a sampler call are not split over the devices: every chip holds every
+  # prompt's prefill (the TPU compiler's finding for Qwen3-8B on v5p-64: bench/MEMORY.md).
+  _require(
+    config.sampling.prompts_per_call % data_shards == 0,
+    config,
+    "sampling.prompts_per_call",
+    f"must be a multiple of the mesh's data x fsdp = {data_shards} devices (0: all prompts)",
+  )
 
 
 def _data_shards(config, num_devices: int) -> int:
