@@ -14,7 +14,7 @@ of 32 prompts, 512 new tokens, lr 2e-6 (a 135M model takes larger steps than the
 
   # one GPU (bfloat16 compute, float32 master weights)
   python -m ebpo_jax.train --config=configs/smollm2_135m_ebpo.py --workdir=/tmp/smollm2_ebpo
-  # 2 RL steps on a CPU with small shapes (CI runs this; about a minute per step on 2 cores)
+  # 1 RL step on a CPU with small shapes (CI runs this; about 2 minutes on 2 cores)
   python -m ebpo_jax.train --config=configs/smollm2_135m_ebpo.py:runlocal --workdir=/tmp/smol_local
   # held-out evaluation of the trained policy (k samples per problem)
   python -m ebpo_jax.evaluate --config=configs/smollm2_135m_ebpo.py --workdir=/tmp/smollm2_ebpo
@@ -38,7 +38,7 @@ _spec.loader.exec_module(common)
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   """Returns the config; `arg` is a comma-separated list of variants: "math" (CHAMP competition
-  math with math-verify rewards) and "runlocal" (2 RL steps with small shapes, on a CPU)."""
+  math with math-verify rewards) and "runlocal" (1 RL step with small shapes, on a CPU)."""
   arg = common.parse_arg(arg, math=False, runlocal=False)
   config = common.get_config()
   config.task.name = "reasoning_gym:chain_sum+basic_arithmetic"
@@ -78,13 +78,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.model.dtype = "float32"
     config.task.num_train = 32
     config.task.num_eval = 4
-    config.train.num_steps = 2
+    config.train.num_steps = 1
     config.train.batch_size = 4
     config.train.mini_batch_size = 4
     config.train.micro_batch_size = 8
     config.rl.group_size = 2
     config.sampling.max_new_tokens = 8
-    config.eval.every_steps = 2
+    config.sampling.prompt_buckets = (96, 128)  # its prompts: 58 to 95 tokens
+    config.eval.every_steps = 1
     config.eval.num_samples = 2
     config.checkpoint.every_steps = 1
   return config
