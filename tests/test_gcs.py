@@ -2,7 +2,7 @@
 `gcs_emulator`, `gcs_dir`), nothing mocked: rows, prepared and clustered data, a Hugging Face
 model directory and its tokenizer read from the bucket as from local disk; a trainer run whose
 `data.path` and `model.path` are on the bucket; two processes (launch/local_multiprocess.sh)
-training into a gs:// workdir and resuming from it."""
+training into a gs:// workdir and resuming from it, equal to one process on local disk."""
 
 import json
 import math
@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from ebpo_jax import checkpoint, files, models, sharding, tasks
+from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.data import DataError, cluster, load_rows_and_clusters, prepare
 from ebpo_jax.models import gguf_io, hf_io
 from ebpo_jax.tasks import tokenizers
@@ -263,19 +264,59 @@ def _two_processes(workdir: str, num_steps: int, cwd, cache) -> subprocess.Compl
   )
 
 
+def _one_process(workdir, num_steps: int, cache) -> subprocess.CompletedProcess:
+  """The same run as `_two_processes`, as one process on 8 CPU devices."""
+  env = {
+    **os.environ,
+    "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    "JAX_PLATFORMS": "cpu",
+    "JAX_COMPILATION_CACHE_DIR": str(cache),
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+  }
+  return subprocess.run(
+    [sys.executable, "-m", "ebpo_jax.train", *TWO_PROCESS_RUN, f"--workdir={workdir}"]
+    + [f"--config.train.num_steps={num_steps}"],
+    cwd=ROOT,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+
+
+def _same_metrics(got: list[dict], expected: list[dict]) -> None:
+  """Line for line the same keys and values (to float32 reduction-order noise), timings aside."""
+  assert [m["step"] for m in got] == [m["step"] for m in expected]
+  for want, have in zip(expected, got, strict=True):
+    assert have.keys() == want.keys()
+    keys = sorted(k for k in want if not k.startswith("time/"))
+    np.testing.assert_allclose(
+      [have[k] for k in keys], [want[k] for k in keys], rtol=1e-5, atol=1e-7, err_msg=str(keys)
+    )
+
+
 @pytest.mark.e2e
-def test_two_processes_train_into_a_bucket_and_resume_from_it(gcs_dir, tmp_path, arith_config):
-  """Process 0 writes metrics.jsonl (each line once), both processes write their shards of every
-  checkpoint, and a second 2-process run resumes from the bucket's latest checkpoint."""
-  workdir, cwd = files.join(gcs_dir, "run"), tmp_path / "cwd"
+def test_two_processes_train_into_a_bucket_resume_from_it_and_equal_one_process(
+  gcs_dir, tmp_path, arith_config
+):
+  """launch/local_multiprocess.sh 2 into a gs:// workdir, stopped after step 2 and resumed from
+  the bucket to step 3: process 0 writes metrics.jsonl (each line once), both processes write
+  their shards of every checkpoint, and the metrics equal one process's on local disk."""
+  workdir, cwd, cache = files.join(gcs_dir, "run"), tmp_path / "cwd", tmp_path / "xla_cache"
   cwd.mkdir()
+  single = _one_process(tmp_path / "one", 3, cache)
+  assert single.returncode == 0, single.stderr[-3000:]
   for num_steps in (2, 3):
-    result = _two_processes(workdir, num_steps, cwd, cache=tmp_path / "xla_cache")
+    result = _two_processes(workdir, num_steps, cwd, cache)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-1000:]
     assert "[rank 0] " in result.stdout and "[rank 1] " in result.stdout
     lines = files.read_text(files.join(workdir, "metrics.jsonl")).splitlines()
     assert [json.loads(line)["step"] for line in lines] == list(range(num_steps + 1))
     assert len(set(lines)) == len(lines)
+  expected = [json.loads(line) for line in (tmp_path / "one" / "metrics.jsonl").open()]
+  assert set(metrics_lib.TIMING_KEYS) <= set(expected[1])
+  _same_metrics([json.loads(line) for line in lines], expected)
+  assert expected[1]["grad_norm"] > 0  # the update did something that both runs had to agree on
   assert os.listdir(cwd) == []  # nothing written locally (no folder named "gs:")
   written = files.walk_files(workdir)
   assert [name for name in written if name.endswith(".jsonl")] == ["metrics.jsonl"]
