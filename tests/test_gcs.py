@@ -243,44 +243,25 @@ TWO_PROCESS_RUN = (
 )
 
 
-def _two_processes(workdir: str, num_steps: int, cwd, cache) -> subprocess.CompletedProcess:
-  """launch/local_multiprocess.sh 2 on TWO_PROCESS_RUN from `cwd`, compiled programs cached in
-  `cache`; the emulator's variables pass through the script to both processes."""
+def _train(processes: int, workdir, num_steps: int, cwd, cache) -> subprocess.CompletedProcess:
+  """TWO_PROCESS_RUN for `num_steps` from `cwd`, compiled programs cached in `cache`: 2 processes
+  x 4 CPU devices by launch/local_multiprocess.sh (the emulator's variables pass through it), or
+  one process on 8 CPU devices."""
   env = {
     **os.environ,
-    "PYTHON": sys.executable,
-    "PYTHONPATH": str(ROOT),  # cwd is elsewhere
+    "PYTHONPATH": str(ROOT),  # cwd may be elsewhere
     "JAX_COMPILATION_CACHE_DIR": str(cache),
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
   }
+  if processes == 1:
+    launcher = [sys.executable, "-m", "ebpo_jax.train"]
+    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+  else:
+    launcher = [ROOT / "launch" / "local_multiprocess.sh", str(processes)]
+    env.update(PYTHON=sys.executable)
+  args = [*TWO_PROCESS_RUN, f"--workdir={workdir}", f"--config.train.num_steps={num_steps}"]
   return subprocess.run(
-    [ROOT / "launch" / "local_multiprocess.sh", "2", *TWO_PROCESS_RUN, f"--workdir={workdir}"]
-    + [f"--config.train.num_steps={num_steps}"],
-    cwd=cwd,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-
-
-def _one_process(workdir, num_steps: int, cache) -> subprocess.CompletedProcess:
-  """The same run as `_two_processes`, as one process on 8 CPU devices."""
-  env = {
-    **os.environ,
-    "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-    "JAX_PLATFORMS": "cpu",
-    "JAX_COMPILATION_CACHE_DIR": str(cache),
-    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-  }
-  return subprocess.run(
-    [sys.executable, "-m", "ebpo_jax.train", *TWO_PROCESS_RUN, f"--workdir={workdir}"]
-    + [f"--config.train.num_steps={num_steps}"],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
+    launcher + args, cwd=cwd, env=env, capture_output=True, text=True, timeout=300
   )
 
 
@@ -304,10 +285,10 @@ def test_two_processes_train_into_a_bucket_resume_from_it_and_equal_one_process(
   their shards of every checkpoint, and the metrics equal one process's on local disk."""
   workdir, cwd, cache = files.join(gcs_dir, "run"), tmp_path / "cwd", tmp_path / "xla_cache"
   cwd.mkdir()
-  single = _one_process(tmp_path / "one", 3, cache)
+  single = _train(1, tmp_path / "one", 3, ROOT, cache)
   assert single.returncode == 0, single.stderr[-3000:]
   for num_steps in (2, 3):
-    result = _two_processes(workdir, num_steps, cwd, cache)
+    result = _train(2, workdir, num_steps, cwd, cache)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-1000:]
     assert "[rank 0] " in result.stdout and "[rank 1] " in result.stdout
     lines = files.read_text(files.join(workdir, "metrics.jsonl")).splitlines()
