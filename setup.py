@@ -39,6 +39,8 @@ setuptools.setup(
     description="EBPO: empirical-Bayes shrinkage baselines for GRPO-style RLVR, in JAX/Flax.",
     long_description=(HERE / "README.md").read_text(),
     long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
     python_requires=">=3.11",
     packages=setuptools.find_packages(include=["ebpo_jax", "ebpo_jax.*"]),
     install_requires=_requirements(),
