@@ -30,6 +30,8 @@ TEST_REQUIRES = [
     "ipykernel>=6.29",
     # A Google Cloud Storage API on loopback for the gs:// tests (tests/conftest.py gcs_emulator).
     "gcp-storage-emulator>=2024.8",
+    # Writes the save_to_disk fixtures that ebpo_jax.data reads with pyarrow alone (tested: 5.2).
+    "datasets>=3.0,<6",
     *AOT_REQUIRES,  # tests/test_aot.py, tests/test_launch.py (tpu_pod.sh's fit check)
 ]
 
@@ -39,6 +41,8 @@ setuptools.setup(
     description="EBPO: empirical-Bayes shrinkage baselines for GRPO-style RLVR, in JAX/Flax.",
     long_description=(HERE / "README.md").read_text(),
     long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    license_files=["LICENSE"],
     python_requires=">=3.11",
     packages=setuptools.find_packages(include=["ebpo_jax", "ebpo_jax.*"]),
     install_requires=_requirements(),

@@ -25,7 +25,15 @@ def get_config() -> ml_collections.ConfigDict:
   config.task.options = ml_collections.ConfigDict({"ops": ("add",), "digits": (1, 2)})  # kwargs
 
   config.data = ml_collections.ConfigDict()  # the training rows and their order
-  config.data.path = ""  # JSONL/Parquet of {prompt, answer, cluster?, difficulty?}; "": the task
+  # JSONL/Parquet of {prompt, answer, cluster?, difficulty?}, or a directory that Hugging Face
+  # datasets' save_to_disk wrote; local or gs://
+  config.data.path = ""  # training rows; "": the task's rows
+  config.data.split = "train"  # the split read when data.path is a DatasetDict directory
+  # The columns of data.path and eval.path (renamed to prompt, answer, cluster in the rows).
+  config.data.prompt_column = "prompt"  # the prompt (GSM8K: question)
+  config.data.answer_column = "answer"  # the answer, a string
+  config.data.cluster_column = "cluster"  # the cluster, if any (none: every row in cluster 0)
+  config.data.answer_regex = ""  # answer = its last match (group 1 if any); GSM8K: ####\s*(.+)
   config.data.order = "shuffle"  # shuffle | clustered (cluster runs) | curriculum (easy -> hard)
   config.data.skip_bad_rows = False  # drop (and count) rows the tokenizer or buckets reject
 
@@ -105,7 +113,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval.every_steps = 25  # RL steps between evaluations (and at step 0 and the last)
   config.eval.greedy = True  # argmax decoding; False: sampled at sampling.temperature
   config.eval.num_samples = 1  # k samples per problem for `python -m ebpo_jax.evaluate`
-  config.eval.path = ""  # rows file for `ebpo_jax.evaluate`; empty: the task's eval split
+  # Rows for `ebpo_jax.evaluate`, read as data.path is (a DatasetDict: name its split's folder).
+  config.eval.path = ""  # "": the task's eval split
 
   config.checkpoint = ml_collections.ConfigDict()  # WORKDIR/checkpoints/
   config.checkpoint.every_steps = 50  # RL steps between checkpoints

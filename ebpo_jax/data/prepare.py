@@ -1,7 +1,9 @@
-r"""Math data sets in their usual Hugging Face layouts, read into project rows.
+r"""Math data sets in their usual Hugging Face layouts, and any other by its column names, read into
+project rows.
 
-`read_source(name, path)` reads a copy (a `.jsonl`, `.json` or `.parquet` file, or a directory of
-them, all read in sorted order; local or `gs://...`, as is `prepare`'s output) and returns rows
+`read_source(name, path)` reads a copy (a `.jsonl`, `.json` or `.parquet` file, a directory of
+them, all read in sorted order, or a directory that `datasets`' `save_to_disk` wrote, of which a
+DatasetDict's split `split` is read; local or `gs://...`, as is `prepare`'s output) and returns rows
 `{"prompt", "answer", "cluster", "difficulty", "source", "id"}`: the bare problem text (instruction
 wrappers such as DAPO's "Solve the following math problem step by step..." removed), the gold answer
 as a string (`\boxed{}` and `$...$` removed, numbers without a trailing `.0`), a topic cluster (else
@@ -10,8 +12,10 @@ the source name) and a difficulty (the MATH level, else NaN). Exactly repeated p
 the installed `champ-dataset` package (270 problems), the offline evaluation set.
 
 Expected columns of each source, the ids read and the copies known to work: see
-`ebpo_jax.data.sources`. Bad input (a missing column, a malformed line, an empty answer) raises
-`DataError` starting with `FILE:LINE:` (LINE is the row number in a Parquet file).
+`ebpo_jax.data.sources`. Source `generic` reads the columns that `columns` (`--prompt_column`,
+`--answer_column`, `--cluster_column`) names, the answer optionally cut out of the answer column by
+`--answer_regex`. Bad input (a missing column, a malformed line, an empty answer) raises
+`DataError` starting with `FILE:LINE:` (LINE is the row number in a Parquet or Arrow file).
 
 Command line (writes JSONL that `ebpo_jax.data.load_rows_and_clusters` reads back):
 
@@ -19,6 +23,10 @@ Command line (writes JSONL that `ebpo_jax.data.load_rows_and_clusters` reads bac
   # several sources into one file; /data/raw holds math500/ (or math500.jsonl), aime24/, ...
   python -m ebpo_jax.data.prepare --source=math500,aime24,aime25,amc23,olympiadbench \
       --path=/data/raw --out=math_eval.jsonl
+  # any data set; here GSM8K saved by datasets' save_to_disk (a DatasetDict: --split=test for its
+  # test split); its answers end in "#### 42"
+  python -m ebpo_jax.data.prepare --source=generic --path=/data/raw/gsm8k --out=gsm8k.jsonl \
+      --prompt_column=question --answer_column=answer --answer_regex='####\s*(.+)'
 """
 
 import collections
@@ -32,8 +40,17 @@ from typing import Any
 from absl import app, flags, logging
 
 from ebpo_jax import files
-from ebpo_jax.data.rows import DataError
-from ebpo_jax.data.sources import LAYOUTS, SOURCES, champ_rows, parse_row, skip_reason
+from ebpo_jax.data import saved_dataset
+from ebpo_jax.data.rows import Columns, DataError
+from ebpo_jax.data.sources import (
+  LAYOUTS,
+  SOURCES,
+  Layout,
+  champ_rows,
+  generic_layout,
+  parse_row,
+  skip_reason,
+)
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 _PARQUET_BATCH = 8192
@@ -43,30 +60,44 @@ _METADATA_FILES = ("dataset_info.json", "dataset_infos.json", "state.json")  # n
 # ----------------------------------------------------------------------------- public API
 
 
-def read_source(name: str, path: str | None = None) -> list[dict[str, Any]]:
-  """Rows of math source `name` (one of SOURCES) read from `path`; DataError on bad input."""
-  rows, dropped = _read(name, path)
+def read_source(
+  name: str, path: str | None = None, *, split: str = "train", columns: Columns | None = None
+) -> list[dict[str, Any]]:
+  """Rows of source `name` (one of SOURCES) read from `path` (a DatasetDict: its split `split`);
+  `columns` for source `generic` only (default: prompt, answer, cluster); DataError on bad input."""
+  rows, dropped = _read(name, path, split, columns)
   if dropped:
     logging.info("%s: dropped %s", name, _describe_dropped(dropped))
   return rows
 
 
-def prepare(source: str, path: str | None, out: str, limit: int | None = None) -> str:
+def prepare(
+  source: str,
+  path: str | None,
+  out: str,
+  limit: int | None = None,
+  *,
+  split: str = "train",
+  columns: Columns | None = None,
+) -> str:
   """Writes the rows of `source` to the JSONL file `out` atomically; returns a one-line summary.
 
   `source` may be a comma list (e.g. an evaluation file of several benchmarks): then `path` is a
   directory holding each source's copy as `<source>` or `<source>.jsonl/.json/.parquet` (champ
-  needs none), and `limit` applies to each source.
+  needs none), and `limit` applies to each source. `split` is the split read of a copy that is a
+  DatasetDict directory; `columns` are those of source `generic` (which is read alone).
   """
   if os.path.splitext(out)[1] != ".jsonl":
     raise DataError(f"{out}: the output must be a .jsonl file")
   if limit is not None and limit < 1:
     raise DataError(f"--limit must be >= 1, got {limit}")
   names = [name.strip() for name in source.split(",") if name.strip()]
+  if "generic" in names and len(names) > 1:
+    raise DataError(f"--source={source}: generic reads one data set; prepare it on its own")
   rows, dropped, counts = [], collections.Counter(), []
   for name in names:
     source_path = _source_path(name, path) if len(names) > 1 else path
-    source_rows, source_dropped = _read(name, source_path)
+    source_rows, source_dropped = _read(name, source_path, split, columns)
     kept = source_rows[:limit] if limit else source_rows
     rows += kept
     dropped += source_dropped
@@ -99,10 +130,16 @@ def _source_path(name: str, directory: str | None) -> str | None:
 # ----------------------------------------------------------------------------- reading
 
 
-def _read(name: str, path: str | None) -> tuple[list[dict[str, Any]], collections.Counter]:
+def _read(
+  name: str, path: str | None, split: str, columns: Columns | None
+) -> tuple[list[dict[str, Any]], collections.Counter]:
   """Rows of `name` and the number of records dropped per reason."""
   if name not in SOURCES:
     raise DataError(f"unknown source {name!r}; expected one of {', '.join(SOURCES)}")
+  if columns is not None and name != "generic":
+    raise DataError(
+      f"column names (--prompt_column, ...) are for --source=generic; {name} knows its own"
+    )
   dropped = collections.Counter()
   if name == "champ":
     if path is not None:
@@ -110,16 +147,18 @@ def _read(name: str, path: str | None) -> tuple[list[dict[str, Any]], collection
     return list(_unique(champ_rows(), dropped)), dropped
   if path is None:
     raise DataError(f"{name} needs a path to a copy (a file or a directory)")
-  rows = list(_unique(_source_rows(name, path, dropped), dropped))
+  layout = generic_layout(columns or Columns()) if name == "generic" else LAYOUTS[name]
+  rows = list(_unique(_source_rows(name, layout, _records(path, split), dropped), dropped))
   if not rows:
     left = f" left ({_describe_dropped(dropped)} dropped)" if dropped else ""
     raise DataError(f"{path}: no rows{left}")
   return rows, dropped
 
 
-def _source_rows(name: str, path: str, dropped: collections.Counter) -> Iterator[dict[str, Any]]:
-  layout = LAYOUTS[name]
-  for index, (where, record) in enumerate(_records(path)):
+def _source_rows(
+  name: str, layout: Layout, records: Iterator[tuple[str, Any]], dropped: collections.Counter
+) -> Iterator[dict[str, Any]]:
+  for index, (where, record) in enumerate(records):
     skipped = skip_reason(record) if layout.skip_images_and_proofs else None
     if skipped:
       dropped[skipped] += 1
@@ -143,8 +182,12 @@ def _unique(
       dropped["duplicate prompts (other answer)"] += 1
 
 
-def _records(path: str) -> Iterator[tuple[str, Any]]:
-  """Yields ("FILE:LINE", record) for each record of a file or of each data file in a directory."""
+def _records(path: str, split: str) -> Iterator[tuple[str, Any]]:
+  """Yields ("FILE:LINE", record) for each record of a file, of each data file in a directory, or
+  of a `save_to_disk` directory (a DatasetDict: its split `split`)."""
+  if saved_dataset.is_saved_dataset(path):
+    yield from saved_dataset.records(path, split, split_option="--split")
+    return
   if files.isdir(path):
     data_files = [files.join(path, relative) for relative in _data_files(path)]
     if not data_files:
@@ -257,14 +300,24 @@ def main(argv: Sequence[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
   f = flags.FLAGS
+  named = dict(
+    prompt=f.prompt_column,
+    answer=f.answer_column,
+    cluster=f.cluster_column,
+    answer_regex=f.answer_regex,
+  )
+  named = {field: value for field, value in named.items() if value is not None}
+  columns = Columns(**named) if named or f.source == "generic" else None
   try:
-    print(prepare(f.source, f.path, f.out, f.limit))
+    print(prepare(f.source, f.path, f.out, f.limit, split=f.split, columns=columns))
   except DataError as e:
     sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":
-  flags.DEFINE_string("source", None, f"Math data set, or a comma list, of: {', '.join(SOURCES)}.")
+  flags.DEFINE_string(
+    "source", None, f"Data set, or a comma list of math data sets, of: {', '.join(SOURCES)}."
+  )
   flags.DEFINE_string(
     "path",
     None,
@@ -273,5 +326,15 @@ if __name__ == "__main__":
   )
   flags.DEFINE_string("out", None, "Output .jsonl file of project rows (local or gs://).")
   flags.DEFINE_integer("limit", None, "Keep only the first N rows of each source (after dedup).")
+  flags.DEFINE_string("split", "train", "The split read of a copy that is a DatasetDict directory.")
+  flags.DEFINE_string("prompt_column", None, "--source=generic: the prompt's column (prompt).")
+  flags.DEFINE_string("answer_column", None, "--source=generic: the answer's column (answer).")
+  flags.DEFINE_string("cluster_column", None, "--source=generic: the cluster's column (cluster).")
+  flags.DEFINE_string(
+    "answer_regex",
+    None,
+    "--source=generic: the answer is this regex's last match in the answer column (its first group "
+    "if it has one); GSM8K: '####\\s*(.+)'. Unset: the column as it is.",
+  )
   flags.mark_flags_as_required(["source", "out"])
   app.run(main)

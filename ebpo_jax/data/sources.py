@@ -11,8 +11,15 @@ Expected columns, the first one present wins (`a.b` is field `b` of struct colum
 | amc23         | problem, question          | answer (str, int or float) | -                   |
 | olympiadbench | context + question         | final_answer (list)        | subfield, subject   |
 | champ         | champ-dataset package      | its answer                 | its category        |
+| generic       | --prompt_column (prompt)   | --answer_column (answer)   | --cluster_column    |
 
 (1) the last `\boxed{}` of the worked solution, as in the original MATH files.
+
+`generic` reads any data set whose columns are named on the command line (`rows.Columns`); with
+`--answer_regex` the answer is the regex's last match in the answer column (its first group if it
+has one): GSM8K (`question`, and `answer` ending in `#### 42`) is `--prompt_column=question
+--answer_regex='####\s*(.+)'`. Its rows are in cluster `generic` unless `--cluster_column` names
+a column that holds one.
 
 Ids: `extra_info.index` (DAPO), `unique_id` (MATH-500), else `id` or `ID`, else `<source>-<n>`.
 Copies with these layouts: BytedTsinghua-SIA/DAPO-Math-17k and its verl re-uploads,
@@ -30,9 +37,18 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ebpo_jax.data.rows import DataError
+from ebpo_jax.data.rows import Columns, DataError, extract_answer
 
-SOURCES = ("dapo_math_17k", "math500", "aime24", "aime25", "amc23", "olympiadbench", "champ")
+SOURCES = (
+  "dapo_math_17k",
+  "math500",
+  "aime24",
+  "aime25",
+  "amc23",
+  "olympiadbench",
+  "champ",
+  "generic",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +63,17 @@ class Layout:
   context: tuple[str, ...] = ()  # text placed before the prompt when present
   answer_in_solution: bool = False  # no answer column: the last \boxed{} of `solution`
   skip_images_and_proofs: bool = False  # OlympiadBench: multimodal and theorem-proof rows
+  answer_regex: str = ""  # the answer is this regex's last match (group 1 if any) in the answer
+
+
+def generic_layout(columns: Columns) -> Layout:
+  """The layout of source `generic`: exactly the columns named (`--prompt_column`, ...)."""
+  return Layout(
+    prompt=(columns.prompt,),
+    answer=(columns.answer,),
+    cluster=(columns.cluster,),
+    answer_regex=columns.answer_regex,
+  )
 
 
 # Every source also reads the verl RL layout (DAPO's): a `prompt` chat list, the answer in
@@ -139,6 +166,10 @@ def parse_row(name: str, layout: Layout, record: Any, where: str, index: int) ->
     value = _last_boxed(value) if isinstance(value, str) else None
     if value is None:
       raise DataError(f"{where}: no answer column and no \\boxed{{}} answer in 'solution'")
+  if layout.answer_regex:
+    if not isinstance(value, str):
+      raise DataError(f"{where}: answer_regex needs a string answer, got {_describe(value)}")
+    value = extract_answer(value, layout.answer_regex, where)
   cluster = _first(record, layout.cluster)
   identifier = _first(record, layout.ids)
   return {

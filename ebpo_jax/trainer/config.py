@@ -5,6 +5,7 @@ import difflib
 import importlib.util
 import json
 import os
+import re
 import struct
 import sys
 import types
@@ -153,6 +154,7 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   _choice(config, "rl.loss.aggregation", losses.AGG_MODES)
   _choice(config, "rl.loss.kl_kind", losses.KL_KINDS)
   _choice(config, "data.order", data.ORDERS)
+  _check_data_columns(config)
   _choice(config, "train.schedule", ("constant", "cosine"))
   _choice(config, "train.transfer_guard", ("disallow", "log", "allow"))
   _choice(config, "model.remat", tuple(models.decoder.REMAT_POLICIES))
@@ -265,6 +267,19 @@ def _check_counts_and_rates(config: ml_collections.ConfigDict) -> None:
     "sampling.prompt_buckets",
     "must be a non-empty list of positive token counts",
   )
+
+
+def _check_data_columns(config: ml_collections.ConfigDict) -> None:
+  """The split and column names of data.path are non-empty strings and answer_regex compiles."""
+  for key in ("split", "prompt_column", "answer_column", "cluster_column"):
+    value = config.data[key]
+    _require(isinstance(value, str) and bool(value), config, f"data.{key}", "must be a name")
+  regex = config.data.answer_regex
+  try:
+    re.compile(regex)
+  except (re.error, TypeError) as e:
+    message = f"config.data.answer_regex={regex!r}: not a regular expression ({e})"
+    raise ConfigError(message) from None
 
 
 def check_model_path(config: ml_collections.ConfigDict) -> None:

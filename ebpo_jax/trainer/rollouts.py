@@ -216,7 +216,8 @@ def load_task_and_rows(
 ) -> tuple[tasks.Task, list[dict], list[str], list[dict]]:
   """The task, training rows and their cluster names, and held-out evaluation rows.
 
-  Training rows come from `data.path` when set (clusters named in the file), else from the task;
+  Training rows come from `data.path` when set (clusters named in the file; a `datasets` directory's
+  split `data.split`, columns `data.*_column`), else from the task;
   evaluation rows always come from the task's eval split (`task.num_eval` per cluster). Every row
   is tokenized here, before anything compiles: a prompt or answer the tokenizer cannot encode, or
   a prompt longer than the largest of `sampling.prompt_buckets`, is a DataError line per row
@@ -226,7 +227,13 @@ def load_task_and_rows(
   check = row_checker(task, load_tokenizer(config, task), config.sampling.prompt_buckets)
   skip = config.data.skip_bad_rows
   if config.data.path:
-    rows, cluster_names, dropped = data.load_checked_rows(config.data.path, check, skip_bad=skip)
+    rows, cluster_names, dropped = data.load_checked_rows(
+      config.data.path,
+      check,
+      skip_bad=skip,
+      columns=data.Columns.from_config(config.data),
+      split=config.data.split,
+    )
     _report_dropped(config.data.path, dropped, len(rows))
   else:
     rows, cluster_names = task.rows("train", config.task.num_train, config.seed), task.cluster_names
