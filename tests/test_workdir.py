@@ -14,6 +14,7 @@ import pytest
 
 from ebpo_jax import ablate, files
 from ebpo_jax import metrics as metrics_lib
+from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import workdir as workdir_lib
 
 # ----------------------------------------------------------------------------- the lock
@@ -225,3 +226,27 @@ def test_an_ablation_reruns_a_variant_whose_config_changed(tmp_path, monkeypatch
   args.append("--config.sft.num_steps=7")
   ablate._run_one(config, str(tmp_path), run, args, {}, {0: ablate.threading.Lock()})
   assert trained == ["s0", run.name, run.name, "s0", run.name]
+
+
+def test_keys_added_since_the_run_started_resume_at_their_old_meaning(arith_config, tmp_path):
+  # A workdir written before data.split and the column keys existed: its config.json lacks them.
+  workdir = str(tmp_path)
+  workdir_lib.check_and_save_config(workdir, arith_config())
+  path = tmp_path / workdir_lib.CONFIG_FILE
+  old = json.loads(path.read_text())
+  for key in ("split", "prompt_column", "answer_column", "cluster_column", "answer_regex"):
+    del old["data"][key]
+  path.write_text(json.dumps(old))
+  workdir_lib.check_and_save_config(workdir, arith_config())  # the defaults: what the run did
+  path.write_text(json.dumps(old))
+  with pytest.raises(workdir_lib.WorkdirError, match=r"data\.prompt_column \(None -> 'question'\)"):
+    workdir_lib.check_and_save_config(workdir, arith_config({"data.prompt_column": "question"}))
+
+
+def test_every_added_key_is_listed_with_its_default():
+  defaults = config_lib.load_module("configs/common.py").get_config()
+  for key, value in workdir_lib.ADDED_KEYS.items():
+    node = defaults
+    for part in key.split("."):
+      node = node[part]
+    assert node == value, key

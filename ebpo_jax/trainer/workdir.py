@@ -58,6 +58,16 @@ SAFE_KEYS = frozenset(
     "mesh.tensor",
   }
 )
+# Keys added to the project after config.json existed, with the value that does what the code did
+# before them: a workdir whose config.json lacks one resumes when the run keeps that value. Add a
+# key here when you add it to configs/common.py (tests/test_workdir.py checks the values).
+ADDED_KEYS = {
+  "data.split": "train",
+  "data.prompt_column": "prompt",
+  "data.answer_column": "answer",
+  "data.cluster_column": "cluster",
+  "data.answer_regex": "",
+}
 # Keys about this invocation only (the workdir's own switches): never compared.
 SESSION_PREFIX = "workdir."
 
@@ -164,8 +174,12 @@ def config_json(config: ml_collections.ConfigDict | Mapping[str, Any]) -> dict[s
 
 def changed_keys(saved: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple]:
   """{dotted key: (saved value, new value)} of the keys whose values differ (a key on one side
-  only: None on the other); SESSION_PREFIX keys are not compared."""
+  only: None on the other; an ADDED_KEYS key that `saved` lacks and `new` holds at its listed
+  value is the same); SESSION_PREFIX keys are not compared."""
   before, after = _flatten(config_json(saved)), _flatten(config_json(new))
+  for key, value in ADDED_KEYS.items():
+    if key not in before and after.get(key) == value:
+      before[key] = value
   return {
     key: (before.get(key), after.get(key))
     for key in sorted(before.keys() | after.keys())
