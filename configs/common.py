@@ -9,6 +9,7 @@ configs/arith_ebpo.py. Keys the trainer reads only for random-init models (`mode
 from typing import NoReturn
 
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -20,9 +21,20 @@ def get_config() -> ml_collections.ConfigDict:
   config.task.name = "arithmetic"  # arithmetic | math | jsonl | reasoning_gym:NAME[+NAME...]
   config.task.num_train = 20_000  # training prompts drawn from the task (when data.path is "")
   config.task.num_eval = 128  # held-out prompts per cluster, from the task's eval split
-  # The task's constructor keywords: free-form, replaced whole by an experiment (arithmetic: ops,
-  # digits; reasoning_gym: levels; math: source, path).
-  config.task.options = ml_collections.ConfigDict({"ops": ("add",), "digits": (1, 2)})  # kwargs
+  # The tasks' constructor keywords, every built-in task's here so that each is settable from the
+  # command line (`--config.task.options.path=F`); an experiment sets entries, never replaces the
+  # whole. A task takes those its constructor names and that are not None (None: its own default).
+  config.task.options = ml_collections.ConfigDict()  # keywords of the tasks (ebpo_jax.tasks)
+  config.task.options.ops = ("add",)  # arithmetic: operations among add, sub, mul
+  config.task.options.digits = (1, 2)  # arithmetic: operand digit counts
+  config.task.options.clusters = placeholder(tuple)  # arithmetic: cluster names (add_1, ...)
+  config.task.options.path = placeholder(str)  # jsonl, math: the rows file (JSONL/Parquet)
+  config.task.options.eval_path = placeholder(str)  # jsonl: the eval rows' file; None: a split
+  config.task.options.source = placeholder(str)  # math: a named source (champ) without a path
+  config.task.options.levels = placeholder(int)  # reasoning_gym: difficulty levels per dataset
+  config.task.options.dataset_cfg = placeholder(dict)  # reasoning_gym: create_dataset kwargs
+  config.task.options.eval_fraction = placeholder(float)  # share of prompts held out for eval
+  config.task.options.instruction = placeholder(str)  # jsonl: appended; math: {prompt} template
 
   config.data = ml_collections.ConfigDict()  # the training rows and their order
   config.data.path = ""  # JSONL/Parquet of {prompt, answer, cluster?, difficulty?}; "": the task

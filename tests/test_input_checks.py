@@ -182,7 +182,7 @@ def test_evaluate_checks_its_rows_file_too(arith_config, tmp_path):
 
   path = _bad_rows(tmp_path)
   config = arith_config({"eval.path": str(path), "sampling.prompt_buckets": (6, 8)})
-  task = tasks.get_task(config.task.name, **config.task.options)
+  task = tasks.from_config(config.task)
   with pytest.raises(data.DataError) as error:
     evaluate.eval_rows(config, task, task.tokenizer)
   assert [line.split(": ")[0] for line in str(error.value).splitlines()] == [

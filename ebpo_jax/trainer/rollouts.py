@@ -222,7 +222,7 @@ def load_task_and_rows(
   a prompt longer than the largest of `sampling.prompt_buckets`, is a DataError line per row
   (`FILE:LINE:`), or with `data.skip_bad_rows` a dropped row, counted on stderr.
   """
-  task = tasks.get_task(config.task.name, **config.task.options)
+  task = tasks.from_config(config.task)
   check = row_checker(task, load_tokenizer(config, task), config.sampling.prompt_buckets)
   skip = config.data.skip_bad_rows
   if config.data.path:
