@@ -112,6 +112,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.rewards = ml_collections.ConfigDict()  # scoring the responses
   config.rewards.workers = 0  # scorer processes; 0: score in this process
   config.rewards.timeout_s = 5.0  # seconds per response before it scores 0 (workers > 0)
+  # The training reward as a weighted sum of reward functions (ebpo_jax/tasks/reward_fns.py), terms
+  # `[NAME=][WEIGHT*]FN`, FN a built-in (task, exact_match, math_verify, answer_format,
+  # length_penalty) or package.module:function: "math_verify, 0.5*my_rewards:brevity".
+  config.rewards.fns = ""  # "": the task's verifier is the reward; each term logs reward/NAME
 
   config.eval = ml_collections.ConfigDict()  # held-out evaluation
   config.eval.every_steps = 25  # RL steps between evaluations (and at step 0 and the last)
