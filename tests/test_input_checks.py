@@ -38,6 +38,18 @@ BAD_VALUES = [
   ({"sampling.top_k": -1}, "config.sampling.top_k=-1: must be >= 0"),
   ({"rl.loss.kl_coef": -1.0}, "config.rl.loss.kl_coef=-1.0: must be >= 0"),
   ({"model.dtype": "float8"}, "config.model.dtype='float8': must be one of"),
+  (
+    {"rewards.fns": "math_verify, 0.5*no_such_module:f"},
+    "config.rewards.fns='math_verify, 0.5*no_such_module:f': reward 'f': cannot import "
+    "'no_such_module' (ModuleNotFoundError",
+  ),
+  (
+    {"rewards.fns": "ebpo_jax.tasks.reward_fns:nope"},
+    "config.rewards.fns='ebpo_jax.tasks.reward_fns:nope': reward 'nope': module "
+    "'ebpo_jax.tasks.reward_fns' has no 'nope'",
+  ),
+  ({"rewards.fns": "x*exact_match"}, "config.rewards.fns='x*exact_match': term 'x*exact_match': "),
+  ({"rewards.fns": "mean=task"}, "config.rewards.fns='mean=task': reward name 'mean' is taken"),
 ]
 
 
