@@ -37,7 +37,7 @@ class Rollout:
   texts: list[str]  # [N*G] decoded completions
   rewards: np.ndarray  # [N, G] float32: the task's verifier, or the weighted sum of rewards.fns
   lengths: np.ndarray  # [N*G] int32 completion lengths (the stop token included)
-  errors: int  # failed verifier calls
+  errors: int  # failed verifier (or reward function) calls
   # On the devices (global arrays, rows over the mesh's batch axes).
   prompt_ids: jax.Array  # [N, P] int32, left-padded
   prompt_mask: jax.Array  # [N, P] bool
