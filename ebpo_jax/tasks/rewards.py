@@ -96,7 +96,7 @@ class RewardPool:
     rows: Sequence[dict[str, Any]],
     extras: Sequence[dict[str, Any]],
   ) -> tuple[np.ndarray, int]:
-    """(values float64 [F, N], number of calls that failed) of the reward functions, given as
+    """(values float32 [F, N], number of calls that failed) of the reward functions, given as
     (name, fn) (see `reward_fns`), each called on one completion at a time:
     `fn([completions[i]], [rows[i]], **extras[i])`. None is NaN; a failed call scores 0."""
     if not len(completions) == len(rows) == len(extras):
@@ -111,7 +111,8 @@ class RewardPool:
     failed = [f"{name}: {m}" for name, (ok, _, m) in zip(names, results, strict=True) if not ok]
     errors = self._note_errors(failed, "reward function")
     values = [(np.nan if value is None else value) if ok else 0.0 for ok, value, _ in results]
-    return np.array(values, np.float64).reshape(len(reward_fns), len(completions)), errors
+    # float32 like the verifier's rewards: the same values after a gather over processes.
+    return np.array(values, np.float32).reshape(len(reward_fns), len(completions)), errors
 
   def _call_all(self, calls: list[tuple[Callable, tuple]], fns: Sequence[Callable]) -> list:
     """(ok, value, message) of each `runner(*args)` of `calls`, in the workers or inline."""

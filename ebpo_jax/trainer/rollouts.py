@@ -46,7 +46,7 @@ class Rollout:
   old_logps: jax.Array  # [N*G, T] float32: log-probs of the sampling policy at temperature 1
   truncated: jax.Array  # [N*G] bool: no stop token within max_new_tokens
   nonfinite: jax.Array  # [N*G] bool: the sampler met non-finite logits (the step is bad)
-  # On the host: each reward function's values {name: [N, G] float64, NaN where it returned None}
+  # On the host: each reward function's values {name: [N, G] float32, NaN where it returned None}
   # (training rollouts with rewards.fns; else empty).
   reward_parts: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
