@@ -18,7 +18,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.seed = 0  # int; the run's only seed: data order, init, sampling, derived by fold_in/split
 
   config.task = ml_collections.ConfigDict()  # the prompts and their verifier
-  config.task.name = "arithmetic"  # arithmetic | math | jsonl | reasoning_gym:NAME[+NAME...]
+  config.task.name = "arithmetic"  # in tasks.TASKS: arithmetic | math | jsonl | reasoning_gym:A+B
   config.task.num_train = 20_000  # training prompts drawn from the task (when data.path is "")
   config.task.num_eval = 128  # held-out prompts per cluster, from the task's eval split
   # The tasks' constructor keywords, every built-in task's here so that each is settable from the
@@ -32,7 +32,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.task.options.eval_path = placeholder(str)  # jsonl: the eval rows' file; None: a split
   config.task.options.source = placeholder(str)  # math: a named source (champ) without a path
   config.task.options.levels = placeholder(int)  # reasoning_gym: difficulty levels per dataset
-  config.task.options.dataset_cfg = placeholder(dict)  # reasoning_gym: create_dataset kwargs
+  config.task.options.dataset_cfg = placeholder(object)  # reasoning_gym: {dataset: {kwarg: v}}
   config.task.options.eval_fraction = placeholder(float)  # share of prompts held out for eval
   config.task.options.instruction = placeholder(str)  # jsonl: appended; math: {prompt} template
 

@@ -277,6 +277,14 @@ def test_task_name_and_options_from_the_command_line(tmp_path):
   config = workdir_lib.resolved_config(f"{ROOT}/configs/arith_ebpo.py:runlocal", args)
   task = tasks.from_config(config.task)
   assert task.format_prompt({"prompt": "q"}) == "q!" and len(task.rows("eval", 0, seed=0)) > 12
+  # Options of any type: a dict of dicts (Python literal), an int.
+  args = ["--config.task.name=reasoning_gym:chain_sum", "--config.task.options.levels=1"]
+  args += ["--config.task.options.dataset_cfg={'chain_sum': {'min_terms': 3, 'max_terms': 3}}"]
+  config = workdir_lib.resolved_config(f"{ROOT}/configs/arith_ebpo.py:runlocal", args)
+  task = tasks.from_config(config.task)
+  assert task.cluster_names == ["chain_sum"]
+  row = task.rows("train", 1, seed=0)[0]
+  assert len(row["meta"]["entry"]["metadata"]["expression"].split()) == 5  # "a + b + c"
   # An option set to None is the task's own default; the arithmetic config's own options hold.
   arith = workdir_lib.resolved_config(f"{ROOT}/configs/arith_ebpo.py:runlocal", [])
   assert tasks.from_config(arith.task).cluster_names == ["add_1", "add_2"]
