@@ -9,6 +9,7 @@ configs/arith_ebpo.py. Keys the trainer reads only for random-init models (`mode
 from typing import NoReturn
 
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -17,12 +18,23 @@ def get_config() -> ml_collections.ConfigDict:
   config.seed = 0  # int; the run's only seed: data order, init, sampling, derived by fold_in/split
 
   config.task = ml_collections.ConfigDict()  # the prompts and their verifier
-  config.task.name = "arithmetic"  # arithmetic | math | jsonl | reasoning_gym:NAME[+NAME...]
+  config.task.name = "arithmetic"  # in tasks.TASKS: arithmetic | math | jsonl | reasoning_gym:A+B
   config.task.num_train = 20_000  # training prompts drawn from the task (when data.path is "")
   config.task.num_eval = 128  # held-out prompts per cluster, from the task's eval split
-  # The task's constructor keywords: free-form, replaced whole by an experiment (arithmetic: ops,
-  # digits; reasoning_gym: levels; math: source, path).
-  config.task.options = ml_collections.ConfigDict({"ops": ("add",), "digits": (1, 2)})  # kwargs
+  # The tasks' constructor keywords, every built-in task's here so that each is settable from the
+  # command line (`--config.task.options.path=F`); an experiment sets entries, never replaces the
+  # whole. A task takes those its constructor names and that are not None (None: its own default).
+  config.task.options = ml_collections.ConfigDict()  # keywords of the tasks (ebpo_jax.tasks)
+  config.task.options.ops = ("add",)  # arithmetic: operations among add, sub, mul
+  config.task.options.digits = (1, 2)  # arithmetic: operand digit counts
+  config.task.options.clusters = placeholder(tuple)  # arithmetic: cluster names (add_1, ...)
+  config.task.options.path = placeholder(str)  # jsonl, math: the rows file (JSONL/Parquet)
+  config.task.options.eval_path = placeholder(str)  # jsonl: the eval rows' file; None: a split
+  config.task.options.source = placeholder(str)  # math: a named source (champ) without a path
+  config.task.options.levels = placeholder(int)  # reasoning_gym: difficulty levels per dataset
+  config.task.options.dataset_cfg = placeholder(object)  # reasoning_gym: {dataset: {kwarg: v}}
+  config.task.options.eval_fraction = placeholder(float)  # share of prompts held out for eval
+  config.task.options.instruction = placeholder(str)  # jsonl: appended; math: {prompt} template
 
   config.data = ml_collections.ConfigDict()  # the training rows and their order
   # JSONL/Parquet of {prompt, answer, cluster?, difficulty?}, or a directory that Hugging Face
@@ -108,6 +120,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.rewards = ml_collections.ConfigDict()  # scoring the responses
   config.rewards.workers = 0  # scorer processes; 0: score in this process
   config.rewards.timeout_s = 5.0  # seconds per response before it scores 0 (workers > 0)
+  # The training reward as a weighted sum of reward functions (ebpo_jax/tasks/reward_fns.py), terms
+  # `[NAME=][WEIGHT*]FN`, FN a built-in (task, exact_match, math_verify, answer_format,
+  # length_penalty) or package.module:function: "math_verify, 0.5*my_rewards:brevity".
+  config.rewards.fns = ""  # "": the task's verifier is the reward; each term logs reward/NAME
 
   config.eval = ml_collections.ConfigDict()  # held-out evaluation
   config.eval.every_steps = 25  # RL steps between evaluations (and at step 0 and the last)

@@ -149,7 +149,7 @@ def _paper_recipe(model: str, group_size: int) -> ml_collections.ConfigDict:
   config.task.name = "math"  # math-verify equivalence of the final answer
   config.task.num_train = PROMPTS_PER_EPOCH  # used only when data.path is empty
   config.task.num_eval = 64  # the in-training monitor
-  config.task.options = ml_collections.ConfigDict({"path": "/data/ebpo/dapo_math_17k.jsonl"})
+  config.task.options.path = "/data/ebpo/dapo_math_17k.jsonl"
 
   config.data.path = "/data/ebpo/dapo_math_17k.topic.jsonl"  # EBPO.md: data DAPO-Math-17K
   config.data.order = "clustered"  # EBPO.md: EBPO-topic, batches in clustered sequences
@@ -255,7 +255,7 @@ def _make_local(config: ml_collections.ConfigDict, model: str, method: str) -> N
   config.task.name = "arithmetic"  # clusters add/sub x 1/2 digits; difficulty for the curriculum
   config.task.num_train = 256
   config.task.num_eval = 2
-  config.task.options = ml_collections.ConfigDict({"ops": ("add", "sub"), "digits": (1, 2)})
+  config.task.options.ops, config.task.options.digits = ("add", "sub"), (1, 2)
   config.data.path = ""
   mc = config.model
   mc.path = ""

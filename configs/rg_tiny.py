@@ -30,7 +30,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.task.name = "reasoning_gym:chain_sum"
   config.task.num_train = 2_000
   config.task.num_eval = 16
-  config.task.options = ml_collections.ConfigDict({"levels": 3})
+  config.task.options.levels = 3
   # A random-init decoder with the task's byte tokenizer.
   config.model.intermediate_size = 128
   config.model.num_layers = 2

@@ -42,7 +42,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   arg = common.parse_arg(arg, math=False, runlocal=False)
   config = common.get_config()
   config.task.name = "reasoning_gym:chain_sum+basic_arithmetic"
-  config.task.options = ml_collections.ConfigDict({"levels": 1})
+  config.task.options.levels = 1
   config.model.path = "packaged:smollm2-135m-instruct"
   config.model.dtype = "bfloat16"
   # SmolLM2-135M's shape, for a random-init model (unused when model.path is set).
@@ -70,7 +70,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # Rows: the packaged CHAMP set (270 problems, split 80/20 by prompt hash), or a file from
     # `python -m ebpo_jax.data.prepare` via --config.task.options.path=FILE.jsonl.
     config.task.name = "math"
-    config.task.options = ml_collections.ConfigDict({"source": "champ", "path": ""})
+    config.task.options.source, config.task.options.path = "champ", ""
     config.task.num_eval = 64  # CHAMP has 5 clusters
     config.rewards.workers = 2
     config.sampling.max_new_tokens = 1024

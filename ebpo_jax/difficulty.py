@@ -73,7 +73,7 @@ def run(
   config_lib.check_config(config, jax.device_count())
   rows, cluster_names = data.load_rows_and_clusters(input_path)
   mesh = sharding.make_mesh(dict(config.mesh))
-  task = tasks.get_task(config.task.name, **config.task.options)
+  task = tasks.from_config(config.task)
   tokenizer = state_lib.load_tokenizer(config, task)
   model, params, origin = policy_lib.load_policy(config, tokenizer, mesh, run_dir, step)
   sampler = rollouts_lib.make_sampler(model, task, tokenizer, config, mesh)

@@ -213,7 +213,7 @@ def run(
     raise config_lib.ConfigError(f"config.eval.num_samples={k!r}: must be >= 1")
   config_lib.check_config(config, jax.device_count())
   mesh = sharding.make_mesh(dict(config.mesh))
-  task = tasks.get_task(config.task.name, **config.task.options)
+  task = tasks.from_config(config.task)
   tokenizer = state_lib.load_tokenizer(config, task)
   rows, cluster_names, rows_origin = eval_rows(config, task, tokenizer)
   model, params, origin = policy_lib.load_policy(config, tokenizer, mesh, run_dir, step)

@@ -52,7 +52,7 @@ def export(run_dir: str, out: str, *, step: int | None = None, dtype: str = "") 
   step = policy_lib.checkpoint_step(run_dir, step)
   config = policy_lib.saved_config(run_dir, step)
   mesh = sharding.make_mesh({"fsdp": -1})  # every local device: no host holds a full copy
-  task = tasks.get_task(config.task.name, **config.task.options)
+  task = tasks.from_config(config.task)
   tokenizer = state_lib.load_tokenizer(config, task)
   model, params, _ = policy_lib.load_policy(config, tokenizer, mesh, run_dir, step)
   if dtype:

@@ -39,7 +39,7 @@ REMOTE_FLUSH_S = 60.0
 STEP = "step"  # the integer step of every line; not a metric (MetricsWriter.write's argument)
 
 # Rollouts: rewards, advantages, responses (the train step and the host).
-REWARD_MEAN = "reward/mean"  # mean total reward over the batch's responses
+REWARD_MEAN = "reward/mean"  # mean total reward over the batch's responses (weighted sum of fns)
 REWARD_ERRORS = "reward/errors"  # verifier calls that raised or timed out
 REWARD_OVERLONG_PENALTY = "reward/overlong_penalty"  # DAPO's soft overlong punishment, mean
 ADV_ZERO_FRAC = "adv/zero_frac"  # share of valid responses whose advantage is exactly 0
@@ -101,6 +101,17 @@ def cluster_prefix(key: str) -> str:
 def per_cluster(key: str, cluster_name: str) -> str:
   """The one rule for per-cluster keys: ("reward/mean", "add_2d") -> "reward/mean/add_2d"."""
   return cluster_prefix(key) + cluster_name
+
+
+def reward_fn_key(name: str) -> str:
+  """The one rule for a reward function's key (config.rewards.fns): "brevity" -> "reward/brevity",
+  its mean value over the batch beside REWARD_MEAN. A ValueError for a name whose key is taken
+  ("mean", "errors", ...)."""
+  key = f"reward/{name}"
+  if key in KEYS:
+    taken = sorted(k.removeprefix("reward/") for k in KEYS if k.startswith("reward/"))
+    raise ValueError(f"reward name {name!r} is taken by a metric; not one of {', '.join(taken)}")
+  return key
 
 
 # Default plots: (file name, patterns); a pattern ending in "/" matches every key with that prefix.

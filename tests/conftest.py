@@ -233,7 +233,7 @@ def save_checkpoint(workdir: pathlib.Path, config, *, step: int = 0, perturb: fl
   params shifted by `perturb` * noise (so that they differ from the model they started from).
   Returns (model, params)."""
   mesh = sharding.make_mesh(dict(config.mesh))
-  task = tasks.get_task(config.task.name, **config.task.options)
+  task = tasks.from_config(config.task)
   model = state_lib.make_model(config, state_lib.load_tokenizer(config, task).vocab_size)
   params = state_lib.init_params(config, model, mesh)
   if perturb:

@@ -47,7 +47,7 @@ E2E_ARGS = ["qwen3_8b,dapo", "llama31_8b,ebpo_topic", "qwen3_14b,ebpo_diff"]
 
 def runlocal_model(config):
   """The runlocal config's model over its task's tokenizer, and its mesh."""
-  task = tasks.get_task(config.task.name, **config.task.options)
+  task = tasks.from_config(config.task)
   model = state_lib.make_model(config, state_lib.load_tokenizer(config, task).vocab_size)
   return model, sharding.make_mesh(dict(config.mesh))
 
@@ -237,11 +237,11 @@ RESOLVED_ARGS += [("paper", arg + local) for arg in ALL_ARGS for local in ("", "
 
 
 def flat_keys(config, prefix="") -> set[str]:
-  """Dotted leaf keys; task.options is one key (free-form keywords of the task, replaced whole)."""
+  """Dotted leaf keys."""
   keys = set()
   for key, value in config.items():
     name = prefix + key
-    if hasattr(value, "items") and name != "task.options":
+    if hasattr(value, "items"):
       keys |= flat_keys(value, name + ".")
     else:
       keys.add(name)
@@ -254,6 +254,16 @@ def test_every_key_of_every_experiment_is_in_common():
   for name, arg in RESOLVED_ARGS:
     extra = flat_keys(modules[name].get_config(arg)) - base
     assert not extra, f"configs/{name}.py:{arg}: keys not in configs/common.py: {sorted(extra)}"
+
+
+def test_every_experiment_keeps_every_key_of_common():
+  # An experiment sets entries and never replaces a section (task.options) whole: what it dropped
+  # could not be set from the command line (`--config.task.options.path=F`).
+  base = flat_keys(common.get_config())
+  modules = {name: load_config_module(name) for name in EXPERIMENTS}
+  for name, arg in RESOLVED_ARGS:
+    missing = base - flat_keys(modules[name].get_config(arg))
+    assert not missing, f"configs/{name}.py:{arg}: drops keys of configs/common.py: {missing}"
 
 
 def test_common_documents_every_key_once():

@@ -31,8 +31,8 @@ class FakeSampler:
     self.config, self._rewards = config, iter(rewards_per_round)
     self.mesh = sharding.make_mesh({"fsdp": -1}, jax.devices()[:1])
 
-  def rollout(self, params, rows, key, *, group_size, greedy) -> rollouts.Rollout:
-    del params, key, greedy
+  def rollout(self, params, rows, key, *, group_size, greedy, training) -> rollouts.Rollout:
+    del params, key, greedy, training
     width = 2 + rows[0]["id"] // 4  # rounds differ in prompt width: 2, 3, 4
     ids = np.array([[row["id"]] * width for row in rows], np.int32)
     tokens = np.array([[row["id"] * 10 + g, 0] for row in rows for g in range(group_size)])

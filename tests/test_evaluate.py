@@ -123,7 +123,7 @@ def test_a_runs_params_are_restored_from_its_checkpoint(arith_config, checkpoint
   config, step = policy.policy_config(arith_config({"model.num_layers": 1}), str(run_dir), None)
   assert step == 2 and config.model.num_layers == 3  # the run's model, from the saved config
   mesh = sharding.make_mesh(dict(config.mesh))
-  task = tasks.get_task(config.task.name, **config.task.options)
+  task = tasks.from_config(config.task)
   tokenizer = state_lib.load_tokenizer(config, task)
   restored_model, params, origin = policy.load_policy(config, tokenizer, mesh, str(run_dir), step)
   assert origin == {"kind": "checkpoint", "run_dir": str(run_dir), "step": 2}

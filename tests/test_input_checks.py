@@ -38,6 +38,18 @@ BAD_VALUES = [
   ({"sampling.top_k": -1}, "config.sampling.top_k=-1: must be >= 0"),
   ({"rl.loss.kl_coef": -1.0}, "config.rl.loss.kl_coef=-1.0: must be >= 0"),
   ({"model.dtype": "float8"}, "config.model.dtype='float8': must be one of"),
+  (
+    {"rewards.fns": "math_verify, 0.5*no_such_module:f"},
+    "config.rewards.fns='math_verify, 0.5*no_such_module:f': reward 'f': cannot import "
+    "'no_such_module' (ModuleNotFoundError",
+  ),
+  (
+    {"rewards.fns": "ebpo_jax.tasks.reward_fns:nope"},
+    "config.rewards.fns='ebpo_jax.tasks.reward_fns:nope': reward 'nope': module "
+    "'ebpo_jax.tasks.reward_fns' has no 'nope'",
+  ),
+  ({"rewards.fns": "x*exact_match"}, "config.rewards.fns='x*exact_match': term 'x*exact_match': "),
+  ({"rewards.fns": "mean=task"}, "config.rewards.fns='mean=task': reward name 'mean' is taken"),
 ]
 
 
@@ -182,7 +194,7 @@ def test_evaluate_checks_its_rows_file_too(arith_config, tmp_path):
 
   path = _bad_rows(tmp_path)
   config = arith_config({"eval.path": str(path), "sampling.prompt_buckets": (6, 8)})
-  task = tasks.get_task(config.task.name, **config.task.options)
+  task = tasks.from_config(config.task)
   with pytest.raises(data.DataError) as error:
     evaluate.eval_rows(config, task, task.tokenizer)
   assert [line.split(": ")[0] for line in str(error.value).splitlines()] == [

@@ -270,7 +270,7 @@ def test_evaluate_reads_one_split_folder(arith_config, gsm8k_dir):
   from ebpo_jax import evaluate, tasks
 
   config = arith_config({"eval.path": gsm8k_dir})
-  task = tasks.get_task(config.task.name, **config.task.options)
+  task = tasks.from_config(config.task)
   with pytest.raises(DataError, match=f"a DatasetDict .* e.g. {gsm8k_dir}/train$"):
     evaluate.eval_rows(config, task, task.tokenizer)
 

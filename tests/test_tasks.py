@@ -1,15 +1,23 @@
-"""Tests for ebpo_jax.tasks: arithmetic + tokenizer, reasoning-gym, jsonl, answer extraction."""
+"""Tests for ebpo_jax.tasks: the registry and config options, arithmetic + tokenizer,
+reasoning-gym, jsonl, answer extraction."""
 
+import inspect
 import json
+import pathlib
 import pickle
 
 import numpy as np
 import pytest
 
+from ebpo_jax import tasks
 from ebpo_jax.tasks import extract_final_answer, get_task
 from ebpo_jax.tasks.arithmetic import CharTokenizer, score_arithmetic
 from ebpo_jax.tasks.base import answers_match, split_of
 from ebpo_jax.tasks.tokenizers import ByteTokenizer
+from ebpo_jax.trainer import config as config_lib
+from ebpo_jax.trainer import workdir as workdir_lib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 # ------------------------------------------------------------------------------ arithmetic
 
@@ -228,3 +236,55 @@ def test_jsonl_task_eval_file_clusters_follow_the_training_file(tmp_path):
   assert len(task.rows("train", 0, seed=0)) == 2
   with pytest.raises(ValueError, match=r"clusters \['topology'\] are not among"):
     get_task("jsonl", path=str(train), eval_path=str(bad))
+
+
+# ------------------------------------------------------------------------------ registry, options
+
+
+def test_the_registry_names_every_task_class():
+  for key, path in tasks.TASKS.items():
+    cls = tasks.load_object(path)
+    assert issubclass(cls, tasks.Task), key
+  with pytest.raises(ValueError, match="task 'reasoning_gym' is named reasoning_gym:<datasets>"):
+    get_task("reasoning_gym")
+  with pytest.raises(ValueError, match="task 'arithmetic' takes no ':' part"):
+    get_task("arithmetic:add")
+
+
+def test_common_declares_every_option_of_every_task():
+  # Each constructor keyword of each registered task is a key of config.task.options (so it is
+  # settable from the command line), and each key there is some task's keyword.
+  common = config_lib.load_module(ROOT / "configs" / "common.py").get_config()
+  declared = set(common.task.options)
+  taken = set()
+  for path in tasks.TASKS.values():
+    cls = tasks.load_object(path)
+    parameters = list(inspect.signature(cls.__init__).parameters)[1:]
+    taken |= {p for p in parameters if p != cls.name_arg}
+  assert declared == taken
+
+
+def test_task_name_and_options_from_the_command_line(tmp_path):
+  path = tmp_path / "qa.jsonl"
+  path.write_text("\n".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) for i in range(40)))
+  args = ["--config.task.name=jsonl", f"--config.task.options.path={path}"]
+  config = workdir_lib.resolved_config(f"{ROOT}/configs/arith_ebpo.py:runlocal", args)
+  task = tasks.from_config(config.task)  # the arithmetic options (ops, digits) are not jsonl's
+  assert task.name == "jsonl:qa.jsonl"
+  assert len(task.rows("train", 0, seed=0)) + len(task.rows("eval", 0, seed=0)) == 40
+  assert len(task.rows("eval", 0, seed=0)) < 12  # eval_fraction 0.1, jsonl's default
+  args += ["--config.task.options.eval_fraction=0.5", "--config.task.options.instruction=!"]
+  config = workdir_lib.resolved_config(f"{ROOT}/configs/arith_ebpo.py:runlocal", args)
+  task = tasks.from_config(config.task)
+  assert task.format_prompt({"prompt": "q"}) == "q!" and len(task.rows("eval", 0, seed=0)) > 12
+  # Options of any type: a dict of dicts (Python literal), an int.
+  args = ["--config.task.name=reasoning_gym:chain_sum", "--config.task.options.levels=1"]
+  args += ["--config.task.options.dataset_cfg={'chain_sum': {'min_terms': 3, 'max_terms': 3}}"]
+  config = workdir_lib.resolved_config(f"{ROOT}/configs/arith_ebpo.py:runlocal", args)
+  task = tasks.from_config(config.task)
+  assert task.cluster_names == ["chain_sum"]
+  row = task.rows("train", 1, seed=0)[0]
+  assert len(row["meta"]["entry"]["metadata"]["expression"].split()) == 5  # "a + b + c"
+  # An option set to None is the task's own default; the arithmetic config's own options hold.
+  arith = workdir_lib.resolved_config(f"{ROOT}/configs/arith_ebpo.py:runlocal", [])
+  assert tasks.from_config(arith.task).cluster_names == ["add_1", "add_2"]

@@ -229,13 +229,19 @@ def test_an_ablation_reruns_a_variant_whose_config_changed(tmp_path, monkeypatch
 
 
 def test_keys_added_since_the_run_started_resume_at_their_old_meaning(arith_config, tmp_path):
-  # A workdir written before data.split and the column keys existed: its config.json lacks them.
+  # A workdir written before the ADDED_KEYS existed (data.split, the column keys, rewards.fns, the
+  # task options listed in common.py): its config.json lacks them.
   workdir = str(tmp_path)
   workdir_lib.check_and_save_config(workdir, arith_config())
   path = tmp_path / workdir_lib.CONFIG_FILE
   old = json.loads(path.read_text())
-  for key in ("split", "prompt_column", "answer_column", "cluster_column", "answer_regex"):
-    del old["data"][key]
+  for key in workdir_lib.ADDED_KEYS:
+    section, name = key.rsplit(".", 1)
+    node = old
+    for part in section.split("."):
+      node = node[part]
+    del node[name]
+  assert "path" not in old["task"]["options"] and "fns" not in old["rewards"]
   path.write_text(json.dumps(old))
   workdir_lib.check_and_save_config(workdir, arith_config())  # the defaults: what the run did
   path.write_text(json.dumps(old))

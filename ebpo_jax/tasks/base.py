@@ -22,11 +22,13 @@ class Task(abc.ABC):
   `score = staticmethod(fn)`. `tokenizer` is the task's own tokenizer for random-init models
   (arithmetic: characters; the others: UTF-8 bytes). `format_prompt(row)` is the text the model
   sees, `format_target(row)` the text a supervised warm start teaches it (the caller appends EOS).
+  `name_arg`: the constructor keyword that the `:ARG` part of the task's name sets (see `tasks`).
   """
 
   name: str
   cluster_names: list[str]
   score: ClassVar[Callable[[str, dict[str, Any]], float]]
+  name_arg: ClassVar[str | None] = None
   tokenizer: Any = None
   system_prompt: str | None = None
 

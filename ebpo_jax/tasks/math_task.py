@@ -126,6 +126,11 @@ def math_score(response: str, row: dict[str, Any]) -> float:
   return float(math_answers_equivalent(row["answer"], extract_math_answer(response)))
 
 
+def math_verify_reward(completions: list[str], rows: list[dict], **extras: Any) -> list[float]:
+  """`math_score` as a reward function (`reward_fns`, the built-in `math_verify`)."""
+  return [math_score(c, row) for c, row in zip(completions, rows, strict=True)]
+
+
 class MathTask(Task):
   """Math problems from a prepared rows file (`path`) or, without one, from
   `ebpo_jax.data.prepare.read_source(source)`; the eval split is a fixed `eval_fraction` of the

@@ -61,6 +61,7 @@ class ReasoningGymTask(Task):
   """One or several reasoning-gym datasets; clusters by dataset and difficulty level."""
 
   score = staticmethod(score_reasoning_gym)
+  name_arg = "datasets"  # reasoning_gym:chain_sum+basic_arithmetic
 
   def __init__(
     self,

@@ -6,6 +6,10 @@ crashed or killed one replaced, so the pool keeps working. Workers start with `f
 `spawn`), never `fork`: the trainer process runs JAX threads, which a forked child would inherit
 in an undefined state.
 
+Reward functions (`reward_fns`: batch in, one float or None per completion out) run in the same
+pool, one completion per call, under the same rules (`score_rewards`); their values may be any
+finite float.
+
 The timeout of a call starts when the worker has unpickled it (importing the verifier's module the
 first time), so slow first imports do not count; unpickling has its own, long, `start_timeout_s`.
 So verifier modules should import their heavy dependencies at module level, not lazily inside
@@ -79,20 +83,52 @@ class RewardPool:
     """(rewards float32 [N], number of calls that failed); failed calls score 0."""
     if len(responses) != len(rows):
       raise ValueError(f"{len(responses)} responses but {len(rows)} rows")
+    calls = [(_call, (score_fn, r, row)) for r, row in zip(responses, rows, strict=True)]
+    results = self._call_all(calls, [score_fn])
+    errors = self._note_errors([message for ok, _, message in results if not ok], "verifier")
+    rewards = np.array([value if ok else 0.0 for ok, value, _ in results], dtype=np.float32)
+    return rewards, errors
+
+  def score_rewards(
+    self,
+    reward_fns: Sequence[tuple[str, Callable[..., Sequence[Any]]]],
+    completions: Sequence[str],
+    rows: Sequence[dict[str, Any]],
+    extras: Sequence[dict[str, Any]],
+  ) -> tuple[np.ndarray, int]:
+    """(values float32 [F, N], number of calls that failed) of the reward functions, given as
+    (name, fn) (see `reward_fns`), each called on one completion at a time:
+    `fn([completions[i]], [rows[i]], **extras[i])`. None is NaN; a failed call scores 0."""
+    if not len(completions) == len(rows) == len(extras):
+      raise ValueError(f"{len(completions)} completions, {len(rows)} rows, {len(extras)} extras")
+    calls = [
+      (_call_reward, (fn, c, row, ex))
+      for _, fn in reward_fns
+      for c, row, ex in zip(completions, rows, extras, strict=True)
+    ]
+    results = self._call_all(calls, [fn for _, fn in reward_fns])
+    names = [name for name, _ in reward_fns for _ in completions]
+    failed = [f"{name}: {m}" for name, (ok, _, m) in zip(names, results, strict=True) if not ok]
+    errors = self._note_errors(failed, "reward function")
+    values = [(np.nan if value is None else value) if ok else 0.0 for ok, value, _ in results]
+    # float32 like the verifier's rewards: the same values after a gather over processes.
+    return np.array(values, np.float32).reshape(len(reward_fns), len(completions)), errors
+
+  def _call_all(self, calls: list[tuple[Callable, tuple]], fns: Sequence[Callable]) -> list:
+    """(ok, value, message) of each `runner(*args)` of `calls`, in the workers or inline."""
     if not self._finalizer.alive:
       raise RuntimeError("this RewardPool is closed")
     if not self._workers:
-      results = _score_inline(score_fn, responses, rows, self.timeout_s)
-    else:
-      _check_picklable(score_fn)
-      jobs = [pickle.dumps((score_fn, r, row)) for r, row in zip(responses, rows, strict=True)]
-      results = self._run_all(jobs)
-    errors = [message for ok, value, message in results if not ok]
+      return _run_inline(calls, self.timeout_s)
+    for fn in fns:
+      _check_picklable(fn)
+    return self._run_all([pickle.dumps(call) for call in calls])
+
+  def _note_errors(self, errors: list[str], kind: str) -> int:
     self.last_errors = errors[:10]
     if errors:
-      _log.warning("%d of %d verifier calls failed; first: %s", len(errors), len(rows), errors[0])
-    rewards = np.array([value if ok else 0.0 for ok, value, _ in results], dtype=np.float32)
-    return rewards, len(errors)
+      _log.warning("%d %s calls failed; first: %s", len(errors), kind, errors[0])
+    return len(errors)
 
   def _run_all(self, jobs: list[bytes]) -> list[tuple[bool, float, str]]:
     """Runs the jobs; if interrupted (e.g. Ctrl-C), replaces the busy workers before re-raising,
@@ -224,7 +260,7 @@ def _stop_all(workers: list[_Worker]) -> None:
 
 
 def _worker_main(conn: multiprocessing.connection.Connection) -> None:
-  """Worker loop: receive a pickled (fn, response, row), say "started", run it, send the result."""
+  """Worker loop: receive a pickled (runner, args), say "started", run it, send the result."""
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
   while True:
     try:
@@ -234,12 +270,12 @@ def _worker_main(conn: multiprocessing.connection.Connection) -> None:
     if not job:
       return
     try:
-      score_fn, response, row = pickle.loads(job)
+      runner, args = pickle.loads(job)
     except Exception as e:
       conn.send(("error", f"cannot unpickle the call: {e!r}"))
       continue
     conn.send(("started", None))
-    ok, value, message = _call(score_fn, response, row)
+    ok, value, message = runner(*args)
     conn.send(("ok", value) if ok else ("error", message))
 
 
@@ -257,13 +293,33 @@ def _call(score_fn: ScoreFn, response: str, row: dict[str, Any]) -> tuple[bool, 
   return True, value, ""
 
 
-def _score_inline(
-  score_fn: ScoreFn, responses: Sequence[str], rows: Sequence[dict[str, Any]], timeout_s: float
+def _call_reward(
+  reward_fn: Callable[..., Sequence[Any]], completion: str, row: dict[str, Any], extras: dict
+) -> tuple[bool, float | None, str]:
+  """(ok, value or None, error message) of one reward function on one completion."""
+  try:
+    values = reward_fn([completion], [row], **extras)
+  except Exception as e:
+    return False, 0.0, f"{type(e).__name__}: {e}"
+  if not isinstance(values, Sequence | np.ndarray) or len(values) != 1:
+    return False, 0.0, f"returned {values!r}, not a list of 1 value (float or None)"
+  value = values[0]
+  if value is None:
+    return True, None, ""
+  if isinstance(value, bool) or not isinstance(value, int | float | np.number):
+    return False, 0.0, f"returned {type(value).__name__} {value!r}, not a number or None"
+  if not math.isfinite(value):
+    return False, 0.0, f"returned {value}"
+  return True, float(value), ""
+
+
+def _run_inline(
+  calls: list[tuple[Callable, tuple]], timeout_s: float
 ) -> list[tuple[bool, float, str]]:
-  """The calls in this process, each with a SIGALRM timeout when on the main thread."""
-  calls = list(zip(responses, rows, strict=True))
+  """`runner(*args)` of each call in this process, each with a SIGALRM timeout when on the main
+  thread."""
   if threading.current_thread() is not threading.main_thread():
-    return [_call(score_fn, response, row) for response, row in calls]
+    return [runner(*args) for runner, args in calls]
 
   def on_alarm(signum: int, frame: Any) -> None:
     raise VerifierTimeout(f"timed out after {timeout_s:g} s")
@@ -271,11 +327,11 @@ def _score_inline(
   previous = signal.signal(signal.SIGALRM, on_alarm)
   try:
     results = []
-    for response, row in calls:
+    for runner, args in calls:
       try:  # the alarm may also fire just after the call returns, before it is disarmed
         signal.setitimer(signal.ITIMER_REAL, timeout_s)
         try:
-          result = _call(score_fn, response, row)
+          result = runner(*args)
         finally:
           signal.setitimer(signal.ITIMER_REAL, 0)
       except VerifierTimeout as e:

@@ -15,7 +15,8 @@ from typing import Any
 import ml_collections
 from absl import logging
 
-from ebpo_jax import advantages, data, files, losses, models, sharding
+from ebpo_jax import advantages, data, files, losses, metrics, models, sharding
+from ebpo_jax.tasks import reward_fns
 
 
 class ConfigError(ValueError):
@@ -200,6 +201,11 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
     f"must divide mini_batch_size * group_size = {mini_rows}",
   )
   _check_counts_and_rates(config)
+  try:  # imports the functions' modules: a bad path is one line before anything compiles
+    for fn in reward_fns.load(config.rewards.fns):
+      metrics.reward_fn_key(fn.name)
+  except ValueError as e:
+    raise ConfigError(f"config.rewards.fns={config.rewards.fns!r}: {e}") from None
   data_shards = _data_shards(config, num_devices)
   _require(
     micro % data_shards == 0 and tc.batch_size % data_shards == 0,

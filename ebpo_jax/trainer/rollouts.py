@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ebpo_jax import data, losses, models, sampling, sharding, tasks
 from ebpo_jax import metrics as metrics_lib
+from ebpo_jax.tasks import reward_fns as reward_fns_lib
 from ebpo_jax.tasks import rewards as rewards_lib
 from ebpo_jax.trainer.state import StepKeys, load_tokenizer
 
@@ -34,9 +35,9 @@ class Rollout:
   # On the host (NumPy / Python), the same on every process.
   rows: list[dict]  # [N] the data rows
   texts: list[str]  # [N*G] decoded completions
-  rewards: np.ndarray  # [N, G] float32, the task's rewards
+  rewards: np.ndarray  # [N, G] float32: the task's verifier, or the weighted sum of rewards.fns
   lengths: np.ndarray  # [N*G] int32 completion lengths (the stop token included)
-  errors: int  # failed verifier calls
+  errors: int  # failed verifier (or reward function) calls
   # On the devices (global arrays, rows over the mesh's batch axes).
   prompt_ids: jax.Array  # [N, P] int32, left-padded
   prompt_mask: jax.Array  # [N, P] bool
@@ -45,6 +46,9 @@ class Rollout:
   old_logps: jax.Array  # [N*G, T] float32: log-probs of the sampling policy at temperature 1
   truncated: jax.Array  # [N*G] bool: no stop token within max_new_tokens
   nonfinite: jax.Array  # [N*G] bool: the sampler met non-finite logits (the step is bad)
+  # On the host: each reward function's values {name: [N, G] float32, NaN where it returned None}
+  # (training rollouts with rewards.fns; else empty).
+  reward_parts: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
   @property
   def group_size(self) -> int:
@@ -77,6 +81,9 @@ def _concat_rollouts(parts: Sequence[Rollout]) -> Rollout:
     lengths=np.concatenate([p.lengths for p in parts]),
     errors=sum(p.errors for p in parts),
     **{f: cat(f) for f in _DEVICE_FIELDS},
+    reward_parts={
+      k: np.concatenate([p.reward_parts[k] for p in parts]) for k in parts[0].reward_parts
+    },
   )
 
 
@@ -120,11 +127,23 @@ def generate_options(config, tokenizer, *, group_size: int, greedy: bool) -> dic
 
 
 class Sampler:
-  """Samples and scores completions of data rows with the policy's jitted sampler."""
+  """Samples and scores completions of data rows with the policy's jitted sampler. Training
+  rollouts are scored with `reward_fns` when there are any (config.rewards.fns), every other
+  rollout (evaluation) with the task's verifier."""
 
-  def __init__(self, model: models.Decoder, task: tasks.Task, tokenizer, config, pool, mesh: Mesh):
+  def __init__(
+    self,
+    model: models.Decoder,
+    task: tasks.Task,
+    tokenizer,
+    config,
+    pool,
+    mesh: Mesh,
+    reward_fns: Sequence[reward_fns_lib.RewardFn] = (),
+  ):
     self.model, self.task, self.tokenizer = model, task, tokenizer
     self.config, self.pool, self.mesh = config, pool, mesh
+    self.reward_fns = tuple(reward_fns)
 
   def prompts(self, rows: Sequence[dict]) -> tuple[np.ndarray, np.ndarray]:
     """Host `(ids, mask)` [N, P] of the rows' prompts, left-padded to a length bucket."""
@@ -135,11 +154,19 @@ class Sampler:
     )
 
   def rollout(
-    self, params, rows: Sequence[dict], key: jax.Array, *, group_size: int, greedy: bool
+    self,
+    params,
+    rows: Sequence[dict],
+    key: jax.Array,
+    *,
+    group_size: int,
+    greedy: bool,
+    training: bool = False,
   ) -> Rollout:
     """`group_size` scored completions of each row, `sampling.prompts_per_call` rows per sampler
     call (0: all at once). A short last call is padded with copies of its last prompt, so every
-    call has one shape (one compile); the copies' completions are dropped."""
+    call has one shape (one compile); the copies' completions are dropped. `training`: scored
+    with the reward functions (when configured), else with the task's verifier."""
     rows = list(rows)
     prompt_ids, prompt_mask = self.prompts(rows)
     chunk = self.config.sampling.prompts_per_call or len(rows)
@@ -151,10 +178,14 @@ class Sampler:
       fill = np.full(chunk - len(ids), len(ids) - 1)
       ids, mask = np.concatenate([ids, ids[fill]]), np.concatenate([mask, mask[fill]])
       call_rows = rows[start : start + chunk]
-      parts.append(self._sample_call(params, ids, mask, call_key, call_rows, group_size, greedy))
+      parts.append(
+        self._sample_call(params, ids, mask, call_key, call_rows, group_size, greedy, training)
+      )
     return _concat_rollouts(parts)
 
-  def _sample_call(self, params, ids, mask, key, rows, group_size: int, greedy: bool) -> Rollout:
+  def _sample_call(
+    self, params, ids, mask, key, rows, group_size: int, greedy: bool, training: bool
+  ) -> Rollout:
     """One sampler call over (possibly padded) prompts: they are placed on the mesh once, the
     completions fetched in one transfer, and those of the first len(rows) prompts scored."""
     sc = self.config.sampling
@@ -180,7 +211,8 @@ class Sampler:
       tokens, lengths = tokens[: n * group_size], lengths[: n * group_size]
     lengths = lengths.astype(np.int32)
     texts = [self.tokenizer.decode(t[:k].tolist()) for t, k in zip(tokens, lengths, strict=True)]
-    rewards, errors = self._verify(texts, rows, group_size)
+    fns = self.reward_fns if training else ()
+    rewards, reward_parts, errors = self._score(texts, rows, lengths, group_size, fns)
     return Rollout(
       rows=rows,
       texts=texts,
@@ -194,21 +226,40 @@ class Sampler:
       old_logps=out.logprobs,
       truncated=out.truncated,
       nonfinite=out.nonfinite,
+      reward_parts=reward_parts,
     )
 
-  def _verify(self, texts: list[str], rows: list[dict], group_size: int):
-    """Rewards [N, G] and the number of failed verifier calls. With several processes each
-    scores its own contiguous share of the completions and all receive every reward."""
+  def _score(self, texts: list[str], rows: list[dict], lengths: np.ndarray, group_size: int, fns):
+    """(rewards [N, G] float32, each reward function's values {name: [N, G]}, failed calls): the
+    weighted sum of `fns`, or without any the task's verifier. With several processes each scores
+    its own contiguous share of the completions and all receive every value."""
     rows_g = [row for row in rows for _ in range(group_size)]
     share = -(-len(texts) // jax.process_count())
     mine = slice(jax.process_index() * share, (jax.process_index() + 1) * share)
-    rewards, errors = self.pool.score(self.task.score, texts[mine], rows_g[mine])
+    if fns:
+      max_new_tokens = self.config.sampling.max_new_tokens
+      extras = [
+        {"lengths": [int(n)], "max_new_tokens": max_new_tokens, "task_score": self.task.score}
+        for n in lengths[mine]
+      ]
+      named = [(f.name, f.fn) for f in fns]
+      values, errors = self.pool.score_rewards(named, texts[mine], rows_g[mine], extras)
+    else:
+      rewards, errors = self.pool.score(self.task.score, texts[mine], rows_g[mine])
+      values = rewards[None]  # [1, n]
     if jax.process_count() > 1:
-      padded = np.zeros(share, np.float32)
-      padded[: len(rewards)] = rewards
-      gathered = multihost_utils.process_allgather(np.concatenate([padded, [errors]]))
-      rewards, errors = gathered[:, :share].reshape(-1)[: len(texts)], int(gathered[:, -1].sum())
-    return np.asarray(rewards, np.float32).reshape(len(rows), group_size), errors
+      padded = np.zeros((len(values), share), values.dtype)
+      padded[:, : values.shape[1]] = values
+      gathered = multihost_utils.process_allgather(np.concatenate([padded.reshape(-1), [errors]]))
+      by_process = gathered[:, :-1].reshape(len(gathered), len(values), share)
+      values = by_process.transpose(1, 0, 2).reshape(len(values), -1)[:, : len(texts)]
+      errors = int(gathered[:, -1].sum())
+    shape = (len(rows), group_size)
+    if not fns:
+      return np.asarray(values[0], np.float32).reshape(shape), {}, errors
+    total = reward_fns_lib.combine(values, [f.weight for f in fns])
+    parts = {f.name: v.reshape(shape) for f, v in zip(fns, values, strict=True)}
+    return total.reshape(shape), parts, errors
 
 
 def load_task_and_rows(
@@ -223,7 +274,7 @@ def load_task_and_rows(
   a prompt longer than the largest of `sampling.prompt_buckets`, is a DataError line per row
   (`FILE:LINE:`), or with `data.skip_bad_rows` a dropped row, counted on stderr.
   """
-  task = tasks.get_task(config.task.name, **config.task.options)
+  task = tasks.from_config(config.task)
   check = row_checker(task, load_tokenizer(config, task), config.sampling.prompt_buckets)
   skip = config.data.skip_bad_rows
   if config.data.path:
@@ -321,6 +372,7 @@ def _select_groups(parts: Sequence[Rollout], picks: Sequence[np.ndarray], mesh) 
     lengths=whole.lengths[responses],
     errors=whole.errors,
     **gathered,
+    reward_parts={k: v[prompts] for k, v in whole.reward_parts.items()},
   )
 
 
@@ -366,7 +418,12 @@ def collect_batch(
   """
   rl = sampler.config.rl
   sample = lambda key: sampler.rollout(
-    params, [rows[i] for i in next(batches)], key, group_size=rl.group_size, greedy=False
+    params,
+    [rows[i] for i in next(batches)],
+    key,
+    group_size=rl.group_size,
+    greedy=False,
+    training=True,
   )
   parts = [sample(keys.rollout)]
   rollout, logs = parts[0], {}
@@ -383,6 +440,11 @@ def collect_batch(
       metrics_lib.REWARD_OVERLONG_PENALTY: float((rewards - rollout.rewards).mean()),
     }
   )
+  if rollout.reward_parts:  # each reward function's mean over the batch, beside reward/mean
+    names = list(rollout.reward_parts)
+    values = np.stack([rollout.reward_parts[n].reshape(-1) for n in names])
+    means = reward_fns_lib.means(values)
+    logs.update({metrics_lib.reward_fn_key(n): float(m) for n, m in zip(names, means, strict=True)})
   return to_batch(rollout, rewards, sampler.mesh), rollout, logs
 
 
@@ -442,6 +504,8 @@ def sample_and_score(
 
 
 def make_sampler(model, task, tokenizer, config: ml_collections.ConfigDict, mesh) -> Sampler:
-  """A Sampler with its own verifier pool (close it with `sampler.pool.close()`)."""
+  """A Sampler with its own verifier pool (close it with `sampler.pool.close()`) and the reward
+  functions of `config.rewards.fns`."""
+  fns = reward_fns_lib.load(config.rewards.fns)
   pool = rewards_lib.RewardPool(config.rewards.workers, config.rewards.timeout_s)
-  return Sampler(model, task, tokenizer, config, pool, mesh)
+  return Sampler(model, task, tokenizer, config, pool, mesh, fns)

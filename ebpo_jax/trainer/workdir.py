@@ -67,6 +67,20 @@ ADDED_KEYS = {
   "data.answer_column": "answer",
   "data.cluster_column": "cluster",
   "data.answer_regex": "",
+  "rewards.fns": "",
+  **{
+    f"task.options.{name}": None  # a task takes the options that are not None
+    for name in (
+      "clusters",
+      "path",
+      "eval_path",
+      "source",
+      "levels",
+      "dataset_cfg",
+      "eval_fraction",
+      "instruction",
+    )
+  },
 }
 # Keys about this invocation only (the workdir's own switches): never compared.
 SESSION_PREFIX = "workdir."

@@ -1,0 +1,89 @@
+"""The README's three recipes (a reward, a task, an estimator) work as written: their code, taken
+from the README, runs here with the registries patched as the recipes' one-line edits would patch
+them (the trainer runs of the recipes are the e2e test of rewards.fns and `:runlocal`)."""
+
+import pathlib
+import shlex
+import sys
+import textwrap
+
+import jax.numpy as jnp
+import numpy as np
+
+from ebpo_jax import advantages, tasks
+from ebpo_jax.advantages import estimators, registry
+from ebpo_jax.tasks import reward_fns
+from ebpo_jax.tasks.arithmetic import score_arithmetic
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+SECTION = (ROOT / "README.md").read_text().split("## Extending", 1)[1].split("\n## ", 1)[0]
+
+
+def block(first_line: str) -> str:
+  """The README code (4-space indented lines) from the line after `first_line` to the next
+  comment line, command or prose."""
+  lines = SECTION.splitlines()
+  start = next(i for i, line in enumerate(lines) if line.strip() == first_line) + 1
+  out = []
+  for line in lines[start:]:
+    code = line.startswith("    ") or not line.strip()
+    if line.startswith("    # ") or "python -m ebpo_jax" in line or not code:
+      break
+    out.append(line)
+  return textwrap.dedent("\n".join(out)).strip() + "\n"
+
+
+def command(word: str) -> list[str]:
+  """The README command (continued lines joined) that holds `word`, split as a shell would."""
+  text = SECTION.replace("\\\n", " ")
+  (line,) = [ln for ln in text.splitlines() if "python -m ebpo_jax.train" in ln and word in ln]
+  return shlex.split(line)
+
+
+def test_the_reward_recipe(tmp_path, monkeypatch):
+  (tmp_path / "my_rewards.py").write_text(block("# my_rewards.py, anywhere on PYTHONPATH"))
+  monkeypatch.syspath_prepend(str(tmp_path))
+  (spec,) = [w.split("=", 1)[1] for w in command("brevity") if w.startswith("--config.rewards.fns")]
+  task, brevity = reward_fns.load(spec)
+  assert (task.name, task.weight, brevity.name, brevity.weight) == ("task", 1.0, "brevity", 0.5)
+  rows = [{"answer": "12"}] * 3
+  assert brevity.fn(["12", "123", ""], rows, lengths=[3, 4, 1]) == [1.0, 0.0, None]
+  got = task.fn(["12", "13", ""], rows, task_score=score_arithmetic)
+  assert got == [1.0, 0.0, 0.0]
+  sys.modules.pop("my_rewards", None)
+
+
+def test_the_task_recipe(tmp_path, monkeypatch):
+  (tmp_path / "reverse_recipe.py").write_text(block("# ebpo_jax/tasks/reverse.py"))
+  monkeypatch.syspath_prepend(str(tmp_path))
+  entry = block("# ebpo_jax/tasks/__init__.py, in TASKS:").strip()
+  assert entry == '"reverse": "ebpo_jax.tasks.reverse:ReverseTask",'
+  monkeypatch.setitem(tasks.TASKS, "reverse", "reverse_recipe:ReverseTask")
+  assert "--config.task.name=reverse" in command("reverse")
+  task = tasks.get_task("reverse", eval_fraction=0.3)
+  train, evals = task.rows("train", 40, seed=0), task.rows("eval", 10, seed=0)
+  assert len(train) == 40 and len(evals) == 10
+  assert not {r["prompt"] for r in train} & {r["prompt"] for r in evals}
+  assert {r["cluster"] for r in train} == {0, 1} and task.rows("train", 40, seed=0) == train
+  row = train[0]
+  assert task.score(row["prompt"].split()[1][:-1][::-1], row) == 1.0
+  assert task.score("x", row) == 0.0
+  sys.modules.pop("reverse_recipe", None)
+
+
+def test_the_estimator_recipe(monkeypatch):
+  namespace = dict(vars(estimators))
+  exec(block("# estimators.py"), namespace)
+  namespace = {**vars(registry), "_sign": namespace["_sign"]}
+  exec(block("# registry.py: import _sign beside _rloo, then"), namespace)
+  entry = block("# and in _SPECS:").strip().removesuffix(",")
+  name, spec = entry.split(": ", 1)
+  monkeypatch.setitem(registry._SPECS, eval(name), eval(spec, namespace))
+  assert "--config.rl.advantage=sign" in command("sign")
+  estimator = advantages.from_config({"advantage": "sign", "eps": 1e-6})
+  rewards = jnp.array([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0]])
+  adv, _, metrics = estimator(rewards, None, jnp.zeros(3, jnp.int32), estimator.init_prior(1))
+  # Means 0.5, 1, 0.25: signs of r - mean; an equal group gets 0.
+  expected = [[1, -1, -1, 1], [0, 0, 0, 0], [-1, -1, -1, 1]]
+  np.testing.assert_array_equal(adv, expected)
+  assert metrics == {}

@@ -1,0 +1,185 @@
+"""Tests for tasks.reward_fns: the `config.rewards.fns` string, the weighted sum with None, the
+built-ins, and reward functions in the verifier pool (failures score 0 and are counted, a hang is
+bounded). The reward functions below are top-level, so that the workers can import them."""
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from ebpo_jax import metrics
+from ebpo_jax.tasks import reward_fns
+from ebpo_jax.tasks.arithmetic import score_arithmetic
+from ebpo_jax.tasks.math_task import math_verify_reward
+from ebpo_jax.tasks.rewards import RewardPool
+
+HERE = __name__  # the module path the workers import these functions by
+
+
+def first_char(completions, rows, **extras):
+  """0.5 for "a...", None (not applicable) for "-...", else 0.25."""
+  return [{"a": 0.5, "-": None}.get(c[:1], 0.25) for c in completions]
+
+
+def misbehaving(completions, rows, **extras):
+  c = completions[0]
+  if c == "raise":
+    raise RuntimeError("reward bug")
+  if c == "hang":
+    time.sleep(60)
+  return {"two": [1.0, 2.0], "str": ["1"], "nan": [float("nan")], "neg": [-3.0]}.get(c, [1.0])
+
+
+def wants_extras(completions, rows, *, lengths, max_new_tokens, task_score, **extras):
+  triples = zip(completions, rows, lengths, strict=True)
+  return [n / max_new_tokens + task_score(c, r) for c, r, n in triples]
+
+
+# ------------------------------------------------------------------------------ the config string
+
+
+def test_parse_terms_names_and_weights():
+  terms = reward_fns.parse(f" math_verify , 0.5*{HERE}:first_char, short=-1e-1*length_penalty,")
+  assert terms == [
+    ("math_verify", 1.0, "ebpo_jax.tasks.math_task:math_verify_reward"),
+    ("first_char", 0.5, f"{HERE}:first_char"),
+    ("short", -0.1, "ebpo_jax.tasks.reward_fns:length_penalty"),
+  ]
+  assert reward_fns.parse("") == []
+
+
+@pytest.mark.parametrize(
+  "spec, message",
+  [
+    ("math_verfy", "'math_verfy' is neither a built-in .* nor 'package.module:function'"),
+    ("half*task", "weight 'half' is not a number"),
+    ("inf*task", "weight must be finite"),
+    ("task, 2*task", "a second term named 'task' \\(set NAME=\\)"),
+    ("my-name=task", "name 'my-name' is not an identifier"),
+    ("pkg/mod:f", "neither a built-in"),
+  ],
+)
+def test_parse_errors_name_the_term(spec, message):
+  with pytest.raises(ValueError, match=message):
+    reward_fns.parse(spec)
+
+
+def test_load_imports_by_path_and_names_what_is_missing():
+  fns = reward_fns.load(f"exact_match, 0.5*{HERE}:first_char")
+  assert [(f.name, f.weight, f.fn) for f in fns] == [
+    ("exact_match", 1.0, reward_fns.exact_match),
+    ("first_char", 0.5, first_char),
+  ]
+  with pytest.raises(ValueError, match="^reward 'f': cannot import 'no_such_mod' "):
+    reward_fns.load("no_such_mod:f")
+  with pytest.raises(ValueError, match=f"^reward 'nope': module '{HERE}' has no 'nope'$"):
+    reward_fns.load(f"{HERE}:nope")
+  with pytest.raises(ValueError, match="^reward 'HERE': .*HERE is a str, not a function$"):
+    reward_fns.load(f"{HERE}:HERE")
+
+
+def test_reward_metric_names():
+  assert metrics.reward_fn_key("brevity") == "reward/brevity"
+  for taken in ("mean", "errors", "overlong_penalty"):
+    with pytest.raises(ValueError, match=f"reward name '{taken}' is taken"):
+      metrics.reward_fn_key(taken)
+
+
+# ------------------------------------------------------------------------------ the weighted sum
+
+
+def test_combine_golden_values():
+  # Two functions, weights 1 and 0.5, over 3 completions; NaN is a None.
+  values = np.array([[1.0, 0.0, 1.0], [0.5, np.nan, -1.0]])
+  total = reward_fns.combine(values, [1.0, 0.5])
+  # 1 + 0.5*0.5 = 1.25;  0 + (None adds 0) = 0;  1 + 0.5*(-1) = 0.5.
+  # A None read as 0 gives the same total here; a None read as NaN (np.sum) gives NaN.
+  np.testing.assert_array_equal(total, [1.25, 0.0, 0.5])
+  assert total.dtype == np.float32
+  # Means leave the Nones out: (0.5 - 1) / 2 = -0.25, not (0.5 + 0 - 1) / 3.
+  np.testing.assert_array_equal(reward_fns.means(values), [2 / 3, -0.25])
+  assert np.isnan(reward_fns.means(np.full((1, 2), np.nan))[0])  # nothing applicable: NaN
+
+
+def test_builtins():
+  rows = [{"answer": "1,000"}, {"answer": "\\frac{1}{2}"}, {"answer": "7"}]
+  completions = ["so\nAnswer: 1000", "Answer: $0.5$", "7\n"]
+  assert reward_fns.exact_match(completions, rows) == [1.0, 0.0, 1.0]
+  assert reward_fns.answer_format(completions, rows) == [1.0, 1.0, 0.0]
+  assert reward_fns.answer_format(["Answer:", "answer: x\n\n", ""], rows) == [0.0, 1.0, 0.0]
+  assert math_verify_reward(completions, rows) == [1.0, 1.0, 0.0]  # 7 has no Answer: line
+  penalty = reward_fns.length_penalty(completions, rows, lengths=[0, 2, 8], max_new_tokens=4)
+  assert penalty == [0.0, -0.5, -1.0]  # capped at -1
+  arith = [{"answer": "3"}, {"answer": "4"}]
+  got = reward_fns.task_verifier(["3", "5"], arith, task_score=score_arithmetic, lengths=[1, 1])
+  assert got == [1.0, 0.0]
+
+
+# ------------------------------------------------------------------------------ in the pool
+
+COMPLETIONS = ["ok", "raise", "two", "str", "nan", "neg", "ok"]
+
+
+def _extras(n):
+  return [{"lengths": [2], "max_new_tokens": 4, "task_score": score_arithmetic}] * n
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_pool_scores_reward_functions_and_counts_failures(workers):
+  rows = [{"answer": "ok"}] * len(COMPLETIONS)
+  named = [("misbehaving", misbehaving), ("first_char", first_char)]
+  with RewardPool(workers=workers, timeout_s=2.0) as pool:
+    values, errors = pool.score_rewards(named, COMPLETIONS, rows, _extras(len(rows)))
+    # raise, two values, a string and NaN fail (score 0, counted); -3 is a fine value.
+    np.testing.assert_array_equal(values[0], [1, 0, 0, 0, 0, -3, 1])
+    np.testing.assert_array_equal(values[1], [0.25] * 7)
+    assert errors == 4
+    assert pool.last_errors[0] == "misbehaving: RuntimeError: reward bug"
+    values, errors = pool.score_rewards([("e", wants_extras)], ["ok"], rows[:1], _extras(1))
+    assert values.tolist() == [[1.5]] and errors == 0  # 2/4 + score_arithmetic("ok", ok) = 1
+    values, _ = pool.score_rewards([("f", first_char)], ["-x", "ab"], rows[:2], _extras(2))
+    assert np.isnan(values[0, 0]) and values[0, 1] == 0.5  # None is NaN
+
+
+def test_pool_bounds_a_hanging_reward_function():
+  with RewardPool(workers=1, timeout_s=0.5) as pool:
+    start = time.monotonic()
+    values, errors = pool.score_rewards([("m", misbehaving)], ["hang", "ok"], [{}, {}], _extras(2))
+    assert time.monotonic() - start < 10.0
+    assert values.tolist() == [[0.0, 1.0]] and errors == 1
+    assert pool.last_errors == ["m: timed out after 0.5 s (running)"]
+
+
+# ------------------------------------------------------------------------------ in the trainer
+
+REWARD_MODULE = '''
+def short(completions, rows, **extras):
+  """1.0 for a completion of at most 2 characters (a 1- or 2-digit sum), else 0.0."""
+  return [float(len(c) <= 2) for c in completions]
+'''
+
+
+@pytest.mark.e2e
+def test_trainer_logs_a_reward_function_beside_math_verify(trainer_cli, tmp_path, monkeypatch):
+  # A reward module that only the trainer's PYTHONPATH finds, weight 0.5 beside the built-in
+  # math_verify (in worker processes: it times out with signals).
+  (tmp_path / "my_rewards.py").write_text(REWARD_MODULE)
+  monkeypatch.setenv(
+    "PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+  )
+  result = trainer_cli(
+    tmp_path / "run",
+    "--config.rewards.fns=math_verify, 0.5*my_rewards:short",
+    "--config.rewards.workers=1",
+    "--config.train.num_steps=1",
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  train = [m for m in metrics.read_metrics(tmp_path / "run") if "reward/mean" in m]
+  assert len(train) == 1
+  line = train[0]
+  assert line["reward/errors"] == 0
+  # The weighted total: 1 x math_verify + 0.5 x short, averaged (no None, no overlong penalty).
+  expected = line["reward/math_verify"] + 0.5 * line["reward/short"]
+  assert line["reward/mean"] == pytest.approx(expected, abs=1e-6)
+  assert 0 < line["reward/short"] <= 1
