@@ -4,9 +4,10 @@
 
 POINT is `eval` (the evaluation line of STEP has just reached metrics.jsonl, its checkpoint not
 yet started), `save` (the checkpoint of STEP has just started: orbax is writing it in the
-background) or `train` (the training line of STEP has just reached metrics.jsonl). Nothing in the
-trainer knows about this: the moments are found by wrapping its checkpoint and metrics writers,
-then the trainer runs as `python -m ebpo_jax.train` would run it.
+background) or `train` (the training line of STEP has just reached metrics.jsonl); `term` sends
+SIGTERM instead, right after the training line of STEP (the trainer then saves and exits 143).
+Nothing in the trainer knows about this: the moments are found by wrapping its checkpoint and
+metrics writers, then the trainer runs as `python -m ebpo_jax.train` would run it.
 """
 
 import os
@@ -18,30 +19,26 @@ from ebpo_jax import checkpoint
 from ebpo_jax import metrics as metrics_lib
 
 
-def _die() -> None:
-  os.kill(os.getpid(), signal.SIGKILL)
-
-
 def _kill_in_save(step: int) -> None:
   save = checkpoint.Checkpointer.save
 
   def killing_save(self, at, *args, **kwargs):
     started = save(self, at, *args, **kwargs)
     if started and at == step and os.path.basename(str(self.directory)) == "checkpoints":
-      _die()
+      os.kill(os.getpid(), signal.SIGKILL)
     return started
 
   checkpoint.Checkpointer.save = killing_save
 
 
-def _kill_after_line(step: int, key: str) -> None:
+def _kill_after_line(step: int, key: str, signum: int = signal.SIGKILL) -> None:
   write = metrics_lib.MetricsWriter.write
 
   def killing_write(self, at, values):
     write(self, at, values)
     if at == step and key in values:
       self.flush()
-      _die()
+      os.kill(os.getpid(), signum)
 
   metrics_lib.MetricsWriter.write = killing_write
 
@@ -50,6 +47,8 @@ def main() -> None:
   point, step = sys.argv.pop(1).split(":")
   if point == "save":
     _kill_in_save(int(step))
+  elif point == "term":
+    _kill_after_line(int(step), "reward/mean", signal.SIGTERM)
   else:
     _kill_after_line(int(step), {"eval": "eval/accuracy", "train": "reward/mean"}[point])
   runpy.run_module("ebpo_jax.train", run_name="__main__", alter_sys=True)  # python -m, wrapped

@@ -17,7 +17,7 @@ from ebpo_jax.models import convert, from_pretrained, gguf_io, init_cache
 from ebpo_jax.models.decoder import unstack_layers
 from ebpo_jax.tasks.tokenizers import HFTokenizer
 
-NEW_TOKENS = 32
+NEW_TOKENS = 16
 CHAT = [{"role": "user", "content": "Write a short poem about the sea and the stars."}]
 
 
