@@ -250,9 +250,13 @@ def remove_tree(path: PathLike) -> None:
 
 def move_tree(source: PathLike, target: PathLike) -> None:
   """Moves directory `source` to `target` (which must not exist), creating its parents. Remote:
-  gcsfs copies each object within the store (no download) and then deletes the originals."""
+  each object is copied within the store (no download), then the originals are deleted (not
+  gcsfs's `mv`: it first tries the moveTo API, which only hierarchical-namespace buckets serve,
+  and retries it for half a minute elsewhere)."""
   if is_remote(source):
-    fsspec.filesystem("gs").mv(os.fspath(source), os.fspath(target), recursive=True)
+    store = fsspec.filesystem("gs")
+    store.copy(os.fspath(source), os.fspath(target), recursive=True)
+    store.rm(os.fspath(source), recursive=True)
   else:
     os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
     os.rename(source, target)
