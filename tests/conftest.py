@@ -22,7 +22,9 @@ sharding.size_cpu_thread_pools()  # as the entry points do: 8 devices on 2 cores
 
 import atexit  # noqa: E402
 import dataclasses  # noqa: E402
+import fcntl  # noqa: E402
 import functools  # noqa: E402
+import json  # noqa: E402
 import pathlib  # noqa: E402
 import re  # noqa: E402
 import shutil  # noqa: E402
@@ -218,11 +220,22 @@ def trainer_cli() -> Callable[..., Any]:
 @pytest.fixture(scope="session")
 def arith_run(tmp_path_factory):
   """(workdir, CompletedProcess) of 4 RL steps of configs/arith_ebpo.py:runlocal on 8 devices
-  (eval and checkpoints every 2 steps), shared by the trainer's and the tools' e2e tests."""
-  workdir = tmp_path_factory.mktemp("arith_run")
-  result = run_trainer(workdir, "--config.train.num_steps=4")
-  assert result.returncode == 0, result.stderr[-3000:]
-  return workdir, result
+  (eval and checkpoints every 2 steps), shared by the trainer's and the tools' e2e tests (which
+  only read it): run once per session, by the first xdist worker to ask (a file lock in the
+  session's temporary root); the others wait for it and read its outputs."""
+  root = tmp_path_factory.getbasetemp()
+  if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's base is under the session's own
+    root = root.parent
+  workdir, done = root / "arith_run", root / "arith_run.json"
+  with open(root / "arith_run.lock", "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if not done.exists():
+      result = run_trainer(workdir, "--config.train.num_steps=4")
+      assert result.returncode == 0, result.stderr[-3000:]
+      outputs = {"args": result.args, "stdout": result.stdout, "stderr": result.stderr}
+      done.write_text(json.dumps(outputs))
+  outputs = json.loads(done.read_text())
+  return workdir, subprocess.CompletedProcess(returncode=0, **outputs)
 
 
 # ----------------------------------------------------------------------------- checkpoints
