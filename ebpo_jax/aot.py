@@ -69,6 +69,7 @@ from ebpo_jax.tpu import GIB, Chip, NoTpuCompiler, Slice, parse_slice, topology_
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import state as state_lib
+from ebpo_jax.trainer import task_rows
 from ebpo_jax.trainer.step import abstract_batch, jit_train_step
 
 # ----------------------------------------------------------------------------- loop correction
@@ -172,7 +173,7 @@ def make_target(config: ml_collections.ConfigDict, tpu: Slice, prompt_len: int =
     model = models.Decoder(state_lib.random_init_config(mc, mc.vocab_size))
     tokenizer = None
   else:
-    task, rows, cluster_names, _ = rollouts_lib.load_task_and_rows(config)
+    task, rows, cluster_names, _ = task_rows.load_task_and_rows(config)
     tokenizer = state_lib.load_tokenizer(config, task)
     model, num_clusters = state_lib.make_model(config, tokenizer.vocab_size), len(cluster_names)
     # The bucket of the longest training prompt: the widest batch the run will compile.

@@ -44,6 +44,7 @@ from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import policy as policy_lib
 from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import state as state_lib
+from ebpo_jax.trainer import task_rows
 
 EVAL_FILE = "eval.json"
 SAMPLES_FILE = "eval_samples.jsonl"
@@ -181,7 +182,7 @@ def eval_rows(config, task, tokenizer) -> tuple[list[dict], list[str], str]:
   file's rows are tokenized first, as the trainer's: one `FILE:LINE:` line per row that does not
   encode or fit the largest prompt bucket (dropped and counted with `data.skip_bad_rows`)."""
   if config.eval.path:
-    check = rollouts_lib.row_checker(task, tokenizer, config.sampling.prompt_buckets)
+    check = task_rows.row_checker(task, tokenizer, config.sampling.prompt_buckets)
     rows, names, dropped = data.load_checked_rows(
       config.eval.path,
       check,

@@ -28,6 +28,7 @@ from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import state as state_lib
+from ebpo_jax.trainer import task_rows
 from ebpo_jax.trainer import warm_start as warm_start_lib
 from ebpo_jax.trainer import workdir as workdir_lib
 from ebpo_jax.trainer.step import jit_train_step
@@ -57,7 +58,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
   mesh = sharding.make_mesh(dict(config.mesh))
 
   # ---- Task and data.
-  task, rows, cluster_names, eval_rows = rollouts_lib.load_task_and_rows(config)
+  task, rows, cluster_names, eval_rows = task_rows.load_task_and_rows(config)
   tokenizer = state_lib.load_tokenizer(config, task)
   batches = data.make_batches(
     rows, batch_size=config.train.batch_size, order=config.data.order, seed=config.seed

@@ -14,7 +14,7 @@ import pytest
 from ebpo_jax import data
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.trainer import config as config_lib
-from ebpo_jax.trainer import rollouts
+from ebpo_jax.trainer import rollouts, task_rows
 
 # (override, the start of the message); each failed late or with a traceback before the check.
 BAD_VALUES = [
@@ -147,7 +147,7 @@ def test_every_bad_row_is_one_line_before_compiling(arith_config, tmp_path):
   path = _bad_rows(tmp_path)
   config = arith_config({"data.path": str(path), "sampling.prompt_buckets": (6, 8)})
   with pytest.raises(data.DataError) as error:
-    rollouts.load_task_and_rows(config)
+    task_rows.load_task_and_rows(config)
   lines = str(error.value).splitlines()
   assert len(lines) == 3, lines
   assert lines[0].startswith(f"{path}:2: prompt: character 'é' is not in the vocabulary")
@@ -160,7 +160,7 @@ def test_skip_bad_rows_drops_and_counts_them(arith_config, tmp_path, capsys):
   config = arith_config(
     {"data.path": str(path), "sampling.prompt_buckets": (6, 8), "data.skip_bad_rows": True}
   )
-  _, rows, _, _ = rollouts.load_task_and_rows(config)
+  _, rows, _, _ = task_rows.load_task_and_rows(config)
   assert [row["prompt"] for row in rows] == ["1+1=", "1+1="]
   assert f"{path}: dropped 3 bad rows of 5 (data.skip_bad_rows=True); first: {path}:2:" in (
     capsys.readouterr().err
@@ -170,7 +170,7 @@ def test_skip_bad_rows_drops_and_counts_them(arith_config, tmp_path, capsys):
 def test_task_rows_too_long_for_the_buckets_are_named(arith_config):
   config = arith_config({"sampling.prompt_buckets": (4,)})
   with pytest.raises(data.DataError, match=r"arithmetic train row 0: prompt: \d+ tokens, longer"):
-    rollouts.load_task_and_rows(config)
+    task_rows.load_task_and_rows(config)
 
 
 # ----------------------------------------------------------------------------- verifier errors

@@ -20,7 +20,7 @@ from ebpo_jax.data import (
   saved_dataset,
 )
 from ebpo_jax.trainer import config as config_lib
-from ebpo_jax.trainer import rollouts
+from ebpo_jax.trainer import task_rows
 
 datasets.disable_progress_bars()
 
@@ -242,13 +242,13 @@ def test_the_trainer_reads_data_path_by_its_column_keys(arith_config, tmp_path):
   }
   config = arith_config(keys)
   config_lib.check_config(config, num_devices=8)
-  _, rows, names, _ = rollouts.load_task_and_rows(config)
+  _, rows, names, _ = task_rows.load_task_and_rows(config)
   assert [(r["prompt"], r["answer"], r["cluster"]) for r in rows] == [
     ("1+1=", "2", 0),
     ("2+3=", "5", 1),
   ]
   assert names == ["a", "b"]
-  _, rows, _, _ = rollouts.load_task_and_rows(arith_config({**keys, "data.split": "test"}))
+  _, rows, _, _ = task_rows.load_task_and_rows(arith_config({**keys, "data.split": "test"}))
   assert [r["answer"] for r in rows] == ["8"]
 
 

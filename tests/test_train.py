@@ -15,7 +15,7 @@ import pytest
 from ebpo_jax import checkpoint, data
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.trainer import config as config_lib
-from ebpo_jax.trainer import rollouts
+from ebpo_jax.trainer import task_rows
 
 REQUIRED_KEYS = {
   "step",
@@ -64,7 +64,7 @@ def test_malformed_data_row_names_file_and_line(arith_config, tmp_path):
   rows = tmp_path / "rows.jsonl"
   rows.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": \n')
   with pytest.raises(data.DataError, match=f"{rows}:2:"):
-    rollouts.load_task_and_rows(arith_config({"data.path": str(rows)}))
+    task_rows.load_task_and_rows(arith_config({"data.path": str(rows)}))
 
 
 # ----------------------------------------------------------------------------- the CLI

@@ -12,6 +12,7 @@ import pytest
 from ebpo_jax import data, metrics
 from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import state as state_lib
+from ebpo_jax.trainer import task_rows
 
 # ----------------------------------------------------------------------------- PRNG streams
 
@@ -63,7 +64,7 @@ def test_the_step_loop_makes_no_implicit_transfer(tiny_steps):
   }
   tiny = tiny_steps({"sampling.max_new_tokens": 4, **overrides})
   config = tiny.config
-  task, rows, cluster_names, eval_rows = rollouts_lib.load_task_and_rows(config)
+  task, rows, cluster_names, eval_rows = task_rows.load_task_and_rows(config)
   tokenizer = state_lib.load_tokenizer(config, task)
   sampler = rollouts_lib.make_sampler(tiny.model, task, tokenizer, config, tiny.mesh)
   batches = data.make_batches(rows, batch_size=config.train.batch_size, order="shuffle", seed=0)
