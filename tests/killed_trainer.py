@@ -14,6 +14,7 @@ import os
 import runpy
 import signal
 import sys
+import time
 
 from ebpo_jax import checkpoint
 from ebpo_jax import metrics as metrics_lib
@@ -25,10 +26,21 @@ def _kill_in_save(step: int) -> None:
   def killing_save(self, at, *args, **kwargs):
     started = save(self, at, *args, **kwargs)
     if started and at == step and os.path.basename(str(self.directory)) == "checkpoints":
+      _wait_for_temporary_directory(str(self.directory), at)
       os.kill(os.getpid(), signal.SIGKILL)
     return started
 
   checkpoint.Checkpointer.save = killing_save
+
+
+def _wait_for_temporary_directory(directory: str, step: int, timeout_s: float = 30) -> None:
+  """Until orbax's writing thread has created `<step>.orbax-checkpoint-tmp*` (a moment after
+  `save` returns): the kill then lands while the checkpoint is being written."""
+  deadline = time.monotonic() + timeout_s
+  prefix = f"{step}.orbax-checkpoint-tmp"
+  written = lambda: any(name.startswith(prefix) for name in os.listdir(directory))
+  while time.monotonic() < deadline and not written():
+    time.sleep(0.001)
 
 
 def _kill_after_line(step: int, key: str, signum: int = signal.SIGKILL) -> None:

@@ -166,14 +166,20 @@ def test_restore_errors_are_clear(tmp_path):
 
 _KILLED_SAVE = textwrap.dedent(
   """
-  import os, signal, sys
+  import os, signal, sys, time
   import jax, jax.numpy as jnp
   from ebpo_jax import checkpoint
   ckpt = checkpoint.Checkpointer(sys.argv[1])
   ckpt.save(1, {"w": jnp.full((4,), 1.0)})
   ckpt.wait()
-  # 64 MB: the asynchronous write is still running when the process dies below.
+  # 64 MB: the asynchronous write is still running when the process dies below, once its
+  # temporary directory exists (orbax's thread creates it a moment after save returns).
   ckpt.save(2, {"w": jnp.full((4,), 2.0), "big": jnp.ones((4096, 4096))})
+  deadline = time.monotonic() + 30
+  while time.monotonic() < deadline and not any(
+    n.startswith("2.orbax-checkpoint-tmp") for n in os.listdir(sys.argv[1])
+  ):
+    time.sleep(0.001)
   os.kill(os.getpid(), signal.SIGKILL)
   """
 )
