@@ -11,6 +11,7 @@ function. The parts live in ebpo_jax/trainer/; this file is only the entry point
 """
 
 import collections
+import json
 import sys
 import time
 from collections.abc import Sequence
@@ -37,11 +38,17 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config fil
 _WORKDIR = flags.DEFINE_string(
   "workdir", None, "Directory for checkpoints, metrics and plots (local or gs://bucket/...)."
 )
+_PRINT_CONFIG = flags.DEFINE_bool(
+  "print_config", False, "Print the resolved config (the file and its overrides) as JSON; exit."
+)
 
 
 def main(argv: Sequence[str]) -> None:
   del argv
   config, workdir = _CONFIG.value, _WORKDIR.value
+  if _PRINT_CONFIG.value:
+    print(json.dumps(workdir_lib.config_json(config), indent=1, sort_keys=True))
+    return
   if workdir is None:
     raise app.UsageError("--workdir is required")
   with config_lib.entry_point():

@@ -238,3 +238,15 @@ def test_prompts_per_call_must_split_over_the_data_devices(arith_config):
     config_lib.check_config(config, num_devices=8)
   config_lib.check_config(arith_config({"sampling.prompts_per_call": 208}), num_devices=8)
   config_lib.check_config(config, num_devices=2)  # data x fsdp = 2
+
+
+@pytest.mark.e2e
+def test_print_config_prints_the_resolved_config_and_exits(trainer_cli, tmp_path):
+  result = trainer_cli(
+    tmp_path / "run", "--config.rl.group_size=8", "--config.seed=3", "--print_config", timeout=120
+  )
+  assert result.returncode == 0, result.stderr[-2000:]
+  printed = json.loads(result.stdout)
+  assert printed["rl"]["group_size"] == 8 and printed["seed"] == 3
+  assert printed["task"]["name"] == "arithmetic" and "checkpoint" in printed
+  assert not (tmp_path / "run").exists()  # nothing written, nothing compiled
