@@ -18,7 +18,8 @@ Metrics, overall, per dataset (a row's `source`, else the task name) and per clu
 - `avg@k`: Pass@1 averaged over the k samples (the paper's metric), i.e. the mean of c/k;
 - `pass@j`: the unbiased pass@j of Chen et al. (2021), for j = 1, 2, 4, ... and k;
 - `maj@j`: majority vote over the extracted answers of the first j samples (an unbiased estimate
-  of maj@j, since samples are i.i.d.); `reward`: the mean reward.
+  of maj@j, since samples are i.i.d.); a tie scores the share of the tied answers that are right
+  (a uniform pick among them, in expectation); `reward`: the mean reward.
 Writes WORKDIR/eval.json (config, where the params came from, k, counts, metrics) and
 WORKDIR/eval_samples.jsonl (every problem's responses, rewards and extracted answers), each
 atomically (WORKDIR and the run directory may be `gs://bucket/...`), and prints a table.
@@ -82,16 +83,24 @@ def majority_vote(answers: Sequence[str]) -> str | None:
   return next(a for a in answers if a and counts[a] == top)
 
 
-def majority_correct(answers: Sequence[str], correct: Sequence[bool]) -> bool:
-  """Whether the majority answer is right: at least half of the responses giving it are correct
-  (they agree under a deterministic verifier). No answer at all counts as wrong."""
+def majority_correct(answers: Sequence[str], correct: Sequence[bool]) -> float:
+  """The majority vote's score: 1 when the most frequent non-empty answer is right (at least half
+  of the responses giving it are correct: they agree under a deterministic verifier), 0 when it
+  is wrong or no response has an answer. A tie between answers scores the expected value of a
+  uniform pick among them (two samples that disagree, one right: 0.5), so maj@2 is not maj@1."""
   if len(answers) != len(correct):
     raise ValueError(f"{len(answers)} answers but {len(correct)} correctness flags")
-  winner = majority_vote(answers)
-  if winner is None:
-    return False
-  votes = [ok for answer, ok in zip(answers, correct, strict=True) if answer == winner]
-  return 2 * sum(votes) >= len(votes)
+  counts = collections.Counter(a for a in answers if a)
+  if not counts:
+    return 0.0
+  top = max(counts.values())
+  tied = [answer for answer, count in counts.items() if count == top]
+
+  def right(winner: str) -> bool:
+    votes = [ok for answer, ok in zip(answers, correct, strict=True) if answer == winner]
+    return 2 * sum(votes) >= len(votes)
+
+  return sum(right(answer) for answer in tied) / len(tied)
 
 
 def problem_metrics(rewards: Sequence[float], answers: Sequence[str]) -> dict[str, float]:
@@ -103,7 +112,7 @@ def problem_metrics(rewards: Sequence[float], answers: Sequence[str]) -> dict[st
   for j in sample_counts(k):
     out[f"pass@{j}"] = pass_at_k(k, c, j)
   for j in sample_counts(k):
-    out[f"maj@{j}"] = float(majority_correct(answers[:j], correct[:j]))
+    out[f"maj@{j}"] = majority_correct(answers[:j], correct[:j])
   return out
 
 

@@ -86,7 +86,8 @@ def test_majority_vote_ties_go_to_the_first_answer_and_empty_answers_abstain():
 
 def test_problem_metrics_by_hand():
   # answers 3, 5, 5, 5 with 5 right: avg@4 = 3/4; pass@1 = 3/4, pass@2 = 1 - C(1,2)/C(4,2) = 1;
-  # maj@1 votes "3" (wrong); maj@2 ties "3" vs "5" and takes "3" (wrong); maj@4 picks "5".
+  # maj@1 votes "3" (wrong); maj@2 ties "3" vs "5": half of the tied answers are right (0.5);
+  # maj@4 picks "5".
   m = problem_metrics([0.0, 1.0, 1.0, 1.0], ["3", "5", "5", "5"])
   assert m == {
     "avg@4": 0.75,
@@ -95,7 +96,7 @@ def test_problem_metrics_by_hand():
     "pass@2": 1.0,
     "pass@4": 1.0,
     "maj@1": 0.0,
-    "maj@2": 0.0,
+    "maj@2": 0.5,
     "maj@4": 1.0,
   }
   # A partial reward (0.5) counts in `reward` but is not correct.
@@ -244,3 +245,16 @@ def test_difficulty_cli_round_trip(arith_run, tmp_path):
   order = data.make_batches(back, batch_size=3, order="curriculum", seed=0)
   first = [back[i]["difficulty"] for i in next(order)]
   assert first == sorted(first)  # easy to hard
+
+
+def test_maj_at_j_splits_ties_evenly_so_maj2_is_not_maj1():
+  # Two samples that disagree, one right: the vote is a tie; a tie scores the expected value of a
+  # uniform pick among the tied answers (0.5 here), not the first answer's (which made maj@2
+  # always equal maj@1).
+  metrics = problem_metrics([1.0, 0.0], ["5", "3"])
+  assert metrics["maj@1"] == 1.0 and metrics["maj@2"] == 0.5
+  assert problem_metrics([0.0, 1.0], ["3", "5"])["maj@2"] == 0.5
+  assert problem_metrics([1.0, 1.0, 0.0], ["5", "5", "3"])["maj@2"] == 1.0  # no tie at j = 2
+  three = problem_metrics([1.0, 0.0, 0.0, 0.0], ["5", "3", "4", "4"])
+  assert three["maj@2"] == 0.5 and three["maj@4"] == 0.0  # "4" wins 2 to 1 to 1
+  assert problem_metrics([0.0, 0.0], ["", ""])["maj@2"] == 0.0  # no answer: wrong
