@@ -235,7 +235,11 @@ def test_keys_added_since_the_run_started_resume_at_their_old_meaning(arith_conf
   workdir_lib.check_and_save_config(workdir, arith_config())
   path = tmp_path / workdir_lib.CONFIG_FILE
   old = json.loads(path.read_text())
-  for key in workdir_lib.ADDED_KEYS:
+  added = [
+    *workdir_lib.ADDED_KEYS,
+    *(f"task.options.{k}" for k, v in old["task"]["options"].items() if v is None),
+  ]
+  for key in added:
     section, name = key.rsplit(".", 1)
     node = old
     for part in section.split("."):

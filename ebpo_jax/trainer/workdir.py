@@ -60,7 +60,9 @@ SAFE_KEYS = frozenset(
 )
 # Keys added to the project after config.json existed, with the value that does what the code did
 # before them: a workdir whose config.json lacks one resumes when the run keeps that value. Add a
-# key here when you add it to configs/common.py (tests/test_workdir.py checks the values).
+# key here when you add it to configs/common.py (tests/test_workdir.py checks the values). Keys
+# whose value is None (a placeholder: "the reader's own default", e.g. task.options.*) need no
+# entry: a None key absent from config.json is the same.
 ADDED_KEYS = {
   "data.split": "train",
   "data.prompt_column": "prompt",
@@ -68,19 +70,6 @@ ADDED_KEYS = {
   "data.cluster_column": "cluster",
   "data.answer_regex": "",
   "rewards.fns": "",
-  **{
-    f"task.options.{name}": None  # a task takes the options that are not None
-    for name in (
-      "clusters",
-      "path",
-      "eval_path",
-      "source",
-      "levels",
-      "dataset_cfg",
-      "eval_fraction",
-      "instruction",
-    )
-  },
 }
 # Keys about this invocation only (the workdir's own switches): never compared.
 SESSION_PREFIX = "workdir."
@@ -188,10 +177,10 @@ def config_json(config: ml_collections.ConfigDict | Mapping[str, Any]) -> dict[s
 
 def changed_keys(saved: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple]:
   """{dotted key: (saved value, new value)} of the keys whose values differ (a key on one side
-  only: None on the other; an ADDED_KEYS key that `saved` lacks and `new` holds at its listed
-  value is the same); SESSION_PREFIX keys are not compared."""
+  only: None on the other; an ADDED_KEYS key, or a None key, that `saved` lacks and `new` holds
+  at its listed value is the same); SESSION_PREFIX keys are not compared."""
   before, after = _flatten(config_json(saved)), _flatten(config_json(new))
-  for key, value in ADDED_KEYS.items():
+  for key, value in [*ADDED_KEYS.items(), *((k, None) for k, v in after.items() if v is None)]:
     if key not in before and after.get(key) == value:
       before[key] = value
   return {
