@@ -1,0 +1,90 @@
+"""Every metric name the trainer writes, the one copy (contracts: DESIGN.md), and the rules for
+per-cluster and per-reward-function keys."""
+
+METRICS_FILE = "metrics.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+PLOTS_DIR = "plots"
+# MetricsWriter's resume_step when nothing was restored: every line of an earlier start is dropped.
+FRESH_START = -1
+# How often a writer on an object store uploads (each upload sends the whole files again).
+REMOTE_FLUSH_S = 60.0
+
+# ----------------------------------------------------------------------------- metric names
+# The one copy of every key the trainer writes to metrics.jsonl (contracts: see DESIGN.md).
+
+STEP = "step"  # the integer step of every line; not a metric (MetricsWriter.write's argument)
+
+# Rollouts: rewards, advantages, responses (the train step and the host).
+REWARD_MEAN = "reward/mean"  # mean total reward over the batch's responses (weighted sum of fns)
+REWARD_ERRORS = "reward/errors"  # verifier calls that raised or timed out
+REWARD_OVERLONG_PENALTY = "reward/overlong_penalty"  # DAPO's soft overlong punishment, mean
+ADV_ZERO_FRAC = "adv/zero_frac"  # share of valid responses whose advantage is exactly 0
+ADV_ABS_MEAN = "adv/abs_mean"
+EBPO_SHRINKAGE_MEAN = "ebpo/shrinkage_mean"  # mean shrinkage S over the batch's prompts (EBPO)
+EBPO_PRIOR_MEAN = "ebpo/prior_mean"  # per cluster only: per_cluster(EBPO_PRIOR_MEAN, name)
+RESPONSE_LEN_MEAN = "response_len/mean"
+TRUNCATED_FRAC = "truncated_frac"  # responses cut at the generation length
+ROLLOUT_TOKENS = "rollout/tokens"  # tokens sampled this step (all refill rounds)
+DAPO_KEPT_FRAC = "dapo/kept_frac"  # dynamic sampling: first-round groups with varied rewards
+DAPO_ROUNDS = "dapo/rounds"
+DAPO_FILLED_GROUPS = "dapo/filled_groups"  # groups without signal that filled a short batch
+
+# The update: losses.policy_loss's metrics, averaged over the step's updates, and the optimizer's.
+LOSS = "loss"
+PG_LOSS = "pg_loss"
+KL = "kl"  # to the reference policy; 0 without one (rl.loss.kl_coef == 0)
+ENTROPY = "entropy"
+CLIPFRAC = "clipfrac"
+CLIPFRAC_LOW = "clipfrac_low"
+CLIPFRAC_HIGH = "clipfrac_high"
+DUAL_CLIPFRAC = "dual_clipfrac"
+RATIO_MEAN = "ratio_mean"
+APPROX_KL = "approx_kl"  # k3 of the old policy from the new one: how far the update moved
+GRAD_NORM = "grad_norm"
+BAD_UPDATES = "bad_updates"  # updates skipped for a non-finite loss or grad norm
+
+# Bookkeeping and wall-clock time.
+COMPILES_TRAIN_STEP = "compiles/train_step"  # times the train step was traced (1 = no retrace)
+TIME_STEP_S = "time/step_s"
+TIME_SAMPLE_S = "time/sample_s"
+TIME_UPDATE_S = "time/update_s"
+TIME_TOKENS_PER_S = "time/tokens_per_s"  # ROLLOUT_TOKENS / TIME_STEP_S
+
+# Evaluation lines.
+EVAL_ACCURACY = "eval/accuracy"
+EVAL_VERIFIER_ERRORS = "eval/verifier_errors"  # evaluation verifier calls that raised or timed out
+
+# Keys that measure wall-clock time: they differ between an interrupted and a straight run.
+TIMING_KEYS = (TIME_STEP_S, TIME_TOKENS_PER_S, TIME_SAMPLE_S, TIME_UPDATE_S)
+# Keys that are also logged per cluster, as per_cluster(key, name).
+PER_CLUSTER_KEYS = (REWARD_MEAN, EVAL_ACCURACY, EBPO_PRIOR_MEAN)
+# Every metric name above (not STEP).
+KEYS = frozenset(
+  {REWARD_MEAN, REWARD_ERRORS, REWARD_OVERLONG_PENALTY, ADV_ZERO_FRAC, ADV_ABS_MEAN}
+  | {EBPO_SHRINKAGE_MEAN, EBPO_PRIOR_MEAN, RESPONSE_LEN_MEAN, TRUNCATED_FRAC, ROLLOUT_TOKENS}
+  | {DAPO_KEPT_FRAC, DAPO_ROUNDS, DAPO_FILLED_GROUPS}
+  | {LOSS, PG_LOSS, KL, ENTROPY, CLIPFRAC, CLIPFRAC_LOW, CLIPFRAC_HIGH, DUAL_CLIPFRAC}
+  | {RATIO_MEAN, APPROX_KL, GRAD_NORM, BAD_UPDATES, COMPILES_TRAIN_STEP, *TIMING_KEYS}
+  | {EVAL_ACCURACY, EVAL_VERIFIER_ERRORS}
+)
+
+
+def cluster_prefix(key: str) -> str:
+  """The prefix that all per-cluster keys of `key` share: "eval/accuracy" -> "eval/accuracy/"."""
+  return f"{key}/"
+
+
+def per_cluster(key: str, cluster_name: str) -> str:
+  """The one rule for per-cluster keys: ("reward/mean", "add_2d") -> "reward/mean/add_2d"."""
+  return cluster_prefix(key) + cluster_name
+
+
+def reward_fn_key(name: str) -> str:
+  """The one rule for a reward function's key (config.rewards.fns): "brevity" -> "reward/brevity",
+  its mean value over the batch beside REWARD_MEAN. A ValueError for a name whose key is taken
+  ("mean", "errors", ...)."""
+  key = f"reward/{name}"
+  if key in KEYS:
+    taken = sorted(k.removeprefix("reward/") for k in KEYS if k.startswith("reward/"))
+    raise ValueError(f"reward name {name!r} is taken by a metric; not one of {', '.join(taken)}")
+  return key
