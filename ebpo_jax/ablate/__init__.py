@@ -15,7 +15,9 @@ interrupted resumes from its latest checkpoint.
 
 Writes WORKDIR/ablation.md (final accuracy mean and spread per variant and group size, per cluster,
 gain of the hardest cluster, zero-advantage share, entropy, steps to a target gain), ablation.json
-(every run's summary) and plots in WORKDIR/plots/, then prints a short summary.
+(every run's summary) and plots in WORKDIR/plots/ (held-out accuracy; the training diagnostics:
+reward, groups without signal, EBPO's shrinkage and prior, gradient norm, entropy), then prints a
+short summary.
 
 WORKDIR may be `gs://bucket/...`: the runs are trainer workdirs under it, and every file goes
 through `ebpo_jax.files`. A run's log.txt grows as the run goes on a local WORKDIR; on a bucket
@@ -41,6 +43,11 @@ import tqdm
 
 from ebpo_jax import files
 from ebpo_jax import metrics as metrics_lib
+from ebpo_jax.ablate.diagnostics import (  # noqa: F401  (panel_curves: for notebooks)
+  panel_curves,
+  plot_diagnostics,
+  run_workdir,
+)
 from ebpo_jax.ablate.report import (  # noqa: F401  (mean_curve: for notebooks)
   build_report,
   mean_curve,
@@ -223,7 +230,7 @@ def _seed_runs(workdir: str, seed: int) -> list[str]:
 def _run_one(config, workdir, run: Run, base_args, env, warm_locks) -> dict:
   """Trains `run` (or resumes it), unless it finished under the same config; returns its result.
   A run of another config (changed overrides, config file or warm start) starts afresh."""
-  run_dir = files.join(workdir, "runs", run.name)
+  run_dir = run_workdir(workdir, run.name)
   with warm_locks[run.seed]:
     warm = _ensure_warm_start(config, workdir, run.seed, base_args, env)
   # The variant starts from the warm start's params (its own state: the estimator's prior may have
@@ -295,7 +302,7 @@ def run_ablation(
   if failures:
     raise AblationError(f"{len(failures)} of {len(runs)} runs failed:\n" + "\n".join(failures))
   report = build_report(results, target_gain=target_gain)
-  report["plots"] = plot_ablation(workdir, results)
+  report["plots"] = plot_ablation(workdir, results) + plot_diagnostics(workdir, results)
   header = {"config": config, "overrides": list(overrides), "date": str(datetime.date.today())}
   report["markdown"] = render_markdown(report, header)
   files.write_atomic(files.join(workdir, "ablation.md"), report["markdown"])
