@@ -1,4 +1,5 @@
-"""Packaging for ebpo_jax: `pip install -e .` (runtime), `pip install -e '.[test]'` (tests) and
+"""Packaging for ebpo_jax: `pip install -e .` (runtime, CPU JAX), `pip install -e '.[test]'`
+(tests), `pip install -e '.[cuda]'` / `'.[tpu]'` (JAX for NVIDIA GPUs / TPUs) and
 `pip install -e '.[aot]'` (the TPU compiler for `python -m ebpo_jax.aot` on any machine)."""
 
 import pathlib
@@ -16,6 +17,12 @@ def _requirements() -> list[str]:
 # The TPU compiler for `python -m ebpo_jax.aot` on a machine without a TPU: the libtpu that jax's own
 # `tpu` extra names for the jax of requirements.txt (0.10.2). TPU VMs get it from jax[tpu].
 AOT_REQUIRES = ["libtpu==0.0.42.*"]
+
+# JAX for an accelerator: the jax of requirements.txt with its own backend from pip (jax's extras:
+# the CUDA 12 plugin with CUDA and cuDNN wheels; libtpu). The notebook installs the one its runtime
+# needs; launch/gpu.sh and launch/tpu_pod.sh name the same builds.
+CUDA_REQUIRES = ["jax[cuda12]>=0.10,<0.11"]
+TPU_REQUIRES = ["jax[tpu]>=0.10,<0.11"]
 
 TEST_REQUIRES = [
     "pytest>=8",
@@ -46,5 +53,10 @@ setuptools.setup(
     python_requires=">=3.11",
     packages=setuptools.find_packages(include=["ebpo_jax", "ebpo_jax.*"]),
     install_requires=_requirements(),
-    extras_require={"test": TEST_REQUIRES, "aot": AOT_REQUIRES},
+    extras_require={
+        "test": TEST_REQUIRES,
+        "aot": AOT_REQUIRES,
+        "cuda": CUDA_REQUIRES,
+        "tpu": TPU_REQUIRES,
+    },
 )
