@@ -1,7 +1,15 @@
-"""notebooks/ablation_small_models.ipynb runs top to bottom (smoke parameters) without a failing
-cell, and shows the ablation table and an inline plot."""
+"""notebooks/ablation_small_models.ipynb runs top to bottom with the smoke preset without a failing
+cell, shows the ablation table, the accuracy and the diagnostics plots inline, and learns something
+(a result that is not all zeros). Its install cell clones REPO_URL when there is no checkout, and
+without either stops with a message that says what to set."""
 
+import base64
+import json
+import os
 import pathlib
+import subprocess
+import sys
+import time
 
 import nbclient
 import nbformat
@@ -11,23 +19,91 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "notebooks" / "ablation_small_models.ipynb"
 
 
-@pytest.mark.e2e
-def test_notebook_executes_with_smoke_parameters(tmp_path, monkeypatch):
-  monkeypatch.setenv("EBPO_NOTEBOOK_SMOKE", "1")
-  monkeypatch.setenv("EBPO_NOTEBOOK_WORKDIR", str(tmp_path / "ablation"))
-  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax_cache"))
-  monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-  notebook = nbformat.read(NOTEBOOK, as_version=4)
+def execute(notebook, cwd, **kwargs):
   client = nbclient.NotebookClient(
-    notebook, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(ROOT)}}
+    notebook, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
   )
-  client.execute()  # raises CellExecutionError naming the cell when one fails
+  return client.execute(**kwargs)
+
+
+@pytest.mark.e2e
+def test_notebook_smoke_preset_shows_table_plots_and_a_nonzero_result(tmp_path, monkeypatch):
+  workdir = tmp_path / "ablation"
+  monkeypatch.setenv("EBPO_NOTEBOOK_PRESET", "smoke")
+  monkeypatch.setenv("EBPO_NOTEBOOK_WORKDIR", str(workdir))
+  monkeypatch.setenv("EBPO_NOTEBOOK_INSTALL", "0")  # a test never pip installs
+  notebook = nbformat.read(NOTEBOOK, as_version=4)
+  start = time.perf_counter()
+  execute(notebook, ROOT / "notebooks")  # raises CellExecutionError naming the failing cell
+  print(f"notebook smoke preset: {time.perf_counter() - start:.0f} s")
 
   outputs = [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs]
   assert not [out for out in outputs if out.output_type == "error"]
+  text = "".join(out.get("text", "") for out in outputs if out.output_type == "stream")
+  assert "runtime: cpu" in text and "requirements: present" in text  # nothing installed here
   markdown = [
-    out["data"]["text/markdown"] for out in outputs if "text/markdown" in out.get("data", {})
+    out.data["text/markdown"] for out in outputs if "text/markdown" in out.get("data", {})
   ]
-  assert any("| grpo | 4 | 1 |" in text and "| ebpo_running | 4 | 1 |" in text for text in markdown)
-  assert any("image/png" in out.get("data", {}) for out in outputs)
-  assert (tmp_path / "ablation" / "ablation.md").exists()
+  assert any("| grpo | 4 | 1 |" in md and "| ebpo_running | 4 | 1 |" in md for md in markdown)
+  # Both plots are shown inline: the accuracy and the diagnostics PNGs the ablation wrote.
+  shown = [
+    base64.b64decode(out.data["image/png"]) for out in outputs if "image/png" in out.get("data", {})
+  ]
+  for name in ("ablation_accuracy_G4.png", "ablation_diagnostics_G4.png"):
+    assert (workdir / "plots" / name).read_bytes() in shown, name
+
+  # Not all zeros: the warm start solves some held-out problems, some groups carry signal, and
+  # EBPO's shrinkage is strictly between the prior (1) and the group mean (0).
+  rows = {r["variant"]: r for r in json.loads((workdir / "ablation.json").read_text())["rows"]}
+  assert rows["grpo"]["acc_before"] > 0 and rows["ebpo_running"]["acc_mean"] > 0
+  assert rows["grpo"]["zero_frac"] < 1
+  assert 0 < rows["ebpo_running"]["shrinkage"] < 1
+  train = [
+    json.loads(line)
+    for line in (workdir / "runs" / "ebpo_running_G4_s0" / "metrics.jsonl").open()
+    if "reward/mean" in line
+  ]
+  assert len(train) == 4 and max(r["reward/mean"] for r in train) > 0
+
+
+def install_cells(repo_url: str = "") -> str:
+  """The settings and install cells as one script, with REPO_URL set to `repo_url`."""
+  notebook = nbformat.read(NOTEBOOK, as_version=4)
+  settings, install = [c.source for c in notebook.cells if c.cell_type == "code"][:2]
+  assert 'REPO_URL = ""' in settings
+  return settings.replace('REPO_URL = ""', f"REPO_URL = {repo_url!r}", 1) + "\n" + install
+
+
+def run_install_cells(cwd, repo_url=""):
+  """Runs the install cells as a script in `cwd` (a folder outside any checkout)."""
+  env = {**os.environ, "EBPO_NOTEBOOK_WORKDIR": str(cwd / "ablation"), "EBPO_NOTEBOOK_INSTALL": "0"}
+  script = install_cells(repo_url)
+  cmd = [sys.executable, "-c", script]
+  return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_install_cell_without_a_checkout_or_repo_url_says_what_to_set(tmp_path):
+  done = run_install_cells(tmp_path)
+  # Our message, not a failed `git clone` of a placeholder URL.
+  assert done.returncode != 0
+  assert (
+    done.stderr.strip()
+    .splitlines()[-1]
+    .startswith("RuntimeError: No ebpo-jax checkout here and REPO_URL is empty. Set REPO_URL")
+  )
+
+
+def test_install_cell_clones_repo_url_and_uses_the_clone(tmp_path):
+  done = run_install_cells(tmp_path, f"file://{ROOT}")  # the committed checkout, offline
+  assert done.returncode == 0, done.stderr
+  clone = tmp_path / "ebpo-jax"
+  assert (clone / "ebpo_jax" / "ablate" / "__init__.py").is_file()
+  assert f"ebpo-jax checkout: {clone}; requirements: present" in done.stdout  # nothing installed
+
+  bad = run_install_cells(tmp_path, "file:///nonexistent/ebpo-jax")
+  assert bad.returncode == 0  # the clone of the first call is found: REPO_URL is not used
+  assert "REPO_URL is not needed" in bad.stdout
+  (tmp_path / "elsewhere").mkdir()
+  bad = run_install_cells(tmp_path / "elsewhere", "file:///nonexistent/ebpo-jax")
+  last = bad.stderr.strip().splitlines()[-1]
+  assert last.startswith("RuntimeError: could not clone REPO_URL='file:///nonexistent/ebpo-jax'")
