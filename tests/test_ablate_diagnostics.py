@@ -82,10 +82,10 @@ def test_newer_keys_are_drawn_when_logged_and_older_runs_fall_back(workdir):
   assert set(shrinkage) == {"ebpo_running add_1", "ebpo_global"}
   np.testing.assert_allclose(shrinkage["ebpo_running add_1"].mean, [0.3, 0.2])
   np.testing.assert_allclose(shrinkage["ebpo_global"].mean, [0.7, 0.7])
-  prior = by_label(panels["EBPO prior mean (± prior std)"])
+  prior = by_label(panels["EBPO prior mean per cluster"])
   # The band is the prior's std: 0.5 ± 0.1, 0.6 ± 0.2 (a seed band would be empty here).
-  np.testing.assert_allclose(prior["ebpo_running add_1"].low, [0.4, 0.4])
-  np.testing.assert_allclose(prior["ebpo_running add_1"].high, [0.6, 0.8])
+  np.testing.assert_allclose(prior["ebpo_running add_1 ± prior std"].low, [0.4, 0.4])
+  np.testing.assert_allclose(prior["ebpo_running add_1 ± prior std"].high, [0.6, 0.8])
   np.testing.assert_allclose(prior["ebpo_global"].mean, [0.2, 0.2])  # the global prior's bare key
 
 

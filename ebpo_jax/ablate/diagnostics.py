@@ -62,7 +62,7 @@ PANELS = (
     fallback=metrics_lib.EBPO_SHRINKAGE_MEAN,
   ),
   Panel(
-    "EBPO prior mean (± prior std)",
+    "EBPO prior mean per cluster",
     "prior mean reward",
     (metrics_lib.EBPO_PRIOR_MEAN,),
     band_key=PRIOR_STD,
@@ -132,13 +132,16 @@ def panel_curves(
           if curve is None:
             continue
           steps, mean, low, high = curve
-          if panel.band_key is not None:
+          parts = [variant, cluster]
+          if panel.band_key is not None:  # mean ± the logged std (its seed mean), else seeds
             std_key = panel.band_key if cluster is None else f"{panel.band_key}/{cluster}"
             std = _seed_curve([_values(log, std_key) for log in logs])
             if std is not None and np.array_equal(std[0], steps):
               low, high = mean - std[1], mean + std[1]
-          name = _LABELS.get(key, "") if len(panel.keys) > 1 else ""
-          label = variant + (f" {cluster}" if cluster else "") + (f": {name}" if name else "")
+              parts.append("± prior std")
+          label = " ".join(p for p in parts if p)
+          if len(panel.keys) > 1:
+            label += f": {_LABELS[key]}"
           dashed = key in panel.dashed
           curves.append(Curve(label, variant, steps, mean, low, high, dashed))
     if curves:
