@@ -1,5 +1,6 @@
-"""Packaging for ebpo_jax: `pip install -e .` (runtime), `pip install -e '.[test]'` (tests) and
-`pip install -e '.[aot]'` (the TPU compiler for `python -m ebpo_jax.aot` on any machine)."""
+"""Packaging for ebpo_jax: `pip install -e .` (runtime), `pip install -e '.[test]'` (tests),
+`pip install -e '.[aot]'` (the TPU compiler for `python -m ebpo_jax.aot` on any machine) and
+`pip install -e '.[wandb]'` (logging to Weights & Biases, `--config.logging.wandb=True`)."""
 
 import pathlib
 
@@ -17,6 +18,9 @@ def _requirements() -> list[str]:
 # `tpu` extra names for the jax of requirements.txt (0.10.2). TPU VMs get it from jax[tpu].
 AOT_REQUIRES = ["libtpu==0.0.42.*"]
 
+# Weights & Biases, optional (config.logging.wandb); tested with 0.31 (an offline run read back).
+WANDB_REQUIRES = ["wandb>=0.19,<1"]
+
 TEST_REQUIRES = [
     "pytest>=8",
     "pytest-xdist>=3.5",  # `-n 2`: test files in parallel processes
@@ -33,6 +37,7 @@ TEST_REQUIRES = [
     # Writes the save_to_disk fixtures that ebpo_jax.data reads with pyarrow alone (tested: 5.2).
     "datasets>=3.0,<6",
     *AOT_REQUIRES,  # tests/test_aot.py, tests/test_launch.py (tpu_pod.sh's fit check)
+    *WANDB_REQUIRES,  # tests/test_logging.py: a run with wandb offline
 ]
 
 setuptools.setup(
@@ -46,5 +51,5 @@ setuptools.setup(
     python_requires=">=3.11",
     packages=setuptools.find_packages(include=["ebpo_jax", "ebpo_jax.*"]),
     install_requires=_requirements(),
-    extras_require={"test": TEST_REQUIRES, "aot": AOT_REQUIRES},
+    extras_require={"test": TEST_REQUIRES, "aot": AOT_REQUIRES, "wandb": WANDB_REQUIRES},
 )

@@ -32,7 +32,7 @@ from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer import task_rows
 from ebpo_jax.trainer import warm_start as warm_start_lib
 from ebpo_jax.trainer import workdir as workdir_lib
-from ebpo_jax.trainer.step import jit_train_step
+from ebpo_jax.trainer.step import ADVANTAGES, jit_train_step
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
 _WORKDIR = flags.DEFINE_string(
@@ -103,7 +103,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       sys.exit(f"error: {e}")
   # metrics.jsonl keeps only the lines of the steps restored (none on a fresh start), always.
   resume_step = metrics_lib.FRESH_START if latest is None else latest
-  writer = metrics_lib.MetricsWriter(workdir, enabled=is_main, resume_step=resume_step)
+  writer = metrics_lib.MetricsWriter(
+    workdir,
+    enabled=is_main,
+    resume_step=resume_step,
+    hparams=workdir_lib.config_json(config),  # TensorBoard's hparams, wandb's config
+    wandb=metrics_lib.wandb_options(config.logging),
+  )
   last_eval = {}
   if latest is None:
     params = warm_start_lib.warm_start(
@@ -141,6 +147,7 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       t1 = time.perf_counter()
       state, step_metrics = step_fn(state, batch)
       step_metrics, bad_in_a_row = jax.device_get((step_metrics, state.bad_steps))
+      advantages_bg = step_metrics.pop(ADVANTAGES)
       t2 = time.perf_counter()
       if bad_in_a_row >= config.train.max_bad_steps:
         ckpt.close()
@@ -164,6 +171,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         logged.update(last_eval)
       if (step + 1) % config.train.log_every == 0 or metrics_lib.EVAL_ACCURACY in logged:
         writer.write(step + 1, logged)
+      samples_every = config.logging.samples_every
+      if samples_every and (step + 1) % samples_every == 0:
+        num = config.logging.num_samples
+        writer.write_samples(
+          step + 1, rollouts_lib.sample_rows(rollout, advantages_bg, cluster_names, num)
+        )
       bar.set_postfix(
         reward=f"{logged[metrics_lib.REWARD_MEAN]:.3f}",
         acc=f"{last_eval.get(metrics_lib.EVAL_ACCURACY, float('nan')):.3f}",

@@ -178,6 +178,7 @@ def test_metric_names_are_the_logged_contracts():
   assert set(metrics.TIMING_KEYS) | set(metrics.PER_CLUSTER_KEYS) <= metrics.KEYS
   constants = {v for k, v in vars(metrics).items() if k.isupper() and isinstance(v, str)}
   files_and_dirs = {metrics.METRICS_FILE, metrics.TENSORBOARD_DIR, metrics.PLOTS_DIR, metrics.STEP}
+  files_and_dirs |= {metrics.SAMPLES_FILE, metrics.WANDB_RUN_ID_FILE}
   assert constants - files_and_dirs == metrics.KEYS  # KEYS lists every name, and only names
 
 

@@ -84,6 +84,11 @@ def test_the_step_loop_makes_no_implicit_transfer(tiny_steps):
   assert len(rollout.rows) == config.train.batch_size
   assert np.isfinite(metrics["loss"]) and 0.0 <= accuracy["eval/accuracy"] <= 1.0
   assert logs["rollout/tokens"] > 0 and logs["dapo/rounds"] >= 1
+  assert metrics["lr"] == pytest.approx(1e-4)  # constant: the learning rate of every update
+  # The step's advantages [B, G] beside the rollout: the sample completions table of the step.
+  samples = rollouts_lib.sample_rows(rollout, metrics["advantages"], cluster_names, 6)
+  assert [s["completion"] for s in samples] == rollout.texts[:6]
+  assert [s["advantage"] for s in samples] == pytest.approx(metrics["advantages"].reshape(-1)[:6])
 
 
 # ----------------------------------------------------------------------------- resume first

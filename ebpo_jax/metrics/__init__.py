@@ -1,4 +1,5 @@
-"""Run metrics: their names, WORKDIR/metrics.jsonl, TensorBoard events, plots, summary table.
+"""Run metrics: their names, WORKDIR/metrics.jsonl, TensorBoard events, wandb, sample completions
+(WORKDIR/samples.jsonl), plots, summary table.
 
 metrics.jsonl holds one JSON object per line, each with an integer "step" and float values.
 Non-finite values (NaN, inf) are written as JSON `null`: strict JSON has no NaN, and readers
@@ -12,8 +13,9 @@ on `flush()`, which the trainer calls whenever it starts a checkpoint, so that t
 always reach the latest checkpoint).
 """
 
-# Three modules (names, log: the writer, plots); every name is used as `metrics.X`.
-from ebpo_jax.metrics.log import MetricsWriter, read_metrics, truncate_after
+# Four modules (names, log: the writer, wandb_log: its wandb run, plots); every name is used as
+# `metrics.X`.
+from ebpo_jax.metrics.log import MetricsWriter, markdown_table, read_metrics, truncate_after
 from ebpo_jax.metrics.names import (
   ADV_ABS_MEAN,
   ADV_ZERO_FRAC,
@@ -36,6 +38,7 @@ from ebpo_jax.metrics.names import (
   GRAD_NORM,
   KEYS,
   KL,
+  LEARNING_RATE,
   LOSS,
   METRICS_FILE,
   PER_CLUSTER_KEYS,
@@ -48,6 +51,7 @@ from ebpo_jax.metrics.names import (
   REWARD_MEAN,
   REWARD_OVERLONG_PENALTY,
   ROLLOUT_TOKENS,
+  SAMPLES_FILE,
   STEP,
   TENSORBOARD_DIR,
   TIME_SAMPLE_S,
@@ -56,6 +60,7 @@ from ebpo_jax.metrics.names import (
   TIME_UPDATE_S,
   TIMING_KEYS,
   TRUNCATED_FRAC,
+  WANDB_RUN_ID_FILE,
   cluster_prefix,
   per_cluster,
   reward_fn_key,
@@ -67,9 +72,11 @@ from ebpo_jax.metrics.plots import (
   png_bytes,
   summary_table,
 )
+from ebpo_jax.metrics.wandb_log import WandbOptions, require_wandb, wandb_options
 
 __all__ = [
   "MetricsWriter",
+  "markdown_table",
   "read_metrics",
   "truncate_after",
   "DEFAULT_PANELS",
@@ -77,6 +84,9 @@ __all__ = [
   "plot_metrics",
   "png_bytes",
   "summary_table",
+  "WandbOptions",
+  "require_wandb",
+  "wandb_options",
   "ADV_ABS_MEAN",
   "ADV_ZERO_FRAC",
   "APPROX_KL",
@@ -98,6 +108,7 @@ __all__ = [
   "GRAD_NORM",
   "KEYS",
   "KL",
+  "LEARNING_RATE",
   "LOSS",
   "METRICS_FILE",
   "PER_CLUSTER_KEYS",
@@ -110,6 +121,7 @@ __all__ = [
   "REWARD_MEAN",
   "REWARD_OVERLONG_PENALTY",
   "ROLLOUT_TOKENS",
+  "SAMPLES_FILE",
   "STEP",
   "TENSORBOARD_DIR",
   "TIME_SAMPLE_S",
@@ -118,6 +130,7 @@ __all__ = [
   "TIME_UPDATE_S",
   "TIMING_KEYS",
   "TRUNCATED_FRAC",
+  "WANDB_RUN_ID_FILE",
   "cluster_prefix",
   "per_cluster",
   "reward_fn_key",

@@ -4,6 +4,8 @@ per-cluster and per-reward-function keys."""
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PLOTS_DIR = "plots"
+SAMPLES_FILE = "samples.jsonl"  # sample completions, one JSON object per line (write_samples)
+WANDB_RUN_ID_FILE = "wandb_run_id"  # the workdir's wandb run id: a resumed run continues it
 # MetricsWriter's resume_step when nothing was restored: every line of an earlier start is dropped.
 FRESH_START = -1
 # How often a writer on an object store uploads (each upload sends the whole files again).
@@ -41,6 +43,7 @@ DUAL_CLIPFRAC = "dual_clipfrac"
 RATIO_MEAN = "ratio_mean"
 APPROX_KL = "approx_kl"  # k3 of the old policy from the new one: how far the update moved
 GRAD_NORM = "grad_norm"
+LEARNING_RATE = "lr"  # the schedule's value, mean over the step's updates (one: its value)
 BAD_UPDATES = "bad_updates"  # updates skipped for a non-finite loss or grad norm
 
 # Bookkeeping and wall-clock time.
@@ -64,7 +67,15 @@ KEYS = frozenset(
   | {EBPO_SHRINKAGE_MEAN, EBPO_PRIOR_MEAN, RESPONSE_LEN_MEAN, TRUNCATED_FRAC, ROLLOUT_TOKENS}
   | {DAPO_KEPT_FRAC, DAPO_ROUNDS, DAPO_FILLED_GROUPS}
   | {LOSS, PG_LOSS, KL, ENTROPY, CLIPFRAC, CLIPFRAC_LOW, CLIPFRAC_HIGH, DUAL_CLIPFRAC}
-  | {RATIO_MEAN, APPROX_KL, GRAD_NORM, BAD_UPDATES, COMPILES_TRAIN_STEP, *TIMING_KEYS}
+  | {
+    RATIO_MEAN,
+    APPROX_KL,
+    GRAD_NORM,
+    LEARNING_RATE,
+    BAD_UPDATES,
+    COMPILES_TRAIN_STEP,
+    *TIMING_KEYS,
+  }
   | {EVAL_ACCURACY, EVAL_VERIFIER_ERRORS}
 )
 

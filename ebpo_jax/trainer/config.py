@@ -201,6 +201,7 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
     f"must divide mini_batch_size * group_size = {mini_rows}",
   )
   _check_counts_and_rates(config)
+  _check_wandb(config)
   try:  # imports the functions' modules: a bad path is one line before anything compiles
     for fn in reward_fns.load(config.rewards.fns):
       metrics.reward_fn_key(fn.name)
@@ -253,6 +254,8 @@ _BOUNDS = (
   ("sft.num_steps", 0, True),
   ("sft.batch_size", 1, True),
   ("sft.learning_rate", 0, False),
+  ("logging.samples_every", 0, True),
+  ("logging.num_samples", 1, True),
 )
 _DTYPES = ("float32", "bfloat16")
 
@@ -273,6 +276,16 @@ def _check_counts_and_rates(config: ml_collections.ConfigDict) -> None:
     "sampling.prompt_buckets",
     "must be a non-empty list of positive token counts",
   )
+
+
+def _check_wandb(config: ml_collections.ConfigDict) -> None:
+  """The wandb mode is known, and wandb is installed when `logging.wandb` is on."""
+  _choice(config, "logging.wandb_mode", metrics.wandb_log.MODES)
+  if config.logging.wandb:
+    try:
+      metrics.require_wandb()
+    except ImportError as e:
+      raise ConfigError(f"config.logging.wandb=True: {e}") from None
 
 
 def _check_data_columns(config: ml_collections.ConfigDict) -> None:

@@ -392,6 +392,29 @@ def to_batch(rollout: Rollout, rewards: np.ndarray, mesh: Mesh) -> dict:
   }
 
 
+def sample_rows(
+  rollout: Rollout, advantages_bg: np.ndarray, cluster_names: Sequence[str], num: int
+) -> list[dict]:
+  """The sample completions table of a step: its first `num` completions (prompt-major, so whole
+  groups side by side), each with its prompt, answer, reward (before DAPO's overlong penalty),
+  advantage [B, G] from the step and cluster name."""
+  g = rollout.group_size
+  table = []
+  for i in range(min(num, len(rollout.texts))):
+    row = rollout.rows[i // g]
+    table.append(
+      {
+        "prompt": row["prompt"],
+        "completion": rollout.texts[i],
+        "answer": row["answer"],
+        "reward": float(rollout.rewards[i // g, i % g]),
+        "advantage": float(advantages_bg[i // g, i % g]),
+        "cluster": cluster_names[row["cluster"]],
+      }
+    )
+  return table
+
+
 # ----------------------------------------------------------------------------- evaluation
 
 

@@ -15,7 +15,8 @@ outcome from it and stop with it.
 config.json is the resolved config of the run (rewritten by every run that starts). A run whose
 config differs from it in a key that defines the experiment stops with one line listing the keys,
 before anything compiles; SAFE_KEYS (steps, evaluation, logging and checkpoint cadence, the mesh,
-...) may change on a resume; `--config.workdir.accept_changes=KEY,...` (or `all`) accepts others.
+...) and the logging.* keys (SAFE_PREFIXES) may change on a resume;
+`--config.workdir.accept_changes=KEY,...` (or `all`) accepts others.
 """
 
 import contextlib
@@ -58,6 +59,9 @@ SAFE_KEYS = frozenset(
     "mesh.tensor",
   }
 )
+# Key prefixes that are as safe: where and how the run logs (logging.*, added after config.json
+# existed: an older workdir lacks them, and they may change on any resume).
+SAFE_PREFIXES = ("logging.",)
 # Keys added to the project after config.json existed, with the value that does what the code did
 # before them: a workdir whose config.json lacks one resumes when the run keeps that value. Add a
 # key here when you add it to configs/common.py (tests/test_workdir.py checks the values). Keys
@@ -218,7 +222,8 @@ def check_and_save_config(workdir: str, config: ml_collections.ConfigDict) -> No
   saved = saved_config(workdir)
   if saved is not None:
     changed = changed_keys(saved, config)
-    refused = [key for key in changed if key not in SAFE_KEYS | _accepted(config, changed)]
+    safe = SAFE_KEYS | _accepted(config, changed)
+    refused = [k for k in changed if k not in safe and not k.startswith(SAFE_PREFIXES)]
     if refused:
       listing = ", ".join(f"{key} ({changed[key][0]!r} -> {changed[key][1]!r})" for key in refused)
       raise WorkdirError(
