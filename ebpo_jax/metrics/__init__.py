@@ -16,6 +16,7 @@ always reach the latest checkpoint).
 from ebpo_jax.metrics.log import MetricsWriter, read_metrics, truncate_after
 from ebpo_jax.metrics.names import (
   ADV_ABS_MEAN,
+  ADV_ALL_EQUAL_FRAC,
   ADV_ZERO_FRAC,
   APPROX_KL,
   BAD_UPDATES,
@@ -28,6 +29,8 @@ from ebpo_jax.metrics.names import (
   DAPO_ROUNDS,
   DUAL_CLIPFRAC,
   EBPO_PRIOR_MEAN,
+  EBPO_PRIOR_STD,
+  EBPO_SHRINKAGE,
   EBPO_SHRINKAGE_MEAN,
   ENTROPY,
   EVAL_ACCURACY,
@@ -78,6 +81,7 @@ __all__ = [
   "png_bytes",
   "summary_table",
   "ADV_ABS_MEAN",
+  "ADV_ALL_EQUAL_FRAC",
   "ADV_ZERO_FRAC",
   "APPROX_KL",
   "BAD_UPDATES",
@@ -90,6 +94,8 @@ __all__ = [
   "DAPO_ROUNDS",
   "DUAL_CLIPFRAC",
   "EBPO_PRIOR_MEAN",
+  "EBPO_PRIOR_STD",
+  "EBPO_SHRINKAGE",
   "EBPO_SHRINKAGE_MEAN",
   "ENTROPY",
   "EVAL_ACCURACY",
