@@ -65,7 +65,9 @@ from ebpo_jax.metrics.names import (
 )
 from ebpo_jax.metrics.plots import (
   DEFAULT_PANELS,
+  Panel,
   missing_panels,
+  overview_figure,
   plot_metrics,
   png_bytes,
   summary_table,
@@ -76,7 +78,9 @@ __all__ = [
   "read_metrics",
   "truncate_after",
   "DEFAULT_PANELS",
+  "Panel",
   "missing_panels",
+  "overview_figure",
   "plot_metrics",
   "png_bytes",
   "summary_table",

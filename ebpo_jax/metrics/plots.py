@@ -10,6 +10,7 @@ keep one colour per cluster across panels, the all-cluster series is black.
 import io
 import math
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -121,6 +122,8 @@ DEFAULT_PANELS: tuple[Panel, ...] = (
 # The panels of overview.png, in reading order: outcome, signal, the prior, the policy.
 OVERVIEW = ("reward", "accuracy", "zero_signal", "ebpo_prior_mean", "ebpo_shrinkage", "entropy")
 OVERVIEW_FILE = "overview"
+# (colour, line style) of a panel's exact keys, in order; per-cluster keys take cluster_colors.
+EXACT_STYLES = (("black", "-"), ("dimgray", "--"), ("darkgoldenrod", ":"))
 # Legends with more entries than this name only the all-cluster series (the rest is colour).
 MAX_LEGEND = 12
 
@@ -169,11 +172,20 @@ def _cluster_name(key: str) -> str | None:
   return None
 
 
+def _natural_order(name: str) -> list:
+  """topic_2 before topic_10: digit runs compare as numbers."""
+  return [
+    (0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name)
+  ]
+
+
 def cluster_colors(keys: Iterable[str]) -> dict[str, Any]:
   """One colour per cluster name found in per-cluster `keys`, the same in every panel."""
   from matplotlib import colormaps
 
-  names = sorted({name for key in keys if (name := _cluster_name(key)) is not None})
+  names = sorted(
+    {name for key in keys if (name := _cluster_name(key)) is not None}, key=_natural_order
+  )
   if len(names) <= 10:
     cmap = colormaps["tab10"]
     return {name: cmap(i) for i, name in enumerate(names)}
@@ -212,26 +224,28 @@ def _is_flat(lines: dict, bands: dict) -> bool:
 def draw_panel(ax, panel: Panel, lines: dict, bands: dict, colors: Mapping[str, Any]) -> list:
   """Draws a panel's series on `ax` (raw faint, smoothed solid, mean ± std shaded); returns the
   handles of its exact (not per-cluster) keys, for a legend."""
-  exact_handles, palette = [], iter(f"C{i}" for i in range(10))
+  # Exact keys in black and greys, apart from the cluster colours (an entropy line in blue would
+  # read as the first cluster's in the overview).
+  exact_handles, styles = [], iter(EXACT_STYLES * 4)
   has_clusters = any(_cluster_name(k) is not None for k in lines)
   values_all = []
   for key, (steps, values) in lines.items():
     cluster = _cluster_name(key)
     if cluster is not None:
-      color, width, label = colors.get(cluster, "grey"), 1.4, cluster
+      color, style, width, label = colors.get(cluster, "grey"), "-", 1.4, cluster
     else:
-      color = "black" if has_clusters else next(palette)
+      color, style = EXACT_STYLES[0] if has_clusters else next(styles)
       width = 2.2 if has_clusters else 1.8
       label = panel.labels.get(key, "all clusters" if has_clusters else key)
     smoothed = smooth(values)
     marker = "o" if len(steps) < 30 else None
     if smoothed is None:
       (handle,) = ax.plot(
-        steps, values, color=color, lw=width, marker=marker, markersize=3, label=label
+        steps, values, style, color=color, lw=width, marker=marker, markersize=3, label=label
       )
     else:
       ax.plot(steps, values, color=color, lw=0.8, alpha=0.35)
-      (handle,) = ax.plot(steps, smoothed, color=color, lw=width, label=label)
+      (handle,) = ax.plot(steps, smoothed, style, color=color, lw=width, label=label)
     values_all.append(values)
     if key in bands:
       band_steps, std = bands[key]
