@@ -237,21 +237,23 @@ def draw_panel(ax, panel: Panel, lines: dict, bands: dict, colors: Mapping[str, 
       color, style = EXACT_STYLES[0] if has_clusters else next(styles)
       width = 2.2 if has_clusters else 1.8
       label = panel.labels.get(key, "all clusters" if has_clusters else key)
-    smoothed = smooth(values)
+    # A few far points (the first step's compile time) are drawn raw, not smeared by the mean.
+    kept = ~_far_points(values)
+    smooth_steps, smoothed = steps[kept], smooth(values[kept])
     marker = "o" if len(steps) < 30 else None
     if smoothed is None:
+      smooth_steps, smoothed = steps, values
       (handle,) = ax.plot(
         steps, values, style, color=color, lw=width, marker=marker, markersize=3, label=label
       )
     else:
       ax.plot(steps, values, color=color, lw=0.8, alpha=0.35)
-      (handle,) = ax.plot(steps, smoothed, style, color=color, lw=width, label=label)
+      (handle,) = ax.plot(smooth_steps, smoothed, style, color=color, lw=width, label=label)
     values_all.append(values)
     if key in bands:
       band_steps, std = bands[key]
-      shared, at_mean, at_std = np.intersect1d(steps, band_steps, return_indices=True)
-      mean = values[at_mean] if smoothed is None else smoothed[at_mean]
-      spread = smooth(std[at_std])
+      shared, at_mean, at_std = np.intersect1d(smooth_steps, band_steps, return_indices=True)
+      mean, spread = smoothed[at_mean], smooth(std[at_std])
       spread = std[at_std] if spread is None else spread
       ax.fill_between(shared, mean - spread, mean + spread, color=color, alpha=0.15, lw=0)
       values_all.append(np.concatenate([mean - spread, mean + spread]))
@@ -264,7 +266,40 @@ def draw_panel(ax, panel: Panel, lines: dict, bands: dict, colors: Mapping[str, 
   every = np.concatenate(values_all) if values_all else np.zeros(0)
   if panel.unit and every.size and every.min() >= 0.0 and every.max() <= 1.0:
     ax.set_ylim(-0.03, 1.03)
+  else:
+    _clip_outliers(ax, every)
   return exact_handles
+
+
+def _far_points(values: np.ndarray) -> np.ndarray:
+  """Which values lie far out (3 inter-percentile ranges beyond the 2nd-98th percentiles), when
+  they are few (at most 2% of 20 or more points); all False otherwise."""
+  values = np.asarray(values, float)
+  none = np.zeros(values.shape, bool)
+  if values.size < 20:
+    return none
+  low, high = np.percentile(values, [2, 98])
+  span = max(high - low, 1e-12)
+  far = (values > high + 3 * span) | (values < low - 3 * span)
+  return far if far.sum() <= 0.02 * values.size else none
+
+
+def _clip_outliers(ax, values: np.ndarray) -> None:
+  """Keeps a few far points (the first step's compile time, one grad-norm spike) from flattening
+  the rest: the y-axis spans the other points and says how many lie beyond."""
+  far = _far_points(values)
+  if not far.any():
+    return
+  inliers = values[~far]
+  low, high = inliers.min(), inliers.max()
+  margin = 0.08 * max(high - low, 1e-12)
+  ax.set_ylim(low - margin, high + margin)
+  above, below = int((values > high).sum()), int((values < low).sum())
+  beyond = ", ".join(
+    text for n, text in ((above, f"{above} above"), (below, f"{below} below")) if n
+  )
+  ax.text(0.99, 0.01, f"off the axis: {beyond}", transform=ax.transAxes, ha="right",
+          va="bottom", fontsize="x-small", color="dimgray")  # fmt: skip
 
 
 def _legend(ax, handles_exact: list, num_lines: int) -> None:
