@@ -133,3 +133,8 @@ def test_every_default_plot_panel_reads_a_logged_key(arith_run):
   assert metrics.missing_panels(records) == []
   logged = {k for r in records for k in r}
   assert {"reward/mean/add_1", "ebpo/prior_mean/add_2", "eval/accuracy/add_2"} <= logged
+  assert {"ebpo/prior_std/add_1", "ebpo/shrinkage/add_2", "adv/all_equal_frac"} <= logged
+  train = [r for r in records if "reward/mean" in r]
+  for line in train:  # S and the all-equal share are shares; tau is a std of rewards in [0, 1]
+    assert 0.0 <= line["adv/all_equal_frac"] <= 1.0 and 0.0 <= line["ebpo/shrinkage/add_1"] <= 1.0
+    assert 0.0 <= line["ebpo/prior_std/add_2"] <= 0.5

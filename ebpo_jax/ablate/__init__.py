@@ -41,11 +41,13 @@ import tqdm
 
 from ebpo_jax import files
 from ebpo_jax import metrics as metrics_lib
-from ebpo_jax.ablate.report import (  # noqa: F401  (mean_curve: for notebooks)
+from ebpo_jax.ablate.report import (  # noqa: F401  (for notebooks: ablation_figure, mean_curve, seed_band)
+  ablation_figure,
   build_report,
   mean_curve,
   plot_ablation,
   render_markdown,
+  seed_band,
 )
 from ebpo_jax.trainer import workdir as workdir_lib
 

@@ -18,6 +18,7 @@ always reach the latest checkpoint).
 from ebpo_jax.metrics.log import MetricsWriter, markdown_table, read_metrics, truncate_after
 from ebpo_jax.metrics.names import (
   ADV_ABS_MEAN,
+  ADV_ALL_EQUAL_FRAC,
   ADV_ZERO_FRAC,
   APPROX_KL,
   BAD_UPDATES,
@@ -30,6 +31,8 @@ from ebpo_jax.metrics.names import (
   DAPO_ROUNDS,
   DUAL_CLIPFRAC,
   EBPO_PRIOR_MEAN,
+  EBPO_PRIOR_STD,
+  EBPO_SHRINKAGE,
   EBPO_SHRINKAGE_MEAN,
   ENTROPY,
   EVAL_ACCURACY,
@@ -67,7 +70,9 @@ from ebpo_jax.metrics.names import (
 )
 from ebpo_jax.metrics.plots import (
   DEFAULT_PANELS,
+  Panel,
   missing_panels,
+  overview_figure,
   plot_metrics,
   png_bytes,
   summary_table,
@@ -80,7 +85,9 @@ __all__ = [
   "read_metrics",
   "truncate_after",
   "DEFAULT_PANELS",
+  "Panel",
   "missing_panels",
+  "overview_figure",
   "plot_metrics",
   "png_bytes",
   "summary_table",
@@ -88,6 +95,7 @@ __all__ = [
   "require_wandb",
   "wandb_options",
   "ADV_ABS_MEAN",
+  "ADV_ALL_EQUAL_FRAC",
   "ADV_ZERO_FRAC",
   "APPROX_KL",
   "BAD_UPDATES",
@@ -100,6 +108,8 @@ __all__ = [
   "DAPO_ROUNDS",
   "DUAL_CLIPFRAC",
   "EBPO_PRIOR_MEAN",
+  "EBPO_PRIOR_STD",
+  "EBPO_SHRINKAGE",
   "EBPO_SHRINKAGE_MEAN",
   "ENTROPY",
   "EVAL_ACCURACY",

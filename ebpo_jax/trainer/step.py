@@ -235,6 +235,7 @@ def _rollout_metrics(batch: dict, adv_bg: jax.Array) -> dict:
   return {
     metrics_lib.REWARD_MEAN: batch["rewards"].mean(),
     metrics_lib.ADV_ZERO_FRAC: advantages.zero_fraction(adv_bg),
+    metrics_lib.ADV_ALL_EQUAL_FRAC: advantages.all_equal_fraction(batch["rewards"]),
     metrics_lib.ADV_ABS_MEAN: jnp.abs(adv_bg).mean(),
     metrics_lib.RESPONSE_LEN_MEAN: batch["completion_mask"].sum(-1).mean(),
     metrics_lib.TRUNCATED_FRAC: batch["truncated"].mean(),
