@@ -22,7 +22,6 @@ from typing import Any
 import jax
 import numpy as np
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from ebpo_jax import data, files, sharding, tasks
 from ebpo_jax.trainer import config as config_lib
@@ -95,16 +94,21 @@ def run(
 def main(argv: Sequence[str]) -> None:
   del argv
   f = flags.FLAGS
+  if f.print_config:
+    config_lib.print_config(f.config)
+    return
+  if f.input is None or f.output is None:
+    raise app.UsageError("--input and --output are required")
   with config_lib.entry_point(logging.ERROR):  # orbax warns about the items it skips
     run(f.config, f.input, f.output, k=f.k, run_dir=f.run_dir, step=f.step)
 
 
 if __name__ == "__main__":
-  config_flags.DEFINE_config_file("config", None, "Experiment config file.")
+  config_lib.define_config_flags()
+  flags.adopt_module_key_flags(config_lib)  # --help lists --config and --print_config
   flags.DEFINE_string("input", None, "Rows file (JSONL or Parquet) to measure.")
   flags.DEFINE_string("output", None, "Output JSONL: the rows with pass_rate and difficulty.")
   flags.DEFINE_integer("k", 8, "Rollouts per prompt.")
   flags.DEFINE_string("run_dir", None, "Trainer workdir whose checkpoint to measure.")
   flags.DEFINE_integer("step", None, "Checkpoint step of --run_dir (default: the latest).")
-  flags.mark_flags_as_required(["config", "input", "output"])
   app.run(main, flags_parser=config_lib.parse_flags)  # a --config.KEY typo: one line

@@ -11,7 +11,6 @@ function. The parts live in ebpo_jax/trainer/; this file is only the entry point
 """
 
 import collections
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -22,7 +21,6 @@ import ml_collections
 import numpy as np
 import tqdm
 from absl import app, flags
-from ml_collections import config_flags
 
 from ebpo_jax import advantages, checkpoint, data, files, sharding
 from ebpo_jax import metrics as metrics_lib
@@ -34,12 +32,10 @@ from ebpo_jax.trainer import warm_start as warm_start_lib
 from ebpo_jax.trainer import workdir as workdir_lib
 from ebpo_jax.trainer.step import jit_train_step
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
+_CONFIG, _PRINT_CONFIG = config_lib.define_config_flags()
+flags.adopt_module_key_flags(config_lib)  # --help lists --config and --print_config
 _WORKDIR = flags.DEFINE_string(
   "workdir", None, "Directory for checkpoints, metrics and plots (local or gs://bucket/...)."
-)
-_PRINT_CONFIG = flags.DEFINE_bool(
-  "print_config", False, "Print the resolved config (the file and its overrides) as JSON; exit."
 )
 
 
@@ -47,7 +43,7 @@ def main(argv: Sequence[str]) -> None:
   del argv
   config, workdir = _CONFIG.value, _WORKDIR.value
   if _PRINT_CONFIG.value:
-    print(json.dumps(workdir_lib.config_json(config), indent=1, sort_keys=True))
+    config_lib.print_config(config)
     return
   if workdir is None:
     raise app.UsageError("--workdir is required")
@@ -238,5 +234,4 @@ def finish(workdir: str, cluster_names: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  flags.mark_flags_as_required(["config"])
   app.run(main, flags_parser=config_lib.parse_flags)  # a --config.KEY typo: one line
