@@ -20,10 +20,12 @@ import jax
 import ml_collections
 import numpy as np
 import tqdm
-from absl import app, flags
+from absl import app, flags, logging
+from ml_collections import config_flags
 
 from ebpo_jax import advantages, checkpoint, data, files, sharding
 from ebpo_jax import metrics as metrics_lib
+from ebpo_jax.trainer import banner as banner_lib
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import state as state_lib
@@ -51,11 +53,16 @@ def main(argv: Sequence[str]) -> None:
     config_lib.check_config(config, jax.device_count())
     config_lib.check_model_path(config)  # a missing or truncated model file: one line
     with workdir_lib.claim(workdir, config):  # locked; config.json checked against this config
-      run(config, workdir)
+      name = banner_lib.config_name(
+        config_flags.get_config_filename(flags.FLAGS["config"]),
+        config_flags.get_override_values(flags.FLAGS["config"]),
+      )
+      run(config, workdir, name=name)
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Trains (or resumes) under `config` in `workdir`; returns the last evaluation."""
+def run(config: ml_collections.ConfigDict, workdir: str, *, name: str = "") -> dict:
+  """Trains (or resumes) under `config` in `workdir`; returns the last evaluation. `name`: the
+  config as the command line gave it, for the startup banner."""
   is_main = jax.process_index() == 0
   sigterm = checkpoint.install_sigterm_flag()  # the whole run, the warm start included
   mesh = sharding.make_mesh(dict(config.mesh))
@@ -97,6 +104,13 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       latest, state, _ = ckpt.restore_latest(abstract, data_iter=batches)
     except checkpoint.CorruptCheckpointError as e:
       sys.exit(f"error: {e}")
+  banner_lib.log_startup(
+    mesh=mesh,
+    num_params=banner_lib.count_params(abstract_params),
+    workdir=workdir,
+    config=name,
+    resume_step=latest,
+  )
   # metrics.jsonl keeps only the lines of the steps restored (none on a fresh start), always.
   resume_step = metrics_lib.FRESH_START if latest is None else latest
   writer = metrics_lib.MetricsWriter(workdir, enabled=is_main, resume_step=resume_step)
@@ -135,6 +149,8 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         sampler, state.params, keys, rows, batches
       )
       t1 = time.perf_counter()
+      if step == start:
+        logging.info("compiling the train step (the first call; once per run) ...")
       state, step_metrics = step_fn(state, batch)
       step_metrics, bad_in_a_row = jax.device_get((step_metrics, state.bad_steps))
       t2 = time.perf_counter()
