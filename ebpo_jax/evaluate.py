@@ -35,6 +35,7 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
+import tqdm
 from absl import app, flags, logging
 
 from ebpo_jax import data, files, sharding, tasks
@@ -229,9 +230,12 @@ def run(
   greedy = bool(config.eval.greedy and k == 1)
   sampler = rollouts_lib.make_sampler(model, task, tokenizer, config, mesh)
   with sampler.pool:
-    texts, rewards, errors = rollouts_lib.sample_and_score(
+    batches = rollouts_lib.sample_and_score_batches(
       sampler, params, rows, num_samples=k, greedy=greedy
     )
+    calls = math.ceil(len(rows) / (config.sampling.prompts_per_call or len(rows)))
+    bar = dict(total=calls, desc="evaluate", unit="call", disable=jax.process_index() != 0)
+    texts, rewards, errors = rollouts_lib.join_batches(list(tqdm.tqdm(batches, **bar)))
     error_examples = list(sampler.pool.last_errors)
   extract = answer_extractor(task)
   answers = [[extract(t) for t in group] for group in texts]

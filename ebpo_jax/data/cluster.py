@@ -32,6 +32,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tqdm
 from absl import flags
 
 from ebpo_jax import cli, files
@@ -227,7 +228,9 @@ class SentenceEncoder:
     out = np.zeros((len(texts), self.config.hidden_size), np.float32)
     order = np.argsort([len(ids) for ids in token_ids], kind="stable")
     rows_per_batch = min(batch_size, _next_power_of_two(len(texts)))
-    for start in range(0, len(texts), rows_per_batch):
+    starts = range(0, len(texts), rows_per_batch)
+    # A bar on a terminal only (disable=None): embed is also a library call (tests, notebooks).
+    for start in tqdm.tqdm(starts, desc="embed", unit="batch", disable=None):
       chosen = order[start : start + rows_per_batch]
       ids_bt, mask_bt = _pad_batch([token_ids[i] for i in chosen], rows_per_batch, max_length)
       embeddings_bd = _encode_jit(self.params, ids_bt, mask_bt, config=self.config)
