@@ -58,18 +58,18 @@ def write_rows(path: str, rows: Sequence[dict[str, Any]], header: dict | None = 
 
 def read_partial(path: str, header: dict, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
   """The rows a stopped run measured (`OUTPUT.partial`), when it measured these rows with this
-  header (input, k, policy, prompts per call, seed); else none."""
+  header (input, k, policy, config); else none."""
   if not files.exists(path):
     return []
   lines = files.read_text(path).splitlines()
   try:
     saved_header, done = json.loads(lines[0]), [json.loads(line) for line in lines[1:]]
-  except (IndexError, json.JSONDecodeError):
+    same_rows = all(
+      d["prompt"] == r["prompt"] and d["answer"] == r["answer"]
+      for d, r in zip(done, rows, strict=False)
+    )
+  except (IndexError, KeyError, TypeError, json.JSONDecodeError):  # not a file this run wrote
     return []
-  same_rows = all(
-    d["prompt"] == r["prompt"] and d["answer"] == r["answer"]
-    for d, r in zip(done, rows, strict=False)
-  )
   same_header = json.dumps(saved_header, sort_keys=True) == json.dumps(header, sort_keys=True)
   if not same_header or len(done) > len(rows) or not same_rows:
     return []
@@ -125,6 +125,8 @@ def run(
   out, errors = out[: done_calls * chunk], 0
   if out:
     print(f"{partial_path}: {len(out)} of {len(rows)} rows measured before; taking up after them")
+  elif is_main and files.exists(partial_path):
+    print(f"{partial_path}: another input, k, policy or config measured it; starting over")
   sampler = rollouts_lib.make_sampler(model, task, tokenizer, config, mesh)
   calls = math.ceil(len(rows) / chunk)
   with sampler.pool:
