@@ -302,3 +302,16 @@ def test_difficulty_writes_as_it_goes_and_a_rerun_takes_up_after_it(
   assert measure(out) == reference  # the same rows as a run never stopped
   assert skipped == [2] and not partial.exists()  # only the third call ran again
   assert [json.loads(line) for line in out.read_text().splitlines()] == reference
+
+
+def test_difficulty_takes_up_only_its_own_partial_file(tmp_path):
+  rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+  measured = [{**rows[0], "pass_rate": 1.0, "difficulty": 0.0}]
+  header, path = {"k": 2, "config": {"seed": 0}}, str(tmp_path / "out.jsonl.partial")
+  difficulty.write_rows(path, measured, header)
+  assert difficulty.read_partial(path, header, rows) == measured
+  assert difficulty.read_partial(path, {"k": 4, "config": {"seed": 0}}, rows) == []  # another k
+  assert difficulty.read_partial(path, header, rows[::-1]) == []  # other rows
+  assert difficulty.read_partial(str(tmp_path / "missing.partial"), header, rows) == []
+  (tmp_path / "out.jsonl.partial").write_text("not json\n")
+  assert difficulty.read_partial(path, header, rows) == []
