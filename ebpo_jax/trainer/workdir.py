@@ -36,7 +36,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from ebpo_jax import files
-from ebpo_jax.trainer.config import ConfigError
+from ebpo_jax.trainer.config import ConfigError, config_json
 
 CONFIG_FILE = "config.json"
 LOCK_FILE = "lock"
@@ -170,13 +170,6 @@ def _dead_here(holder: Mapping[str, Any]) -> bool:
 
 
 # ----------------------------------------------------------------------------- config.json
-
-
-def config_json(config: ml_collections.ConfigDict | Mapping[str, Any]) -> dict[str, Any]:
-  """`config` as the JSON config.json holds (tuples as lists)."""
-  if isinstance(config, ml_collections.ConfigDict):
-    return json.loads(config.to_json_best_effort())
-  return json.loads(json.dumps(config, default=str))
 
 
 def changed_keys(saved: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple]:
