@@ -1,6 +1,7 @@
 """Packaging for ebpo_jax: `pip install -e .` (runtime, CPU JAX), `pip install -e '.[test]'`
-(tests), `pip install -e '.[cuda]'` / `'.[tpu]'` (JAX for NVIDIA GPUs / TPUs) and
-`pip install -e '.[aot]'` (the TPU compiler for `python -m ebpo_jax.aot` on any machine)."""
+(tests), `pip install -e '.[cuda]'` / `'.[tpu]'` (JAX for NVIDIA GPUs / TPUs),
+`pip install -e '.[aot]'` (the TPU compiler for `python -m ebpo_jax.aot` on any machine) and
+`pip install -e '.[wandb]'` (logging to Weights & Biases, `--config.logging.wandb=True`)."""
 
 import pathlib
 
@@ -24,6 +25,9 @@ AOT_REQUIRES = ["libtpu==0.0.42.*"]
 CUDA_REQUIRES = ["jax[cuda12]>=0.10,<0.11"]
 TPU_REQUIRES = ["jax[tpu]>=0.10,<0.11"]
 
+# Weights & Biases, optional (config.logging.wandb); tested with 0.31 (an offline run read back).
+WANDB_REQUIRES = ["wandb>=0.19,<1"]
+
 TEST_REQUIRES = [
     "pytest>=8",
     "pytest-xdist>=3.5",  # `-n 2`: test files in parallel processes
@@ -40,6 +44,7 @@ TEST_REQUIRES = [
     # Writes the save_to_disk fixtures that ebpo_jax.data reads with pyarrow alone (tested: 5.2).
     "datasets>=3.0,<6",
     *AOT_REQUIRES,  # tests/test_aot.py, tests/test_launch.py (tpu_pod.sh's fit check)
+    *WANDB_REQUIRES,  # tests/test_logging.py: a run with wandb offline
 ]
 
 setuptools.setup(
@@ -56,6 +61,7 @@ setuptools.setup(
     extras_require={
         "test": TEST_REQUIRES,
         "aot": AOT_REQUIRES,
+        "wandb": WANDB_REQUIRES,
         "cuda": CUDA_REQUIRES,
         "tpu": TPU_REQUIRES,
     },

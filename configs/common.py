@@ -132,6 +132,16 @@ def get_config() -> ml_collections.ConfigDict:
   # Rows for `ebpo_jax.evaluate`, read as data.path is (a DatasetDict: name its split's folder).
   config.eval.path = ""  # "": the task's eval split
 
+  config.logging = ml_collections.ConfigDict()  # samples and wandb (metrics.jsonl + TB: always)
+  config.logging.samples_every = 10  # RL steps between sample completion tables; 0: none
+  config.logging.num_samples = 16  # completions per table: the batch's first (whole groups)
+  config.logging.wandb = False  # also log to Weights & Biases (pip install -e '.[wandb]')
+  config.logging.wandb_project = "ebpo-jax"  # wandb project
+  config.logging.wandb_entity = ""  # wandb team or user; "": your default entity
+  config.logging.wandb_run_name = ""  # "": the workdir's base name
+  config.logging.wandb_tags = ""  # comma-separated tags: "ebpo,g8"
+  config.logging.wandb_mode = ""  # online | offline | disabled; "": $WANDB_MODE, else online
+
   config.checkpoint = ml_collections.ConfigDict()  # WORKDIR/checkpoints/
   config.checkpoint.every_steps = 50  # RL steps between checkpoints
   config.checkpoint.max_to_keep = 2  # newest checkpoints kept

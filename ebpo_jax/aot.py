@@ -62,7 +62,6 @@ import ml_collections
 from absl import app, flags
 from jax.extend import core as jax_core
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
-from ml_collections import config_flags
 
 from ebpo_jax import advantages, files, models, sampling, sharding
 from ebpo_jax.tpu import GIB, Chip, NoTpuCompiler, Slice, parse_slice, topology_devices
@@ -415,6 +414,11 @@ def describe(report: dict) -> str:
 def main(argv: Sequence[str]) -> None:
   del argv
   f = flags.FLAGS
+  if f.print_config:
+    config_lib.print_config(f.config)
+    return
+  if f.topology is None:
+    raise app.UsageError("--topology is required")
   if not os.environ.get("JAX_PLATFORMS"):
     jax.config.update("jax_platforms", "cpu")  # the TPU devices are compile-only
   with config_lib.entry_point():
@@ -431,7 +435,8 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  config_flags.DEFINE_config_file("config", None, "Experiment config file.")
+  config_lib.define_config_flags()
+  flags.adopt_module_key_flags(config_lib)  # --help lists --config and --print_config
   flags.DEFINE_string("topology", None, "Slice (v5p-64, v5e-16) or topology (v5p:4x4x2).")
   flags.DEFINE_integer(
     "prompt_len",
@@ -439,5 +444,4 @@ if __name__ == "__main__":
     "Prompt bucket to compile; 0: the longest training prompt's bucket when the rows are "
     "the task's own, else the largest of sampling.prompt_buckets.",
   )
-  flags.mark_flags_as_required(["config", "topology"])
   app.run(main, flags_parser=config_lib.parse_flags)  # a --config.KEY typo: one line

@@ -16,19 +16,23 @@ which knows nothing of models.
 """
 
 import json
+import math
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import numpy as np
+import tqdm
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from ebpo_jax import data, files, sharding, tasks
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import policy as policy_lib
 from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import state as state_lib
+
+# Prompts per sampler call when the config says all at once (0): the unit of progress kept.
+DEFAULT_PROMPTS_PER_CALL = 64
 
 
 def with_difficulty(
@@ -46,10 +50,30 @@ def with_difficulty(
   return out
 
 
-def write_rows(path: str, rows: Sequence[dict[str, Any]]) -> None:
-  """Rows as JSONL, atomically."""
-  text = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
-  files.write_atomic(path, text)
+def write_rows(path: str, rows: Sequence[dict[str, Any]], header: dict | None = None) -> None:
+  """Rows as JSONL, atomically; `header` (a partial file's) first."""
+  lines = ([header] if header is not None else []) + list(rows)
+  files.write_atomic(path, "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in lines))
+
+
+def read_partial(path: str, header: dict, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+  """The rows a stopped run measured (`OUTPUT.partial`), when it measured these rows with this
+  header (input, k, policy, config); else none."""
+  if not files.exists(path):
+    return []
+  lines = files.read_text(path).splitlines()
+  try:
+    saved_header, done = json.loads(lines[0]), [json.loads(line) for line in lines[1:]]
+    same_rows = all(
+      d["prompt"] == r["prompt"] and d["answer"] == r["answer"]
+      for d, r in zip(done, rows, strict=False)
+    )
+  except (IndexError, KeyError, TypeError, json.JSONDecodeError):  # not a file this run wrote
+    return []
+  same_header = json.dumps(saved_header, sort_keys=True) == json.dumps(header, sort_keys=True)
+  if not same_header or len(done) > len(rows) or not same_rows:
+    return []
+  return done
 
 
 def run(
@@ -61,7 +85,15 @@ def run(
   run_dir: str | None = None,
   step: int | None = None,
 ) -> list[dict[str, Any]]:
-  """Measures the pass rate of every row of `input_path` and writes `output_path`."""
+  """Measures the pass rate of every row of `input_path` and writes `output_path`.
+
+  Rows go `sampling.prompts_per_call` at a time (0: DEFAULT_PROMPTS_PER_CALL, rounded up to a
+  multiple of the data x fsdp shards, when there are more rows; else all at once); after each call
+  the rows measured so far are in `OUTPUT.partial` (a header line, then rows), so a stopped run
+  keeps them, and a run started again with the same input, k, policy and config takes up after
+  them (one process; the same results as a run that was never stopped). The output is written
+  when every row is measured, and the partial file removed.
+  """
   if k < 1:
     raise config_lib.PolicyError(f"--k={k}: must be >= 1")
   if not output_path.endswith(".jsonl"):
@@ -73,21 +105,48 @@ def run(
   config_lib.check_config(config, jax.device_count())
   rows, cluster_names = data.load_rows_and_clusters(input_path)
   mesh = sharding.make_mesh(dict(config.mesh))
+  if not config.sampling.prompts_per_call and len(rows) > DEFAULT_PROMPTS_PER_CALL:
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]  # a call's prompts are split over them
+    config.sampling.prompts_per_call = -(-DEFAULT_PROMPTS_PER_CALL // shards) * shards
+  chunk = config.sampling.prompts_per_call or len(rows)
   task = tasks.from_config(config.task)
   tokenizer = state_lib.load_tokenizer(config, task)
   model, params, origin = policy_lib.load_policy(config, tokenizer, mesh, run_dir, step)
+  is_main, partial_path = jax.process_index() == 0, output_path + ".partial"
+  header = {
+    "difficulty_of": files.abspath(input_path),
+    "k": k,
+    "params": origin,
+    "config": config_lib.config_json(config),
+  }
+  # Several processes would each have to read the same partial file: they start afresh.
+  out = read_partial(partial_path, header, rows) if jax.process_count() == 1 else []
+  done_calls = len(out) // chunk
+  out, errors = out[: done_calls * chunk], 0
+  if out:
+    print(f"{partial_path}: {len(out)} of {len(rows)} rows measured before; taking up after them")
+  elif is_main and files.exists(partial_path):
+    print(f"{partial_path}: another input, k, policy or config measured it; starting over")
   sampler = rollouts_lib.make_sampler(model, task, tokenizer, config, mesh)
+  calls = math.ceil(len(rows) / chunk)
   with sampler.pool:
-    _, rewards, errors = rollouts_lib.sample_and_score(
-      sampler, params, rows, num_samples=k, greedy=False
+    batches = rollouts_lib.sample_and_score_batches(
+      sampler, params, rows, num_samples=k, greedy=False, skip=done_calls
     )
-  out = with_difficulty(rows, cluster_names, rewards)
-  if jax.process_index() == 0:
+    bar = dict(total=calls, initial=done_calls, desc="difficulty", unit="call", disable=not is_main)
+    for batch in tqdm.tqdm(batches, **bar):
+      part = rows[batch.start : batch.start + len(batch.texts)]
+      out += with_difficulty(part, cluster_names, batch.rewards)
+      errors += batch.errors
+      if is_main:
+        write_rows(partial_path, out, header)
+  if is_main:
     write_rows(output_path, out)
+    files.remove(partial_path)
     mean = float(np.mean([r["pass_rate"] for r in out]))
     print(
       f"{len(out)} prompts x {k} rollouts, params: {origin}, mean pass rate {mean:.3f}, "
-      f"{errors} verifier errors -> {files.abspath(output_path)}"
+      f"{errors} verifier errors (this run) -> {files.abspath(output_path)}"
     )
   return out
 
@@ -95,16 +154,21 @@ def run(
 def main(argv: Sequence[str]) -> None:
   del argv
   f = flags.FLAGS
+  if f.print_config:
+    config_lib.print_config(f.config)
+    return
+  if f.input is None or f.output is None:
+    raise app.UsageError("--input and --output are required")
   with config_lib.entry_point(logging.ERROR):  # orbax warns about the items it skips
     run(f.config, f.input, f.output, k=f.k, run_dir=f.run_dir, step=f.step)
 
 
 if __name__ == "__main__":
-  config_flags.DEFINE_config_file("config", None, "Experiment config file.")
+  config_lib.define_config_flags()
+  flags.adopt_module_key_flags(config_lib)  # --help lists --config and --print_config
   flags.DEFINE_string("input", None, "Rows file (JSONL or Parquet) to measure.")
   flags.DEFINE_string("output", None, "Output JSONL: the rows with pass_rate and difficulty.")
   flags.DEFINE_integer("k", 8, "Rollouts per prompt.")
   flags.DEFINE_string("run_dir", None, "Trainer workdir whose checkpoint to measure.")
   flags.DEFINE_integer("step", None, "Checkpoint step of --run_dir (default: the latest).")
-  flags.mark_flags_as_required(["config", "input", "output"])
   app.run(main, flags_parser=config_lib.parse_flags)  # a --config.KEY typo: one line

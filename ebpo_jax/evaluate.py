@@ -35,8 +35,8 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
+import tqdm
 from absl import app, flags, logging
-from ml_collections import config_flags
 
 from ebpo_jax import data, files, sharding, tasks
 from ebpo_jax import metrics as metrics_lib
@@ -230,9 +230,12 @@ def run(
   greedy = bool(config.eval.greedy and k == 1)
   sampler = rollouts_lib.make_sampler(model, task, tokenizer, config, mesh)
   with sampler.pool:
-    texts, rewards, errors = rollouts_lib.sample_and_score(
+    batches = rollouts_lib.sample_and_score_batches(
       sampler, params, rows, num_samples=k, greedy=greedy
     )
+    calls = math.ceil(len(rows) / (config.sampling.prompts_per_call or len(rows)))
+    bar = dict(total=calls, desc="evaluate", unit="call", disable=jax.process_index() != 0)
+    texts, rewards, errors = rollouts_lib.join_batches(list(tqdm.tqdm(batches, **bar)))
     error_examples = list(sampler.pool.last_errors)
   extract = answer_extractor(task)
   answers = [[extract(t) for t in group] for group in texts]
@@ -290,6 +293,9 @@ def define_policy_flags() -> None:
 def main(argv: Sequence[str]) -> None:
   del argv
   f = flags.FLAGS
+  if f.print_config:
+    config_lib.print_config(f.config)
+    return
   if f.workdir is None:
     raise app.UsageError("--workdir is required")
   with config_lib.entry_point(logging.ERROR):  # orbax warns about the items it skips
@@ -297,10 +303,10 @@ def main(argv: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  config_flags.DEFINE_config_file("config", None, "Experiment config file.")
+  config_lib.define_config_flags()
+  flags.adopt_module_key_flags(config_lib)  # --help lists --config and --print_config
   flags.DEFINE_string(
     "workdir", None, "Directory for eval.json and eval_samples.jsonl (local or gs://...)."
   )
   define_policy_flags()
-  flags.mark_flags_as_required(["config"])
   app.run(main, flags_parser=config_lib.parse_flags)  # a --config.KEY typo: one line

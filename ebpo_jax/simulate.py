@@ -22,16 +22,16 @@ ebpo/global (one prior for all clusters) and ebpo/batch (the authors' released c
 batch only).
 """
 
-import argparse
 import json
-import sys
 import time
+import types
 from collections.abc import Sequence
 
 import jax
 import numpy as np
+from absl import flags
 
-from ebpo_jax import advantages, files
+from ebpo_jax import advantages, cli, files
 
 CLUSTER_LOGIT_RANGE = (-3.0, 1.5)
 COLUMNS = ("baseline_mse", "zero_adv", "signal", "shrinkage", "mean|A|")
@@ -51,50 +51,54 @@ def variants(normalize: str, decay: float) -> dict[str, advantages.Estimator]:
   }
 
 
-def _positive_int(text: str) -> int:
-  value = int(text)
-  if value < 1:
-    raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-  return value
+class _GroupSizes(flags.ArgumentParser):
+  """`--group_sizes=2,4`: comma-separated integers >= 2."""
+
+  def parse(self, argument) -> list[int]:
+    if isinstance(argument, list):  # the default
+      return argument
+    try:
+      sizes = [int(part) for part in argument.split(",")]
+    except ValueError:
+      sizes = []
+    if not sizes or min(sizes) < 2:
+      raise ValueError(f"must be comma-separated integers >= 2, got {argument!r}")
+    return sizes
+
+  def flag_type(self) -> str:
+    return "comma-separated integers"
 
 
-def _group_sizes(text: str) -> list[int]:
-  try:
-    sizes = [int(part) for part in text.split(",")]
-  except ValueError:
-    sizes = []
-  if not sizes or min(sizes) < 2:
-    raise argparse.ArgumentTypeError(f"must be comma-separated integers >= 2, got {text!r}")
-  return sizes
-
-
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(
-    prog="python -m ebpo_jax.simulate", description=__doc__.split("\n\n")[0]
+def define_flags(flag_values: flags.FlagValues) -> None:
+  """The command line's flags (`cli.run` and `cli.parse` call this)."""
+  fv = {"flag_values": flag_values}
+  flags.DEFINE_integer("num_prompts", 1024, "Prompts per step.", lower_bound=2, **fv)
+  flags.DEFINE_integer("num_clusters", 8, "Clusters of prompts.", lower_bound=1, **fv)
+  flags.DEFINE(_GroupSizes(), "group_sizes", [2, 4, 8, 16], "Group sizes G, e.g. 2,4.", **fv)
+  flags.DEFINE_integer(
+    "steps", 5, "Batches per G (the prior runs across them).", lower_bound=1, **fv
   )
-  parser.add_argument("--num_prompts", type=_positive_int, default=1024, help="prompts per step")
-  parser.add_argument("--num_clusters", type=_positive_int, default=8)
-  parser.add_argument("--group_sizes", type=_group_sizes, default=[2, 4, 8, 16], help="e.g. 2,4")
-  parser.add_argument("--steps", type=_positive_int, default=5, help="batches per G (prior runs)")
-  parser.add_argument("--rewards", choices=("bernoulli", "gaussian"), default="bernoulli")
-  parser.add_argument("--noise", type=float, default=0.5, help="reward std with --rewards=gaussian")
-  parser.add_argument("--prompt_spread", type=float, default=1.0, help="logit std in a cluster")
-  parser.add_argument("--normalize", choices=advantages.NORMALIZATIONS, default="batch")
-  parser.add_argument("--decay", type=float, default=1.0, help="EBPO prior decay in (0, 1]")
-  parser.add_argument("--seed", type=int, default=0)
-  parser.add_argument(
-    "--json", default=None, help="also write the results to this JSON file (local or gs://...)"
+  flags.DEFINE_enum("rewards", "bernoulli", ["bernoulli", "gaussian"], "Reward model.", **fv)
+  flags.DEFINE_float("noise", 0.5, "Reward std with --rewards=gaussian.", **fv)
+  flags.DEFINE_float("prompt_spread", 1.0, "Logit std in a cluster.", **fv)
+  flags.DEFINE_enum("normalize", "batch", list(advantages.NORMALIZATIONS), "EBPO normalize.", **fv)
+  flags.DEFINE_float("decay", 1.0, "EBPO prior decay in (0, 1].", **fv)
+  flags.register_validator(
+    "decay", lambda d: 0.0 < d <= 1.0, "must be in (0, 1]", flag_values=flag_values
   )
-  args = parser.parse_args(argv)
-  if not 0.0 < args.decay <= 1.0:
-    parser.error(f"--decay must be in (0, 1], got {args.decay}")
-  if args.num_prompts < 2:
-    parser.error(f"--num_prompts must be >= 2, got {args.num_prompts}")
-  return args
+  flags.DEFINE_integer("seed", 0, "Random seed.", **fv)
+  flags.DEFINE_string(
+    "json", None, "Also write the results to this JSON file (local or gs://...).", **fv
+  )
+
+
+def parse_args(argv: Sequence[str] | None = None) -> types.SimpleNamespace:
+  """The flags by name: `argv` (flags only), or absl's parsed command line when None."""
+  return cli.parse(define_flags, argv)
 
 
 def sample_batch(
-  rng: np.random.Generator, args: argparse.Namespace, group_size: int
+  rng: np.random.Generator, args: types.SimpleNamespace, group_size: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """(rewards [B, G] float32, cluster_ids [B] int32, theta [B]) for one step."""
   centres = np.linspace(*CLUSTER_LOGIT_RANGE, args.num_clusters)
@@ -135,7 +139,9 @@ def _make_step(rows: dict[str, advantages.Estimator]):
   return jax.jit(step)
 
 
-def simulate_group_size(args: argparse.Namespace, group_size: int) -> dict[str, dict[str, float]]:
+def simulate_group_size(
+  args: types.SimpleNamespace, group_size: int
+) -> dict[str, dict[str, float]]:
   """Metrics per estimator variant for one G, averaged over `args.steps` simulated batches."""
   rng = np.random.default_rng([args.seed, group_size])
   rows = variants(args.normalize, args.decay)
@@ -179,4 +185,4 @@ def main(argv: Sequence[str] | None = None) -> dict[int, dict[str, dict[str, flo
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  cli.run(define_flags, main)

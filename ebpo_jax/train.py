@@ -11,7 +11,6 @@ function. The parts live in ebpo_jax/trainer/; this file is only the entry point
 """
 
 import collections
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -21,25 +20,24 @@ import jax
 import ml_collections
 import numpy as np
 import tqdm
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 from ebpo_jax import advantages, checkpoint, data, files, sharding
 from ebpo_jax import metrics as metrics_lib
+from ebpo_jax.trainer import banner as banner_lib
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer import task_rows
 from ebpo_jax.trainer import warm_start as warm_start_lib
 from ebpo_jax.trainer import workdir as workdir_lib
-from ebpo_jax.trainer.step import jit_train_step
+from ebpo_jax.trainer.step import ADVANTAGES, jit_train_step
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.")
+_CONFIG, _PRINT_CONFIG = config_lib.define_config_flags()
+flags.adopt_module_key_flags(config_lib)  # --help lists --config and --print_config
 _WORKDIR = flags.DEFINE_string(
   "workdir", None, "Directory for checkpoints, metrics and plots (local or gs://bucket/...)."
-)
-_PRINT_CONFIG = flags.DEFINE_bool(
-  "print_config", False, "Print the resolved config (the file and its overrides) as JSON; exit."
 )
 
 
@@ -47,7 +45,7 @@ def main(argv: Sequence[str]) -> None:
   del argv
   config, workdir = _CONFIG.value, _WORKDIR.value
   if _PRINT_CONFIG.value:
-    print(json.dumps(workdir_lib.config_json(config), indent=1, sort_keys=True))
+    config_lib.print_config(config)
     return
   if workdir is None:
     raise app.UsageError("--workdir is required")
@@ -55,11 +53,16 @@ def main(argv: Sequence[str]) -> None:
     config_lib.check_config(config, jax.device_count())
     config_lib.check_model_path(config)  # a missing or truncated model file: one line
     with workdir_lib.claim(workdir, config):  # locked; config.json checked against this config
-      run(config, workdir)
+      name = banner_lib.config_name(
+        config_flags.get_config_filename(flags.FLAGS["config"]),
+        config_flags.get_override_values(flags.FLAGS["config"]),
+      )
+      run(config, workdir, name=name)
 
 
-def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  """Trains (or resumes) under `config` in `workdir`; returns the last evaluation."""
+def run(config: ml_collections.ConfigDict, workdir: str, *, name: str = "") -> dict:
+  """Trains (or resumes) under `config` in `workdir`; returns the last evaluation. `name`: the
+  config as the command line gave it, for the startup banner."""
   is_main = jax.process_index() == 0
   sigterm = checkpoint.install_sigterm_flag()  # the whole run, the warm start included
   mesh = sharding.make_mesh(dict(config.mesh))
@@ -101,9 +104,22 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
       latest, state, _ = ckpt.restore_latest(abstract, data_iter=batches)
     except checkpoint.CorruptCheckpointError as e:
       sys.exit(f"error: {e}")
+  banner_lib.log_startup(
+    mesh=mesh,
+    num_params=banner_lib.count_params(abstract_params),
+    workdir=workdir,
+    config=name,
+    resume_step=latest,
+  )
   # metrics.jsonl keeps only the lines of the steps restored (none on a fresh start), always.
   resume_step = metrics_lib.FRESH_START if latest is None else latest
-  writer = metrics_lib.MetricsWriter(workdir, enabled=is_main, resume_step=resume_step)
+  writer = metrics_lib.MetricsWriter(
+    workdir,
+    enabled=is_main,
+    resume_step=resume_step,
+    hparams=workdir_lib.config_json(config),  # TensorBoard's hparams, wandb's config
+    wandb=metrics_lib.wandb_options(config.logging),
+  )
   last_eval = {}
   if latest is None:
     params = warm_start_lib.warm_start(
@@ -139,8 +155,11 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         sampler, state.params, keys, rows, batches
       )
       t1 = time.perf_counter()
+      if step == start:
+        logging.info("compiling the train step (the first call; once per run) ...")
       state, step_metrics = step_fn(state, batch)
       step_metrics, bad_in_a_row = jax.device_get((step_metrics, state.bad_steps))
+      advantages_bg = step_metrics.pop(ADVANTAGES)
       t2 = time.perf_counter()
       if bad_in_a_row >= config.train.max_bad_steps:
         ckpt.close()
@@ -164,6 +183,12 @@ def run(config: ml_collections.ConfigDict, workdir: str) -> dict:
         logged.update(last_eval)
       if (step + 1) % config.train.log_every == 0 or metrics_lib.EVAL_ACCURACY in logged:
         writer.write(step + 1, logged)
+      samples_every = config.logging.samples_every
+      if samples_every and (step + 1) % samples_every == 0:
+        num = config.logging.num_samples
+        writer.write_samples(
+          step + 1, rollouts_lib.sample_rows(rollout, advantages_bg, cluster_names, num)
+        )
       bar.set_postfix(
         reward=f"{logged[metrics_lib.REWARD_MEAN]:.3f}",
         acc=f"{last_eval.get(metrics_lib.EVAL_ACCURACY, float('nan')):.3f}",
@@ -238,5 +263,4 @@ def finish(workdir: str, cluster_names: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  flags.mark_flags_as_required(["config"])
   app.run(main, flags_parser=config_lib.parse_flags)  # a --config.KEY typo: one line

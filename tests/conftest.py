@@ -217,12 +217,23 @@ def trainer_cli() -> Callable[..., Any]:
   return run_trainer
 
 
+# The logging options of arith_run: tests/test_logging.py reads its wandb run and sample tables.
+ARITH_LOGGING = (
+  "--config.logging.wandb=True",
+  "--config.logging.wandb_mode=offline",
+  "--config.logging.wandb_tags=ebpo,test",
+  "--config.logging.samples_every=2",
+  "--config.logging.num_samples=6",
+)
+
+
 @pytest.fixture(scope="session")
 def arith_run(tmp_path_factory):
   """(workdir, CompletedProcess) of 4 RL steps of configs/arith_ebpo.py:runlocal on 8 devices
-  (eval and checkpoints every 2 steps), shared by the trainer's and the tools' e2e tests (which
-  only read it): run once per session, by the first xdist worker to ask (a file lock in the
-  session's temporary root); the others wait for it and read its outputs."""
+  (eval and checkpoints every 2 steps; sample tables every 2 steps and wandb offline:
+  ARITH_LOGGING), shared by the trainer's and the tools' e2e tests (which only read it): run once
+  per session, by the first xdist worker to ask (a file lock in the session's temporary root); the
+  others wait for it and read its outputs."""
   root = tmp_path_factory.getbasetemp()
   if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's base is under the session's own
     root = root.parent
@@ -230,7 +241,7 @@ def arith_run(tmp_path_factory):
   with open(root / "arith_run.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not done.exists():
-      result = run_trainer(workdir, "--config.train.num_steps=4")
+      result = run_trainer(workdir, "--config.train.num_steps=4", *ARITH_LOGGING)
       assert result.returncode == 0, result.stderr[-3000:]
       outputs = {"args": result.args, "stdout": result.stdout, "stderr": result.stderr}
       done.write_text(json.dumps(outputs))

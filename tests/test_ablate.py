@@ -116,6 +116,34 @@ def test_report_arithmetic():
   assert "+0.300 (+0.40, +0.20) | +0.200 ± 0.000 |" in markdown
 
 
+def test_ablation_plot_shades_the_seed_range_around_the_mean(tmp_path):
+  from matplotlib.collections import PolyCollection
+
+  results = [
+    fake_result("grpo", 0, [0.1, 0.3, 0.3], [0.8, 0.9, 1.0]),
+    fake_result("grpo", 1, [0.2, 0.2, 0.0], [0.8, 0.8, 0.8]),
+    fake_result("ebpo_running", 0, [0.1, 0.5, 0.6], [0.8, 0.9, 1.0]),
+  ]
+  results[1]["curve"]["hard"][2] = None  # seed 1 has no value at step 20
+  # grpo on the hard cluster: mean 0.15, 0.25, 0.3; min-max 0.1-0.2, 0.2-0.3, 0.3-0.3.
+  steps, mean, low, high = ablate.seed_band(results[:2], "hard")
+  assert steps == [0, 10, 20]
+  assert mean == pytest.approx([0.15, 0.25, 0.3])
+  assert (low, high) == (pytest.approx([0.1, 0.2, 0.3]), pytest.approx([0.2, 0.3, 0.3]))
+  assert ablate.mean_curve(results[:2], "hard") == (steps, pytest.approx(mean))
+  (path,) = ablate.plot_ablation(tmp_path, results)
+  assert path == str(tmp_path / "plots" / "ablation_accuracy_G8.png")
+  assert os.path.getsize(path) > 1000
+  fig = ablate.ablation_figure(results, 8)
+  for ax in fig.axes:  # one band per axis: grpo has 2 seeds, ebpo_running's single seed none
+    bands = [c for c in ax.collections if isinstance(c, PolyCollection)]
+    assert len(bands) == 1 and ax.get_ylabel()
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend == ["grpo (2 seeds)", "ebpo_running (1 seed)"]
+  y = bands[0].get_paths()[0].vertices[:, 1]  # the hard cluster's grpo band
+  assert (y.min(), y.max()) == pytest.approx((0.1, 0.3))
+
+
 def test_hardest_cluster_ties_go_to_the_later_cluster():
   results = [fake_result("grpo", 0, [0.0, 0.0], [0.0, 0.0])]
   assert ablate.build_report(results)["hard_cluster"] == "hard"

@@ -478,9 +478,10 @@ def test_every_estimator_has_one_calling_convention():
     _, _, stats = estimator.with_stats(REWARDS, None, ONE_CLUSTER, prior)
     assert adv.shape == REWARDS.shape and stats["baseline"].shape == REWARDS.shape
     shapes = {key: np.shape(value) for key, value in metrics.items()}
-    assert all(shape == () for key, shape in shapes.items() if key != "ebpo/prior_mean"), shapes
+    per_cluster_keys = {"ebpo/prior_mean", "ebpo/prior_std", "ebpo/shrinkage"}
+    assert all(shape == () for key, shape in shapes.items() if key not in per_cluster_keys), shapes
     if name == "ebpo":
-      assert shapes["ebpo/prior_mean"] == (1,)  # per cluster, K = 1
+      assert {shapes[key] for key in per_cluster_keys} == {(1,)}  # per cluster, K = 1
     else:
       jax.tree.map(np.testing.assert_array_equal, new_prior, prior)
   mask = np.ones(REWARDS.shape, bool)
@@ -518,17 +519,38 @@ def test_metrics_per_cluster_are_k_vectors_and_a_global_prior_is_a_scalar():
   assert prior.rewards.count.shape == (3,)
   adv, new_prior, metrics = per_cluster(rewards, mask, clusters, prior)
   _, _, stats = per_cluster.with_stats(rewards, mask, clusters, prior)
-  assert sorted(metrics) == ["ebpo/prior_mean", "ebpo/shrinkage_mean"]
+  assert sorted(metrics) == [
+    "ebpo/prior_mean",
+    "ebpo/prior_std",
+    "ebpo/shrinkage",
+    "ebpo/shrinkage_mean",
+  ]
   # Clusters 0 and 2 got data: 4/8 and 4/4; cluster 1 has no valid response.
   np.testing.assert_allclose(metrics["ebpo/prior_mean"], [0.5, 0.0, 1.0], rtol=1e-6)
   np.testing.assert_allclose(metrics["ebpo/shrinkage_mean"], np.mean(stats["shrinkage"][:3]))
+  # Cluster 0: group means 1/4 and 3/4 around 1/2 -> tau2 = 1/16, prior std 1/4 (a bug reading
+  # the reward accumulator would give sigma = 1/2). sigma2 = 4/8 * 4/8 = 1/4, noise 1/4 / G = 1/16,
+  # S = (1/16) / (1/16 + 1/16) = 1/2. Cluster 2 (all 1) and the empty cluster 1: a flat prior,
+  # std 0 and S = 1 (all weight on the prior mean).
+  np.testing.assert_allclose(metrics["ebpo/prior_std"], [0.25, 0.0, 0.0], rtol=1e-6)
+  np.testing.assert_allclose(metrics["ebpo/shrinkage"], [0.5, 1.0, 1.0], rtol=1e-6)
+  # Running mode, full groups: each prompt's S is its cluster's.
+  np.testing.assert_allclose(
+    stats["shrinkage"][:3], np.asarray(metrics["ebpo/shrinkage"])[clusters[:3]]
+  )
   # One global prior: size 1, every cluster id read as 0, a scalar prior mean (8/12).
   global_prior = adv_lib.Estimator("ebpo", adv_lib.EBPOParams(per_cluster=False))
   prior = global_prior.init_prior(3)
   assert prior.rewards.count.shape == (1,)
   adv, new_prior, metrics = global_prior(rewards, mask, clusters, prior)
-  assert np.shape(metrics["ebpo/prior_mean"]) == ()
+  assert {
+    np.shape(metrics[k]) for k in ("ebpo/prior_mean", "ebpo/prior_std", "ebpo/shrinkage")
+  } == {()}
   np.testing.assert_allclose(metrics["ebpo/prior_mean"], 8 / 12, rtol=1e-6)
+  # Group means 1/4, 3/4, 1 around 2/3: tau2 = (25 + 1 + 16) / 144 / 3 = 7/72; sigma2 = 2/3 * 1/3
+  # = 2/9, noise 2/9 / 4 = 1/18 = 4/72, S = 4 / (4 + 7) = 4/11.
+  np.testing.assert_allclose(metrics["ebpo/prior_std"], np.sqrt(7 / 72), rtol=1e-6)
+  np.testing.assert_allclose(metrics["ebpo/shrinkage"], 4 / 11, rtol=1e-6)
   expected, expected_prior, _ = _ebpo(rewards, mask=mask)  # cluster ids all 0, K = 1
   np.testing.assert_allclose(adv, expected, rtol=1e-6)  # eps, decay: constants vs traced
   jax.tree.map(np.testing.assert_array_equal, new_prior, expected_prior)
@@ -629,6 +651,26 @@ def test_bad_shapes_fail_with_clear_messages():
     adv_lib.ebpo(REWARDS, np.zeros(2, np.int32), adv_lib.init_prior(1))
   with pytest.raises(ValueError, match="num_clusters must be >= 1"):
     adv_lib.init_prior(0)
+
+
+def test_all_equal_fraction_counts_the_groups_grpo_zeroes():
+  rewards = np.array(
+    [[1, 1, 1], [0, 1, 0], [2 / 3, 2 / 3, 2 / 3], [0, 5, 0], [7, 7, 7]], np.float32
+  )
+  mask = np.ones(rewards.shape, bool)
+  mask[3, 1] = False  # all equal once the masked outlier is left out
+  mask[4] = False  # no valid response: not a group
+  # Groups 0, 2 and 3 of the 4 with a valid response are all equal: 3/4 (a bug counting the empty
+  # group gives 4/5; one reading masked rewards gives 2/4).
+  assert float(adv_lib.all_equal_fraction(rewards, mask)) == pytest.approx(3 / 4)
+  assert float(adv_lib.all_equal_fraction(rewards)) == pytest.approx(3 / 5)
+  # Exactly the share of GRPO's zero advantages for full groups of binary rewards.
+  binary = np.array([[0, 0, 0, 0], [1, 0, 1, 1], [1, 1, 1, 1]], np.float32)
+  assert float(adv_lib.all_equal_fraction(binary)) == float(
+    adv_lib.zero_fraction(adv_lib.grpo(binary))
+  )
+  assert float(adv_lib.all_equal_fraction(rewards, np.zeros(rewards.shape, bool))) == 0.0
+  assert float(jax.jit(adv_lib.all_equal_fraction)(binary)) == pytest.approx(2 / 3)
 
 
 def test_zero_and_signal_fractions():  # signal_fraction: the simulator's `signal` column

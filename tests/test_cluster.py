@@ -271,7 +271,7 @@ def test_cli_errors(tmp_path, capsys):
   assert "missing.jsonl: no such file" in capsys.readouterr().err
   with pytest.raises(SystemExit):
     cluster.main([f"--input={source}", "--output=out.csv"])
-  assert "--output must end in .jsonl" in capsys.readouterr().err
+  assert "--output=out.csv: must end in .jsonl" in capsys.readouterr().err
 
 
 def test_write_jsonl_atomic_leaves_old_file_on_error(tmp_path):

@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import pytest
 
-from ebpo_jax import data, evaluate, sharding, tasks
+from ebpo_jax import data, difficulty, evaluate, sharding, tasks
 from ebpo_jax.evaluate import (
   majority_correct,
   majority_vote,
@@ -24,7 +24,7 @@ from ebpo_jax.evaluate import (
   problem_metrics,
   sample_counts,
 )
-from ebpo_jax.trainer import policy
+from ebpo_jax.trainer import policy, rollouts
 from ebpo_jax.trainer import state as state_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -164,6 +164,7 @@ def test_evaluate_cli_on_a_trainer_workdir_writes_eval_json(arith_run, tmp_path)
   }  # fmt: skip
   assert metrics["by_cluster"]["add_1"]["n"] == 8
   assert "cluster add_2" in result.stdout  # the table
+  assert "evaluate: 100%" in result.stderr and "2/2" in result.stderr  # the bar, per call
   # The metrics again, by brute force, from the per-problem records.
   lines = (run_dir / "eval_samples.jsonl").read_text().splitlines()
   records = [json.loads(line) for line in lines]
@@ -236,6 +237,8 @@ def test_difficulty_cli_round_trip(arith_run, tmp_path):
     f"--run_dir={workdir}",
   )
   assert result.returncode == 0, result.stderr[-3000:]
+  assert "difficulty: 100%" in result.stderr  # the bar
+  assert not (tmp_path / "rows_difficulty.jsonl.partial").exists()  # removed at the end
   back, names = data.load_rows_and_clusters(out)
   assert names == ["easy", "hard"]
   assert [r["id"] for r in back] == ["a", "b", "c"] and [r["cluster"] for r in back] == [0, 1, 0]
@@ -258,3 +261,57 @@ def test_maj_at_j_splits_ties_evenly_so_maj2_is_not_maj1():
   three = problem_metrics([1.0, 0.0, 0.0, 0.0], ["5", "3", "4", "4"])
   assert three["maj@2"] == 0.5 and three["maj@4"] == 0.0  # "4" wins 2 to 1 to 1
   assert problem_metrics([0.0, 0.0], ["", ""])["maj@2"] == 0.0  # no answer: wrong
+
+
+@pytest.mark.e2e  # in process, but about 20 s: one sampler compile
+def test_difficulty_writes_as_it_goes_and_a_rerun_takes_up_after_it(
+  arith_config, checkpoint_writer, tmp_path, monkeypatch
+):
+  run_dir = tmp_path / "run"
+  checkpoint_writer(run_dir, arith_config({"model.num_layers": 1}), step=0)  # compiles faster
+  source = tmp_path / "rows.jsonl"
+  rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i), "cluster": i % 2} for i in range(20)]
+  source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  out, partial = tmp_path / "out.jsonl", tmp_path / "out.jsonl.partial"
+
+  def measure(path):  # 20 rows, 8 per sampler call (one per device): calls of 8, 8 and 4
+    config = arith_config({"sampling.prompts_per_call": 8, "sampling.max_new_tokens": 2})
+    return difficulty.run(config, str(source), str(path), k=2, run_dir=str(run_dir))
+
+  reference = measure(tmp_path / "reference.jsonl")
+  real, skipped = rollouts.sample_and_score_batches, []
+
+  def stopped_after_two_calls(*args, **kwargs):
+    for i, batch in enumerate(real(*args, **kwargs)):
+      if i == 2:
+        raise KeyboardInterrupt  # ^C during the third call
+      yield batch
+
+  monkeypatch.setattr(rollouts, "sample_and_score_batches", stopped_after_two_calls)
+  with pytest.raises(KeyboardInterrupt):
+    measure(out)
+  assert not out.exists()
+  header, *kept = [json.loads(line) for line in partial.read_text().splitlines()]
+  assert header["k"] == 2 and kept == reference[:16]  # the two calls' rows, on disk
+
+  def counting(*args, skip=0, **kwargs):
+    skipped.append(skip)
+    yield from real(*args, skip=skip, **kwargs)
+
+  monkeypatch.setattr(rollouts, "sample_and_score_batches", counting)
+  assert measure(out) == reference  # the same rows as a run never stopped
+  assert skipped == [2] and not partial.exists()  # only the third call ran again
+  assert [json.loads(line) for line in out.read_text().splitlines()] == reference
+
+
+def test_difficulty_takes_up_only_its_own_partial_file(tmp_path):
+  rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+  measured = [{**rows[0], "pass_rate": 1.0, "difficulty": 0.0}]
+  header, path = {"k": 2, "config": {"seed": 0}}, str(tmp_path / "out.jsonl.partial")
+  difficulty.write_rows(path, measured, header)
+  assert difficulty.read_partial(path, header, rows) == measured
+  assert difficulty.read_partial(path, {"k": 4, "config": {"seed": 0}}, rows) == []  # another k
+  assert difficulty.read_partial(path, header, rows[::-1]) == []  # other rows
+  assert difficulty.read_partial(str(tmp_path / "missing.partial"), header, rows) == []
+  (tmp_path / "out.jsonl.partial").write_text("not json\n")
+  assert difficulty.read_partial(path, header, rows) == []

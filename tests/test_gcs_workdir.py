@@ -66,8 +66,11 @@ def test_metrics_writer_on_a_bucket_flushes_by_time_and_resumes(gcs_dir):
     writer.flush()
     assert files.listdir(gcs_dir) == ["metrics.jsonl", "tensorboard"]
     writer.write(2, {"loss": 2.0})
+    writer.write_samples(2, [{"prompt": "1+1=", "completion": "2", "reward": 1.0}])
     assert [r["step"] for r in metrics_lib.read_metrics(path)] == [1]
   assert [r["step"] for r in metrics_lib.read_metrics(gcs_dir)] == [1, 2]  # close uploads
+  samples = files.join(gcs_dir, metrics_lib.SAMPLES_FILE)
+  assert [r["completion"] for r in metrics_lib.read_metrics(samples)] == ["2"]
   assert metrics_lib.MetricsWriter(gcs_dir, enabled=False).flush_every_s == (
     metrics_lib.REMOTE_FLUSH_S
   )
@@ -75,6 +78,7 @@ def test_metrics_writer_on_a_bucket_flushes_by_time_and_resumes(gcs_dir):
     writer.write(2, {"loss": 20.0})
   records = metrics_lib.read_metrics(gcs_dir)
   assert [(r["step"], r["loss"]) for r in records] == [(1, 1.0), (2, 20.0)]
+  assert metrics_lib.read_metrics(samples) == []  # the samples of step 2 went with its lines
   assert metrics_lib.truncate_after(files.join(gcs_dir, "missing"), 1) == 0
   plots = metrics_lib.plot_metrics(gcs_dir, keys=["loss"])
   assert plots == [files.join(gcs_dir, "plots", "loss.png")]

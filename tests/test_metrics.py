@@ -113,39 +113,52 @@ def test_read_metrics_names_the_bad_line(tmp_path):
   assert [r["step"] for r in metrics.read_metrics(path)] == [1, 2]
 
 
+def _synthetic_run(path, steps=40, clusters=("add_1", "add_2")):
+  """A metrics.jsonl as an EBPO run with kl_coef=0 writes it: train lines, eval every 10 steps."""
+  rng = np.random.default_rng(0)
+  with metrics.MetricsWriter(path, tensorboard=False) as writer:
+    for step in range(1, steps + 1):
+      line = {
+        "reward/mean": step / steps + rng.normal(0, 0.05),
+        "entropy": 1.0 / step,
+        "kl": 0.0,  # no KL term: a flat panel, skipped
+        "adv/all_equal_frac": 0.6 - step / 200,
+        "adv/zero_frac": 0.0,  # EBPO: flat, but its panel's other series is not
+        "ebpo/shrinkage_mean": 0.5 + rng.normal(0, 0.05),
+        "grad_norm": float("nan") if step == 3 else 1.0 + step,
+        "reward/errors": 0.0,  # flat
+        "time/step_s": 2.0,  # flat, but the panel's other series are not
+        "time/sample_s": 1.0 + step / 100,
+        "time/update_s": 1.0,
+      }
+      for k, name in enumerate(clusters):
+        line[f"reward/mean/{name}"] = (k + 1) * step / (2 * steps)
+        line[f"ebpo/prior_mean/{name}"] = 0.2 * (k + 1) + step / 400
+        line[f"ebpo/prior_std/{name}"] = 0.1 / (k + 1)
+        line[f"ebpo/shrinkage/{name}"] = 0.4 + 0.2 * k
+      writer.write(step, line)
+      if step % 10 == 0:
+        accuracy = {
+          f"eval/accuracy/{name}": step / 100 * (k + 1) for k, name in enumerate(clusters)
+        }
+        writer.write(step, {"eval/accuracy": step / 80, **accuracy})
+
+
 def test_plot_metrics_writes_pngs_and_skips_absent_keys_and_flat_panels(tmp_path):
-  with metrics.MetricsWriter(tmp_path, tensorboard=False) as writer:
-    for step in range(1, 6):
-      writer.write(
-        step,
-        {
-          "reward/mean": step / 10,
-          "reward/mean/add": step / 20,
-          "entropy": 1.0 / step,
-          "kl": 0.0,  # flat (no KL term): its panel is skipped
-          "adv/zero_frac": 0.5 + step / 100,
-          "ebpo/shrinkage_mean": 0.3,  # flat
-          "grad_norm": float("nan") if step == 3 else 1.0 + step,
-          "reward/errors": 0.0,  # flat
-          "time/step_s": 2.0,  # flat, but the panel's other series are not
-          "time/sample_s": 1.0 + step / 100,
-          "time/update_s": 1.0,
-        },
-      )
-      if step % 2 == 0:
-        writer.write(
-          step, {"eval/accuracy": 0.5, "eval/accuracy/add": step / 10, "eval/accuracy/mul": 0.4}
-        )
+  _synthetic_run(tmp_path)
   paths = metrics.plot_metrics(tmp_path)
-  names = sorted(os.path.basename(p) for p in paths)
+  names = [os.path.basename(p) for p in paths]
   assert names == [
+    "overview.png",
+    "reward.png",
     "accuracy.png",
-    "adv_zero_frac.png",
+    "zero_signal.png",
+    "ebpo_prior_mean.png",
+    "ebpo_shrinkage.png",
     "entropy.png",
     "grad_norm.png",
-    "reward.png",
     "step_time.png",
-  ]
+  ]  # no kl.png (kl_coef=0), reward_errors.png, clipfrac.png (absent)
   for path in paths:
     assert os.path.dirname(path) == str(tmp_path / "plots")
     with open(path, "rb") as f:
@@ -154,6 +167,97 @@ def test_plot_metrics_writes_pngs_and_skips_absent_keys_and_flat_panels(tmp_path
   # Asked for by name, a flat key is drawn.
   chosen = metrics.plot_metrics(tmp_path, keys=["kl", "eval/accuracy/", "missing"])
   assert sorted(os.path.basename(p) for p in chosen) == ["eval_accuracy.png", "kl.png"]
+
+
+def _axes_of(panel_name, records):
+  """The drawn axes of a default panel: (lines, collections) as draw_panel leaves them."""
+  from matplotlib.figure import Figure
+
+  panel = next(p for p in metrics.DEFAULT_PANELS if p.name == panel_name)
+  available = sorted({k for r in records for k in r if k != "step"})
+  lines, bands = metrics.plots._panel_series(panel, records, available)
+  ax = Figure().add_subplot()
+  metrics.plots.draw_panel(ax, panel, lines, bands, metrics.plots.cluster_colors(available))
+  return ax
+
+
+def test_panels_label_y_band_the_prior_and_call_s_the_weight_on_the_prior(tmp_path):
+  _synthetic_run(tmp_path)
+  records = metrics.read_metrics(tmp_path)
+  for panel in metrics.DEFAULT_PANELS:
+    assert panel.ylabel and panel.title, panel.name
+  ax = _axes_of("ebpo_prior_mean", records)
+  assert ax.get_ylabel().startswith("prior mean")
+  assert len(ax.collections) == 2  # one shaded band per cluster
+  # The std keys are bands, not lines of their own.
+  assert {line.get_label() for line in ax.get_lines()} >= {"add_1", "add_2"}
+  assert not any("prior_std" in str(line.get_label()) for line in ax.get_lines())
+  # The band is mean ± std: 0.2 ± 0.1 and 0.4 ± 0.1 (3 points: drawn raw, not smoothed).
+  from matplotlib.figure import Figure
+
+  ax = Figure().add_subplot()
+  key = "ebpo/prior_mean/a"
+  lines = {key: (np.array([1.0, 2.0, 3.0]), np.array([0.2, 0.3, 0.4]))}
+  bands = {key: (np.array([1.0, 2.0, 3.0]), np.array([0.1, 0.1, 0.1]))}
+  panel = next(p for p in metrics.DEFAULT_PANELS if p.name == "ebpo_prior_mean")
+  metrics.plots.draw_panel(ax, panel, lines, bands, {"a": "red"})
+  (band,) = ax.collections
+  y = band.get_paths()[0].vertices[:, 1]
+  assert (y.min(), y.max()) == pytest.approx((0.1, 0.5))
+  ax = _axes_of("ebpo_shrinkage", records)
+  assert ax.get_ylabel() == "S: weight on the prior mean"  # EBPO.md: V = (1-S) mean + S mu_glob
+  assert ax.get_ylim() == pytest.approx((-0.03, 1.03))
+  labels = {line.get_label() for line in ax.get_lines()}
+  assert {"add_1", "add_2", "batch mean"} <= labels
+  ax = _axes_of("zero_signal", records)
+  assert {"all rewards equal (GRPO gives 0)", "advantage exactly 0 (this run)"} <= {
+    line.get_label() for line in ax.get_lines()
+  }
+
+
+def test_smoothing_draws_raw_faint_and_handles_short_and_null_series(tmp_path):
+  assert metrics.plots.smooth([1.0, 2.0]) is None  # too short: drawn raw
+  values = np.r_[np.zeros(20), np.ones(20)]
+  smoothed = metrics.plots.smooth(values)
+  # Centred, so the step stays at step 20 (an EMA would still be far below 1 at step 22).
+  assert smoothed[:18].max() == 0.0 and smoothed[22:].min() == 1.0
+  assert smoothed[19] == pytest.approx(0.4) and smoothed[20] == pytest.approx(0.6)
+  # 40 steps: every series with 10+ points gets a faint raw line and a solid smoothed one.
+  _synthetic_run(tmp_path)
+  ax = _axes_of("reward", metrics.read_metrics(tmp_path))
+  alphas = sorted(line.get_alpha() or 1.0 for line in ax.get_lines())
+  assert alphas == [0.35, 0.35, 0.35, 1.0, 1.0, 1.0]
+  # One and two points, nulls, a NaN written as null and a cluster logged only once: no crash.
+  short = tmp_path / "short"
+  with metrics.MetricsWriter(short, tensorboard=False) as writer:
+    writer.write(1, {"reward/mean": 0.1, "ebpo/prior_mean/a": 0.2})
+    writer.write(2, {"reward/mean": float("nan"), "reward/mean/a": 0.3, "ebpo/prior_mean/a": 0.4})
+  with open(short / "metrics.jsonl", "a") as f:
+    line = {"step": 3, "reward/mean": None, "reward/mean/b": 0.5, "ebpo/prior_std/a": None}
+    f.write(json.dumps(line) + "\n")
+  names = [os.path.basename(p) for p in metrics.plot_metrics(short)]
+  assert names == ["overview.png", "ebpo_prior_mean.png"]  # reward/mean: one finite point, flat
+
+
+def test_overview_of_a_grpo_run_has_no_ebpo_panels_and_many_clusters_fit(tmp_path):
+  clusters = tuple(f"topic_{i}" for i in range(14))
+  _synthetic_run(tmp_path, steps=20, clusters=clusters)
+  records = [
+    {k: v for k, v in r.items() if not k.startswith("ebpo/")}
+    for r in metrics.read_metrics(tmp_path)
+  ]
+  fig = metrics.overview_figure(records)
+  titles = [ax.get_title() for ax in fig.axes]
+  assert titles == [
+    "Training reward",
+    "Held-out accuracy",
+    "Groups without signal",
+    "Policy entropy",
+  ]
+  assert all(ax.get_ylabel() for ax in fig.axes)
+  # One figure legend for the clusters (14 of them + all), not one per panel.
+  assert [len(legend.get_texts()) for legend in fig.legends] == [15]
+  assert metrics.overview_figure([{"step": 1, "kl": 0.0}]) is None
 
 
 # ----------------------------------------------------------------------------- metric names
@@ -178,6 +282,7 @@ def test_metric_names_are_the_logged_contracts():
   assert set(metrics.TIMING_KEYS) | set(metrics.PER_CLUSTER_KEYS) <= metrics.KEYS
   constants = {v for k, v in vars(metrics).items() if k.isupper() and isinstance(v, str)}
   files_and_dirs = {metrics.METRICS_FILE, metrics.TENSORBOARD_DIR, metrics.PLOTS_DIR, metrics.STEP}
+  files_and_dirs |= {metrics.SAMPLES_FILE, metrics.WANDB_RUN_ID_FILE}
   assert constants - files_and_dirs == metrics.KEYS  # KEYS lists every name, and only names
 
 
@@ -194,10 +299,11 @@ def test_per_cluster_is_the_one_rule_for_cluster_keys():
 
 def test_every_default_panel_pattern_is_a_metric_name_or_a_per_cluster_prefix():
   prefixes = {metrics.cluster_prefix(k) for k in metrics.PER_CLUSTER_KEYS}
-  patterns = [p for _, panel in metrics.DEFAULT_PANELS for p in panel]
+  patterns = [p for panel in metrics.DEFAULT_PANELS for p in panel.patterns + panel.optional]
   assert [p for p in patterns if p not in metrics.KEYS | prefixes] == []
-  names = [name for name, _ in metrics.DEFAULT_PANELS]
-  assert len(names) == len(set(names))  # one PNG per panel
+  names = [panel.name for panel in metrics.DEFAULT_PANELS]
+  assert len(names) == len(set(names)) and "overview" not in names  # one PNG per panel
+  assert set(metrics.plots.OVERVIEW) <= set(names)
 
 
 def test_policy_loss_metrics_are_named_here():

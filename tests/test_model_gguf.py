@@ -1,6 +1,7 @@
 """GGUF conversion: SmolLM2-135M-Instruct converted by us vs transformers' own GGUF loader."""
 
 import json
+import logging
 import os
 
 import jax
@@ -147,7 +148,7 @@ def test_greedy_continuation_matches_transformers(converted, reference):
   assert tokenizer.eos_token_id not in our_tokens[:8]  # a real continuation, not an immediate stop
 
 
-def test_smollm2_cache_converts_once(tmp_path, monkeypatch):
+def test_smollm2_cache_converts_once(tmp_path, monkeypatch, caplog):
   calls = []
 
   def fake_convert(gguf, out, dtype="float32"):
@@ -158,9 +159,12 @@ def test_smollm2_cache_converts_once(tmp_path, monkeypatch):
 
   monkeypatch.setenv("EBPO_JAX_CACHE", str(tmp_path))
   monkeypatch.setattr(gguf_io, "convert_gguf", fake_convert)
-  first = gguf_io.smollm2_135m_instruct()
-  assert gguf_io.smollm2_135m_instruct() == first
+  with caplog.at_level(logging.INFO):
+    first = gguf_io.smollm2_135m_instruct()
+    assert gguf_io.smollm2_135m_instruct() == first
   assert first.startswith(str(tmp_path)) and len(calls) == 1
+  said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("converting ")]
+  assert len(said) == 1 and said[0].endswith("(once; later runs reuse it) ...")  # the one line
   assert os.listdir(tmp_path) == [os.path.basename(first)]  # no staging directory left behind
 
 

@@ -82,6 +82,6 @@ def test_cli_runs_and_rejects_bad_flags():
   assert "G = 2" in ok.stdout and "ebpo/global" in ok.stdout
   bad = subprocess.run([*cmd, "--group_sizes=1,4"], capture_output=True, text=True, timeout=120)
   assert bad.returncode == 2
-  assert "--group_sizes: must be comma-separated integers >= 2, got '1,4'" in bad.stderr
+  assert "--group_sizes=1,4: must be comma-separated integers >= 2, got '1,4'" in bad.stderr
   with pytest.raises(SystemExit):
     simulate.parse_args(["--decay=0"])

@@ -85,9 +85,26 @@ def test_cli_run_writes_metrics_checkpoints_and_summary(arith_run):
   assert 0.0 <= train_lines[0]["adv/zero_frac"] <= 1.0
   assert (workdir / "checkpoints").is_dir()
   assert "held-out accuracy" in result.stdout
-  assert list((workdir / "plots").glob("*.png"))
+  assert (workdir / "plots" / "overview.png").stat().st_size > 1000
   # One compile of the train step for the whole run: a retrace would show up here.
   assert train_lines[-1]["compiles/train_step"] == 1
+  # The startup banner and the compile lines reach stderr (absl INFO); other libraries' INFO
+  # lines (orbax logs every save) do not.
+  said = re.findall(r"^I\d{4} [\d:.]+ +\d+ (\S+):\d+\] (.*)$", result.stderr, re.MULTILINE)
+  ours = {p.name for p in (pathlib.Path(__file__).parents[1] / "ebpo_jax").rglob("*.py")}
+  assert {"banner.py", "train.py"} <= {where for where, _ in said} <= ours, said
+  lines = [line for _, line in said]
+  for expected in [
+    "devices: 8 cpu (cpu), 1 process(es)",
+    "mesh: data=1 x fsdp=8 x tensor=1",
+    f"workdir: {workdir}",
+    "config: configs/arith_ebpo.py:runlocal --config.train.num_steps=4",
+    "starting fresh",
+    "compiling the train step (the first call; once per run) ...",
+  ]:
+    assert expected in lines, (expected, lines)
+  assert any(re.fullmatch(r"parameters: [\d,]+ \(\d+\.\dM\)", line) for line in lines), lines
+  assert any(line.startswith("compiling the sampler for ") for line in lines), lines
 
 
 @pytest.mark.e2e
@@ -118,6 +135,7 @@ def test_kill_9_and_sigterm_at_four_moments_then_resume_equals_a_straight_run(
   assert checkpoint.Checkpointer(checkpoints).all_steps()[-2:] == [2, 3]
   finished = trainer_cli(tmp_path, "--config.train.num_steps=4")
   assert finished.returncode == 0, finished.stderr[-3000:]
+  assert "] resuming from step 3\n" in finished.stderr  # the banner says so
   assert comparable(read(tmp_path)) == comparable(read(reference))
 
 

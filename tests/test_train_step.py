@@ -24,6 +24,7 @@ def test_gradient_accumulation_does_not_change_the_update(tiny_step, tiny_steps)
 
 def test_prior_is_threaded_through_the_carry(tiny_step):
   batch = tiny_step.batch()
+  batch["rewards"][0], batch["rewards"][5] = 1.0, 0.0  # two all-equal groups, one per cluster
   g = tiny_step.G
   new_state, metrics = tiny_step(batch)
   # Cluster 0 holds prompts 0-3: 4 * G rewards and 4 group means were merged (not 8 * G: a
@@ -34,6 +35,14 @@ def test_prior_is_threaded_through_the_carry(tiny_step):
   np.testing.assert_allclose(new_state.prior.rewards.mean, expected, rtol=1e-6)
   assert int(new_state.step) == 1
   assert 0.0 <= float(metrics["ebpo/shrinkage_mean"]) <= 1.0
+  # The plots' per-cluster metrics come out as [K] vectors: the prior's mean and std per cluster.
+  np.testing.assert_allclose(metrics["ebpo/prior_mean"], expected, rtol=1e-6)
+  group_means = batch["rewards"].mean(-1)
+  tau = [group_means[:4].std(), group_means[4:].std()]  # population std of the group means
+  np.testing.assert_allclose(metrics["ebpo/prior_std"], tau, rtol=1e-5, atol=1e-7)
+  assert np.shape(metrics["ebpo/shrinkage"]) == (2,)
+  # Every estimator: the share of prompts whose G rewards are all equal.
+  assert float(metrics["adv/all_equal_frac"]) == pytest.approx(2 / 8)  # the rest are mixed
 
 
 def test_non_finite_loss_skips_the_update_and_counts_it(tiny_step):

@@ -84,6 +84,11 @@ def test_the_step_loop_makes_no_implicit_transfer(tiny_steps):
   assert len(rollout.rows) == config.train.batch_size
   assert np.isfinite(metrics["loss"]) and 0.0 <= accuracy["eval/accuracy"] <= 1.0
   assert logs["rollout/tokens"] > 0 and logs["dapo/rounds"] >= 1
+  assert metrics["lr"] == pytest.approx(1e-4)  # constant: the learning rate of every update
+  # The step's advantages [B, G] beside the rollout: the sample completions table of the step.
+  samples = rollouts_lib.sample_rows(rollout, metrics["advantages"], cluster_names, 6)
+  assert [s["completion"] for s in samples] == rollout.texts[:6]
+  assert [s["advantage"] for s in samples] == pytest.approx(metrics["advantages"].reshape(-1)[:6])
 
 
 # ----------------------------------------------------------------------------- resume first
@@ -128,3 +133,8 @@ def test_every_default_plot_panel_reads_a_logged_key(arith_run):
   assert metrics.missing_panels(records) == []
   logged = {k for r in records for k in r}
   assert {"reward/mean/add_1", "ebpo/prior_mean/add_2", "eval/accuracy/add_2"} <= logged
+  assert {"ebpo/prior_std/add_1", "ebpo/shrinkage/add_2", "adv/all_equal_frac"} <= logged
+  train = [r for r in records if "reward/mean" in r]
+  for line in train:  # S and the all-equal share are shares; tau is a std of rewards in [0, 1]
+    assert 0.0 <= line["adv/all_equal_frac"] <= 1.0 and 0.0 <= line["ebpo/shrinkage/add_1"] <= 1.0
+    assert 0.0 <= line["ebpo/prior_std/add_2"] <= 0.5

@@ -135,6 +135,19 @@ def test_safe_keys_and_accepted_changes_resume(arith_config, tmp_path):
   assert json.loads((tmp_path / workdir_lib.CONFIG_FILE).read_text())["seed"] == 0
 
 
+def test_logging_keys_may_change_and_an_older_workdir_without_them_resumes(arith_config, tmp_path):
+  workdir = str(tmp_path)
+  workdir_lib.check_and_save_config(workdir, arith_config())
+  path = tmp_path / workdir_lib.CONFIG_FILE
+  old = json.loads(path.read_text())
+  del old["logging"]  # config.json of a run from before the logging keys
+  path.write_text(json.dumps(old))
+  on = {"logging.wandb": True, "logging.wandb_project": "p", "logging.samples_every": 0}
+  workdir_lib.check_and_save_config(workdir, arith_config(on))
+  workdir_lib.check_and_save_config(workdir, arith_config({"logging.num_samples": 2}))
+  assert json.loads(path.read_text())["logging"]["num_samples"] == 2
+
+
 def test_config_check_on_a_bucket(arith_config, gcs_dir):
   workdir_lib.check_and_save_config(gcs_dir, arith_config())
   with pytest.raises(workdir_lib.WorkdirError, match=r"rl\.advantage \('ebpo' -> 'grpo'\)"):

@@ -48,11 +48,13 @@ from ebpo_jax.ablate.diagnostics import (  # noqa: F401  (panel_curves: for note
   plot_diagnostics,
   run_workdir,
 )
-from ebpo_jax.ablate.report import (  # noqa: F401  (mean_curve: for notebooks)
+from ebpo_jax.ablate.report import (  # noqa: F401  (for notebooks: ablation_figure, mean_curve, seed_band)
+  ablation_figure,
   build_report,
   mean_curve,
   plot_ablation,
   render_markdown,
+  seed_band,
 )
 from ebpo_jax.trainer import workdir as workdir_lib
 

@@ -1,4 +1,11 @@
-"""`python -m ebpo_jax.ablate`: the command line of `ebpo_jax.ablate` (see its docstring)."""
+"""Ablations: one config under several advantage estimators, group sizes and seeds.
+
+  python -m ebpo_jax.ablate --config=configs/arith_ebpo.py --workdir=/tmp/ablation \
+      [--variants=grpo,ebpo_running,...] [--group_sizes=2,4,8,16] [--seeds=3] [--workers=2] \
+      [--config.train.num_steps=100 ...]
+
+The command line of `ebpo_jax.ablate`; its docstring says what the runs are and what is written.
+"""
 
 import sys
 from collections.abc import Sequence

@@ -16,10 +16,10 @@ import numpy as np
 from ebpo_jax import files
 from ebpo_jax import metrics as metrics_lib
 
-# Logged by newer trainers only (every estimator; EBPO per cluster): drawn when present.
-ALL_EQUAL_FRAC = "adv/all_equal_frac"
-PRIOR_STD = "ebpo/prior_std"
-SHRINKAGE = "ebpo/shrinkage"
+# Not in the metrics.jsonl of runs from before these were logged: drawn when present.
+ALL_EQUAL_FRAC = metrics_lib.ADV_ALL_EQUAL_FRAC
+PRIOR_STD = metrics_lib.EBPO_PRIOR_STD
+SHRINKAGE = metrics_lib.EBPO_SHRINKAGE
 
 
 @dataclasses.dataclass(frozen=True)

@@ -182,46 +182,86 @@ def render_markdown(report: dict, header: Mapping[str, Any]) -> str:
 
 
 def plot_ablation(workdir: str | os.PathLike, results: Sequence[dict]) -> list[str]:
-  """Accuracy over steps per variant (mean over seeds): overall and hardest cluster, one figure
-  per group size, in WORKDIR/plots/. Returns the paths."""
+  """`ablation_figure` per group size as WORKDIR/plots/ablation_accuracy_G<G>.png; the paths."""
+  out_dir = files.join(workdir, metrics_lib.PLOTS_DIR)
+  files.makedirs(out_dir)
+  paths = []
+  for g in sorted({r["group_size"] for r in results}):
+    path = files.join(out_dir, f"ablation_accuracy_G{g}.png")
+    files.write_atomic(path, metrics_lib.png_bytes(ablation_figure(results, g), dpi=90))
+    paths.append(path)
+  return paths
+
+
+def ablation_figure(results: Sequence[dict], group_size: int):
+  """Held-out accuracy over steps per variant at one group size, overall and on the hardest
+  cluster: the mean over seeds as a line, their min-max range shaded (a gap between variants
+  inside the bands is seed noise). A matplotlib Figure; each variant keeps its colour at every G."""
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
 
-  out_dir = files.join(workdir, metrics_lib.PLOTS_DIR)
-  files.makedirs(out_dir)
   hard = _hardest_cluster(results)
   keys = ["all"] + ([hard] if hard is not None else [])
-  paths = []
-  for g in sorted({r["group_size"] for r in results}):
-    fig = Figure(figsize=(6.0 * len(keys), 4.0))
-    FigureCanvasAgg(fig)
-    for i, key in enumerate(keys):
-      ax = fig.add_subplot(1, len(keys), i + 1)
-      for variant in dict.fromkeys(r["variant"] for r in results):
-        runs = [r for r in results if r["group_size"] == g and r["variant"] == variant]
-        if not runs:
-          continue
-        steps, mean = mean_curve(runs, key)
-        ax.plot(steps, mean, marker="o", markersize=3, label=variant)
-      ax.set_title(f"G={g}: held-out accuracy, {'all clusters' if key == 'all' else key}")
-      ax.set_xlabel("RL step")
-      ax.grid(alpha=0.3)
-      ax.legend(fontsize="small")
-    path = files.join(out_dir, f"ablation_accuracy_G{g}.png")
-    files.write_atomic(path, metrics_lib.png_bytes(fig, dpi=90))
-    paths.append(path)
-  return paths
+  variants = list(dict.fromkeys(r["variant"] for r in results))
+  fig = Figure(figsize=(6.0 * len(keys), 4.2), layout="constrained")
+  FigureCanvasAgg(fig)
+  most_seeds = 1
+  for i, key in enumerate(keys):
+    ax = fig.add_subplot(1, len(keys), i + 1)
+    for v, variant in enumerate(variants):
+      runs = [r for r in results if r["group_size"] == group_size and r["variant"] == variant]
+      if not runs:
+        continue
+      most_seeds = max(most_seeds, len(runs))
+      steps, mean, low, high = seed_band(runs, key)
+      label = f"{variant} ({len(runs)} seed{'s' if len(runs) > 1 else ''})"
+      ax.plot(steps, mean, marker="o", markersize=3, color=f"C{v % 10}", label=label)
+      if len(runs) > 1:
+        ax.fill_between(steps, low, high, color=f"C{v % 10}", alpha=0.18, lw=0)
+    what = "all clusters" if key == "all" else key
+    ax.set_title(f"G={group_size}: held-out accuracy, {what}")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("accuracy (mean over seeds)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+  if most_seeds > 1:
+    fig.suptitle("line: mean over seeds; band: min to max over seeds", fontsize="medium")
+  return fig
+
+
+def _shared_steps(runs: Sequence[dict]) -> list[int]:
+  shared = set(runs[0]["curve"]["step"])
+  for r in runs[1:]:
+    shared &= set(r["curve"]["step"])
+  return sorted(shared)
+
+
+def _at_steps(runs: Sequence[dict], key: str, steps: Sequence[int]) -> list[list[float]]:
+  """Per step, the seeds' values of curve `key` that are not None."""
+  values = []
+  for step in steps:
+    at = [r["curve"][key][r["curve"]["step"].index(step)] for r in runs]
+    values.append([v for v in at if v is not None])
+  return values
 
 
 def mean_curve(runs: Sequence[dict], key: str) -> tuple[list[int], list[float]]:
   """Mean over runs (summaries from `summarize_run`) of the accuracy curve `key` ("all" or a
   cluster name), at the evaluation steps all of them share."""
-  shared = set(runs[0]["curve"]["step"])
-  for r in runs[1:]:
-    shared &= set(r["curve"]["step"])
-  steps = sorted(shared)
-  values = []
-  for step in steps:
-    at = [r["curve"][key][r["curve"]["step"].index(step)] for r in runs]
-    values.append(float(np.mean([v for v in at if v is not None])))
-  return steps, values
+  steps = _shared_steps(runs)
+  return steps, [_reduce(np.mean, at) for at in _at_steps(runs, key, steps)]
+
+
+def seed_band(
+  runs: Sequence[dict], key: str
+) -> tuple[list[int], list[float], list[float], list[float]]:
+  """(steps, mean, min, max) over runs (one per seed) of the accuracy curve `key`, at the
+  evaluation steps all of them share."""
+  steps = _shared_steps(runs)
+  at_steps = _at_steps(runs, key, steps)
+  mean, low, high = ([_reduce(f, at) for at in at_steps] for f in (np.mean, np.min, np.max))
+  return steps, mean, low, high
+
+
+def _reduce(fn, values: Sequence[float]) -> float:
+  return float(fn(values)) if values else float("nan")  # no seed has a value at this step

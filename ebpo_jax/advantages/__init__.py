@@ -33,6 +33,7 @@ from ebpo_jax.advantages.empirical_bayes import (
 from ebpo_jax.advantages.estimators import (
   Array,
   Stats,
+  all_equal_fraction,
   dr_grpo,
   grpo,
   js_shrinkage,
@@ -68,6 +69,7 @@ __all__ = [
   "RLOOParams",
   "Stats",
   "Welford",
+  "all_equal_fraction",
   "dr_grpo",
   "ebpo",
   "from_config",

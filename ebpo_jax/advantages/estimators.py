@@ -1,7 +1,8 @@
 """The group-relative estimators (stateless): GRPO, Dr.GRPO, RLOO and James-Stein shrinkage.
 
 Also the helpers every estimator shares: input checks, group moments centred on a valid reward
-(so that all-equal groups come out exact), and the `adv/zero_frac` and signal metrics.
+(so that all-equal groups come out exact), and the `adv/zero_frac`, `adv/all_equal_frac` and signal
+metrics.
 """
 
 from typing import NamedTuple
@@ -88,6 +89,19 @@ def zero_fraction(adv: Array, mask: Array | None = None) -> Array:
   valid = jnp.ones(adv.shape, bool) if mask is None else jnp.asarray(mask, bool)
   zeros = jnp.sum((adv == 0) & valid)
   return zeros / jnp.maximum(jnp.sum(valid), 1)
+
+
+def all_equal_fraction(rewards: Array, mask: Array | None = None) -> Array:
+  """Share of prompts with a valid response whose valid rewards are all equal (one response
+  included): the groups GRPO gives exactly zero advantage, whatever estimator runs (the
+  `adv/all_equal_frac` metric)."""
+  rewards_bg = jnp.asarray(rewards, jnp.float32)
+  valid = jnp.ones(rewards_bg.shape, bool) if mask is None else jnp.asarray(mask, bool)
+  # max == min over the valid rewards: exact, unlike a float32 std (see `_groups`).
+  high_b = jnp.max(jnp.where(valid, rewards_bg, -jnp.inf), axis=-1)
+  low_b = jnp.min(jnp.where(valid, rewards_bg, jnp.inf), axis=-1)
+  has_valid_b = jnp.any(valid, axis=-1)
+  return jnp.sum(has_valid_b & (high_b == low_b)) / jnp.maximum(jnp.sum(has_valid_b), 1)
 
 
 def signal_fraction(adv: Array, mask: Array | None = None) -> Array:

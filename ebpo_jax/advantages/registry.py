@@ -11,11 +11,13 @@ import jax
 import jax.numpy as jnp
 
 from ebpo_jax.advantages.empirical_bayes import (
+  MIN_PRIOR_VARIANCE,
   MODES,
   NORMALIZATIONS,
   PriorState,
   _ebpo,
   init_prior,
+  prior_moments,
 )
 from ebpo_jax.advantages.estimators import (
   Array,
@@ -133,22 +135,29 @@ def _ebpo_apply(params: EBPOParams, rewards_bg, mask_bg, cluster_ids_b, prior):
   )
 
 
-def _no_metrics(params, stats, has_data_b, new_prior) -> Stats:
-  del params, stats, has_data_b, new_prior
+def _no_metrics(params, stats, has_data_b, new_prior, group_size) -> Stats:
+  del params, stats, has_data_b, new_prior, group_size
   return {}
 
 
-def _js_metrics(params, stats, has_data_b, new_prior) -> Stats:
-  del params, new_prior
+def _js_metrics(params, stats, has_data_b, new_prior, group_size) -> Stats:
+  del params, new_prior, group_size
   return {"js/shrinkage_mean": _masked_mean(stats["shrinkage"], has_data_b)}
 
 
-def _ebpo_metrics(params: EBPOParams, stats, has_data_b, new_prior) -> Stats:
-  prior_mean = new_prior.rewards.mean
-  return {
-    "ebpo/shrinkage_mean": _masked_mean(stats["shrinkage"], has_data_b),
-    "ebpo/prior_mean": prior_mean if params.per_cluster else prior_mean[0],
-  }
+def _ebpo_metrics(params: EBPOParams, stats, has_data_b, new_prior, group_size: int) -> Stats:
+  mu_glob, sigma2, tau2 = prior_moments(new_prior)  # [K] each
+  # The S a full group of G responses gets from each cluster's updated prior (paper Eq. 3): what
+  # every group of the step got in running mode without masked responses, and defined for a
+  # cluster absent from the batch (a mean over its prompts would be NaN there).
+  noise = sigma2 / group_size
+  flat = noise + tau2 <= MIN_PRIOR_VARIANCE
+  shrinkage = jnp.where(flat, 1.0, noise / jnp.where(flat, 1.0, noise + tau2))
+  per_cluster = {"ebpo/prior_mean": mu_glob, "ebpo/prior_std": jnp.sqrt(tau2)}
+  per_cluster["ebpo/shrinkage"] = shrinkage
+  if not params.per_cluster:  # one global prior: scalars
+    per_cluster = {key: value[0] for key, value in per_cluster.items()}
+  return {"ebpo/shrinkage_mean": _masked_mean(stats["shrinkage"], has_data_b), **per_cluster}
 
 
 class _Spec(NamedTuple):
@@ -196,9 +205,13 @@ class Estimator:
   clusters) is per-cluster (the trainer logs it as `<key>/<cluster name>`); a scalar is global.
   - grpo, dr_grpo, rloo: none.
   - js_shrinkage: "js/shrinkage_mean", mean lam over prompts with a valid response.
-  - ebpo: "ebpo/shrinkage_mean", mean S over prompts with a valid response; "ebpo/prior_mean",
-    mu_glob of the updated prior, [K] with per_cluster, a scalar without.
-  The trainer computes `adv/zero_frac` itself (`zero_fraction`).
+  - ebpo: "ebpo/shrinkage_mean", mean S over prompts with a valid response; from the updated
+    prior, [K] with per_cluster, a scalar without: "ebpo/prior_mean" (mu_glob), "ebpo/prior_std"
+    (sqrt(tau2), the spread of prompts' success rates around it) and "ebpo/shrinkage" (the S that
+    a full group of G responses gets: the weight of the baseline on the prior mean, 1 - S on the
+    group's own mean).
+  The trainer computes `adv/zero_frac` and `adv/all_equal_frac` itself (`zero_fraction`,
+  `all_equal_fraction`).
   """
 
   name: str
@@ -247,7 +260,7 @@ def _run(estimator: Estimator, rewards_bg, mask_bg, cluster_ids_b, prior):
   cluster_ids_b = _check_cluster_ids(cluster_ids_b, rewards_bg.shape[0])
   adv_bg, new_prior, stats = spec.apply(estimator.params, rewards_bg, mask_bg, cluster_ids_b, prior)
   has_data_b = mask_bg.any(-1).astype(jnp.float32)
-  metrics = spec.metrics(estimator.params, stats, has_data_b, new_prior)
+  metrics = spec.metrics(estimator.params, stats, has_data_b, new_prior, rewards_bg.shape[1])
   return adv_bg, new_prior, stats, metrics
 
 

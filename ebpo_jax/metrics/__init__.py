@@ -1,4 +1,5 @@
-"""Run metrics: their names, WORKDIR/metrics.jsonl, TensorBoard events, plots, summary table.
+"""Run metrics: their names, WORKDIR/metrics.jsonl, TensorBoard events, wandb, sample completions
+(WORKDIR/samples.jsonl), plots, summary table.
 
 metrics.jsonl holds one JSON object per line, each with an integer "step" and float values.
 Non-finite values (NaN, inf) are written as JSON `null`: strict JSON has no NaN, and readers
@@ -12,10 +13,12 @@ on `flush()`, which the trainer calls whenever it starts a checkpoint, so that t
 always reach the latest checkpoint).
 """
 
-# Three modules (names, log: the writer, plots); every name is used as `metrics.X`.
-from ebpo_jax.metrics.log import MetricsWriter, read_metrics, truncate_after
+# Four modules (names, log: the writer, wandb_log: its wandb run, plots); every name is used as
+# `metrics.X`.
+from ebpo_jax.metrics.log import MetricsWriter, markdown_table, read_metrics, truncate_after
 from ebpo_jax.metrics.names import (
   ADV_ABS_MEAN,
+  ADV_ALL_EQUAL_FRAC,
   ADV_ZERO_FRAC,
   APPROX_KL,
   BAD_UPDATES,
@@ -28,6 +31,8 @@ from ebpo_jax.metrics.names import (
   DAPO_ROUNDS,
   DUAL_CLIPFRAC,
   EBPO_PRIOR_MEAN,
+  EBPO_PRIOR_STD,
+  EBPO_SHRINKAGE,
   EBPO_SHRINKAGE_MEAN,
   ENTROPY,
   EVAL_ACCURACY,
@@ -36,6 +41,7 @@ from ebpo_jax.metrics.names import (
   GRAD_NORM,
   KEYS,
   KL,
+  LEARNING_RATE,
   LOSS,
   METRICS_FILE,
   PER_CLUSTER_KEYS,
@@ -48,6 +54,7 @@ from ebpo_jax.metrics.names import (
   REWARD_MEAN,
   REWARD_OVERLONG_PENALTY,
   ROLLOUT_TOKENS,
+  SAMPLES_FILE,
   STEP,
   TENSORBOARD_DIR,
   TIME_SAMPLE_S,
@@ -56,28 +63,39 @@ from ebpo_jax.metrics.names import (
   TIME_UPDATE_S,
   TIMING_KEYS,
   TRUNCATED_FRAC,
+  WANDB_RUN_ID_FILE,
   cluster_prefix,
   per_cluster,
   reward_fn_key,
 )
 from ebpo_jax.metrics.plots import (
   DEFAULT_PANELS,
+  Panel,
   missing_panels,
+  overview_figure,
   plot_metrics,
   png_bytes,
   summary_table,
 )
+from ebpo_jax.metrics.wandb_log import WandbOptions, require_wandb, wandb_options
 
 __all__ = [
   "MetricsWriter",
+  "markdown_table",
   "read_metrics",
   "truncate_after",
   "DEFAULT_PANELS",
+  "Panel",
   "missing_panels",
+  "overview_figure",
   "plot_metrics",
   "png_bytes",
   "summary_table",
+  "WandbOptions",
+  "require_wandb",
+  "wandb_options",
   "ADV_ABS_MEAN",
+  "ADV_ALL_EQUAL_FRAC",
   "ADV_ZERO_FRAC",
   "APPROX_KL",
   "BAD_UPDATES",
@@ -90,6 +108,8 @@ __all__ = [
   "DAPO_ROUNDS",
   "DUAL_CLIPFRAC",
   "EBPO_PRIOR_MEAN",
+  "EBPO_PRIOR_STD",
+  "EBPO_SHRINKAGE",
   "EBPO_SHRINKAGE_MEAN",
   "ENTROPY",
   "EVAL_ACCURACY",
@@ -98,6 +118,7 @@ __all__ = [
   "GRAD_NORM",
   "KEYS",
   "KL",
+  "LEARNING_RATE",
   "LOSS",
   "METRICS_FILE",
   "PER_CLUSTER_KEYS",
@@ -110,6 +131,7 @@ __all__ = [
   "REWARD_MEAN",
   "REWARD_OVERLONG_PENALTY",
   "ROLLOUT_TOKENS",
+  "SAMPLES_FILE",
   "STEP",
   "TENSORBOARD_DIR",
   "TIME_SAMPLE_S",
@@ -118,6 +140,7 @@ __all__ = [
   "TIME_UPDATE_S",
   "TIMING_KEYS",
   "TRUNCATED_FRAC",
+  "WANDB_RUN_ID_FILE",
   "cluster_prefix",
   "per_cluster",
   "reward_fn_key",

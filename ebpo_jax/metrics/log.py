@@ -1,26 +1,40 @@
-"""WORKDIR/metrics.jsonl and TensorBoard events: writing (MetricsWriter), reading, truncating."""
+"""WORKDIR/metrics.jsonl, samples.jsonl, TensorBoard events and wandb: writing (MetricsWriter),
+reading, truncating."""
 
 import json
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 from ebpo_jax import files
-from ebpo_jax.metrics.names import METRICS_FILE, REMOTE_FLUSH_S, STEP, TENSORBOARD_DIR
+from ebpo_jax.metrics import wandb_log
+from ebpo_jax.metrics.names import (
+  EVAL_ACCURACY,
+  METRICS_FILE,
+  REMOTE_FLUSH_S,
+  REWARD_MEAN,
+  SAMPLES_FILE,
+  STEP,
+  TENSORBOARD_DIR,
+)
 
 
 class MetricsWriter:
-  """Appends metrics to WORKDIR/metrics.jsonl and to TensorBoard (WORKDIR/tensorboard/).
+  """Appends metrics to WORKDIR/metrics.jsonl, TensorBoard (WORKDIR/tensorboard/) and wandb, and
+  tables of sample completions to WORKDIR/samples.jsonl, TensorBoard text and a wandb Table.
 
   `enabled=False` (processes other than 0) makes every method a no-op that touches no file.
-  `resume_step`: when resuming from a checkpoint at that step, lines (and TensorBoard events)
-  with a larger step, written after the checkpoint by the run that died, are dropped first;
-  FRESH_START (a run that restored nothing) drops them all. None: appends to what is there.
+  `resume_step`: when resuming from a checkpoint at that step, lines of metrics.jsonl and
+  samples.jsonl (and TensorBoard events) with a larger step, written after the checkpoint by the
+  run that died, are dropped first; FRESH_START (a run that restored nothing) drops them all.
+  None: appends to what is there. `hparams`: the run's resolved config (nested, JSON values), for
+  TensorBoard (the HPARAMS tab and a `config` text) and as wandb's config. `wandb`: log to wandb
+  too (`wandb_log.WandbRun`: the workdir's one run, continued on resume).
   `flush_every_s`: `write` flushes when this long has passed since the last flush; default 0
   (every line) for a local WORKDIR, REMOTE_FLUSH_S for a remote one. `flush` and `close` always do.
   """
@@ -33,23 +47,30 @@ class MetricsWriter:
     tensorboard: bool = True,
     resume_step: int | None = None,
     flush_every_s: float | None = None,
+    hparams: Mapping[str, Any] | None = None,
+    wandb: wandb_log.WandbOptions | None = None,
   ):
     self.enabled = enabled
     self.path = files.join(workdir, METRICS_FILE)
+    self.samples_path = files.join(workdir, SAMPLES_FILE)
     if flush_every_s is None:
       flush_every_s = REMOTE_FLUSH_S if files.is_remote(workdir) else 0.0
     self.flush_every_s = flush_every_s
-    self._file = None
-    self._tb = None
+    self._file = self._samples = self._tb = self._wandb = None
     if not enabled:
       return
     files.makedirs(workdir)
     if resume_step is not None:
-      truncate_after(workdir, resume_step)
+      truncate_after(self.path, resume_step)
+      truncate_after(self.samples_path, resume_step)
     self._file = files.Appender(self.path)
     if tensorboard:
       purge_step = None if resume_step is None else resume_step + 1
       self._tb = _summary_writer(files.join(workdir, TENSORBOARD_DIR), purge_step)
+      if hparams is not None:
+        _write_hparams(self._tb, hparams)
+    if wandb is not None:
+      self._wandb = wandb_log.WandbRun(wandb, workdir, hparams)
     self._flushed_at = time.monotonic()
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:
@@ -66,24 +87,56 @@ class MetricsWriter:
       for key, value in values.items():
         if math.isfinite(value):  # TensorBoard shows a gap; tensorboardX would warn per value
           self._tb.add_scalar(key, value, global_step=int(step))
+    if self._wandb is not None:
+      self._wandb.log(int(step), values)
+    if time.monotonic() - self._flushed_at >= self.flush_every_s:
+      self.flush()
+
+  def write_samples(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Writes a table of sample completions at `step`: each row (a dict of the same columns,
+    string or number values) as one line {"step": step, **row} of samples.jsonl, the table as
+    TensorBoard text `samples` (markdown) and as the wandb Table `samples`."""
+    if not self.enabled or not rows:
+      return
+    if self._file is None:
+      raise ValueError(f"MetricsWriter for {self.path} is closed")
+    step = int(step)
+    columns = list(rows[0])
+    table = [[_json_value(row[c]) for c in columns] for row in rows]
+    if self._samples is None:
+      self._samples = files.Appender(self.samples_path)
+    for values in table:
+      record = {STEP: step, **dict(zip(columns, values, strict=True))}
+      self._samples.write(json.dumps(record, allow_nan=False) + "\n")
+    header, cells = [STEP, *columns], [[step, *values] for values in table]
+    if self._tb is not None:
+      self._tb.add_text(wandb_log.SAMPLES_KEY, markdown_table(header, cells), step)
+    if self._wandb is not None:
+      self._wandb.log_table(step, header, cells)
     if time.monotonic() - self._flushed_at >= self.flush_every_s:
       self.flush()
 
   def flush(self) -> None:
     """Makes every line written so far durable (remote: uploads metrics.jsonl and the events)."""
-    if self._file is not None:
-      self._file.flush()
+    for appender in (self._file, self._samples):
+      if appender is not None:
+        appender.flush()
     if self._tb is not None:
       self._tb.flush()
     self._flushed_at = time.monotonic()
 
   def close(self) -> None:
-    if self._file is not None:
-      self._file.close()
-      self._file = None
+    """Flushes and closes every output (a remote writer uploads what it holds; wandb finishes)."""
+    for appender in (self._file, self._samples):
+      if appender is not None:
+        appender.close()
+    self._file = self._samples = None
     if self._tb is not None:
       self._tb.close()
       self._tb = None
+    if self._wandb is not None:
+      self._wandb.finish()
+      self._wandb = None
 
   def __enter__(self) -> "MetricsWriter":
     return self
@@ -102,6 +155,53 @@ def _summary_writer(logdir: str, purge_step: int | None):
     scheme = logdir.split("://", 1)[0]
     record_writer.register_writer_factory(scheme, _RemoteEventFileFactory())
   return SummaryWriter(logdir, purge_step=purge_step)
+
+
+def _write_hparams(tb, hparams: Mapping[str, Any]) -> None:
+  """The config into TensorBoard's own event file (not add_hparams' extra run directory): the
+  HPARAMS tab's session (flattened scalar values; lists as JSON) with reward/mean and
+  eval/accuracy as its metric columns, and the whole config as JSON in the TEXT tab (`config`)."""
+  from tensorboardX.summary import hparams as hparams_summary
+
+  flat = {
+    k: v if isinstance(v, str | bool | int | float) else json.dumps(v)
+    for k, v in _flatten(hparams).items()
+    if v is not None
+  }
+  experiment, session_start, _ = hparams_summary(flat, {REWARD_MEAN: 0.0, EVAL_ACCURACY: 0.0})
+  writer = tb._get_file_writer()  # add_hparams would write to a run directory of its own
+  writer.add_summary(experiment)
+  writer.add_summary(session_start)
+  text = json.dumps(hparams, indent=1, sort_keys=True)
+  tb.add_text("config", "    " + text.replace("\n", "\n    "))  # indented: a code block
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  flat = {}
+  for key, value in tree.items():
+    if isinstance(value, Mapping):
+      flat.update(_flatten(value, f"{prefix}{key}."))
+    else:
+      flat[f"{prefix}{key}"] = value
+  return flat
+
+
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+  """A markdown table (TensorBoard's text tab renders it); `|` and newlines in cells escaped."""
+  cell = lambda v: str(v).replace("|", "\\|").replace("\n", "\\n")
+  lines = ["| " + " | ".join(map(cell, columns)) + " |", "|" + "---|" * len(columns)]
+  lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+def _json_value(value: Any) -> Any:
+  """A table cell as JSON: strings stay, numbers become Python numbers (non-finite: None)."""
+  if isinstance(value, str):
+    return value
+  number = np.asarray(value).item()
+  if isinstance(number, float) and not math.isfinite(number):
+    return None
+  return number
 
 
 class _RemoteEventFile:

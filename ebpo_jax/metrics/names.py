@@ -4,6 +4,8 @@ per-cluster and per-reward-function keys."""
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tensorboard"
 PLOTS_DIR = "plots"
+SAMPLES_FILE = "samples.jsonl"  # sample completions, one JSON object per line (write_samples)
+WANDB_RUN_ID_FILE = "wandb_run_id"  # the workdir's wandb run id: a resumed run continues it
 # MetricsWriter's resume_step when nothing was restored: every line of an earlier start is dropped.
 FRESH_START = -1
 # How often a writer on an object store uploads (each upload sends the whole files again).
@@ -19,9 +21,15 @@ REWARD_MEAN = "reward/mean"  # mean total reward over the batch's responses (wei
 REWARD_ERRORS = "reward/errors"  # verifier calls that raised or timed out
 REWARD_OVERLONG_PENALTY = "reward/overlong_penalty"  # DAPO's soft overlong punishment, mean
 ADV_ZERO_FRAC = "adv/zero_frac"  # share of valid responses whose advantage is exactly 0
+# Share of prompts whose rewards are all equal: the groups GRPO zeroes, whatever estimator runs.
+ADV_ALL_EQUAL_FRAC = "adv/all_equal_frac"
 ADV_ABS_MEAN = "adv/abs_mean"
 EBPO_SHRINKAGE_MEAN = "ebpo/shrinkage_mean"  # mean shrinkage S over the batch's prompts (EBPO)
-EBPO_PRIOR_MEAN = "ebpo/prior_mean"  # per cluster only: per_cluster(EBPO_PRIOR_MEAN, name)
+# EBPO's prior after the step's update, per cluster (per_cluster(KEY, name)); the bare key only
+# with one global prior (rl.ebpo.per_cluster=False).
+EBPO_PRIOR_MEAN = "ebpo/prior_mean"  # mu_glob, the prior mean reward
+EBPO_PRIOR_STD = "ebpo/prior_std"  # sqrt(tau^2): the spread of the prompts' mean rewards
+EBPO_SHRINKAGE = "ebpo/shrinkage"  # S of a full group: the baseline's weight on the prior mean
 RESPONSE_LEN_MEAN = "response_len/mean"
 TRUNCATED_FRAC = "truncated_frac"  # responses cut at the generation length
 ROLLOUT_TOKENS = "rollout/tokens"  # tokens sampled this step (all refill rounds)
@@ -41,6 +49,7 @@ DUAL_CLIPFRAC = "dual_clipfrac"
 RATIO_MEAN = "ratio_mean"
 APPROX_KL = "approx_kl"  # k3 of the old policy from the new one: how far the update moved
 GRAD_NORM = "grad_norm"
+LEARNING_RATE = "lr"  # the schedule's value, mean over the step's updates (one: its value)
 BAD_UPDATES = "bad_updates"  # updates skipped for a non-finite loss or grad norm
 
 # Bookkeeping and wall-clock time.
@@ -57,14 +66,23 @@ EVAL_VERIFIER_ERRORS = "eval/verifier_errors"  # evaluation verifier calls that 
 # Keys that measure wall-clock time: they differ between an interrupted and a straight run.
 TIMING_KEYS = (TIME_STEP_S, TIME_TOKENS_PER_S, TIME_SAMPLE_S, TIME_UPDATE_S)
 # Keys that are also logged per cluster, as per_cluster(key, name).
-PER_CLUSTER_KEYS = (REWARD_MEAN, EVAL_ACCURACY, EBPO_PRIOR_MEAN)
+PER_CLUSTER_KEYS = (REWARD_MEAN, EVAL_ACCURACY, EBPO_PRIOR_MEAN, EBPO_PRIOR_STD, EBPO_SHRINKAGE)
 # Every metric name above (not STEP).
 KEYS = frozenset(
-  {REWARD_MEAN, REWARD_ERRORS, REWARD_OVERLONG_PENALTY, ADV_ZERO_FRAC, ADV_ABS_MEAN}
-  | {EBPO_SHRINKAGE_MEAN, EBPO_PRIOR_MEAN, RESPONSE_LEN_MEAN, TRUNCATED_FRAC, ROLLOUT_TOKENS}
+  {REWARD_MEAN, REWARD_ERRORS, REWARD_OVERLONG_PENALTY, ADV_ZERO_FRAC, ADV_ALL_EQUAL_FRAC}
+  | {ADV_ABS_MEAN, EBPO_SHRINKAGE_MEAN, EBPO_PRIOR_MEAN, EBPO_PRIOR_STD, EBPO_SHRINKAGE}
+  | {RESPONSE_LEN_MEAN, TRUNCATED_FRAC, ROLLOUT_TOKENS}
   | {DAPO_KEPT_FRAC, DAPO_ROUNDS, DAPO_FILLED_GROUPS}
   | {LOSS, PG_LOSS, KL, ENTROPY, CLIPFRAC, CLIPFRAC_LOW, CLIPFRAC_HIGH, DUAL_CLIPFRAC}
-  | {RATIO_MEAN, APPROX_KL, GRAD_NORM, BAD_UPDATES, COMPILES_TRAIN_STEP, *TIMING_KEYS}
+  | {
+    RATIO_MEAN,
+    APPROX_KL,
+    GRAD_NORM,
+    LEARNING_RATE,
+    BAD_UPDATES,
+    COMPILES_TRAIN_STEP,
+    *TIMING_KEYS,
+  }
   | {EVAL_ACCURACY, EVAL_VERIFIER_ERRORS}
 )
 

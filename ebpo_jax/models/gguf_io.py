@@ -21,6 +21,7 @@ from typing import Any
 
 import ml_dtypes
 import numpy as np
+from absl import logging
 
 from ebpo_jax import files
 from ebpo_jax.models.config import ModelConfig
@@ -278,7 +279,9 @@ def smollm2_135m_instruct() -> str:
   os.makedirs(cache_dir, exist_ok=True)
   staging = tempfile.mkdtemp(prefix=".smollm2-", dir=cache_dir)
   try:
-    convert_gguf(packaged_smollm2_gguf(), staging)
+    source = packaged_smollm2_gguf()
+    logging.info("converting %s into %s (once; later runs reuse it) ...", source, target)
+    convert_gguf(source, staging)
     try:
       os.rename(staging, target)  # atomic: readers see a complete directory or none
     except OSError:

@@ -13,9 +13,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import ml_collections
-from absl import logging
+from absl import flags, logging
+from ml_collections import config_flags
 
-from ebpo_jax import advantages, data, files, losses, metrics, models, sharding
+from ebpo_jax import advantages, cli, data, files, losses, metrics, models, sharding
 from ebpo_jax.tasks import reward_fns
 
 
@@ -35,11 +36,12 @@ BAD_INPUT_STATUS = 2
 
 @contextlib.contextmanager
 def entry_point(verbosity: int = logging.WARNING) -> Iterator[None]:
-  """The frame of every command-line entry point: absl logging at `verbosity` (orbax logs each
-  save at INFO), `jax.distributed` joined when the environment asks for it, and a bad input
-  (USER_ERRORS) turned into `error: <message>` and exit status 2 (BAD_INPUT_STATUS); on N fake CPU
-  devices, XLA:CPU thread pools that fit them (`sharding.size_cpu_thread_pools`)."""
-  logging.set_verbosity(verbosity)
+  """The frame of every command-line entry point: absl logging at `verbosity` for other libraries
+  (orbax logs each save at INFO; the project's own INFO lines are shown, `cli.set_verbosity`),
+  `jax.distributed` joined when the environment asks for it, and a bad input (USER_ERRORS) turned
+  into `error: <message>` and exit status 2 (BAD_INPUT_STATUS); on N fake CPU devices, XLA:CPU
+  thread pools that fit them (`sharding.size_cpu_thread_pools`)."""
+  cli.set_verbosity(verbosity)
   try:
     sharding.size_cpu_thread_pools()  # 8 CPU devices on 2 cores: no rendezvous abort
     sharding.init_distributed()
@@ -49,14 +51,40 @@ def entry_point(verbosity: int = logging.WARNING) -> Iterator[None]:
     sys.exit(BAD_INPUT_STATUS)
 
 
+def define_config_flags() -> tuple[flags.FlagHolder, flags.FlagHolder]:
+  """`--config=FILE.py[:ARG]` (required; `--config.KEY=VALUE` overrides) and `--print_config`,
+  in absl's FLAGS: the flags of every entry point that reads a config. The entry point adopts
+  them (`flags.adopt_module_key_flags(config_lib)`) so that its `--help` lists them."""
+  config = config_flags.DEFINE_config_file("config", None, "Experiment config file: FILE.py[:ARG].")
+  flags.mark_flag_as_required("config")
+  print_config = flags.DEFINE_bool(
+    "print_config",
+    False,
+    "Print the resolved config (the file and its --config.* overrides) as JSON and exit; "
+    "nothing is compiled or written.",
+  )
+  return config, print_config
+
+
+def print_config(config: ml_collections.ConfigDict) -> None:
+  """`--print_config`: the resolved config as JSON on stdout, as config.json holds it."""
+  print(json.dumps(config_json(config), indent=1, sort_keys=True), flush=True)
+
+
+def config_json(config: ml_collections.ConfigDict | Mapping[str, Any]) -> dict[str, Any]:
+  """`config` as the JSON config.json holds (tuples as lists)."""
+  if isinstance(config, ml_collections.ConfigDict):
+    return json.loads(config.to_json_best_effort())
+  return json.loads(json.dumps(config, default=str))
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing (pass as `app.run(main, flags_parser=parse_flags)`), with a `--config.KEY`
   override that names no key of the config file turned into one line with the closest key and
-  exit status 2 (ml_collections raises a long traceback from inside the parser)."""
-  from absl import app
-
+  exit status 2 (ml_collections raises a long traceback from inside the parser); any other bad
+  flag is one line and status 2 too (`cli.parse_flags`)."""
   try:
-    return app.parse_flags_with_usage(argv)
+    return cli.parse_flags(argv)
   except (AttributeError, KeyError, TypeError):
     problem = _unknown_override(argv)
     if problem is None:
@@ -201,6 +229,7 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
     f"must divide mini_batch_size * group_size = {mini_rows}",
   )
   _check_counts_and_rates(config)
+  _check_wandb(config)
   try:  # imports the functions' modules: a bad path is one line before anything compiles
     for fn in reward_fns.load(config.rewards.fns):
       metrics.reward_fn_key(fn.name)
@@ -253,6 +282,8 @@ _BOUNDS = (
   ("sft.num_steps", 0, True),
   ("sft.batch_size", 1, True),
   ("sft.learning_rate", 0, False),
+  ("logging.samples_every", 0, True),
+  ("logging.num_samples", 1, True),
 )
 _DTYPES = ("float32", "bfloat16")
 
@@ -273,6 +304,16 @@ def _check_counts_and_rates(config: ml_collections.ConfigDict) -> None:
     "sampling.prompt_buckets",
     "must be a non-empty list of positive token counts",
   )
+
+
+def _check_wandb(config: ml_collections.ConfigDict) -> None:
+  """The wandb mode is known, and wandb is installed when `logging.wandb` is on."""
+  _choice(config, "logging.wandb_mode", metrics.wandb_log.MODES)
+  if config.logging.wandb:
+    try:
+      metrics.require_wandb()
+    except ImportError as e:
+      raise ConfigError(f"config.logging.wandb=True: {e}") from None
 
 
 def _check_data_columns(config: ml_collections.ConfigDict) -> None:

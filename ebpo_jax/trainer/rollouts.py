@@ -5,18 +5,20 @@ completions to the host in one transfer per sampler call, decodes and scores the
 a `Rollout`, says where each field lives: texts, rewards, lengths and rows on the host; tokens,
 masks and the sampler's log-probs stay on the devices and go to `train_step` from there.
 `collect_batch` makes one RL step's batch (with DAPO's dynamic sampling: a gather of the kept
-groups); `evaluate_accuracy` is the in-training evaluation; `sample_and_score` serves `evaluate`.
+groups); `evaluate_accuracy` is the in-training evaluation; `sample_and_score_batches` serves
+`evaluate` and `difficulty`.
 """
 
 import dataclasses
 import functools
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from absl import logging
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
@@ -143,6 +145,7 @@ class Sampler:
     self.model, self.task, self.tokenizer = model, task, tokenizer
     self.config, self.pool, self.mesh = config, pool, mesh
     self.reward_fns = tuple(reward_fns)
+    self._shapes_seen = set()  # the sampler calls' shapes: a new one compiles (one line says so)
 
   def prompts(self, rows: Sequence[dict]) -> tuple[np.ndarray, np.ndarray]:
     """Host `(ids, mask)` [N, P] of the rows' prompts, left-padded to a length bucket."""
@@ -191,6 +194,14 @@ class Sampler:
     spec = sharding.row_sharding(ids.shape, self.mesh)
     ids, mask = sharding.place_from_host(ids, spec), sharding.place_from_host(mask, spec)
     options = generate_options(self.config, self.tokenizer, group_size=group_size, greedy=greedy)
+    if (ids.shape, group_size, greedy) not in self._shapes_seen:
+      self._shapes_seen.add((ids.shape, group_size, greedy))
+      logging.info(
+        "compiling the sampler for %d prompts x %d tokens, %d %s each ...",
+        *ids.shape,
+        group_size,
+        "greedy" if greedy else "samples",
+      )
     out = sampling.generate(
       self.model,
       params,
@@ -392,6 +403,29 @@ def to_batch(rollout: Rollout, rewards: np.ndarray, mesh: Mesh) -> dict:
   }
 
 
+def sample_rows(
+  rollout: Rollout, advantages_bg: np.ndarray, cluster_names: Sequence[str], num: int
+) -> list[dict]:
+  """The sample completions table of a step: its first `num` completions (prompt-major, so whole
+  groups side by side), each with its prompt, answer, reward (before DAPO's overlong penalty),
+  advantage [B, G] from the step and cluster name."""
+  g = rollout.group_size
+  table = []
+  for i in range(min(num, len(rollout.texts))):
+    row = rollout.rows[i // g]
+    table.append(
+      {
+        "prompt": row["prompt"],
+        "completion": rollout.texts[i],
+        "answer": row["answer"],
+        "reward": float(rollout.rewards[i // g, i % g]),
+        "advantage": float(advantages_bg[i // g, i % g]),
+        "cluster": cluster_names[row["cluster"]],
+      }
+    )
+  return table
+
+
 # ----------------------------------------------------------------------------- evaluation
 
 
@@ -415,15 +449,44 @@ def evaluate_accuracy(
   return result
 
 
-def sample_and_score(
-  sampler: Sampler, params: Any, rows: Sequence[dict], *, num_samples: int, greedy: bool
-) -> tuple[list[list[str]], np.ndarray, int]:
-  """k completions per row, decoded and scored: (texts [N][k], rewards float32 [N, k], errors)."""
+class ScoredBatch(NamedTuple):
+  """One sampler call of `sample_and_score_batches`: rows [start, start + len(texts))."""
+
+  start: int
+  texts: list[list[str]]  # [n][k] decoded completions
+  rewards: np.ndarray  # [n, k] float32
+  errors: int
+
+
+def sample_and_score_batches(
+  sampler: Sampler,
+  params: Any,
+  rows: Sequence[dict],
+  *,
+  num_samples: int,
+  greedy: bool,
+  skip: int = 0,
+) -> Iterator[ScoredBatch]:
+  """k completions per row, decoded and scored, one sampler call (`sampling.prompts_per_call`
+  rows; 0: all) at a time, so a caller shows progress and keeps what is done. The calls' keys are
+  those of one `sampler.rollout` over all rows (the same results however they are taken); `skip`
+  leaves out the first calls (done by an earlier, stopped run)."""
+  chunk = sampler.config.sampling.prompts_per_call or len(rows)
+  starts = range(0, len(rows), chunk)
   key = jax.random.PRNGKey(sampler.config.seed)
-  rollout = sampler.rollout(params, rows, key, group_size=num_samples, greedy=greedy)
-  texts = rollout.texts
-  grouped = [texts[i * num_samples : (i + 1) * num_samples] for i in range(len(rows))]
-  return grouped, rollout.rewards, rollout.errors
+  keys = (key,) if len(starts) == 1 else _split_keys(key, len(starts))
+  for start, call_key in list(zip(starts, keys, strict=True))[skip:]:
+    part = rows[start : start + chunk]
+    rollout = sampler.rollout(params, part, call_key, group_size=num_samples, greedy=greedy)
+    texts = [rollout.texts[i * num_samples : (i + 1) * num_samples] for i in range(len(part))]
+    yield ScoredBatch(start, texts, rollout.rewards, rollout.errors)
+
+
+def join_batches(batches: Sequence[ScoredBatch]) -> tuple[list[list[str]], np.ndarray, int]:
+  """The batches of `sample_and_score_batches` as one: (texts [N][k], rewards [N, k], errors)."""
+  texts = [group for batch in batches for group in batch.texts]
+  rewards = np.concatenate([batch.rewards for batch in batches])
+  return texts, rewards, sum(batch.errors for batch in batches)
 
 
 def make_sampler(model, task, tokenizer, config: ml_collections.ConfigDict, mesh) -> Sampler:

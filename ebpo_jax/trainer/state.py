@@ -149,27 +149,43 @@ def updates_per_step(config: ml_collections.ConfigDict) -> int:
   return config.rl.num_iterations * (config.train.batch_size // config.train.mini_batch_size)
 
 
-def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """AdamW after global-norm clipping, with linear warmup then constant or cosine decay."""
+def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
+  """The learning rate by optimizer update count: linear warmup from 0 over `train.warmup_steps`
+  updates, then constant or cosine decay to 0 at the last update."""
   tc = config.train
   total_updates = tc.num_steps * updates_per_step(config)
   warmup = max(tc.warmup_steps, 0)
   if tc.schedule == "cosine":
-    schedule = optax.warmup_cosine_decay_schedule(
+    return optax.warmup_cosine_decay_schedule(
       0.0, tc.learning_rate, warmup, max(total_updates, warmup + 1)
     )
-  else:
-    schedule = optax.join_schedules(
-      [
-        optax.linear_schedule(0.0, tc.learning_rate, warmup),
-        optax.constant_schedule(tc.learning_rate),
-      ],
-      [warmup],
-    )
+  return optax.join_schedules(
+    [
+      optax.linear_schedule(0.0, tc.learning_rate, warmup),
+      optax.constant_schedule(tc.learning_rate),
+    ],
+    [warmup],
+  )
+
+
+def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
+  """AdamW after global-norm clipping, at `learning_rate_schedule(config)`."""
+  tc = config.train
   return optax.chain(
     optax.clip_by_global_norm(tc.grad_clip),
-    optax.adamw(schedule, weight_decay=tc.weight_decay),
+    optax.adamw(learning_rate_schedule(config), weight_decay=tc.weight_decay),
   )
+
+
+def learning_rate(schedule: optax.Schedule, opt_state: Any) -> jax.Array:
+  """The learning rate of the next update from `opt_state` (of `make_optimizer`): the schedule at
+  the state's update count, which counts applied updates only (a skipped one keeps the state)."""
+  is_schedule_count = lambda path, _: path[-1] == _SCHEDULE_COUNT
+  return schedule(optax.tree_utils.tree_get(opt_state, "count", filtering=is_schedule_count))
+
+
+# The update counter of the schedule's state in the optimizer state (Adam's has its own count).
+_SCHEDULE_COUNT = optax.tree_utils.NamedTupleKey("ScaleByScheduleState", "count")
 
 
 def opt_state_shardings(optimizer: optax.GradientTransformation, params: Any) -> Any:

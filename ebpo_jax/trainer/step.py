@@ -18,7 +18,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ebpo_jax import advantages, losses, models, sampling, sharding
 from ebpo_jax import metrics as metrics_lib
-from ebpo_jax.trainer.state import TrainState, step_keys
+from ebpo_jax.trainer.state import TrainState, learning_rate, learning_rate_schedule, step_keys
+
+# The step's advantages [B, G] among its outputs: not a metric (the host pops it for the sample
+# completions table, logging.samples_every).
+ADVANTAGES = "advantages"
 
 
 def abstract_batch(
@@ -132,7 +136,7 @@ def train_step(
   """One RL step on a scored rollout batch (`abstract_batch`): advantages, then PPO-clip updates.
 
   With `mesh`, micro-batch rows are kept sharded over its batch axes. Metrics are scalars, or
-  per-cluster vectors [K] that the host splits by cluster name.
+  per-cluster vectors [K] that the host splits by cluster name, and ADVANTAGES [B, G].
 
   The non-finite policy: an update whose loss or grad norm is not finite is skipped (params and
   optimizer state kept); a batch whose sampling met non-finite logits skips every update and the
@@ -159,6 +163,7 @@ def train_step(
   shuffle_key = step_keys(state.rng, state.step).shuffle
   order = _update_order(shuffle_key, seqs["adv"].shape[0], mini_rows, rl.num_iterations)
   loss_fn = functools.partial(_loss_fn, model=model, loss_cfg=rl.loss, mesh=mesh)
+  schedule = learning_rate_schedule(config)
 
   def update(carry, idx):
     params, opt_state = carry
@@ -175,6 +180,7 @@ def train_step(
     return carry, {
       metrics_lib.LOSS: loss,
       metrics_lib.GRAD_NORM: grad_norm,
+      metrics_lib.LEARNING_RATE: learning_rate(schedule, opt_state),  # what this update used
       "bad": 1.0 - finite,
       **aux,
     }
@@ -186,6 +192,7 @@ def train_step(
   bad_steps = jnp.where(bad.sum() > 0, state.bad_steps + 1, 0)
   metrics.update(_rollout_metrics(batch, adv_bg))
   metrics.update(adv_metrics)
+  metrics[ADVANTAGES] = adv_bg
   new_state = state.replace(
     step=state.step + 1, params=params, opt_state=opt_state, prior=prior, bad_steps=bad_steps
   )
@@ -228,6 +235,7 @@ def _rollout_metrics(batch: dict, adv_bg: jax.Array) -> dict:
   return {
     metrics_lib.REWARD_MEAN: batch["rewards"].mean(),
     metrics_lib.ADV_ZERO_FRAC: advantages.zero_fraction(adv_bg),
+    metrics_lib.ADV_ALL_EQUAL_FRAC: advantages.all_equal_fraction(batch["rewards"]),
     metrics_lib.ADV_ABS_MEAN: jnp.abs(adv_bg).mean(),
     metrics_lib.RESPONSE_LEN_MEAN: batch["completion_mask"].sum(-1).mean(),
     metrics_lib.TRUNCATED_FRAC: batch["truncated"].mean(),

@@ -15,7 +15,8 @@ outcome from it and stop with it.
 config.json is the resolved config of the run (rewritten by every run that starts). A run whose
 config differs from it in a key that defines the experiment stops with one line listing the keys,
 before anything compiles; SAFE_KEYS (steps, evaluation, logging and checkpoint cadence, the mesh,
-...) may change on a resume; `--config.workdir.accept_changes=KEY,...` (or `all`) accepts others.
+...) and the logging.* keys (SAFE_PREFIXES) may change on a resume;
+`--config.workdir.accept_changes=KEY,...` (or `all`) accepts others.
 """
 
 import contextlib
@@ -35,7 +36,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from ebpo_jax import files
-from ebpo_jax.trainer.config import ConfigError
+from ebpo_jax.trainer.config import ConfigError, config_json
 
 CONFIG_FILE = "config.json"
 LOCK_FILE = "lock"
@@ -58,6 +59,9 @@ SAFE_KEYS = frozenset(
     "mesh.tensor",
   }
 )
+# Key prefixes that are as safe: where and how the run logs (logging.*, added after config.json
+# existed: an older workdir lacks them, and they may change on any resume).
+SAFE_PREFIXES = ("logging.",)
 # Keys added to the project after config.json existed, with the value that does what the code did
 # before them: a workdir whose config.json lacks one resumes when the run keeps that value. Add a
 # key here when you add it to configs/common.py (tests/test_workdir.py checks the values). Keys
@@ -168,13 +172,6 @@ def _dead_here(holder: Mapping[str, Any]) -> bool:
 # ----------------------------------------------------------------------------- config.json
 
 
-def config_json(config: ml_collections.ConfigDict | Mapping[str, Any]) -> dict[str, Any]:
-  """`config` as the JSON config.json holds (tuples as lists)."""
-  if isinstance(config, ml_collections.ConfigDict):
-    return json.loads(config.to_json_best_effort())
-  return json.loads(json.dumps(config, default=str))
-
-
 def changed_keys(saved: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple]:
   """{dotted key: (saved value, new value)} of the keys whose values differ (a key on one side
   only: None on the other; an ADDED_KEYS key, or a None key, that `saved` lacks and `new` holds
@@ -218,7 +215,8 @@ def check_and_save_config(workdir: str, config: ml_collections.ConfigDict) -> No
   saved = saved_config(workdir)
   if saved is not None:
     changed = changed_keys(saved, config)
-    refused = [key for key in changed if key not in SAFE_KEYS | _accepted(config, changed)]
+    safe = SAFE_KEYS | _accepted(config, changed)
+    refused = [k for k in changed if k not in safe and not k.startswith(SAFE_PREFIXES)]
     if refused:
       listing = ", ".join(f"{key} ({changed[key][0]!r} -> {changed[key][1]!r})" for key in refused)
       raise WorkdirError(

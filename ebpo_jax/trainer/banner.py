@@ -1,0 +1,43 @@
+"""What a run says as it starts: devices and mesh, parameter count, workdir, config, and whether it
+resumes; logged at INFO (absl, stderr), which `config.entry_point` shows for the project's lines."""
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from absl import logging
+from jax.sharding import Mesh
+
+
+def config_name(filename: str, overrides: Mapping[str, Any]) -> str:
+  """`FILE.py[:ARG]` and its `--config.KEY=VALUE` overrides, as the command line gave them."""
+  return " ".join([filename, *(f"--config.{k}={v}" for k, v in sorted(overrides.items()))])
+
+
+def count_params(params: Any) -> int:
+  """Number of scalars in a params pytree (arrays or `jax.ShapeDtypeStruct`s)."""
+  return sum(int(np.prod(leaf.shape)) for leaf in jax.tree.leaves(params))
+
+
+def startup_lines(
+  *, mesh: Mesh, num_params: int, workdir: str, config: str, resume_step: int | None
+) -> list[str]:
+  """The banner: one line each for devices, mesh, parameters, workdir, config and the start."""
+  devices = jax.devices()
+  kind = devices[0].device_kind
+  start = "starting fresh" if resume_step is None else f"resuming from step {resume_step}"
+  return [
+    f"devices: {len(devices)} {devices[0].platform} ({kind}), {jax.process_count()} process(es)",
+    "mesh: " + " x ".join(f"{axis}={size}" for axis, size in mesh.shape.items()),
+    f"parameters: {num_params:,} ({num_params / 1e6:.1f}M)",
+    f"workdir: {workdir}",
+    f"config: {config}",
+    start,
+  ]
+
+
+def log_startup(**kwargs: Any) -> None:
+  """Logs `startup_lines(**kwargs)` at INFO."""
+  for line in startup_lines(**kwargs):
+    logging.info("%s", line)

@@ -1,0 +1,94 @@
+"""Every command line on one flag library (absl): its `--help` names the module and lists its own
+flags; a flag given in-process is checked as on the command line."""
+
+import json
+import re
+
+import pytest
+
+from ebpo_jax import cli, simulate
+from ebpo_jax.data import cluster
+from ebpo_jax.models import convert
+
+# Each CLI's own flags: its --help must list them under the module's own section (absl shows
+# flags defined elsewhere, e.g. in ebpo_jax.trainer, only under --helpfull unless adopted).
+OWN_FLAGS = {
+  "ebpo_jax.train": {"config", "workdir", "print_config"},
+  "ebpo_jax.evaluate": {"config", "workdir", "print_config", "run_dir", "step"},
+  "ebpo_jax.difficulty": {"config", "print_config", "input", "output", "k", "run_dir", "step"},
+  "ebpo_jax.aot": {"config", "print_config", "topology", "prompt_len"},
+  "ebpo_jax.export": {"run_dir", "out", "step", "dtype"},
+  "ebpo_jax.ablate": {"config", "workdir", "variants", "group_sizes", "seeds", "workers"},
+  "ebpo_jax.data.prepare": {"source", "path", "out", "prompt_column", "answer_regex"},
+  "ebpo_jax.data.cluster": {"input", "output", "num_clusters", "seed", "from_column"},
+  "ebpo_jax.simulate": {"num_prompts", "group_sizes", "steps", "rewards", "decay", "json"},
+  "ebpo_jax.models.convert": {"gguf", "out", "dtype"},
+}
+
+
+def own_section(help_text: str, module: str) -> set[str]:
+  """The flag names listed under the module's own file in absl's --help."""
+  path = module.replace(".", "/") + (".py" if module != "ebpo_jax.ablate" else "/__main__.py")
+  section = help_text.split(path + ":", 1)[1].split("\n\n", 1)[0]
+  return set(re.findall(r"^  --(?:\[no\])?(\w+)", section, re.MULTILINE))
+
+
+@pytest.mark.e2e
+def test_every_cli_help_names_the_module_and_lists_its_own_flags(module_cli):
+  # All at once: each is mostly imports (about 2 s alone).
+  procs = {m: module_cli(m, "--help", devices=1, wait=False) for m in OWN_FLAGS}
+  for module, proc in procs.items():
+    out, err = proc.communicate(timeout=120)
+    assert "Traceback" not in err, err
+    assert f"python -m {module} " in out, out[:500]  # the usage line, not `usage: convert.py`
+    missing = OWN_FLAGS[module] - own_section(out, module)
+    assert not missing, (module, missing)
+
+
+@pytest.mark.e2e
+def test_print_config_of_evaluate_difficulty_and_aot_prints_the_config_and_writes_nothing(
+  module_cli, tmp_path
+):
+  workdir = tmp_path / "eval"
+  extra = {
+    "ebpo_jax.evaluate": [f"--workdir={workdir}"],
+    "ebpo_jax.difficulty": [f"--input={tmp_path}/rows.jsonl", f"--output={tmp_path}/out.jsonl"],
+    "ebpo_jax.aot": ["--topology=v5p-8"],
+  }
+  args = ["--config=configs/arith_ebpo.py:runlocal", "--config.seed=3", "--print_config"]
+  procs = {m: module_cli(m, *args, *more, devices=1, wait=False) for m, more in extra.items()}
+  for module, proc in procs.items():
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, (module, err[-2000:])
+    printed = json.loads(out)  # nothing but the JSON on stdout
+    assert printed["seed"] == 3 and printed["task"]["name"] == "arithmetic", module
+  assert sorted(p.name for p in tmp_path.iterdir()) == []  # no eval.json, no rows written
+
+
+def test_in_process_flags_are_checked_as_on_the_command_line(capsys):
+  args = simulate.parse_args(["--num_prompts=64", "--group_sizes=2,8", "--rewards", "gaussian"])
+  assert (args.num_prompts, args.group_sizes, args.rewards, args.steps) == (
+    64,
+    [2, 8],
+    "gaussian",
+    5,
+  )
+
+  def error(parse, argv) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+      parse(argv)
+    assert exit_info.value.code == cli.BAD_FLAG_STATUS
+    return capsys.readouterr().err
+
+  assert error(simulate.parse_args, ["--num_prompts=1"]) == (
+    "error: flag --num_prompts=1: 1 is not integer >= 2\n"
+  )
+  assert error(simulate.parse_args, ["--group_sizes=2,x"]) == (
+    "error: flag --group_sizes=2,x: must be comma-separated integers >= 2, got '2,x'\n"
+  )
+  assert error(simulate.parse_args, ["--nope=1"]) == "error: Unknown command line flag 'nope'\n"
+  assert error(simulate.parse_args, ["stray"]) == "error: unexpected arguments ['stray']\n"
+  assert "--output must have a value" in error(cluster.parse_args, ["--input=rows.jsonl"])
+  assert error(convert.main, ["--gguf=x.gguf", "--out=o", "--dtype=float16"]) == (
+    "error: flag --dtype=float16: value should be one of <float32|bfloat16>\n"
+  )

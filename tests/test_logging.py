@@ -1,0 +1,294 @@
+"""Logging beyond metrics.jsonl (ebpo_jax.metrics): sample completion tables (samples.jsonl,
+TensorBoard text, wandb Table), the config as TensorBoard hparams and wandb config, the learning
+rate, wandb's run per workdir; and one tiny training run with wandb offline, read back from the
+offline run's `.wandb` file."""
+
+import glob
+import json
+import os
+import struct
+import sys
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from tensorboardX.proto import event_pb2, plugin_hparams_pb2
+
+from ebpo_jax import metrics
+from ebpo_jax.trainer import config as config_lib
+from ebpo_jax.trainer import rollouts as rollouts_lib
+from ebpo_jax.trainer import state as state_lib
+from ebpo_jax.trainer import workdir as workdir_lib
+
+
+def _tb_events(logdir) -> list:
+  """Every Event of the tensorboardX event files in `logdir` (TFRecord framing, read by hand)."""
+  events = []
+  for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
+    with open(path, "rb") as f:
+      data = f.read()
+    pos = 0
+    while pos < len(data):
+      (length,) = struct.unpack("<Q", data[pos : pos + 8])
+      events.append(event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length]))
+      pos += 12 + length + 4
+  return events
+
+
+def _tb_texts(logdir) -> dict[tuple[str, int], str]:
+  """{(tag, step): text} of the text summaries."""
+  return {
+    (v.tag, e.step): v.tensor.string_val[0].decode()
+    for e in _tb_events(logdir)
+    for v in e.summary.value
+    if v.metadata.plugin_data.plugin_name == "text"
+  }
+
+
+ROWS = [
+  {"prompt": "1+2=", "completion": "3", "answer": "3", "reward": 1.0, "advantage": 0.5},
+  {"prompt": "1+2=", "completion": "4|5\nx", "answer": "3", "reward": np.float32(0.0),
+   "advantage": float("nan")},
+]  # fmt: skip
+
+
+def test_samples_go_to_jsonl_and_tensorboard_text_and_a_resume_cuts_them(tmp_path):
+  with metrics.MetricsWriter(tmp_path) as writer:
+    for step in (1, 2, 3):
+      writer.write_samples(step, ROWS)
+  lines = [json.loads(line) for line in (tmp_path / metrics.SAMPLES_FILE).read_text().splitlines()]
+  assert [r["step"] for r in lines] == [1, 1, 2, 2, 3, 3]
+  # Strict JSON: numbers as numbers, NaN as null; the texts unchanged.
+  assert lines[1] == {
+    "step": 1, "prompt": "1+2=", "completion": "4|5\nx", "answer": "3", "reward": 0.0,
+    "advantage": None,
+  }  # fmt: skip
+  table = _tb_texts(tmp_path / "tensorboard")[("samples/text_summary", 2)]
+  assert table.splitlines() == [
+    "| step | prompt | completion | answer | reward | advantage |",
+    "|---|---|---|---|---|---|",
+    "| 2 | 1+2= | 3 | 3 | 1.0 | 0.5 |",
+    "| 2 | 1+2= | 4\\|5\\nx | 3 | 0.0 | None |",  # a cell's | and newline escaped
+  ]
+  # Resuming from the checkpoint of step 2 drops the samples of step 3 (as metrics.jsonl's lines).
+  with metrics.MetricsWriter(tmp_path, resume_step=2) as writer:
+    pass
+  steps = [
+    json.loads(x)["step"] for x in (tmp_path / metrics.SAMPLES_FILE).read_text().splitlines()
+  ]
+  assert steps == [1, 1, 2, 2]
+
+
+def test_no_samples_no_file(tmp_path):
+  with metrics.MetricsWriter(tmp_path) as writer:
+    writer.write(1, {"loss": 1.0})
+    writer.write_samples(1, [])
+  assert not (tmp_path / metrics.SAMPLES_FILE).exists()
+
+
+def test_the_config_goes_to_tensorboard_as_hparams_and_as_text(arith_config, tmp_path):
+  hparams = workdir_lib.config_json(arith_config())
+  with metrics.MetricsWriter(tmp_path, hparams=hparams) as writer:
+    writer.write(1, {"reward/mean": 0.5})
+  events = _tb_events(tmp_path / "tensorboard")
+  by_tag = {v.tag: v for e in events for v in e.summary.value}
+  # One event file (not add_hparams' extra run directory): the HPARAMS tab's session ...
+  assert glob.glob(str(tmp_path / "tensorboard" / "*" / "events*")) == []
+  start = plugin_hparams_pb2.HParamsPluginData.FromString(
+    by_tag["_hparams_/session_start_info"].metadata.plugin_data.content
+  ).session_start_info.hparams
+  assert start["rl.advantage"].string_value == "ebpo"
+  assert start["rl.group_size"].number_value == 4
+  assert start["rl.dynamic_sampling"].bool_value is False
+  assert json.loads(start["task.options.digits"].string_value) == [1, 2]  # a list: as JSON
+  experiment = plugin_hparams_pb2.HParamsPluginData.FromString(
+    by_tag["_hparams_/experiment"].metadata.plugin_data.content
+  ).experiment
+  assert {m.name.tag for m in experiment.metric_infos} == {"reward/mean", "eval/accuracy"}
+  # ... and the whole config in the TEXT tab, a code block of JSON.
+  text = _tb_texts(tmp_path / "tensorboard")[("config/text_summary", 0)]
+  assert json.loads(text) == hparams
+
+
+def test_sample_rows_are_whole_groups_with_their_advantages():
+  g = 3
+  rollout = rollouts_lib.Rollout(
+    rows=[
+      {"prompt": "p0", "answer": "a0", "cluster": 1},
+      {"prompt": "p1", "answer": "a1", "cluster": 0},
+    ],
+    texts=[f"c{i}" for i in range(2 * g)],
+    rewards=np.arange(2 * g, dtype=np.float32).reshape(2, g),
+    lengths=np.ones(2 * g, np.int32),
+    errors=0,
+    **dict.fromkeys(("prompt_ids", "prompt_mask", "tokens", "mask", "old_logps")),  # not read
+    truncated=None,
+    nonfinite=None,
+  )
+  advantages_bg = -np.arange(2 * g, dtype=np.float32).reshape(2, g) / 10
+  rows = rollouts_lib.sample_rows(rollout, advantages_bg, ["easy", "hard"], 4)
+  assert [(r["prompt"], r["completion"], r["answer"], r["cluster"]) for r in rows] == [
+    ("p0", "c0", "a0", "hard"),
+    ("p0", "c1", "a0", "hard"),
+    ("p0", "c2", "a0", "hard"),
+    ("p1", "c3", "a1", "easy"),
+  ]
+  assert [r["reward"] for r in rows] == [0.0, 1.0, 2.0, 3.0]
+  assert [r["advantage"] for r in rows] == pytest.approx([0.0, -0.1, -0.2, -0.3])
+  assert len(rollouts_lib.sample_rows(rollout, advantages_bg, ["easy", "hard"], 99)) == 2 * g
+
+
+def test_learning_rate_is_the_schedule_at_the_applied_updates(arith_config):
+  config = arith_config({"train.warmup_steps": 4, "train.learning_rate": 1e-3})
+  optimizer = state_lib.make_optimizer(config)
+  schedule = state_lib.learning_rate_schedule(config)
+  params = {"w": jnp.zeros(3)}
+  opt_state = optimizer.init(params)
+  seen = []
+  for _ in range(5):
+    seen.append(float(state_lib.learning_rate(schedule, opt_state)))
+    updates, opt_state = optimizer.update({"w": jnp.ones(3)}, opt_state, params)
+    params = optax.apply_updates(params, updates)
+  # Linear warmup from 0 over 4 updates, then constant: 0, 1/4, 2/4, 3/4, 1 x 1e-3 (reading
+  # Adam's count instead would agree; a count of RL steps would not with several updates a step).
+  assert seen == pytest.approx([0.0, 2.5e-4, 5e-4, 7.5e-4, 1e-3])
+
+
+# ----------------------------------------------------------------------------- wandb
+
+
+def test_wandb_options_and_checks(arith_config, monkeypatch):
+  assert metrics.wandb_options(arith_config().logging) is None  # off by default
+  config = arith_config({"logging.wandb": True, "logging.wandb_tags": " ebpo, g4 ,"})
+  options = metrics.wandb_options(config.logging)
+  assert options == metrics.WandbOptions(project="ebpo-jax", tags=("ebpo", "g4"))
+  bad = arith_config({"logging.wandb_mode": "offlien"})
+  with pytest.raises(config_lib.ConfigError, match=r"^config\.logging\.wandb_mode='offlien'"):
+    config_lib.check_config(bad, 8)
+  monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+  with pytest.raises(config_lib.ConfigError) as error:
+    config_lib.check_config(config, 8)
+  assert str(error.value) == (
+    "config.logging.wandb=True: the wandb package is not installed "
+    "(pip install -e '.[wandb]' in the checkout)"
+  )
+
+
+class _FakeWandb:
+  """The part of the wandb module WandbRun uses, recording its calls."""
+
+  class Table:
+    def __init__(self, columns, data):
+      self.columns, self.data = columns, data
+
+  def __init__(self, resumed_at: int | None = None):
+    self.inits, self.logged, self._resumed_at = [], [], resumed_at
+
+  def init(self, **kwargs):
+    self.inits.append(kwargs)
+    fake = self
+
+    class Run:
+      resumed = fake._resumed_at is not None
+      step = fake._resumed_at or 0
+
+      def log(self, values, step):
+        fake.logged.append((step, values))
+
+      def finish(self):
+        fake.logged.append("finish")
+
+    return Run()
+
+
+def test_a_workdir_keeps_one_wandb_run_and_a_resume_continues_it(tmp_path, monkeypatch):
+  workdir = tmp_path / "run_a"
+  fake = _FakeWandb()
+  monkeypatch.setitem(sys.modules, "wandb", fake)
+  monkeypatch.delenv("WANDB_DIR", raising=False)
+  options = metrics.WandbOptions(project="p", tags=("x",))
+  with metrics.MetricsWriter(workdir, hparams={"rl": {"advantage": "ebpo"}}, wandb=options) as w:
+    w.write(1, {"reward/mean": 0.5, "grad_norm": float("nan")})
+    w.write_samples(1, ROWS[:1])
+  first = fake.inits[0]
+  run_id = (workdir / metrics.WANDB_RUN_ID_FILE).read_text().strip()
+  assert first["id"] == run_id and first["resume"] == "allow"
+  assert first["name"] == "run_a" and first["project"] == "p" and first["tags"] == ["x"]
+  assert first["config"] == {"rl": {"advantage": "ebpo"}} and first["dir"] == str(workdir)
+  (step, scalars), (table_step, table), done = fake.logged
+  assert (step, scalars["reward/mean"], np.isnan(scalars["grad_norm"])) == (1, 0.5, True)
+  assert table_step == 1 and done == "finish"
+  assert table["samples"].columns == ["step", *ROWS[0]]
+  assert table["samples"].data == [[1, "1+2=", "3", "3", 1.0, 0.5]]
+  # The next start on the workdir continues the run; wandb already has steps up to 3 (the dead
+  # run logged past its checkpoint), so the steps redone below that are not sent again.
+  fake = _FakeWandb(resumed_at=3)
+  monkeypatch.setitem(sys.modules, "wandb", fake)
+  with metrics.MetricsWriter(workdir, resume_step=1, wandb=options) as w:
+    for step in (2, 3, 4):
+      w.write(step, {"reward/mean": 0.5})
+  assert fake.inits[0]["id"] == run_id
+  assert [entry[0] for entry in fake.logged[:-1]] == [3, 4]
+
+
+def _wandb_records(path: str):
+  """The Records of a `.wandb` file: a 7-byte header (`:W&B`, magic, version), then LevelDB log
+  records (32 KiB blocks; each chunk: crc32, length, type FULL/FIRST/MIDDLE/LAST) of protobuf
+  `wandb.proto.wandb_internal_pb2.Record`s. wandb 0.31 has no Python reader of its own."""
+  from wandb.proto import wandb_internal_pb2
+
+  with open(path, "rb") as f:
+    data = f.read()
+  assert data[:4] == b":W&B", data[:7]
+  pos, block, payload = 7, 32 * 1024, b""
+  while pos + 7 <= len(data):
+    if block - pos % block < 7:  # a block's tail too short for a chunk header is padding
+      pos += block - pos % block
+      continue
+    _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+    payload += data[pos + 7 : pos + 7 + length]
+    pos += 7 + length
+    if kind in (1, 4):  # FULL or LAST: a whole record
+      yield wandb_internal_pb2.Record.FromString(payload)
+      payload = b""
+
+
+@pytest.mark.e2e
+def test_a_run_with_wandb_offline_logs_the_scalars_config_and_samples(arith_run):
+  # arith_run: 4 RL steps with wandb offline and a samples table every 2 steps (ARITH_LOGGING).
+  workdir, _ = arith_run
+  (run_dir,) = glob.glob(str(workdir / "wandb" / "offline-run-*"))
+  run_id = (workdir / metrics.WANDB_RUN_ID_FILE).read_text().strip()
+  records = list(_wandb_records(os.path.join(run_dir, f"run-{run_id}.wandb")))
+  kinds = [r.WhichOneof("record_type") for r in records]
+  (run,) = [r.run for r, kind in zip(records, kinds, strict=True) if kind == "run"]
+  assert (run.display_name, list(run.tags)) == (workdir.name, ["ebpo", "test"])
+  config = {u.key: json.loads(u.value_json) for u in run.config.update}
+  assert config["rl"]["advantage"] == "ebpo" and config["rl"]["group_size"] == 4
+  assert config["logging"]["wandb"] is True
+  history = {}
+  for r, kind in zip(records, kinds, strict=True):
+    if kind == "history":
+      items = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item}
+      history[items["_step"]] = items
+  # Every scalar of metrics.jsonl, with its key and step (NaN: null in metrics.jsonl).
+  lines = metrics.read_metrics(workdir)
+  assert sorted(history) == [line["step"] for line in lines] == [0, 1, 2, 3, 4]
+  for line in lines:
+    for key, value in line.items():
+      if key != "step" and value is not None:
+        assert history[line["step"]][key] == pytest.approx(value), (line["step"], key)
+  assert history[1][metrics.LEARNING_RATE] == pytest.approx(1e-4)
+  # A samples table at steps 2 and 4 with the rows of samples.jsonl.
+  samples = [json.loads(x) for x in (workdir / metrics.SAMPLES_FILE).read_text().splitlines()]
+  assert [s["step"] for s in samples] == [2] * 6 + [4] * 6
+  assert {s["cluster"] for s in samples} <= {"add_1", "add_2"}
+  assert "samples/_type" not in history[1] | history[3]
+  for step in (2, 4):
+    assert history[step]["samples/_type"] == "table-file"
+    with open(os.path.join(run_dir, "files", history[step]["samples/path"])) as f:
+      table = json.load(f)
+    columns = ["step", "prompt", "completion", "answer", "reward", "advantage", "cluster"]
+    assert table["columns"] == columns
+    assert table["data"] == [[s[c] for c in columns] for s in samples if s["step"] == step]
