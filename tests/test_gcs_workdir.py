@@ -26,7 +26,7 @@ def comparable(lines: list[dict]) -> list[dict]:
 
 
 def tensorboard_scalars(logdir: str) -> dict[tuple[str, int], list[float]]:
-  """{(tag, step): values} as TensorBoard reads the event files of `logdir` (oldest file first):
+  """{(tag, step): values} of the scalars as TensorBoard reads the event files of `logdir` (oldest file first):
   a SessionLog START at step s (tensorboardX's purge_step) drops the earlier events with step >= s.
   A (tag, step) with two values means the resume did not purge."""
   scalars: dict[tuple[str, int], list[float]] = {}
@@ -35,6 +35,8 @@ def tensorboard_scalars(logdir: str) -> dict[tuple[str, int], list[float]]:
       if event.session_log.status == event_pb2.SessionLog.START:
         scalars = {key: v for key, v in scalars.items() if key[1] < event.step}
       for value in event.summary.value:
+        if value.WhichOneof("value") != "simple_value":  # the config's text and hparams
+          continue
         scalars.setdefault((value.tag, event.step), []).append(value.simple_value)
   return scalars
 

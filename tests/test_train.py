@@ -98,12 +98,15 @@ def test_cli_run_writes_metrics_checkpoints_and_summary(arith_run):
     "devices: 8 cpu (cpu), 1 process(es)",
     "mesh: data=1 x fsdp=8 x tensor=1",
     f"workdir: {workdir}",
-    "config: configs/arith_ebpo.py:runlocal --config.train.num_steps=4",
     "starting fresh",
     "compiling the train step (the first call; once per run) ...",
   ]:
     assert expected in lines, (expected, lines)
   assert any(re.fullmatch(r"parameters: [\d,]+ \(\d+\.\dM\)", line) for line in lines), lines
+  config = next(line for line in lines if line.startswith("config: "))  # the file, as typed
+  assert config.startswith("config: configs/arith_ebpo.py:runlocal --config.") and config.endswith(
+    " --config.train.num_steps=4"
+  ), config
   assert any(line.startswith("compiling the sampler for ") for line in lines), lines
 
 
