@@ -173,9 +173,15 @@ def tiny_step(tiny_steps) -> TinyStep:
 # ----------------------------------------------------------------------------- the trainer's CLI
 
 
-# A process-wide temporary directory (each xdist worker has its own), removed at exit.
-_SESSION_CACHE = tempfile.mkdtemp(prefix="ebpo_jax_xla_cache_")
-atexit.register(shutil.rmtree, _SESSION_CACHE, ignore_errors=True)
+# One compilation cache for the whole session: made by the first process that imports this file
+# (pytest-xdist's controller, before it starts the workers, which inherit the variable; or the one
+# process without xdist) and removed when that process exits. The workers' trainer processes then
+# reuse each other's programs too (concurrent processes on one cache, as the ablation's runs).
+_CACHE_VARIABLE = "EBPO_JAX_TEST_XLA_CACHE"
+if _CACHE_VARIABLE not in os.environ:
+  os.environ[_CACHE_VARIABLE] = tempfile.mkdtemp(prefix="ebpo_jax_xla_cache_")
+  atexit.register(shutil.rmtree, os.environ[_CACHE_VARIABLE], ignore_errors=True)
+_SESSION_CACHE = os.environ[_CACHE_VARIABLE]
 
 
 def run_module(module: str, *args: str, devices: int = 8, timeout: float = 300, wait: bool = True):
