@@ -29,6 +29,7 @@ import pathlib  # noqa: E402
 import re  # noqa: E402
 import shutil  # noqa: E402
 import socket  # noqa: E402
+import struct  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -43,7 +44,7 @@ import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from ebpo_jax import advantages, checkpoint, models, sharding, tasks  # noqa: E402
+from ebpo_jax import advantages, checkpoint, files, models, sharding, tasks  # noqa: E402
 from ebpo_jax.trainer import config as config_lib  # noqa: E402
 from ebpo_jax.trainer import state as state_lib  # noqa: E402
 from ebpo_jax.trainer import step as step_lib  # noqa: E402
@@ -253,6 +254,32 @@ def arith_run(tmp_path_factory):
       done.write_text(json.dumps(outputs))
   outputs = json.loads(done.read_text())
   return workdir, subprocess.CompletedProcess(returncode=0, **outputs)
+
+
+# ----------------------------------------------------------------------------- TensorBoard
+
+
+def read_event_files(logdir) -> list[list]:
+  """The events of each tensorboardX event file in `logdir` (local or gs://), oldest file first:
+  TFRecord framing (length, its CRC, the event, its CRC) read by hand, no TensorFlow."""
+  from tensorboardX.proto import event_pb2
+
+  names = sorted(n for n in files.listdir(logdir) if n.startswith("events.out.tfevents."))
+  per_file = []
+  for name in names:  # events.out.tfevents.<time>.<host>: oldest first
+    data, events, pos = files.read_bytes(files.join(logdir, name)), [], 0
+    while pos < len(data):
+      (length,) = struct.unpack("<Q", data[pos : pos + 8])
+      events.append(event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length]))
+      pos += 12 + length + 4
+    per_file.append(events)
+  return per_file
+
+
+@pytest.fixture(scope="session")
+def tensorboard_events() -> Callable[..., list[list]]:
+  """`read_event_files` above: [[Event] per event file] of a TensorBoard log directory."""
+  return read_event_files
 
 
 # ----------------------------------------------------------------------------- checkpoints

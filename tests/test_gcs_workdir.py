@@ -6,7 +6,6 @@ resumes exactly from the bucket, then evaluates and exports reading the run from
 
 import json
 import pathlib
-import struct
 import subprocess
 import sys
 
@@ -25,30 +24,19 @@ def comparable(lines: list[dict]) -> list[dict]:
   return [{k: v for k, v in m.items() if k not in metrics_lib.TIMING_KEYS} for m in lines]
 
 
-def tensorboard_scalars(logdir: str) -> dict[tuple[str, int], list[float]]:
-  """{(tag, step): values} of the scalars as TensorBoard reads the event files of `logdir` (oldest file first):
-  a SessionLog START at step s (tensorboardX's purge_step) drops the earlier events with step >= s.
-  A (tag, step) with two values means the resume did not purge."""
+def tensorboard_scalars(events_per_file: list[list]) -> dict[tuple[str, int], list[float]]:
+  """{(tag, step): values} of the scalars as TensorBoard reads the event files (oldest first, as
+  `tensorboard_events` gives them): a SessionLog START at step s (tensorboardX's purge_step) drops
+  the earlier events with step >= s. A (tag, step) with two values: the resume did not purge."""
   scalars: dict[tuple[str, int], list[float]] = {}
-  for name in sorted(files.listdir(logdir)):  # events.out.tfevents.<time>.<host>: oldest first
-    for event in _events(files.read_bytes(files.join(logdir, name))):
-      if event.session_log.status == event_pb2.SessionLog.START:
-        scalars = {key: v for key, v in scalars.items() if key[1] < event.step}
-      for value in event.summary.value:
-        if value.WhichOneof("value") != "simple_value":  # the config's text and hparams
-          continue
-        scalars.setdefault((value.tag, event.step), []).append(value.simple_value)
+  for event in (event for events in events_per_file for event in events):
+    if event.session_log.status == event_pb2.SessionLog.START:
+      scalars = {key: v for key, v in scalars.items() if key[1] < event.step}
+    for value in event.summary.value:
+      if value.WhichOneof("value") != "simple_value":  # the config's text and hparams
+        continue
+      scalars.setdefault((value.tag, event.step), []).append(value.simple_value)
   return scalars
-
-
-def _events(data: bytes) -> list[event_pb2.Event]:
-  """The events of one TFRecord file (length, its CRC, the event, its CRC)."""
-  events, pos = [], 0
-  while pos < len(data):
-    (length,) = struct.unpack("<Q", data[pos : pos + 8])
-    events.append(event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length]))
-    pos += 12 + length + 4
-  return events
 
 
 # ----------------------------------------------------------------------------- in process
@@ -109,7 +97,7 @@ def test_a_listing_sees_what_another_process_wrote_since(gcs_dir):
 
 @pytest.mark.e2e
 def test_a_run_on_a_bucket_resumes_exactly_then_evaluates_and_exports_from_it(
-  arith_run, trainer_cli, module_cli, gcs_dir, tmp_path
+  arith_run, trainer_cli, module_cli, gcs_dir, tmp_path, tensorboard_events
 ):
   reference, _ = arith_run  # the same 4 steps, uninterrupted, in a local workdir
   first = trainer_cli(gcs_dir, "--config.train.num_steps=4")
@@ -127,7 +115,9 @@ def test_a_run_on_a_bucket_resumes_exactly_then_evaluates_and_exports_from_it(
   assert comparable(lines) == comparable(metrics_lib.read_metrics(reference))
   # TensorBoard: a second event file purges steps >= 3 of the first; one value per (tag, step),
   # the metrics.jsonl one.
-  scalars = tensorboard_scalars(files.join(gcs_dir, metrics_lib.TENSORBOARD_DIR))
+  scalars = tensorboard_scalars(
+    tensorboard_events(files.join(gcs_dir, metrics_lib.TENSORBOARD_DIR))
+  )
   logged = {(k, m["step"]): v for m in lines for k, v in m.items() if k != "step" and v is not None}
   assert scalars.keys() == logged.keys()
   wrong = {key: (v, logged[key]) for key, v in scalars.items() if v != pytest.approx([logged[key]])}

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from tensorboardX.proto import event_pb2, plugin_hparams_pb2
+from tensorboardX.proto import plugin_hparams_pb2
 
 from ebpo_jax import metrics
 from ebpo_jax.trainer import config as config_lib
@@ -22,25 +22,12 @@ from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer import workdir as workdir_lib
 
 
-def _tb_events(logdir) -> list:
-  """Every Event of the tensorboardX event files in `logdir` (TFRecord framing, read by hand)."""
-  events = []
-  for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
-    with open(path, "rb") as f:
-      data = f.read()
-    pos = 0
-    while pos < len(data):
-      (length,) = struct.unpack("<Q", data[pos : pos + 8])
-      events.append(event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length]))
-      pos += 12 + length + 4
-  return events
-
-
-def _tb_texts(logdir) -> dict[tuple[str, int], str]:
-  """{(tag, step): text} of the text summaries."""
+def _tb_texts(events_per_file) -> dict[tuple[str, int], str]:
+  """{(tag, step): text} of the text summaries of `tensorboard_events(logdir)`."""
   return {
     (v.tag, e.step): v.tensor.string_val[0].decode()
-    for e in _tb_events(logdir)
+    for events in events_per_file
+    for e in events
     for v in e.summary.value
     if v.metadata.plugin_data.plugin_name == "text"
   }
@@ -53,7 +40,9 @@ ROWS = [
 ]  # fmt: skip
 
 
-def test_samples_go_to_jsonl_and_tensorboard_text_and_a_resume_cuts_them(tmp_path):
+def test_samples_go_to_jsonl_and_tensorboard_text_and_a_resume_cuts_them(
+  tmp_path, tensorboard_events
+):
   with metrics.MetricsWriter(tmp_path) as writer:
     for step in (1, 2, 3):
       writer.write_samples(step, ROWS)
@@ -64,7 +53,7 @@ def test_samples_go_to_jsonl_and_tensorboard_text_and_a_resume_cuts_them(tmp_pat
     "step": 1, "prompt": "1+2=", "completion": "4|5\nx", "answer": "3", "reward": 0.0,
     "advantage": None,
   }  # fmt: skip
-  table = _tb_texts(tmp_path / "tensorboard")[("samples/text_summary", 2)]
+  table = _tb_texts(tensorboard_events(tmp_path / "tensorboard"))[("samples/text_summary", 2)]
   assert table.splitlines() == [
     "| step | prompt | completion | answer | reward | advantage |",
     "|---|---|---|---|---|---|",
@@ -87,11 +76,13 @@ def test_no_samples_no_file(tmp_path):
   assert not (tmp_path / metrics.SAMPLES_FILE).exists()
 
 
-def test_the_config_goes_to_tensorboard_as_hparams_and_as_text(arith_config, tmp_path):
+def test_the_config_goes_to_tensorboard_as_hparams_and_as_text(
+  arith_config, tmp_path, tensorboard_events
+):
   hparams = workdir_lib.config_json(arith_config())
   with metrics.MetricsWriter(tmp_path, hparams=hparams) as writer:
     writer.write(1, {"reward/mean": 0.5})
-  events = _tb_events(tmp_path / "tensorboard")
+  events = [e for f in tensorboard_events(tmp_path / "tensorboard") for e in f]
   by_tag = {v.tag: v for e in events for v in e.summary.value}
   # One event file (not add_hparams' extra run directory): the HPARAMS tab's session ...
   assert glob.glob(str(tmp_path / "tensorboard" / "*" / "events*")) == []
@@ -107,7 +98,7 @@ def test_the_config_goes_to_tensorboard_as_hparams_and_as_text(arith_config, tmp
   ).experiment
   assert {m.name.tag for m in experiment.metric_infos} == {"reward/mean", "eval/accuracy"}
   # ... and the whole config in the TEXT tab, a code block of JSON.
-  text = _tb_texts(tmp_path / "tensorboard")[("config/text_summary", 0)]
+  text = _tb_texts(tensorboard_events(tmp_path / "tensorboard"))[("config/text_summary", 0)]
   assert json.loads(text) == hparams
 
 

@@ -1,36 +1,17 @@
 """Tests for ebpo_jax.metrics: metric names, JSONL format, TensorBoard events, truncation, plots,
 table."""
 
-import glob
 import json
 import os
-import struct
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tensorboardX.proto import event_pb2
 
 from ebpo_jax import losses, metrics
 
 
-def _read_tb_scalars(logdir):
-  """{(tag, step): value} from tensorboardX event files (TFRecord framing, read by hand)."""
-  scalars = {}
-  for path in sorted(glob.glob(os.path.join(logdir, "events.out.tfevents.*"))):
-    with open(path, "rb") as f:
-      data = f.read()
-    pos = 0
-    while pos < len(data):
-      (length,) = struct.unpack("<Q", data[pos : pos + 8])
-      event = event_pb2.Event.FromString(data[pos + 12 : pos + 12 + length])
-      pos += 12 + length + 4
-      for value in event.summary.value:
-        scalars[(value.tag, event.step)] = value.simple_value
-  return scalars
-
-
-def test_write_jsonl_lines_and_tensorboard(tmp_path):
+def test_write_jsonl_lines_and_tensorboard(tmp_path, tensorboard_events):
   with metrics.MetricsWriter(tmp_path) as writer:
     writer.write(1, {"reward/mean": jnp.float32(0.25), "loss": np.float64(1.5), "kl": 2})
     writer.write(
@@ -52,7 +33,12 @@ def test_write_jsonl_lines_and_tensorboard(tmp_path):
   first = json.loads(lines[0])
   assert first == {"step": 1, "reward/mean": 0.25, "loss": 1.5, "kl": 2.0}
   assert all(type(v) is float for k, v in first.items() if k != "step")
-  scalars = _read_tb_scalars(tmp_path / "tensorboard")
+  scalars = {
+    (value.tag, event.step): value.simple_value
+    for events in tensorboard_events(tmp_path / "tensorboard")
+    for event in events
+    for value in event.summary.value
+  }
   assert scalars[("reward/mean", 1)] == pytest.approx(0.25)
   assert scalars[("reward/mean", 2)] == pytest.approx(0.5)
   assert scalars[("loss", 1)] == pytest.approx(1.5)

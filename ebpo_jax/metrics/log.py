@@ -165,7 +165,7 @@ def _write_hparams(tb, hparams: Mapping[str, Any]) -> None:
 
   flat = {
     k: v if isinstance(v, str | bool | int | float) else json.dumps(v)
-    for k, v in _flatten(hparams).items()
+    for k, v in flatten(hparams).items()
     if v is not None
   }
   experiment, session_start, _ = hparams_summary(flat, {REWARD_MEAN: 0.0, EVAL_ACCURACY: 0.0})
@@ -176,11 +176,12 @@ def _write_hparams(tb, hparams: Mapping[str, Any]) -> None:
   tb.add_text("config", "    " + text.replace("\n", "\n    "))  # indented: a code block
 
 
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  """A nested mapping as one level with dotted keys: {"a": {"b": 1}} -> {"a.b": 1}."""
   flat = {}
   for key, value in tree.items():
     if isinstance(value, Mapping):
-      flat.update(_flatten(value, f"{prefix}{key}."))
+      flat.update(flatten(value, f"{prefix}{key}."))
     else:
       flat[f"{prefix}{key}"] = value
   return flat

@@ -36,6 +36,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from ebpo_jax import files
+from ebpo_jax.metrics.log import flatten
 from ebpo_jax.trainer.config import ConfigError, config_json
 
 CONFIG_FILE = "config.json"
@@ -176,7 +177,7 @@ def changed_keys(saved: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, 
   """{dotted key: (saved value, new value)} of the keys whose values differ (a key on one side
   only: None on the other; an ADDED_KEYS key, or a None key, that `saved` lacks and `new` holds
   at its listed value is the same); SESSION_PREFIX keys are not compared."""
-  before, after = _flatten(config_json(saved)), _flatten(config_json(new))
+  before, after = flatten(config_json(saved)), flatten(config_json(new))
   for key, value in [*ADDED_KEYS.items(), *((k, None) for k, v in after.items() if v is None)]:
     if key not in before and after.get(key) == value:
       before[key] = value
@@ -185,16 +186,6 @@ def changed_keys(saved: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, 
     for key in sorted(before.keys() | after.keys())
     if not key.startswith(SESSION_PREFIX) and before.get(key) != after.get(key)
   }
-
-
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-  flat = {}
-  for key, value in tree.items():
-    if isinstance(value, Mapping):
-      flat.update(_flatten(value, f"{prefix}{key}."))
-    else:
-      flat[f"{prefix}{key}"] = value
-  return flat
 
 
 def save_config(workdir: str, config) -> None:
@@ -232,7 +223,7 @@ def _accepted(config: ml_collections.ConfigDict, changed: Mapping[str, Any]) -> 
   if text == "all":
     return set(changed)
   keys = {key.strip() for key in text.split(",") if key.strip()}
-  known = _flatten(config_json(config))
+  known = flatten(config_json(config))
   unknown = sorted(keys - known.keys())
   if unknown:
     raise WorkdirError(
