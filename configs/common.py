@@ -66,6 +66,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.param_dtype = "float32"  # master-weight dtype: float32 | bfloat16
   config.model.remat = "none"  # per-layer rematerialisation: none | full | dots | dots_no_batch
   config.model.chat_template = True  # a model directory's chat template wraps the prompts
+  config.model.lora = ml_collections.ConfigDict()  # LoRA adapters (ebpo_jax.models.lora)
+  config.model.lora.rank = 0  # adapter rank; 0: no adapters, full fine-tuning
+  config.model.lora.alpha = 16.0  # adapter output scaled by alpha / rank
+  config.model.lora.targets = "q,k,v,o,gate,up,down"  # comma-separated projections to adapt
+  config.model.lora.dropout = 0.0  # adapter input dropout; only 0.0 (not implemented yet)
+  config.model.lora.base_dtype = ""  # base weights' dtype under LoRA; "": model.param_dtype
 
   config.sft = ml_collections.ConfigDict()  # supervised warm start on the answers, before RL
   config.sft.num_steps = 450  # optimizer steps; 0: no warm start

@@ -1,5 +1,6 @@
 """The policy model: one config-driven decoder, its HF/GGUF weight I/O, and the packaged SmolLM2."""
 
+from ebpo_jax.models import lora
 from ebpo_jax.models.config import ModelConfig
 from ebpo_jax.models.decoder import Decoder, KVCache, init_cache
 from ebpo_jax.models.gguf_io import convert_gguf, resolve_model_path, smollm2_135m_instruct
@@ -12,6 +13,7 @@ __all__ = [
   "convert_gguf",
   "from_pretrained",
   "init_cache",
+  "lora",
   "resolve_model_path",
   "save_pretrained",
   "smollm2_135m_instruct",

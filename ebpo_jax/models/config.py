@@ -44,6 +44,9 @@ class ModelConfig:
   param_dtype: str = "float32"
   remat: str = "none"  # per-layer remat policy: one of REMAT_POLICIES
   architecture: str = "llama"  # llama | qwen2 | qwen3 (for writing config.json back)
+  lora_rank: int = 0  # LoRA adapters of this rank on lora_targets (models.lora); 0: none
+  lora_alpha: float = 16.0  # adapter output scaled by lora_alpha / lora_rank
+  lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
 
   @property
   def attention_bias(self) -> bool:
@@ -66,6 +69,11 @@ class ModelConfig:
       raise ValueError(
         f"architecture={self.architecture!r}; expected one of {sorted(ARCHITECTURES)}"
       )
+    if self.lora_rank < 0:
+      raise ValueError(f"lora_rank={self.lora_rank} must be >= 0")
+    lora_known = ("q", "k", "v", "o", "gate", "up", "down")
+    if not set(self.lora_targets) <= set(lora_known):
+      raise ValueError(f"lora_targets={self.lora_targets!r}; expected any of {lora_known}")
     for name in ("dtype", "param_dtype"):
       jnp.dtype(getattr(self, name))  # raises on an unknown dtype name
     if self.rope_scaling is not None:

@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ebpo_jax.models import lora
 from ebpo_jax.models.config import REMAT_POLICIES, ModelConfig
 
 _NEG_INF = -1e30  # finite, so a query with no valid key gives a uniform (ignored) row, not NaN
@@ -144,7 +145,8 @@ class RMSNorm(nn.Module):
 
 
 class Projection(nn.Module):
-  """`einsum(x, kernel) (+ bias)` with named logical axes on the kernel."""
+  """`einsum(x, kernel) (+ bias)` with named logical axes on the kernel, plus a LoRA adapter
+  (`models.lora`) when the config's rank is > 0 and the name (`q_proj` -> `q`) is a target."""
 
   config: ModelConfig
   spec: str  # einsum spec, e.g. "bte,ehd->bthd"
@@ -152,6 +154,7 @@ class Projection(nn.Module):
   axes: tuple[str, ...]
   bias_axes: tuple[str, ...] | None = None
   einsum_shape: tuple[int, ...] | None = None  # the kernel reshaped to this for the einsum
+  num_in: int = 1  # leading kernel axes that are the input (flattened: the last axis of x)
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -160,6 +163,9 @@ class Projection(nn.Module):
     if self.einsum_shape is not None:
       kernel = kernel.reshape(self.einsum_shape)
     y = jnp.einsum(self.spec, x, kernel)
+    c = self.config
+    if c.lora_rank > 0 and self.name.removesuffix("_proj") in c.lora_targets:
+      y = y + lora.delta(self, x, self.shape, self.axes, self.num_in, y.shape)
     if self.bias_axes is not None:
       bias_shape = self.shape[len(self.shape) - len(self.bias_axes) :]
       y = y + _param(self, "bias", bias_shape, self.bias_axes, nn.initializers.zeros)
@@ -220,7 +226,7 @@ class Attention(nn.Module):
     # on every call (inside the decode loop too).
     out = out.astype(x_bte.dtype).reshape(*out.shape[:2], h * d)
     y = Projection(c, "btf,fe->bte", (h, d, e), ("heads", "head_dim", "embed"),
-                   einsum_shape=(h * d, e), name="o_proj")(out)  # fmt: skip
+                   einsum_shape=(h * d, e), num_in=2, name="o_proj")(out)  # fmt: skip
     return y, new_kv
 
 

@@ -297,6 +297,7 @@ def _check_counts_and_rates(config: ml_collections.ConfigDict) -> None:
     _require(ok, config, key, f"must be {'>=' if inclusive else '>'} {low}")
   _choice(config, "model.dtype", _DTYPES)
   _choice(config, "model.param_dtype", _DTYPES)
+  _check_lora(config)
   buckets = tuple(config.sampling.prompt_buckets)
   _require(
     bool(buckets) and all(isinstance(b, int) and b >= 1 for b in buckets),
@@ -304,6 +305,23 @@ def _check_counts_and_rates(config: ml_collections.ConfigDict) -> None:
     "sampling.prompt_buckets",
     "must be a non-empty list of positive token counts",
   )
+
+
+def _check_lora(config: ml_collections.ConfigDict) -> None:
+  """model.lora.*: a rank >= 0, a positive alpha, known targets, no dropout, a known base dtype."""
+  _require(config.model.lora.rank >= 0, config, "model.lora.rank", "must be >= 0 (0: no LoRA)")
+  _require(config.model.lora.alpha > 0, config, "model.lora.alpha", "must be > 0")
+  try:
+    models.lora.parse_targets(config.model.lora.targets)
+  except (ValueError, AttributeError) as e:
+    raise ConfigError(f"config.model.lora.targets={config.model.lora.targets!r}: {e}") from None
+  _require(
+    config.model.lora.dropout == 0.0,
+    config,
+    "model.lora.dropout",
+    "is not implemented yet: use 0.0",
+  )
+  _choice(config, "model.lora.base_dtype", ("", *_DTYPES))
 
 
 def _check_wandb(config: ml_collections.ConfigDict) -> None:

@@ -75,6 +75,11 @@ ADDED_KEYS = {
   "data.cluster_column": "cluster",
   "data.answer_regex": "",
   "rewards.fns": "",
+  "model.lora.rank": 0,
+  "model.lora.alpha": 16.0,
+  "model.lora.targets": "q,k,v,o,gate,up,down",
+  "model.lora.dropout": 0.0,
+  "model.lora.base_dtype": "",
 }
 # Keys about this invocation only (the workdir's own switches): never compared.
 SESSION_PREFIX = "workdir."

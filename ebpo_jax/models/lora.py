@@ -1,0 +1,89 @@
+"""LoRA adapters on the decoder's projections: `y = x W + (alpha / r) * (x A) B`.
+
+Each targeted projection (`ModelConfig.lora_targets`: q, k, v, o, gate, up, down) gets
+`lora_a [in, r]` and `lora_b [r, out]` beside its `kernel`, where `in` and `out` are the kernel's
+input and output axes flattened (q_proj: in = embed, out = heads * head_dim). B starts at zero, so
+a fresh adapter leaves the model exactly the base; A starts normal with std `1 / sqrt(in)` (the
+Kaiming-style scale that keeps `x A` at the scale of `x`), so B's first gradients are not zero.
+
+Adapters are float32 whatever the base's param dtype: they are the trained weights, and their
+optimizer state follows them. Sharding: A carries the logical axis of the kernel's first input
+axis on its `in` dim and B the kernel's first output axis on its `out` dim (so `x A` is
+contracted, and `(x A) B` produced, on the same devices as `x W`), and the rank dim is `None`
+(replicated): r is small (8 to 64), so splitting it would only add a collective per matmul.
+
+The KL reference is the same params with every B zeroed (`base_only`): no second copy of the base.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+A_NAME, B_NAME = "lora_a", "lora_b"
+
+
+def parse_targets(targets: str) -> tuple[str, ...]:
+  """`"q,v,down"` -> `("q", "v", "down")`; ValueError naming an unknown target."""
+  names = tuple(t.strip() for t in targets.split(",") if t.strip())
+  unknown = [t for t in names if t not in TARGETS]
+  if unknown or not names:
+    raise ValueError(
+      f"unknown or no LoRA targets {unknown or targets!r}; expected any of {TARGETS}"
+    )
+  return names
+
+
+def delta(
+  module: nn.Module,
+  x: jax.Array,
+  shape: tuple[int, ...],
+  axes: tuple[str, ...],
+  num_in: int,
+  out_shape: tuple[int, ...],
+) -> jax.Array:
+  """`(alpha / r) * (x A) B` reshaped to `out_shape`, declaring A and B on `module`.
+
+  `shape`/`axes` are the base kernel's; its first `num_in` axes are the input (flattened, the
+  last axis of `x`), the rest the output.
+  """
+  c = module.config
+  r = c.lora_rank
+  fan_in, fan_out = math.prod(shape[:num_in]), math.prod(shape[num_in:])
+  a_init = nn.initializers.normal(1.0 / math.sqrt(fan_in))
+  a_init = nn.with_logical_partitioning(a_init, (axes[0], None))
+  b_init = nn.with_logical_partitioning(nn.initializers.zeros, (None, axes[num_in]))
+  a = module.param(A_NAME, a_init, (fan_in, r), jnp.float32)
+  b = module.param(B_NAME, b_init, (r, fan_out), jnp.float32)
+  dtype = jnp.dtype(c.dtype)
+  low = jnp.einsum("...i,ir->...r", x.astype(dtype), a.astype(dtype))
+  out = jnp.einsum("...r,ro->...o", low, b.astype(dtype)) * (c.lora_alpha / r)
+  return out.reshape(out_shape).astype(dtype)
+
+
+def is_adapter(path: tuple[Any, ...]) -> bool:
+  """Whether a key path (from `jax.tree_util.tree_flatten_with_path`) ends at an adapter leaf."""
+  last = path[-1]
+  return getattr(last, "key", getattr(last, "name", None)) in (A_NAME, B_NAME)
+
+
+def adapter_mask(params: Any) -> Any:
+  """A tree like `params` of bools: True on adapter leaves (`lora_a`, `lora_b`)."""
+  return jax.tree_util.tree_map_with_path(lambda p, _: is_adapter(p), params)
+
+
+def base_only(params: Mapping[str, Any]) -> Any:
+  """The params with every `lora_b` zeroed: the base model's forward, without a second copy of
+  the base weights (under jit the zeros are a constant)."""
+
+  def zero_b(path, x):
+    last = path[-1]
+    return jnp.zeros_like(x) if getattr(last, "key", None) == B_NAME else x
+
+  return jax.tree_util.tree_map_with_path(zero_b, params)

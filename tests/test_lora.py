@@ -1,0 +1,115 @@
+"""LoRA adapters (models.lora): a fresh adapter is the base; off is the base; both decoder paths
+agree with trained adapters; adapters are float32 with logical axes on their big dim."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ebpo_jax.models import Decoder, ModelConfig, init_cache, lora
+from ebpo_jax.models.decoder import unstack_layers
+
+BASE = ModelConfig(
+  vocab_size=64,
+  hidden_size=32,
+  intermediate_size=48,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=2,
+  head_dim=8,
+  rope_theta=500.0,
+)
+LORA = dataclasses.replace(BASE, lora_rank=4, lora_alpha=8.0)
+
+
+def _params(config, seed=0):
+  ids = jnp.zeros((1, 4), jnp.int32)
+  return nn.meta.unbox(jax.jit(Decoder(config).init)(jax.random.key(seed), ids)["params"])
+
+
+def _perturb_b(params, seed=1):
+  """Every lora_b set to random values, as after training."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+  keys = iter(jax.random.split(jax.random.key(seed), len(leaves)))
+  out = [
+    0.1 * jax.random.normal(next(keys), x.shape) if path[-1].key == lora.B_NAME else x
+    for path, x in leaves
+  ]
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _base_of(params):
+  """The params without adapter leaves: the base model's tree."""
+  if isinstance(params, dict):
+    return {k: _base_of(v) for k, v in params.items() if k not in (lora.A_NAME, lora.B_NAME)}
+  return params
+
+
+def _inputs():
+  mask = np.arange(8)[None] >= np.array([[0], [3]])
+  ids = np.random.default_rng(3).integers(0, 64, (2, 8)).astype(np.int32)
+  positions = np.maximum(np.cumsum(mask, -1) - 1, 0).astype(np.int32)
+  return np.where(mask, ids, 0), positions, mask
+
+
+@pytest.mark.parametrize("targets", [lora.TARGETS, ("v", "o", "down")], ids=["all", "v_o_down"])
+def test_fresh_adapters_and_adapters_off_equal_the_base_on_both_paths(targets):
+  config = dataclasses.replace(LORA, lora_targets=targets)
+  params = _params(config)
+  base = _base_of(params)
+  adapted = sum(1 for p, _ in jax.tree_util.tree_flatten_with_path(params)[0] if lora.is_adapter(p))
+  assert adapted == 2 * len(targets)
+  ids, positions, mask = _inputs()
+  want = jax.jit(Decoder(BASE).apply)({"params": base}, ids, positions, mask)
+  for scan in (True, False):
+    model = Decoder(config, scan_layers=scan)
+    p = params if scan else unstack_layers(params)
+    apply = jax.jit(model.apply)
+    np.testing.assert_array_equal(apply({"params": p}, ids, positions, mask), want)
+    trained = _perturb_b(p)
+    changed = apply({"params": trained}, ids, positions, mask)
+    assert np.abs(np.asarray(changed - want)).max() > 1e-3  # the adapters do act
+    off = apply({"params": jax.jit(lora.base_only)(trained)}, ids, positions, mask)
+    np.testing.assert_array_equal(off, want)
+
+
+def test_trained_adapters_scanned_equals_cached_prefill_and_decode():
+  config = dataclasses.replace(LORA, architecture="qwen2")
+  params = _perturb_b(_params(config))
+  ids, positions, mask = _inputs()
+  full = jax.jit(Decoder(config).apply)({"params": params}, ids, positions, mask)
+  apply = jax.jit(Decoder(config, scan_layers=False).apply)
+  layer_params = unstack_layers(params)
+  cache = init_cache(config, batch_size=2, max_len=10)
+  p = slice(0, 5)
+  logits, cache = apply({"params": layer_params}, ids[:, p], positions[:, p], mask[:, p], cache)
+  steps = [logits]
+  for t in range(5, 8):
+    s = slice(t, t + 1)
+    logits, cache = apply({"params": layer_params}, ids[:, s], positions[:, s], mask[:, s], cache)
+    steps.append(logits)
+  cached = np.concatenate([np.asarray(x) for x in steps], axis=1)
+  np.testing.assert_allclose(cached[mask], np.asarray(full)[mask], rtol=1e-5, atol=1e-5)
+
+
+def test_adapters_are_float32_with_the_kernels_axes():
+  config = dataclasses.replace(LORA, param_dtype="bfloat16", dtype="bfloat16")
+  boxed = jax.eval_shape(Decoder(config).init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+  attn = boxed["params"]["layers"]["self_attn"]
+  q_a, q_b = attn["q_proj"][lora.A_NAME], attn["q_proj"][lora.B_NAME]
+  assert q_a.names == ("layers", "embed", None) and q_a.value.shape == (2, 32, 4)
+  assert q_b.names == ("layers", None, "heads") and q_b.value.shape == (2, 4, 32)
+  o_a = attn["o_proj"][lora.A_NAME]
+  assert o_a.names == ("layers", "heads", None) and o_a.value.shape == (2, 32, 4)
+  assert q_a.value.dtype == jnp.float32 and attn["q_proj"]["kernel"].value.dtype == jnp.bfloat16
+
+
+def test_bad_lora_settings_are_rejected():
+  with pytest.raises(ValueError, match="lora_targets"):
+    dataclasses.replace(BASE, lora_targets=("q", "x"))
+  with pytest.raises(ValueError, match="unknown or no LoRA targets"):
+    lora.parse_targets("q,proj")
+  assert lora.parse_targets(" q, down ") == ("q", "down")
