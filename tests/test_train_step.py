@@ -1,11 +1,16 @@
 """train_step in process: gradient accumulation, the prior in the carry, the non-finite policy."""
 
+import dataclasses
+
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from ebpo_jax import sampling
+from ebpo_jax.models import Decoder, ModelConfig, lora
+from ebpo_jax.trainer import state as state_lib
 
 
 def test_gradient_accumulation_does_not_change_the_update(tiny_step, tiny_steps):
@@ -100,3 +105,55 @@ def test_a_rollout_with_non_finite_logits_is_a_bad_step(tiny_step):
     np.testing.assert_array_equal(a, b)
   np.testing.assert_array_equal(new_state.prior.rewards.count, state.prior.rewards.count)
   assert int(new_state.step) == 1
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+
+def _adapter_flags(params) -> list[bool]:
+  return [lora.is_adapter(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+
+
+def test_a_lora_step_changes_only_the_adapters(tiny_steps):
+  step = tiny_steps({"model.lora.rank": 4, "rl.loss.kl_coef": 0.1})
+  state = step.fresh_state()
+  assert state.ref_params is None  # the reference is the base: the same params, adapters off
+  new_state, metrics = step(step.batch(), state)
+  assert np.isfinite(float(metrics["loss"])) and int(new_state.bad_steps) == 0
+  flags = _adapter_flags(state.params)
+  assert sum(flags) == 14  # A and B of q, k, v, o, gate, up, down (one layer, scanned)
+  old = jax.tree.leaves(state.params)
+  new = jax.tree.leaves(new_state.params)
+  for adapter, a, b in zip(flags, old, new, strict=True):
+    if not adapter:
+      np.testing.assert_array_equal(a, b)  # the base: bit-identical
+  # Every B moved; A's gradient is zero on the first step (its output is multiplied by B = 0).
+  paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]]
+  moved_b = [not np.array_equal(a, b) for p, a, b in zip(paths, old, new, strict=True)
+             if p[-1].key == lora.B_NAME]  # fmt: skip
+  assert len(moved_b) == 7 and all(moved_b)
+  # The KL is to the base (adapters off), not to the step's start: 0 on the first step (B = 0),
+  # > 0 on the second, whose policy has moved.
+  assert abs(float(metrics["kl"])) < 1e-7
+  _, metrics2 = step(step.batch(seed=1), new_state)
+  print("KLS", float(metrics["kl"]), float(metrics2["kl"]))
+  assert float(metrics2["kl"]) > 1e-9
+
+
+def test_lora_optimizer_state_is_small_on_the_smollm2_shape(tiny_steps):
+  config = tiny_steps({"model.lora.rank": 8}).config
+  smollm2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                        num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                        tie_word_embeddings=True)  # fmt: skip
+  ids = jnp.zeros((1, 4), jnp.int32)
+
+  def opt_bytes(model_config, optimizer) -> int:
+    params = jax.eval_shape(Decoder(model_config).init, jax.random.key(0), ids)["params"]
+    state = jax.eval_shape(optimizer.init, nn.meta.unbox(params))
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+
+  full = opt_bytes(smollm2, state_lib.make_optimizer(tiny_steps().config))
+  rank8 = dataclasses.replace(smollm2, lora_rank=8)
+  adapters = opt_bytes(rank8, state_lib.make_optimizer(config))
+  assert full > 8 * 134e6  # Adam's two float32 moments of ~135M params
+  assert adapters < 0.02 * full

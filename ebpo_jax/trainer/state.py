@@ -6,6 +6,7 @@ shardings. A resumed run builds nothing real: `abstract_state` gives the same tr
 `jax.ShapeDtypeStruct`s with shardings, and the checkpoint is restored straight into it.
 """
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -32,7 +33,9 @@ class TrainState(flax.struct.PyTreeNode):
   opt_state: Any
   prior: advantages.PriorState  # the estimator's prior (EBPO's per-cluster Welford accumulators)
   rng: jax.Array  # uint32 [2]: the run's key; a step's keys come from `step_keys`
-  ref_params: Any  # frozen reference policy for the KL term; None when rl.loss.kl_coef == 0
+  # frozen reference policy for the KL term; None when rl.loss.kl_coef == 0, and under LoRA (the
+  # reference is then `params` with the adapters off: `models.lora.base_only`)
+  ref_params: Any
   # int32 []: RL steps in a row whose update was skipped (non-finite loss, grad norm or logits);
   # in the state so that a restarted run keeps counting towards train.max_bad_steps.
   bad_steps: jax.Array
@@ -112,15 +115,33 @@ def load_tokenizer(config: ml_collections.ConfigDict, task: tasks.Task):
 
 def make_model(config: ml_collections.ConfigDict, vocab_size: int) -> models.Decoder:
   """The policy's module: the Hugging Face directory's architecture (no weights read), or a
-  random-init decoder of `config.model`'s shape over `vocab_size` tokens."""
+  random-init decoder of `config.model`'s shape over `vocab_size` tokens; with LoRA adapters
+  when `model.lora.rank > 0` (base weights in `model.lora.base_dtype` if set)."""
   mc = config.model
   if mc.path:
-    return models.Decoder(
-      hf_io.pretrained_config(
-        model_dir(config), mc.dtype, param_dtype=mc.param_dtype, remat=mc.remat
-      )
+    model_config = hf_io.pretrained_config(
+      model_dir(config), mc.dtype, param_dtype=mc.param_dtype, remat=mc.remat
     )
-  return models.Decoder(random_init_config(mc, vocab_size))
+  else:
+    model_config = random_init_config(mc, vocab_size)
+  return models.Decoder(_with_lora(model_config, mc.lora))
+
+
+def _with_lora(model_config: models.ModelConfig, lc: ml_collections.ConfigDict):
+  if lc.rank == 0:
+    return model_config
+  return dataclasses.replace(
+    model_config,
+    lora_rank=lc.rank,
+    lora_alpha=float(lc.alpha),
+    lora_targets=models.lora.parse_targets(lc.targets),
+    param_dtype=lc.base_dtype or model_config.param_dtype,
+  )
+
+
+def lora_enabled(config: ml_collections.ConfigDict) -> bool:
+  """Whether the policy trains LoRA adapters only (`model.lora.rank > 0`)."""
+  return config.model.lora.rank > 0
 
 
 def abstract_params(model: models.Decoder, mesh: Mesh) -> Any:
@@ -134,11 +155,28 @@ def abstract_params(model: models.Decoder, mesh: Mesh) -> Any:
 
 def init_params(config: ml_collections.ConfigDict, model: models.Decoder, mesh: Mesh) -> Any:
   """Real params in their shardings: read from `config.model.path`, else random (`config.seed`)."""
-  if config.model.path:
-    return hf_io.load_params(model_dir(config), model, mesh)
   shardings = jax.tree.map(lambda x: x.sharding, abstract_params(model, mesh))
   init = lambda rng: nn.unbox(model.init(rng, jnp.zeros((1, 4), jnp.int32))["params"])
-  return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(config.seed))
+  if not config.model.path:
+    return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(config.seed))
+  if model.config.lora_rank == 0:
+    return hf_io.load_params(model_dir(config), model, mesh)
+  # The base from the directory, fresh adapters from `config.seed` (the jit keeps only the
+  # adapters' init: the random base it would build is dead code).
+  base_model = model.clone(config=dataclasses.replace(model.config, lora_rank=0))
+  base = hf_io.load_params(model_dir(config), base_model, mesh)
+  fresh = jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(config.seed))
+  return _merge_adapters(base, fresh)
+
+
+def _merge_adapters(base: Any, fresh: Any) -> Any:
+  """`fresh`'s tree with every non-adapter leaf taken from `base` (a tree without adapters)."""
+  if not isinstance(fresh, dict):
+    return base
+  return {
+    k: v if k in (models.lora.A_NAME, models.lora.B_NAME) else _merge_adapters(base[k], v)
+    for k, v in fresh.items()
+  }
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -169,12 +207,20 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """AdamW after global-norm clipping, at `learning_rate_schedule(config)`."""
+  """AdamW after global-norm clipping, at `learning_rate_schedule(config)`. With LoRA
+  (`model.lora.rank > 0`) only the adapter leaves are updated and hold optimizer state (the
+  clipping norm is theirs too); the base's updates are zero."""
   tc = config.train
-  return optax.chain(
+  adamw = optax.chain(
     optax.clip_by_global_norm(tc.grad_clip),
     optax.adamw(learning_rate_schedule(config), weight_decay=tc.weight_decay),
   )
+  if not lora_enabled(config):
+    return adamw
+  labels = lambda params: jax.tree.map(  # noqa: E731
+    lambda adapter: "adapter" if adapter else "base", models.lora.adapter_mask(params)
+  )
+  return optax.multi_transform({"adapter": adamw, "base": optax.set_to_zero()}, labels)
 
 
 def learning_rate(schedule: optax.Schedule, opt_state: Any) -> jax.Array:
@@ -193,12 +239,14 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, params: Any) ->
   `params` may be real or abstract (each leaf has `.sharding`)."""
   param_shardings = jax.tree.map(lambda x: x.sharding, params)
   replicated = NamedSharding(jax.tree.leaves(param_shardings)[0].mesh, PartitionSpec())
+  masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731  (LoRA: a base param's state)
   return optax.tree_map_params(
     optimizer,
-    lambda _, s: s,
+    lambda x, s: x if masked(x) else s,
     jax.eval_shape(optimizer.init, params),
     param_shardings,
     transform_non_params=lambda _: replicated,
+    is_leaf=masked,
   )
 
 
@@ -223,11 +271,17 @@ def _state_fn(
       opt_state=optimizer.init(params),
       prior=estimator.init_prior(num_clusters),
       rng=jax.random.PRNGKey(config.seed),
-      ref_params=jax.tree.map(jnp.copy, params) if config.rl.loss.kl_coef > 0 else None,
+      ref_params=_copy_reference(config, params),
       bad_steps=jnp.zeros((), jnp.int32),
     )
 
   return fresh
+
+
+def _copy_reference(config: ml_collections.ConfigDict, params: Any) -> Any:
+  if config.rl.loss.kl_coef == 0 or lora_enabled(config):
+    return None
+  return jax.tree.map(jnp.copy, params)
 
 
 def state_shardings(

@@ -160,6 +160,9 @@ def train_step(
   micro_rows = tc.micro_batch_size or mini_rows
   if state.ref_params is not None:
     seqs["ref_logps"] = _reference_logps(model, state.ref_params, seqs, micro_rows, mesh)
+  elif model.config.lora_rank > 0 and rl.loss.kl_coef > 0:  # the base: the adapters off
+    ref = models.lora.base_only(state.params)
+    seqs["ref_logps"] = _reference_logps(model, ref, seqs, micro_rows, mesh)
   shuffle_key = step_keys(state.rng, state.step).shuffle
   order = _update_order(shuffle_key, seqs["adv"].shape[0], mini_rows, rl.num_iterations)
   loss_fn = functools.partial(_loss_fn, model=model, loss_cfg=rl.loss, mesh=mesh)
