@@ -136,7 +136,6 @@ def test_a_lora_step_changes_only_the_adapters(tiny_steps):
   # > 0 on the second, whose policy has moved.
   assert abs(float(metrics["kl"])) < 1e-7
   _, metrics2 = step(step.batch(seed=1), new_state)
-  print("KLS", float(metrics["kl"]), float(metrics2["kl"]))
   assert float(metrics2["kl"]) > 1e-9
 
 
