@@ -147,6 +147,16 @@ def prior_moments(prior: PriorState) -> tuple[Array, Array, Array]:
 # EBPO.
 
 
+def shrinkage_weight(sigma2: Array, tau2: Array, count: Array) -> Array:
+  """S = (sigma2 / n) / (sigma2 / n + tau2) (paper Eq. 3): the baseline's weight on the prior mean
+  for a group of n = `count` valid responses (1 - S on the group's own mean); 1 (the prior alone)
+  for a flat prior (total variance <= MIN_PRIOR_VARIANCE) or an empty group."""
+  noise = sigma2 / jnp.maximum(count, 1.0)
+  total = noise + tau2
+  flat = (total <= MIN_PRIOR_VARIANCE) | (count == 0)
+  return jnp.where(flat, 1.0, noise / jnp.where(flat, 1.0, total))
+
+
 def _normalization_name(normalize: bool | str) -> str:
   if isinstance(normalize, bool):
     return "batch" if normalize else "none"
@@ -207,10 +217,7 @@ def _ebpo(
     .get(mode="fill", fill_value=jnp.nan, wrap_negative_indices=False)
   )
   mu_glob_b, sigma2_b, tau2_b = moments_b3[:, 0], moments_b3[:, 1], moments_b3[:, 2]
-  noise_b = sigma2_b / jnp.maximum(groups.count, 1.0)
-  total_b = noise_b + tau2_b
-  flat_prior_b = (total_b <= MIN_PRIOR_VARIANCE) | (groups.count == 0)
-  shrinkage_b = jnp.where(flat_prior_b, 1.0, noise_b / jnp.where(flat_prior_b, 1.0, total_b))
+  shrinkage_b = shrinkage_weight(sigma2_b, tau2_b, groups.count)
   baseline_b = (1.0 - shrinkage_b) * groups.mean + shrinkage_b * mu_glob_b
   raw_bg = rewards_bg - baseline_b[:, None]
   adv_bg = _normalize(raw_bg, mask_bg, normalize, groups, baseline_b, jnp.sqrt(sigma2_b), eps)

@@ -11,13 +11,13 @@ import jax
 import jax.numpy as jnp
 
 from ebpo_jax.advantages.empirical_bayes import (
-  MIN_PRIOR_VARIANCE,
   MODES,
   NORMALIZATIONS,
   PriorState,
   _ebpo,
   init_prior,
   prior_moments,
+  shrinkage_weight,
 )
 from ebpo_jax.advantages.estimators import (
   Array,
@@ -150,9 +150,7 @@ def _ebpo_metrics(params: EBPOParams, stats, has_data_b, new_prior, group_size: 
   # The S a full group of G responses gets from each cluster's updated prior (paper Eq. 3): what
   # every group of the step got in running mode without masked responses, and defined for a
   # cluster absent from the batch (a mean over its prompts would be NaN there).
-  noise = sigma2 / group_size
-  flat = noise + tau2 <= MIN_PRIOR_VARIANCE
-  shrinkage = jnp.where(flat, 1.0, noise / jnp.where(flat, 1.0, noise + tau2))
+  shrinkage = shrinkage_weight(sigma2, tau2, jnp.float32(group_size))
   per_cluster = {"ebpo/prior_mean": mu_glob, "ebpo/prior_std": jnp.sqrt(tau2)}
   per_cluster["ebpo/shrinkage"] = shrinkage
   if not params.per_cluster:  # one global prior: scalars
