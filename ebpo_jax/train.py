@@ -27,6 +27,7 @@ from ebpo_jax import advantages, checkpoint, data, files, sharding
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.trainer import banner as banner_lib
 from ebpo_jax.trainer import config as config_lib
+from ebpo_jax.trainer import policy as policy_lib
 from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer import task_rows
@@ -89,7 +90,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, name: str = "") -> d
 
   def evaluate(state: state_lib.TrainState) -> dict:
     eval_key = state_lib.step_keys(state.rng, state.step).eval
-    return rollouts_lib.evaluate_accuracy(sampler, state.params, eval_rows, cluster_names, eval_key)
+    params = state_lib.policy_params(state)
+    return rollouts_lib.evaluate_accuracy(sampler, params, eval_rows, cluster_names, eval_key)
 
   # ---- Resume first; else a fresh state (warm start, step-0 evaluation and checkpoint).
   ckpt = checkpoint.Checkpointer(
@@ -101,9 +103,11 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, name: str = "") -> d
   if ckpt.all_steps():  # the newest checkpoint that restores and verifies
     abstract = state_lib.abstract_state(*state_args, abstract_params)
     try:
-      latest, state, _ = ckpt.restore_latest(abstract, data_iter=batches)
+      latest, state, _ = ckpt.restore_latest(state_lib.checkpointed(abstract), data_iter=batches)
     except checkpoint.CorruptCheckpointError as e:
       sys.exit(f"error: {e}")
+    if abstract.base is not None:  # LoRA: the checkpoint holds the adapters, not the base
+      state = state.replace(base=policy_lib.lora_base(config, model, mesh))
   banner_lib.log_startup(
     mesh=mesh,
     num_params=banner_lib.count_params(abstract_params),
@@ -130,7 +134,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, name: str = "") -> d
     state = state_lib.create_state(*state_args, params)
     last_eval = evaluate(state)
     writer.write(0, last_eval)
-    ckpt.save(0, state, data_iter=batches, config=config.to_dict(), force=True)
+    ckpt.save(
+      0, state_lib.checkpointed(state), data_iter=batches, config=config.to_dict(), force=True
+    )
     writer.flush()
     if sigterm.requested_anywhere():
       exit_on_sigterm(ckpt, writer, "saved the checkpoint of step 0")
@@ -152,7 +158,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, name: str = "") -> d
       t0 = time.perf_counter()
       keys = state_lib.step_keys(state.rng, state.step, config.rl.max_refill_rounds)
       batch, rollout, logged = rollouts_lib.collect_batch(
-        sampler, state.params, keys, rows, batches
+        sampler, state_lib.policy_params(state), keys, rows, batches
       )
       t1 = time.perf_counter()
       if step == start:
@@ -198,7 +204,11 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, name: str = "") -> d
       if bad_in_a_row > 0:
         save_owed = True
       elif ckpt.save(
-        step + 1, state, data_iter=batches, config=config.to_dict(), force=last or save_owed
+        step + 1,
+        state_lib.checkpointed(state),
+        data_iter=batches,
+        config=config.to_dict(),
+        force=last or save_owed,
       ):
         writer.flush()  # the metrics (remote: uploaded now and then) reach every checkpoint
         save_owed = False

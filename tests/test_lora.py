@@ -41,13 +41,6 @@ def _perturb_b(params, seed=1):
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def _base_of(params):
-  """The params without adapter leaves: the base model's tree."""
-  if isinstance(params, dict):
-    return {k: _base_of(v) for k, v in params.items() if k not in (lora.A_NAME, lora.B_NAME)}
-  return params
-
-
 def _inputs():
   mask = np.arange(8)[None] >= np.array([[0], [3]])
   ids = np.random.default_rng(3).integers(0, 64, (2, 8)).astype(np.int32)
@@ -59,7 +52,9 @@ def _inputs():
 def test_fresh_adapters_and_adapters_off_equal_the_base_on_both_paths(targets):
   config = dataclasses.replace(LORA, lora_targets=targets)
   params = _params(config)
-  base = _base_of(params)
+  adapters, base = lora.split(params)
+  assert jax.tree.structure(lora.combine(adapters, base)) == jax.tree.structure(params)
+  assert not lora.split(base)[0] and jax.tree.structure(base) == jax.tree.structure(_params(BASE))
   adapted = sum(1 for p, _ in jax.tree_util.tree_flatten_with_path(params)[0] if lora.is_adapter(p))
   assert adapted == 2 * len(targets)
   ids, positions, mask = _inputs()
@@ -72,8 +67,14 @@ def test_fresh_adapters_and_adapters_off_equal_the_base_on_both_paths(targets):
     trained = _perturb_b(p)
     changed = apply({"params": trained}, ids, positions, mask)
     assert np.abs(np.asarray(changed - want)).max() > 1e-3  # the adapters do act
-    off = apply({"params": jax.jit(lora.base_only)(trained)}, ids, positions, mask)
+    off = jax.jit(lora.base_model(model).apply)(
+      {"params": lora.split(trained)[1]}, ids, positions, mask
+    )
     np.testing.assert_array_equal(off, want)
+    merged = jax.jit(lora.base_model(model).apply)(
+      {"params": lora.merge(trained, config)}, ids, positions, mask
+    )
+    np.testing.assert_allclose(merged, changed, rtol=1e-5, atol=1e-5)
 
 
 def test_trained_adapters_scanned_equals_cached_prefill_and_decode():

@@ -110,25 +110,24 @@ def test_a_rollout_with_non_finite_logits_is_a_bad_step(tiny_step):
 # ----------------------------------------------------------------------------- LoRA
 
 
-def _adapter_flags(params) -> list[bool]:
-  return [lora.is_adapter(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-
-
-def test_a_lora_step_changes_only_the_adapters(tiny_steps):
+def test_a_lora_step_trains_only_the_adapters(tiny_steps):
   step = tiny_steps({"model.lora.rank": 4, "rl.loss.kl_coef": 0.1})
   state = step.fresh_state()
-  assert state.ref_params is None  # the reference is the base: the same params, adapters off
+  assert state.ref_params is None  # the reference is the base: no second copy
+  # The trained params are the adapters (A and B of q, k, v, o, gate, up, down; one scanned
+  # layer), and so is the optimizer state; the base is apart and has none.
+  paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]]
+  assert len(paths) == 14 and all(lora.is_adapter(p) for p in paths)
+  assert not any(lora.is_adapter(p) for p, _ in jax.tree_util.tree_flatten_with_path(state.base)[0])
+  mu = state.opt_state[1][0].mu
+  assert jax.tree.structure(mu) == jax.tree.structure(state.params)
+  base_before = jax.tree.map(np.asarray, state.base)
   new_state, metrics = step(step.batch(), state)
   assert np.isfinite(float(metrics["loss"])) and int(new_state.bad_steps) == 0
-  flags = _adapter_flags(state.params)
-  assert sum(flags) == 14  # A and B of q, k, v, o, gate, up, down (one layer, scanned)
-  old = jax.tree.leaves(state.params)
-  new = jax.tree.leaves(new_state.params)
-  for adapter, a, b in zip(flags, old, new, strict=True):
-    if not adapter:
-      np.testing.assert_array_equal(a, b)  # the base: bit-identical
+  for a, b in zip(jax.tree.leaves(base_before), jax.tree.leaves(new_state.base), strict=True):
+    np.testing.assert_array_equal(a, b)  # the base: bit-identical
   # Every B moved; A's gradient is zero on the first step (its output is multiplied by B = 0).
-  paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(state.params)[0]]
+  old, new = jax.tree.leaves(state.params), jax.tree.leaves(new_state.params)
   moved_b = [not np.array_equal(a, b) for p, a, b in zip(paths, old, new, strict=True)
              if p[-1].key == lora.B_NAME]  # fmt: skip
   assert len(moved_b) == 7 and all(moved_b)
@@ -148,7 +147,8 @@ def test_lora_optimizer_state_is_small_on_the_smollm2_shape(tiny_steps):
 
   def opt_bytes(model_config, optimizer) -> int:
     params = jax.eval_shape(Decoder(model_config).init, jax.random.key(0), ids)["params"]
-    state = jax.eval_shape(optimizer.init, nn.meta.unbox(params))
+    trained = lora.split(nn.meta.unbox(params))[0] if model_config.lora_rank else params
+    state = jax.eval_shape(optimizer.init, nn.meta.unbox(trained))
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
 
   full = opt_bytes(smollm2, state_lib.make_optimizer(tiny_steps().config))

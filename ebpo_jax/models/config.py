@@ -23,6 +23,9 @@ REMAT_POLICIES = {
   "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
 
+# The projections a LoRA adapter may sit on (`q` is `q_proj`, ...): models.lora.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
@@ -46,7 +49,7 @@ class ModelConfig:
   architecture: str = "llama"  # llama | qwen2 | qwen3 (for writing config.json back)
   lora_rank: int = 0  # LoRA adapters of this rank on lora_targets (models.lora); 0: none
   lora_alpha: float = 16.0  # adapter output scaled by lora_alpha / lora_rank
-  lora_targets: tuple[str, ...] = ("q", "k", "v", "o", "gate", "up", "down")
+  lora_targets: tuple[str, ...] = LORA_TARGETS
 
   @property
   def attention_bias(self) -> bool:
@@ -71,9 +74,8 @@ class ModelConfig:
       )
     if self.lora_rank < 0:
       raise ValueError(f"lora_rank={self.lora_rank} must be >= 0")
-    lora_known = ("q", "k", "v", "o", "gate", "up", "down")
-    if not set(self.lora_targets) <= set(lora_known):
-      raise ValueError(f"lora_targets={self.lora_targets!r}; expected any of {lora_known}")
+    if not set(self.lora_targets) <= set(LORA_TARGETS):
+      raise ValueError(f"lora_targets={self.lora_targets!r}; expected any of {LORA_TARGETS}")
     for name in ("dtype", "param_dtype"):
       jnp.dtype(getattr(self, name))  # raises on an unknown dtype name
     if self.rope_scaling is not None:

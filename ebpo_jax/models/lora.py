@@ -12,11 +12,15 @@ axis on its `in` dim and B the kernel's first output axis on its `out` dim (so `
 contracted, and `(x A) B` produced, on the same devices as `x W`), and the rank dim is `None`
 (replicated): r is small (8 to 64), so splitting it would only add a collective per matmul.
 
-The KL reference is the same params with every B zeroed (`base_only`): no second copy of the base.
+The trainer keeps the two halves apart (`split` / `combine`): only the adapters are trained,
+checkpointed and carried in the optimizer state, and the frozen base is the KL reference, run by
+`base_model` (the same decoder without adapters): no second copy of the base. `merge` folds
+trained adapters into the kernels, for a merged export or a sampler without adapter matmuls.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -25,7 +29,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+from ebpo_jax.models.config import LORA_TARGETS, ModelConfig
+
+TARGETS = LORA_TARGETS
 A_NAME, B_NAME = "lora_a", "lora_b"
 
 
@@ -78,12 +84,49 @@ def adapter_mask(params: Any) -> Any:
   return jax.tree_util.tree_map_with_path(lambda p, _: is_adapter(p), params)
 
 
-def base_only(params: Mapping[str, Any]) -> Any:
-  """The params with every `lora_b` zeroed: the base model's forward, without a second copy of
-  the base weights (under jit the zeros are a constant)."""
+def split(params: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+  """`(adapters, base)`: two nested dicts of the same layout, the adapter leaves and the rest."""
+  adapters, base = {}, {}
+  for k, v in params.items():
+    if k in (A_NAME, B_NAME):
+      adapters[k] = v
+    elif isinstance(v, Mapping):
+      sub_adapters, base[k] = split(v)
+      if sub_adapters:
+        adapters[k] = sub_adapters
+    else:
+      base[k] = v
+  return adapters, base
 
-  def zero_b(path, x):
-    last = path[-1]
-    return jnp.zeros_like(x) if getattr(last, "key", None) == B_NAME else x
 
-  return jax.tree_util.tree_map_with_path(zero_b, params)
+def combine(adapters: Mapping[str, Any], base: Mapping[str, Any]) -> dict[str, Any]:
+  """The inverse of `split`: the full params tree of an adapted model."""
+  out = dict(base)
+  for k, v in adapters.items():
+    out[k] = combine(v, base[k]) if isinstance(v, Mapping) and k in base else v
+  return out
+
+
+def base_model(model: nn.Module) -> nn.Module:
+  """The same decoder without adapters: it runs `split(params)[1]`, the frozen base."""
+  return model.clone(config=dataclasses.replace(model.config, lora_rank=0))
+
+
+def merge(params: Mapping[str, Any], config: ModelConfig) -> dict[str, Any]:
+  """The base params with each adapter folded into its kernel, `W + (alpha / r) A B`, in the
+  kernel's dtype: the adapted model as a plain decoder (`base_model`). Works on stacked (scanned)
+  and per-layer params alike: the leading axes of A and B are carried through."""
+  scale = config.lora_alpha / config.lora_rank
+
+  def fold(node: Mapping[str, Any]) -> dict[str, Any]:
+    if A_NAME not in node:
+      return {k: fold(v) if isinstance(v, Mapping) else v for k, v in node.items() if k != B_NAME}
+    kernel = node["kernel"]
+    delta = jnp.einsum("...ir,...ro->...io", node[A_NAME], node[B_NAME]) * scale
+    merged = (kernel.astype(jnp.float32) + delta.reshape(kernel.shape)).astype(kernel.dtype)
+    return {
+      **{k: v for k, v in node.items() if k not in (A_NAME, B_NAME)},
+      "kernel": merged,
+    }
+
+  return fold(params)

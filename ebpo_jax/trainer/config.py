@@ -322,6 +322,13 @@ def _check_lora(config: ml_collections.ConfigDict) -> None:
     "is not implemented yet: use 0.0",
   )
   _choice(config, "model.lora.base_dtype", ("", *_DTYPES))
+  _require(
+    config.model.lora.rank == 0 or config.sft.num_steps == 0,
+    config,
+    "sft.num_steps",
+    "must be 0 with LoRA (model.lora.rank > 0): a LoRA checkpoint holds the adapters, not a "
+    "warm-started base; warm start a full run, export it and point model.path at the export",
+  )
 
 
 def _check_wandb(config: ml_collections.ConfigDict) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import ml_collections
 
-from ebpo_jax import checkpoint, files
+from ebpo_jax import checkpoint, files, models
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer.config import PolicyError
 
@@ -80,9 +80,14 @@ def load_policy(config, tokenizer, mesh, run_dir: str | None, step: int | None):
   model = state_lib.make_model(config, tokenizer.vocab_size)
   if run_dir is None:
     path = state_lib.model_dir(config)
-    params = state_lib.init_params(config, model, mesh)
+    params = initial_params(config, model, mesh)
     return model, params, {"kind": "hf", "path": files.abspath(path)}
-  params = run_params(run_dir, step, state_lib.abstract_params(model, mesh))
+  abstract = state_lib.abstract_params(model, mesh)
+  if model.config.lora_rank == 0:
+    params = run_params(run_dir, step, abstract)
+  else:  # the checkpoint holds the adapters; the base is the run's, built as the run built it
+    adapters = run_params(run_dir, step, models.lora.split(abstract)[0])
+    params = models.lora.combine(adapters, lora_base(config, model, mesh))
   return model, params, {"kind": "checkpoint", "run_dir": files.abspath(run_dir), "step": step}
 
 
@@ -100,12 +105,22 @@ def run_params(run_dir: str, step: int, abstract: Any) -> Any:
 
 def initial_params(config: ml_collections.ConfigDict, model, mesh) -> Any:
   """A fresh run's params: the latest checkpoint's of the run `config.model.init_from` (e.g. an
-  ablation's shared warm start), else `state.init_params` (`config.model.path` or random)."""
+  ablation's shared warm start), else `state.init_params` (`config.model.path` or random). Under
+  LoRA: that base (`lora_base`) with fresh adapters."""
+  if model.config.lora_rank > 0:
+    adapters = state_lib.fresh_adapters(config, model, mesh)
+    return models.lora.combine(adapters, lora_base(config, model, mesh))
   run_dir = config.model.init_from
   if not run_dir:
     return state_lib.init_params(config, model, mesh)
   step = checkpoint_step(run_dir, None)
   return run_params(run_dir, step, state_lib.abstract_params(model, mesh))
+
+
+def lora_base(config: ml_collections.ConfigDict, model, mesh) -> Any:
+  """A LoRA run's frozen base: the params a full run of `config` starts from (model.path,
+  model.init_from or random), in the base's dtype. Rebuilt, never checkpointed."""
+  return initial_params(config, models.lora.base_model(model), mesh)
 
 
 def policy_config(config, run_dir: str | None, step: int | None):

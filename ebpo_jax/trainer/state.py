@@ -29,16 +29,30 @@ class TrainState(flax.struct.PyTreeNode):
   """Everything that changes during training (plus the frozen reference policy)."""
 
   step: jax.Array  # int32 []: RL steps completed
-  params: Any
+  params: Any  # the trained weights: all of them, or under LoRA the adapters only
   opt_state: Any
   prior: advantages.PriorState  # the estimator's prior (EBPO's per-cluster Welford accumulators)
   rng: jax.Array  # uint32 [2]: the run's key; a step's keys come from `step_keys`
   # frozen reference policy for the KL term; None when rl.loss.kl_coef == 0, and under LoRA (the
-  # reference is then `params` with the adapters off: `models.lora.base_only`)
+  # reference is then `base`, the same weights without the adapters)
   ref_params: Any
   # int32 []: RL steps in a row whose update was skipped (non-finite loss, grad norm or logits);
   # in the state so that a restarted run keeps counting towards train.max_bad_steps.
   bad_steps: jax.Array
+  # Under LoRA the frozen base weights (`models.lora.split`), else None. Not checkpointed
+  # (`checkpointed`): a resume rebuilds it as a fresh run does (`policy.initial_params`).
+  base: Any = None
+
+
+def policy_params(state: TrainState) -> Any:
+  """The policy's full params tree: `params`, with the frozen base under LoRA."""
+  return state.params if state.base is None else models.lora.combine(state.params, state.base)
+
+
+def checkpointed(state: TrainState) -> TrainState:
+  """What a checkpoint holds: the state without the LoRA base (which comes from the model
+  directory, as for a fresh run)."""
+  return state.replace(base=None)
 
 
 # ----------------------------------------------------------------------------- PRNG streams
@@ -154,29 +168,25 @@ def abstract_params(model: models.Decoder, mesh: Mesh) -> Any:
 
 
 def init_params(config: ml_collections.ConfigDict, model: models.Decoder, mesh: Mesh) -> Any:
-  """Real params in their shardings: read from `config.model.path`, else random (`config.seed`)."""
+  """Real params in their shardings: read from `config.model.path`, else random (`config.seed`).
+  Under LoRA use `policy.initial_params`, which builds the base and the adapters apart."""
+  if config.model.path:
+    return hf_io.load_params(model_dir(config), model, mesh)
   shardings = jax.tree.map(lambda x: x.sharding, abstract_params(model, mesh))
   init = lambda rng: nn.unbox(model.init(rng, jnp.zeros((1, 4), jnp.int32))["params"])
-  if not config.model.path:
-    return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(config.seed))
-  if model.config.lora_rank == 0:
-    return hf_io.load_params(model_dir(config), model, mesh)
-  # The base from the directory, fresh adapters from `config.seed` (the jit keeps only the
-  # adapters' init: the random base it would build is dead code).
-  base_model = model.clone(config=dataclasses.replace(model.config, lora_rank=0))
-  base = hf_io.load_params(model_dir(config), base_model, mesh)
-  fresh = jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(config.seed))
-  return _merge_adapters(base, fresh)
+  return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(config.seed))
 
 
-def _merge_adapters(base: Any, fresh: Any) -> Any:
-  """`fresh`'s tree with every non-adapter leaf taken from `base` (a tree without adapters)."""
-  if not isinstance(fresh, dict):
-    return base
-  return {
-    k: v if k in (models.lora.A_NAME, models.lora.B_NAME) else _merge_adapters(base[k], v)
-    for k, v in fresh.items()
-  }
+def fresh_adapters(config: ml_collections.ConfigDict, model: models.Decoder, mesh: Mesh) -> Any:
+  """A LoRA model's adapters at step 0 (A random from `config.seed`, B zero), in their
+  shardings; the base the same init would build is dead code under the jit."""
+  shardings = models.lora.split(jax.tree.map(lambda x: x.sharding, abstract_params(model, mesh)))[0]
+
+  def init(rng):
+    params = nn.unbox(model.init(rng, jnp.zeros((1, 4), jnp.int32))["params"])
+    return models.lora.split(params)[0]
+
+  return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(config.seed))
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -207,20 +217,13 @@ def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
 
 
 def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """AdamW after global-norm clipping, at `learning_rate_schedule(config)`. With LoRA
-  (`model.lora.rank > 0`) only the adapter leaves are updated and hold optimizer state (the
-  clipping norm is theirs too); the base's updates are zero."""
+  """AdamW after global-norm clipping, at `learning_rate_schedule(config)`, over the trained
+  params (under LoRA the adapters only: the base has no optimizer state)."""
   tc = config.train
-  adamw = optax.chain(
+  return optax.chain(
     optax.clip_by_global_norm(tc.grad_clip),
     optax.adamw(learning_rate_schedule(config), weight_decay=tc.weight_decay),
   )
-  if not lora_enabled(config):
-    return adamw
-  labels = lambda params: jax.tree.map(  # noqa: E731
-    lambda adapter: "adapter" if adapter else "base", models.lora.adapter_mask(params)
-  )
-  return optax.multi_transform({"adapter": adamw, "base": optax.set_to_zero()}, labels)
 
 
 def learning_rate(schedule: optax.Schedule, opt_state: Any) -> jax.Array:
@@ -239,14 +242,12 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, params: Any) ->
   `params` may be real or abstract (each leaf has `.sharding`)."""
   param_shardings = jax.tree.map(lambda x: x.sharding, params)
   replicated = NamedSharding(jax.tree.leaves(param_shardings)[0].mesh, PartitionSpec())
-  masked = lambda x: isinstance(x, optax.MaskedNode)  # noqa: E731  (LoRA: a base param's state)
   return optax.tree_map_params(
     optimizer,
-    lambda x, s: x if masked(x) else s,
+    lambda _, s: s,
     jax.eval_shape(optimizer.init, params),
     param_shardings,
     transform_non_params=lambda _: replicated,
-    is_leaf=masked,
   )
 
 
@@ -265,23 +266,26 @@ def _state_fn(
   num_clusters: int,
 ) -> Callable[[Any], TrainState]:
   def fresh(params) -> TrainState:
+    trained, base = _trained_and_base(config, params)
+    copy_reference = config.rl.loss.kl_coef > 0 and base is None
     return TrainState(
       step=jnp.zeros((), jnp.int32),
-      params=params,
-      opt_state=optimizer.init(params),
+      params=trained,
+      opt_state=optimizer.init(trained),
       prior=estimator.init_prior(num_clusters),
       rng=jax.random.PRNGKey(config.seed),
-      ref_params=_copy_reference(config, params),
+      ref_params=jax.tree.map(jnp.copy, params) if copy_reference else None,
       bad_steps=jnp.zeros((), jnp.int32),
+      base=base,
     )
 
   return fresh
 
 
-def _copy_reference(config: ml_collections.ConfigDict, params: Any) -> Any:
-  if config.rl.loss.kl_coef == 0 or lora_enabled(config):
-    return None
-  return jax.tree.map(jnp.copy, params)
+def _trained_and_base(config: ml_collections.ConfigDict, params: Any) -> tuple[Any, Any]:
+  """(trained, frozen base) of a full params tree: (adapters, base) under LoRA, else (params,
+  None)."""
+  return models.lora.split(params) if lora_enabled(config) else (params, None)
 
 
 def state_shardings(
@@ -291,21 +295,24 @@ def state_shardings(
   param_shardings = jax.tree.map(lambda x: x.sharding, params)
   replicated = NamedSharding(jax.tree.leaves(param_shardings)[0].mesh, PartitionSpec())
   shapes = jax.eval_shape(_state_fn(config, optimizer, estimator, num_clusters), params)
+  trained, base = _trained_and_base(config, param_shardings)
   return TrainState(
     step=replicated,
-    params=param_shardings,
-    opt_state=opt_state_shardings(optimizer, params),
+    params=trained,
+    opt_state=opt_state_shardings(optimizer, _trained_and_base(config, params)[0]),
     prior=jax.tree.map(lambda _: replicated, shapes.prior),
     rng=replicated,
     ref_params=param_shardings if shapes.ref_params is not None else None,
     bad_steps=replicated,
+    base=base,
   )
 
 
 def create_state(
   config: ml_collections.ConfigDict, optimizer, estimator, num_clusters: int, params: Any
 ) -> TrainState:
-  """The step-0 TrainState around `params` (donated: no second copy), built in its shardings."""
+  """The step-0 TrainState around `params`, the full tree (donated: no second copy), built in
+  its shardings; under LoRA split into the trained adapters and the frozen base."""
   shardings = state_shardings(config, optimizer, estimator, num_clusters, params)
   fresh = _state_fn(config, optimizer, estimator, num_clusters)
   return jax.jit(fresh, out_shardings=shardings, donate_argnums=0)(params)

@@ -74,9 +74,12 @@ def _reference_logps(model, ref_params, seqs: dict, micro_rows: int, mesh) -> ja
   return jax.lax.map(one, chunks).reshape(seqs["targets"].shape)
 
 
-def _loss_fn(params, mb, *, model, loss_cfg, num_tokens, num_seqs, mesh=None):
+def _loss_fn(params, mb, *, model, loss_cfg, num_tokens, num_seqs, base=None, mesh=None):
+  """The policy loss of a micro-batch as a function of the trained params only: under LoRA
+  (`base` given) the adapters, so no weight gradient of the frozen base is ever computed."""
   mb = sharding.constrain_rows(mb, mesh)
-  logits = completion_logits(model, params, mb)
+  full = params if base is None else models.lora.combine(params, base)
+  logits = completion_logits(model, full, mb)
   return losses.policy_loss(
     losses.token_logprobs(logits, mb["targets"]),
     mb["old_logps"],
@@ -160,12 +163,12 @@ def train_step(
   micro_rows = tc.micro_batch_size or mini_rows
   if state.ref_params is not None:
     seqs["ref_logps"] = _reference_logps(model, state.ref_params, seqs, micro_rows, mesh)
-  elif model.config.lora_rank > 0 and rl.loss.kl_coef > 0:  # the base: the adapters off
-    ref = models.lora.base_only(state.params)
-    seqs["ref_logps"] = _reference_logps(model, ref, seqs, micro_rows, mesh)
+  elif state.base is not None and rl.loss.kl_coef > 0:  # LoRA: the base, without the adapters
+    base_model = models.lora.base_model(model)
+    seqs["ref_logps"] = _reference_logps(base_model, state.base, seqs, micro_rows, mesh)
   shuffle_key = step_keys(state.rng, state.step).shuffle
   order = _update_order(shuffle_key, seqs["adv"].shape[0], mini_rows, rl.num_iterations)
-  loss_fn = functools.partial(_loss_fn, model=model, loss_cfg=rl.loss, mesh=mesh)
+  loss_fn = functools.partial(_loss_fn, model=model, loss_cfg=rl.loss, base=state.base, mesh=mesh)
   schedule = learning_rate_schedule(config)
 
   def update(carry, idx):
