@@ -46,6 +46,7 @@ import pytest  # noqa: E402
 
 from ebpo_jax import advantages, checkpoint, files, models, sharding, tasks  # noqa: E402
 from ebpo_jax.trainer import config as config_lib  # noqa: E402
+from ebpo_jax.trainer import policy  # noqa: E402
 from ebpo_jax.trainer import state as state_lib  # noqa: E402
 from ebpo_jax.trainer import step as step_lib  # noqa: E402
 
@@ -287,23 +288,28 @@ def tensorboard_events() -> Callable[..., list[list]]:
 
 def save_checkpoint(workdir: pathlib.Path, config, *, step: int = 0, perturb: float = 0.0):
   """A run's checkpoint at `step` written without training: the state the trainer creates, with
-  params shifted by `perturb` * noise (so that they differ from the model they started from).
-  Returns (model, params)."""
+  its trained params (under LoRA the adapters only) shifted by `perturb` * noise (so that they
+  differ from the model they started from). Returns (model, the policy's full params)."""
   mesh = sharding.make_mesh(dict(config.mesh))
   task = tasks.from_config(config.task)
   model = state_lib.make_model(config, state_lib.load_tokenizer(config, task).vocab_size)
-  params = state_lib.init_params(config, model, mesh)
+  params = policy.initial_params(config, model, mesh)
   if perturb:
     keys = iter(jax.random.split(jax.random.PRNGKey(1), len(jax.tree.leaves(params))))
+    # Under LoRA the base is not checkpointed (a load rebuilds it): only the adapters move.
+    lora = state_lib.lora_enabled(config)
+    moves = models.lora.adapter_mask(params) if lora else jax.tree.map(lambda _: True, params)
     params = jax.tree.map(
-      lambda x: x + perturb * jax.random.normal(next(keys), x.shape, x.dtype), params
+      lambda x, m: x + perturb * jax.random.normal(next(keys), x.shape, x.dtype) if m else x,
+      params,
+      moves,
     )
   optimizer = state_lib.make_optimizer(config)
   estimator = advantages.from_config(config.rl)
   copy = jax.tree.map(jnp.copy, params)  # create_state donates its params
   state = state_lib.create_state(config, optimizer, estimator, NUM_CLUSTERS, copy)
   with checkpoint.Checkpointer(workdir / "checkpoints") as ckpt:
-    ckpt.save(step, state, config=config.to_dict(), force=True)
+    ckpt.save(step, state_lib.checkpointed(state), config=config.to_dict(), force=True)
   return model, params
 
 

@@ -104,6 +104,13 @@ def test_export_cli_writes_the_directory_and_names_the_tokenizer_source(
   assert rel_err(our_logits(model, params, ids), torch_logits(out, ids)) < MAX_REL_ERR
 
 
+def test_peft_export_of_a_full_run_is_one_clear_error(run_from_a_model_directory, tmp_path):
+  run_dir, _, _ = run_from_a_model_directory
+  with pytest.raises(policy.PolicyError, match="full fine-tuning run .* --format=merged"):
+    export.export(str(run_dir), str(tmp_path / "hf"), format="peft")
+  assert not (tmp_path / "hf").exists()
+
+
 def test_export_without_a_checkpoint_is_one_clear_error(tmp_path):
   with pytest.raises(policy.PolicyError, match="no checkpoints/ directory"):
     export.export(str(tmp_path), str(tmp_path / "hf"))

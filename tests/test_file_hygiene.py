@@ -57,7 +57,7 @@ def test_default_file_mode_is_read_without_changing_the_umask(no_umask_changes, 
 def test_safetensors_export_has_the_usual_mode(no_umask_changes, tmp_path):
   (tmp_path / "plain").write_bytes(b"x")
   path = tmp_path / "model.safetensors"
-  hf_io._save_readable({"w": np.zeros(3, np.float32)}, str(path), {"format": "np"})
+  hf_io.save_readable({"w": np.zeros(3, np.float32)}, str(path), {"format": "np"})
   assert _mode(path) == _mode(tmp_path / "plain")
 
 

@@ -232,12 +232,12 @@ def _write_directory(
     shard_bytes += tensor.nbytes
   metadata = {"format": "pt"}
   if len(shards) == 1:
-    _save_readable(shards[0], os.path.join(path, SINGLE_FILE), metadata)
+    save_readable(shards[0], os.path.join(path, SINGLE_FILE), metadata)
   else:
     weight_map = {}
     for i, shard in enumerate(shards):
       file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-      _save_readable(shard, os.path.join(path, file), metadata)
+      save_readable(shard, os.path.join(path, file), metadata)
       weight_map.update(dict.fromkeys(shard, file))
     index = {
       "metadata": {"total_size": sum(t.nbytes for _, t in tensors)},
@@ -253,7 +253,7 @@ def _write_directory(
     tokenizer.save_pretrained(path)
 
 
-def _save_readable(tensors: dict[str, np.ndarray], file: str, metadata: dict) -> None:
+def save_readable(tensors: dict[str, np.ndarray], file: str, metadata: dict) -> None:
   """safetensors' save_file, with the usual file mode (it writes 0600; other users, e.g. a vLLM
   server, could not read the export)."""
   save_file(tensors, file, metadata=metadata)
