@@ -15,10 +15,10 @@ Hugging Face form: only the weights and config are written.
 
 `--format=merged` (the default) writes the full model; for a LoRA run (`model.lora.rank > 0`)
 each adapter is first folded into its kernel (`models.lora.merge`), so OUT is a plain model whose
-config.json knows nothing of LoRA. `--format=peft` (LoRA runs only) writes the adapters alone as
-`adapter_config.json` + `adapter_model.safetensors` (`models.peft_io`), with the tokenizer files
-beside them: the base is the run's `model.path` (written as `base_model_name_or_path`), which the
-user loads themselves:
+config.json knows nothing of LoRA. `--format=peft` (a LoRA run on `model.path` only) writes the
+adapters alone as `adapter_config.json` + `adapter_model.safetensors` (`models.peft_io`), with
+the tokenizer files beside them: the base is the run's `model.path` (written as
+`base_model_name_or_path`), which the user loads themselves:
 
   base = AutoModelForCausalLM.from_pretrained(MODEL_PATH)
   policy = peft.PeftModel.from_pretrained(base, OUT)
