@@ -140,15 +140,16 @@ class TinyStep:
 
 @pytest.fixture(scope="session")
 def tiny_steps() -> Callable[..., TinyStep]:
-  """`tiny_steps({"dotted.key": value})`: the TinyStep of the tiny config with these overrides,
-  compiled once per distinct overrides in the session."""
+  """`tiny_steps({"dotted.key": value}, num_devices=None)`: the TinyStep of the tiny config with
+  these overrides on the first `num_devices` devices (None: all 8), compiled once per distinct
+  arguments in the session."""
   cache: dict[tuple, TinyStep] = {}
 
-  def get(overrides: Mapping[str, Any] | None = None) -> TinyStep:
-    key = tuple(sorted((overrides or {}).items()))
+  def get(overrides: Mapping[str, Any] | None = None, num_devices: int | None = None) -> TinyStep:
+    key = (tuple(sorted((overrides or {}).items())), num_devices)
     if key not in cache:
-      config = _load(ARITH, {**TINY_OVERRIDES, **dict(key)})
-      mesh = sharding.make_mesh(dict(config.mesh))
+      config = _load(ARITH, {**TINY_OVERRIDES, **dict(key[0])})
+      mesh = sharding.make_mesh(dict(config.mesh), jax.devices()[:num_devices])
       model = state_lib.make_model(config, V)
       optimizer = state_lib.make_optimizer(config)
       estimator = advantages.from_config(config.rl)

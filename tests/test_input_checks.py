@@ -38,6 +38,7 @@ BAD_VALUES = [
   ({"sampling.top_k": -1}, "config.sampling.top_k=-1: must be >= 0"),
   ({"rl.loss.kl_coef": -1.0}, "config.rl.loss.kl_coef=-1.0: must be >= 0"),
   ({"model.dtype": "float8"}, "config.model.dtype='float8': must be one of"),
+  ({"model.lora.dropout": 1.0}, "config.model.lora.dropout=1.0: must lie in [0, 1)"),
   (
     {"rewards.fns": "math_verify, 0.5*no_such_module:f"},
     "config.rewards.fns='math_verify, 0.5*no_such_module:f': reward 'f': cannot import "

@@ -114,3 +114,23 @@ def test_bad_lora_settings_are_rejected():
   with pytest.raises(ValueError, match="unknown or no LoRA targets"):
     lora.parse_targets("q,proj")
   assert lora.parse_targets(" q, down ") == ("q", "down")
+
+
+def test_dropout_acts_only_in_an_apply_given_its_rng():
+  # The trainer passes the dropout stream to the policy-gradient loss's forward alone: without it
+  # (sampling, evaluation) a dropout model is the plain adapted model, bit for bit; with it, rate 0
+  # changes nothing and rate 0.5 changes the logits, the same for the same key (exact resume).
+  params = _perturb_b(_params(LORA))
+  ids, positions, mask = _inputs()
+  rngs = lambda seed: {lora.DROPOUT_RNG: jax.random.key(seed)}
+  plain = jax.jit(Decoder(LORA).apply)
+  dropped = jax.jit(Decoder(dataclasses.replace(LORA, lora_dropout=0.5)).apply)
+  want = plain({"params": params}, ids, positions, mask)
+  np.testing.assert_array_equal(dropped({"params": params}, ids, positions, mask), want)
+  np.testing.assert_array_equal(plain({"params": params}, ids, positions, mask, rngs=rngs(0)), want)
+  train = dropped({"params": params}, ids, positions, mask, rngs=rngs(0))
+  assert np.abs(np.asarray(train - want)).max() > 1e-3
+  again = dropped({"params": params}, ids, positions, mask, rngs=rngs(0))
+  np.testing.assert_array_equal(again, train)
+  other = dropped({"params": params}, ids, positions, mask, rngs=rngs(1))
+  assert np.abs(np.asarray(other - train)).max() > 1e-3
