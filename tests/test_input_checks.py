@@ -61,6 +61,16 @@ def test_bad_config_value_is_one_line_naming_the_key(arith_config, overrides, me
   assert str(error.value).startswith(message) and "\n" not in str(error.value)
 
 
+def test_lora_refuses_a_warm_start_in_training_only(arith_config):
+  # A LoRA run warm-starts nothing; evaluate reads a LoRA run's adapters under the experiment's
+  # own config (whose SFT steps it ignores), so only the trainer's check refuses the pair.
+  config = arith_config({"model.lora.rank": 4, "sft.num_steps": 5})
+  config_lib.check_config(config, num_devices=8)
+  with pytest.raises(config_lib.ConfigError, match=r"^config.sft.num_steps=5: must be 0 with LoRA"):
+    config_lib.check_training(config)
+  config_lib.check_training(arith_config({"model.lora.rank": 4, "sft.num_steps": 0}))
+
+
 def test_bad_input_exits_with_status_2_and_one_line(capsys):
   with pytest.raises(SystemExit) as exit_info, config_lib.entry_point():
     raise config_lib.ConfigError("config.train.log_every=0: must be >= 1")

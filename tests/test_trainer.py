@@ -23,8 +23,9 @@ def _key_bytes(key: jax.Array) -> bytes:
 
 def test_no_two_uses_share_a_key():
   """Every key a run uses in its first steps (rollout, each refill round, the PPO shuffle, the
-  evaluation of each step, LoRA dropout, the sampler calls of a chunked rollout) is distinct. The old code's
-  first refill round reused the step's shuffle key, and its second the previous step's eval key."""
+  evaluation of each step, LoRA dropout, the sampler calls of a chunked rollout) is distinct. The
+  old code's first refill round reused the step's shuffle key, and its second the previous step's
+  eval key."""
   rng = jax.random.PRNGKey(0)
   used = {}
   for step in range(6):

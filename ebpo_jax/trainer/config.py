@@ -320,6 +320,12 @@ def _check_lora(config: ml_collections.ConfigDict) -> None:
     0.0 <= config.model.lora.dropout < 1.0, config, "model.lora.dropout", "must lie in [0, 1)"
   )
   _choice(config, "model.lora.base_dtype", ("", *_DTYPES))
+
+
+def check_training(config: ml_collections.ConfigDict) -> None:
+  """The checks of a training run beyond `check_config`'s: those that the tools reading a run's
+  policy under their own config (evaluate, difficulty) must not make. LoRA refuses an SFT warm
+  start (a LoRA checkpoint holds adapters, never a warm-started base)."""
   _require(
     config.model.lora.rank == 0 or config.sft.num_steps == 0,
     config,
