@@ -70,7 +70,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.lora.rank = 0  # adapter rank; 0: no adapters, full fine-tuning
   config.model.lora.alpha = 16.0  # adapter output scaled by alpha / rank
   config.model.lora.targets = "q,k,v,o,gate,up,down"  # comma-separated projections to adapt
-  config.model.lora.dropout = 0.0  # adapter input dropout; only 0.0 (not implemented yet)
+  # Dropout on each adapter's input, in the policy-gradient loss's forward only (not in sampling,
+  # evaluation or the KL reference): > 0 makes the PPO ratio differ from 1 on the first iteration.
+  config.model.lora.dropout = 0.0  # adapter input dropout rate in [0, 1); 0: off
   config.model.lora.base_dtype = ""  # base weights' dtype under LoRA; "": model.param_dtype
 
   config.sft = ml_collections.ConfigDict()  # supervised warm start on the answers, before RL

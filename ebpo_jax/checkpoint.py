@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 from jax.experimental import multihost_utils
 
 from ebpo_jax import files
@@ -264,6 +265,14 @@ class Checkpointer:
         if expected != sums:
           self._corrupt(step, f".params{path}")
     return params
+
+  def saved_arrays(self, step: int) -> dict[str, tuple[tuple[int, ...], str]]:
+    """What checkpoint `step`'s state holds, from its metadata (no array is read): each array's
+    path (`['params']['w']`) -> (shape, dtype name)."""
+    path = epath.Path(files.join(self.directory, str(int(step)), _STATE))
+    metadata = ocp.PyTreeCheckpointHandler().metadata(path)
+    leaves = jax.tree_util.tree_flatten_with_path(getattr(metadata, "tree", metadata))[0]
+    return {jax.tree_util.keystr(p): (tuple(x.shape), str(x.dtype)) for p, x in leaves}
 
   def saved_config(self, step: int) -> dict[str, Any] | None:
     """The config saved with checkpoint `step`, or None when it has none."""

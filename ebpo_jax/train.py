@@ -52,6 +52,7 @@ def main(argv: Sequence[str]) -> None:
     raise app.UsageError("--workdir is required")
   with config_lib.entry_point():
     config_lib.check_config(config, jax.device_count())
+    config_lib.check_training(config)
     config_lib.check_model_path(config)  # a missing or truncated model file: one line
     with workdir_lib.claim(workdir, config):  # locked; config.json checked against this config
       name = banner_lib.config_name(

@@ -141,15 +141,16 @@ class TinyStep:
 
 @pytest.fixture(scope="session")
 def tiny_steps() -> Callable[..., TinyStep]:
-  """`tiny_steps({"dotted.key": value})`: the TinyStep of the tiny config with these overrides,
-  compiled once per distinct overrides in the session."""
+  """`tiny_steps({"dotted.key": value}, num_devices=None)`: the TinyStep of the tiny config with
+  these overrides on the first `num_devices` devices (None: all 8), compiled once per distinct
+  arguments in the session."""
   cache: dict[tuple, TinyStep] = {}
 
-  def get(overrides: Mapping[str, Any] | None = None) -> TinyStep:
-    key = tuple(sorted((overrides or {}).items()))
+  def get(overrides: Mapping[str, Any] | None = None, num_devices: int | None = None) -> TinyStep:
+    key = (tuple(sorted((overrides or {}).items())), num_devices)
     if key not in cache:
-      config = _load(ARITH, {**TINY_OVERRIDES, **dict(key)})
-      mesh = sharding.make_mesh(dict(config.mesh))
+      config = _load(ARITH, {**TINY_OVERRIDES, **dict(key[0])})
+      mesh = sharding.make_mesh(dict(config.mesh), jax.devices()[:num_devices])
       model = state_lib.make_model(config, V)
       optimizer = state_lib.make_optimizer(config)
       estimator = advantages.from_config(config.rl)
@@ -235,26 +236,82 @@ ARITH_LOGGING = (
 )
 
 
-@pytest.fixture(scope="session")
-def arith_run(tmp_path_factory):
-  """(workdir, CompletedProcess) of 4 RL steps of configs/arith_ebpo.py:runlocal on 8 devices
-  (eval and checkpoints every 2 steps; sample tables every 2 steps and wandb offline:
-  ARITH_LOGGING), shared by the trainer's and the tools' e2e tests (which only read it): run once
-  per session, by the first xdist worker to ask (a file lock in the session's temporary root); the
-  others wait for it and read its outputs."""
+def _session_run(tmp_path_factory, name: str, *overrides: str):
+  """(workdir, CompletedProcess) of the trainer with `overrides`, run once per session by the
+  first xdist worker to ask (a file lock in the session's temporary root); the others wait for it
+  and read its outputs."""
   root = tmp_path_factory.getbasetemp()
   if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker's base is under the session's own
     root = root.parent
-  workdir, done = root / "arith_run", root / "arith_run.json"
-  with open(root / "arith_run.lock", "w") as lock:
+  workdir, done = root / name, root / f"{name}.json"
+  with open(root / f"{name}.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not done.exists():
-      result = run_trainer(workdir, "--config.train.num_steps=4", *ARITH_LOGGING)
+      result = run_trainer(workdir, *overrides)
       assert result.returncode == 0, result.stderr[-3000:]
       outputs = {"args": result.args, "stdout": result.stdout, "stderr": result.stderr}
       done.write_text(json.dumps(outputs))
   outputs = json.loads(done.read_text())
   return workdir, subprocess.CompletedProcess(returncode=0, **outputs)
+
+
+@pytest.fixture(scope="session")
+def arith_run(tmp_path_factory):
+  """(workdir, CompletedProcess) of 4 RL steps of configs/arith_ebpo.py:runlocal on 8 devices
+  (eval and checkpoints every 2 steps; sample tables every 2 steps and wandb offline:
+  ARITH_LOGGING), shared by the trainer's and the tools' e2e tests (which only read it)."""
+  return _session_run(tmp_path_factory, "arith_run", "--config.train.num_steps=4", *ARITH_LOGGING)
+
+
+# The LoRA run of lora_run: rank-4 adapters on every projection of the runlocal decoder (random
+# init: no SFT warm start under LoRA), a KL term to the base, adapter dropout, a learning rate
+# that moves the adapters in 4 steps, and a seed other than the configs' (the base is random-init
+# from it: a tool that rebuilt the base from its own config's seed would build another).
+LORA_RUN = {
+  "model.lora.rank": 4,
+  "model.lora.dropout": 0.1,
+  "sft.num_steps": 0,
+  "rl.loss.kl_coef": 0.1,
+  "train.learning_rate": 0.01,
+  "seed": 1,
+}
+
+
+@pytest.fixture(scope="session")
+def lora_run(tmp_path_factory):
+  """(workdir, CompletedProcess) of 4 RL steps of configs/arith_ebpo.py:runlocal with LORA_RUN, on
+  8 devices (eval and checkpoints every 2 steps); shared, read only, like arith_run."""
+  overrides = [f"--config.{k}={v}" for k, v in LORA_RUN.items()]
+  return _session_run(tmp_path_factory, "lora_run", *overrides, "--config.train.num_steps=4")
+
+
+@pytest.fixture(scope="session")
+def lora_overrides() -> dict[str, Any]:
+  """The config overrides of lora_run (LORA_RUN), as `arith_config` takes them."""
+  return dict(LORA_RUN)
+
+
+def restore_run_state(workdir, config, step: int) -> state_lib.TrainState:
+  """Checkpoint `step` of a trainer `workdir` run under `config` (on this process's 8 devices),
+  as the trainer restores it: into the abstract state, without the LoRA base."""
+  mesh = sharding.make_mesh(dict(config.mesh))
+  task = tasks.from_config(config.task)
+  model = state_lib.make_model(config, state_lib.load_tokenizer(config, task).vocab_size)
+  optimizer = state_lib.make_optimizer(config)
+  estimator = advantages.from_config(config.rl)
+  abstract_params = state_lib.abstract_params(model, mesh)
+  abstract = state_lib.abstract_state(
+    config, optimizer, estimator, len(task.cluster_names), abstract_params
+  )
+  with checkpoint.Checkpointer(pathlib.Path(workdir) / "checkpoints", read_only=True) as ckpt:
+    state, _ = ckpt.restore(step, state_lib.checkpointed(abstract))
+  return state
+
+
+@pytest.fixture(scope="session")
+def run_state() -> Callable[..., state_lib.TrainState]:
+  """`restore_run_state` above: a checkpoint of a trainer workdir, restored in process."""
+  return restore_run_state
 
 
 # ----------------------------------------------------------------------------- TensorBoard

@@ -1,6 +1,6 @@
 """Evaluation: pass@k / maj@k math against brute force and hand values, a run's params restored
-from its checkpoint, evaluate on a trained run (the CLI) and on a Hugging Face directory, the clear
-error when there is nothing to evaluate, and the difficulty CLI round trip."""
+from its checkpoint, evaluate on a trained run (the CLI; also a LoRA run) and on a Hugging Face
+directory, the clear error when there is nothing to evaluate, and the difficulty CLI round trip."""
 
 import itertools
 import json
@@ -24,6 +24,7 @@ from ebpo_jax.evaluate import (
   problem_metrics,
   sample_counts,
 )
+from ebpo_jax.models import lora
 from ebpo_jax.trainer import policy, rollouts
 from ebpo_jax.trainer import state as state_lib
 
@@ -176,6 +177,53 @@ def test_evaluate_cli_on_a_trainer_workdir_writes_eval_json(arith_run, tmp_path)
     assert metrics["overall"][f"pass@{k}"] == pytest.approx(brute)
   votes = [majority_correct(r["answers"], c) for r, c in zip(records, correct, strict=True)]
   assert metrics["overall"]["maj@4"] == pytest.approx(np.mean(votes))
+
+
+@pytest.mark.e2e
+def test_evaluate_cli_on_a_lora_run_gives_the_accuracy_the_trainer_logged(lora_run, tmp_path):
+  # The experiment's own config (runlocal: an SFT warm start, which a LoRA run refuses; the tool
+  # evaluates the run's adapters and warm-starts nothing) and the run's seed (the same eval rows).
+  workdir, _ = lora_run
+  result = cli(
+    "ebpo_jax.evaluate",
+    f"--config={CONFIG}:runlocal",
+    f"--workdir={tmp_path}",
+    f"--run_dir={workdir}",
+    "--config.seed=1",
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  saved = json.loads((tmp_path / "eval.json").read_text())
+  assert saved["params"]["step"] == 4 and saved["greedy"] and saved["num_problems"] == 16
+  lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+  logged = [m for m in lines if "eval/accuracy" in m][-1]
+  assert logged["step"] == 4
+  metrics = saved["metrics"]
+  assert metrics["overall"]["avg@1"] == pytest.approx(logged["eval/accuracy"])
+  for cluster in ("add_1", "add_2"):
+    got = metrics["by_cluster"][cluster]["avg@1"]
+    assert got == pytest.approx(logged[f"eval/accuracy/{cluster}"]), cluster
+
+
+@pytest.mark.e2e  # reads lora_run's checkpoints (in process)
+def test_a_lora_runs_policy_is_its_adapters_on_the_base_it_trained(
+  lora_run, lora_overrides, arith_config, run_state
+):
+  # evaluate's and export's path (policy.load_policy) under a config whose seed is not the run's:
+  # the base of a random-init LoRA run comes from the run's seed, as the resumed trainer builds it.
+  workdir, _ = lora_run
+  config, step = policy.policy_config(arith_config(), str(workdir), None)
+  assert step == 4 and config.seed != lora_overrides["seed"]
+  mesh = sharding.make_mesh(dict(config.mesh))
+  tokenizer = state_lib.load_tokenizer(config, tasks.from_config(config.task))
+  model, params, _ = policy.load_policy(config, tokenizer, mesh, str(workdir), step)
+  run_config = arith_config(lora_overrides)
+  trained = run_state(workdir, run_config, 4).params
+  want = lora.combine(trained, policy.lora_base(run_config, model, mesh))
+  assert jax.tree.structure(params) == jax.tree.structure(want)
+  for got, ref in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
+  b = trained["layers"]["self_attn"]["q_proj"][lora.B_NAME]
+  assert np.abs(np.asarray(b)).max() > 1e-3  # trained: not the fresh B = 0
 
 
 def test_nothing_to_evaluate_is_one_clear_error(arith_config, tmp_path):

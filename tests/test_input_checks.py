@@ -38,6 +38,7 @@ BAD_VALUES = [
   ({"sampling.top_k": -1}, "config.sampling.top_k=-1: must be >= 0"),
   ({"rl.loss.kl_coef": -1.0}, "config.rl.loss.kl_coef=-1.0: must be >= 0"),
   ({"model.dtype": "float8"}, "config.model.dtype='float8': must be one of"),
+  ({"model.lora.dropout": 1.0}, "config.model.lora.dropout=1.0: must lie in [0, 1)"),
   (
     {"rewards.fns": "math_verify, 0.5*no_such_module:f"},
     "config.rewards.fns='math_verify, 0.5*no_such_module:f': reward 'f': cannot import "
@@ -58,6 +59,16 @@ def test_bad_config_value_is_one_line_naming_the_key(arith_config, overrides, me
   with pytest.raises(config_lib.ConfigError) as error:
     config_lib.check_config(arith_config(overrides), num_devices=8)
   assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_lora_refuses_a_warm_start_in_training_only(arith_config):
+  # A LoRA run warm-starts nothing; evaluate reads a LoRA run's adapters under the experiment's
+  # own config (whose SFT steps it ignores), so only the trainer's check refuses the pair.
+  config = arith_config({"model.lora.rank": 4, "sft.num_steps": 5})
+  config_lib.check_config(config, num_devices=8)
+  with pytest.raises(config_lib.ConfigError, match=r"^config.sft.num_steps=5: must be 0 with LoRA"):
+    config_lib.check_training(config)
+  config_lib.check_training(arith_config({"model.lora.rank": 4, "sft.num_steps": 0}))
 
 
 def test_bad_input_exits_with_status_2_and_one_line(capsys):

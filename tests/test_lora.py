@@ -114,3 +114,25 @@ def test_bad_lora_settings_are_rejected():
   with pytest.raises(ValueError, match="unknown or no LoRA targets"):
     lora.parse_targets("q,proj")
   assert lora.parse_targets(" q, down ") == ("q", "down")
+
+
+def test_dropout_acts_only_in_an_apply_given_its_rng():
+  # The trainer passes the dropout stream to the policy-gradient loss's forward alone: without it
+  # (sampling, evaluation) a dropout model is the plain adapted model, bit for bit; with it, rate 0
+  # changes nothing and rate 0.5 changes the logits, the same for the same key (exact resume).
+  params = _perturb_b(_params(LORA))
+  ids, positions, mask = _inputs()
+  dropout = dataclasses.replace(LORA, lora_dropout=0.5)
+
+  @jax.jit
+  def forwards(key):  # one compile for the four applies
+    apply = lambda c, **kw: Decoder(c).apply({"params": params}, ids, positions, mask, **kw)
+    rngs = {lora.DROPOUT_RNG: key}
+    return apply(LORA), apply(dropout), apply(LORA, rngs=rngs), apply(dropout, rngs=rngs)
+
+  want, sampled, rate_0, train = forwards(jax.random.key(0))
+  np.testing.assert_array_equal(sampled, want)
+  np.testing.assert_array_equal(rate_0, want)
+  assert np.abs(np.asarray(train - want)).max() > 1e-3
+  np.testing.assert_array_equal(forwards(jax.random.key(0))[3], train)
+  assert np.abs(np.asarray(forwards(jax.random.key(1))[3] - train)).max() > 1e-3

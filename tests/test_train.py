@@ -1,5 +1,6 @@
 """The trainer end to end on the tiny arithmetic config (as a process: nothing imports
-ebpo_jax.train): CLI, metrics, resume, SIGTERM, 1 device == 8, bad input, the non-finite policy.
+ebpo_jax.train): CLI, metrics, resume (also under LoRA), SIGTERM, 1 device == 8, bad input, the
+non-finite policy.
 Config and data errors are also checked in process, before anything compiles."""
 
 import contextlib
@@ -10,6 +11,8 @@ import re
 import signal
 import time
 
+import jax
+import numpy as np
 import pytest
 
 from ebpo_jax import checkpoint, data
@@ -140,6 +143,43 @@ def test_kill_9_and_sigterm_at_four_moments_then_resume_equals_a_straight_run(
   assert finished.returncode == 0, finished.stderr[-3000:]
   assert "] resuming from step 3\n" in finished.stderr  # the banner says so
   assert comparable(read(tmp_path)) == comparable(read(reference))
+
+
+@pytest.mark.e2e
+def test_a_lora_run_stopped_and_resumed_equals_a_straight_run(
+  lora_run, lora_overrides, arith_config, run_state, module_cli, trainer_cli, tmp_path
+):
+  # lora_run's LoRA run (a KL term to the base, adapter dropout) stopped by SIGTERM after the
+  # training line of step 2 (it saves checkpoint 2 and exits 143), then resumed to step 4 with the
+  # base rebuilt from the seed: its metrics equal the straight run's, line for line, and its last
+  # checkpoint (adapters, their Adam moments, prior, rng) the straight run's, bit for bit.
+  reference, _ = lora_run
+  overrides = [f"--config.{k}={v}" for k, v in lora_overrides.items()]
+  overrides.append("--config.train.num_steps=4")
+  args = ("--config=configs/arith_ebpo.py:runlocal", f"--workdir={tmp_path}", *overrides)
+  stopped = module_cli("tests/killed_trainer.py", "term:2", *args)
+  assert stopped.returncode == 143, stopped.stderr[-3000:]
+  assert [m["step"] for m in read(tmp_path)] == [0, 1, 2]
+  finished = trainer_cli(tmp_path, *overrides)
+  assert finished.returncode == 0, finished.stderr[-3000:]
+  assert "] resuming from step 2\n" in finished.stderr
+  assert comparable(read(tmp_path)) == comparable(read(reference))
+  config = arith_config(lora_overrides)
+  ours, straight = run_state(tmp_path, config, 4), run_state(reference, config, 4)
+  assert ours.base is None and ours.ref_params is None  # neither is in a checkpoint
+  for name in ("step", "params", "opt_state", "prior", "rng", "bad_steps"):
+    a, b = getattr(ours, name), getattr(straight, name)
+    assert jax.tree.structure(a) == jax.tree.structure(b), name
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=name)
+  # The checkpoint's arrays of rank >= 2 are the adapters (A and B of 7 projections) and their
+  # two Adam moments: no base weight (kernel, embedding, norm) is saved.
+  with checkpoint.Checkpointer(tmp_path / "checkpoints", read_only=True) as ckpt:
+    saved = ckpt.saved_arrays(4)
+  weights = [path for path, (shape, _) in saved.items() if len(shape) >= 2]
+  assert len(weights) == 3 * 14, weights
+  assert all(path.endswith(("['lora_a']", "['lora_b']")) for path in weights), weights
+  assert not any("kernel" in path or "embed" in path or "norm" in path for path in saved)
 
 
 @pytest.mark.e2e

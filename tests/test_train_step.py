@@ -1,6 +1,9 @@
-"""train_step in process: gradient accumulation, the prior in the carry, the non-finite policy."""
+"""train_step in process: gradient accumulation, the prior in the carry, the non-finite policy;
+LoRA: only adapters train; 8 sharded devices equal 1; adapter dropout in the training forward only.
+"""
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -11,6 +14,7 @@ import pytest
 from ebpo_jax import sampling
 from ebpo_jax.models import Decoder, ModelConfig, lora
 from ebpo_jax.trainer import state as state_lib
+from ebpo_jax.trainer import step as step_lib
 
 
 def test_gradient_accumulation_does_not_change_the_update(tiny_step, tiny_steps):
@@ -156,3 +160,86 @@ def test_lora_optimizer_state_is_small_on_the_smollm2_shape(tiny_steps):
   adapters = opt_bytes(rank8, state_lib.make_optimizer(config))
   assert full > 8 * 134e6  # Adam's two float32 moments of ~135M params
   assert adapters < 0.02 * full
+
+
+LORA = {"model.lora.rank": 4, "rl.loss.kl_coef": 0.1}
+
+
+def _spec(x) -> tuple:
+  return tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
+
+
+@pytest.mark.e2e  # in process, but two compiles of the step (8 devices, 1)
+def test_a_sharded_lora_step_on_8_devices_equals_1(tiny_steps):
+  # fsdp=4 x tensor=2, so that both adapter halves are split: A on the kernel's input axis, B on
+  # its output axis, the rank dim replicated (models/lora.py); the base as a full run's kernels.
+  eight = tiny_steps({**LORA, "mesh.fsdp": 4, "mesh.tensor": 2})
+  one = tiny_steps(LORA, num_devices=1)
+  state8, state1 = eight.fresh_state(), one.fresh_state()
+  attn, mlp = state8.params["layers"]["self_attn"], state8.params["layers"]["mlp"]
+  assert _spec(attn["q_proj"][lora.A_NAME]) == (None, "fsdp", None)  # [layers, embed, r]
+  assert _spec(attn["q_proj"][lora.B_NAME]) == (None, None, "tensor")  # [layers, r, heads*dim]
+  assert _spec(attn["o_proj"][lora.A_NAME]) == (None, "tensor", None)  # [layers, heads*dim, r]
+  assert _spec(attn["o_proj"][lora.B_NAME]) == (None, None, "fsdp")  # [layers, r, embed]
+  assert _spec(mlp["down_proj"][lora.A_NAME]) == (None, "tensor", None)  # [layers, mlp, r]
+  q_kernel = state8.base["layers"]["self_attn"]["q_proj"]["kernel"]
+  assert _spec(q_kernel) == (None, "fsdp", "tensor", None)  # [layers, embed, heads, head_dim]
+  mu = state8.opt_state[1][0].mu  # Adam's moments lie as their adapters
+  assert _spec(mu["layers"]["self_attn"]["q_proj"][lora.A_NAME]) == (None, "fsdp", None)
+  # Two steps: the second has B != 0, so A's gradients and the KL to the base are not zero.
+  for seed in (0, 1):
+    state8, metrics8 = eight(eight.batch(seed), state8)
+    state1, metrics1 = one(one.batch(seed), state1)
+    for key in ("loss", "grad_norm", "kl", "entropy", "ratio_mean"):
+      np.testing.assert_allclose(metrics8[key], metrics1[key], rtol=1e-5, atol=1e-8, err_msg=key)
+  assert float(metrics8["kl"]) > 1e-9
+  for name in ("params", "opt_state", "prior"):
+    got, want = getattr(state8, name), getattr(state1, name)
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7, err_msg=name)
+  assert _spec(state8.params["layers"]["self_attn"]["q_proj"][lora.B_NAME]) == (
+    None,
+    None,
+    "tensor",
+  )
+
+
+def _on_policy(step, state, batch: dict) -> dict:
+  """`batch` with old_logps the policy's own (as the sampler computes them: no dropout)."""
+  seqs = sampling.build_sequences(
+    batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["completion_mask"], step.G
+  )
+  logprobs = jax.jit(functools.partial(step_lib.completion_logprobs, step.model))
+  logps = logprobs(state_lib.policy_params(state), seqs)
+  return {**batch, "old_logps": np.asarray(logps)}
+
+
+def test_lora_dropout_is_in_the_training_forward_only(tiny_steps):
+  plain = tiny_steps(LORA)
+  dropped = tiny_steps({**LORA, "model.lora.dropout": 0.5})
+  state = plain.fresh_state()
+  # B = 0.1 noise, as after training: the adapters act, so dropping their inputs shows.
+  keys = iter(jax.random.split(jax.random.key(2), len(jax.tree.leaves(state.params))))
+  trained = jax.tree_util.tree_map_with_path(
+    lambda p, x: jax.device_put(0.1 * jax.random.normal(next(keys), x.shape), x.sharding)
+    if p[-1].key == lora.B_NAME else x,
+    state.params,
+  )  # fmt: skip
+  state = state.replace(params=trained)
+  batch = _on_policy(plain, state, plain.batch(1))  # as the sampler (no dropout) computes
+  # On-policy old_logps: the plain step's first PPO iteration has ratio 1; with dropout it does
+  # not (the training forward drops adapter inputs), and its update differs.
+  _, m_plain = plain(batch, state)
+  new_dropped, m_dropped = dropped(batch, state)
+  assert float(m_plain["approx_kl"]) < 1e-9
+  assert float(m_dropped["approx_kl"]) > 1e-6
+  assert float(m_dropped["loss"]) != float(m_plain["loss"])
+  # The masks come from the step's own key (state.rng, state.step): the same step again, as a
+  # resumed run would make it, is bit-identical.
+  again, m_again = dropped(batch, state)
+  for a, b in zip(jax.tree.leaves(new_dropped), jax.tree.leaves(again), strict=True):
+    np.testing.assert_array_equal(a, b)
+  assert float(m_again["loss"]) == float(m_dropped["loss"])
+  _, m_next = dropped(batch, state.replace(step=state.step + 1))  # the next step: other masks
+  assert float(m_next["loss"]) != float(m_dropped["loss"])

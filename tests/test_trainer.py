@@ -23,13 +23,15 @@ def _key_bytes(key: jax.Array) -> bytes:
 
 def test_no_two_uses_share_a_key():
   """Every key a run uses in its first steps (rollout, each refill round, the PPO shuffle, the
-  evaluation of each step, the sampler calls of a chunked rollout) is distinct. The old code's
-  first refill round reused the step's shuffle key, and its second the previous step's eval key."""
+  evaluation of each step, LoRA dropout, the sampler calls of a chunked rollout) is distinct. The
+  old code's first refill round reused the step's shuffle key, and its second the previous step's
+  eval key."""
   rng = jax.random.PRNGKey(0)
   used = {}
   for step in range(6):
     keys = state_lib.step_keys(rng, jnp.asarray(step, jnp.int32), 3)
     named = {"rollout": keys.rollout, "shuffle": keys.shuffle, "eval": keys.eval}
+    named["lora_dropout"] = keys.lora_dropout
     named.update({f"refill{r}": k for r, k in enumerate(keys.refill)})
     named.update({f"call{c}": k for c, k in enumerate(rollouts_lib._split_keys(keys.rollout, 4))})
     for name, key in named.items():

@@ -25,6 +25,9 @@ REMAT_POLICIES = {
 
 # The projections a LoRA adapter may sit on (`q` is `q_proj`, ...): models.lora.
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# The linen rng stream of the adapters' dropout: only an apply given it (the policy-gradient
+# loss's forward) drops; sampling, evaluation and the KL reference never pass it.
+LORA_DROPOUT = "lora_dropout"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +53,7 @@ class ModelConfig:
   lora_rank: int = 0  # LoRA adapters of this rank on lora_targets (models.lora); 0: none
   lora_alpha: float = 16.0  # adapter output scaled by lora_alpha / lora_rank
   lora_targets: tuple[str, ...] = LORA_TARGETS
+  lora_dropout: float = 0.0  # dropout rate of the adapters' input x, in applies given LORA_DROPOUT
 
   @property
   def attention_bias(self) -> bool:
@@ -76,6 +80,8 @@ class ModelConfig:
       raise ValueError(f"lora_rank={self.lora_rank} must be >= 0")
     if not set(self.lora_targets) <= set(LORA_TARGETS):
       raise ValueError(f"lora_targets={self.lora_targets!r}; expected any of {LORA_TARGETS}")
+    if not 0.0 <= self.lora_dropout < 1.0:
+      raise ValueError(f"lora_dropout={self.lora_dropout} must lie in [0, 1)")
     for name in ("dtype", "param_dtype"):
       jnp.dtype(getattr(self, name))  # raises on an unknown dtype name
     if self.rope_scaling is not None:

@@ -365,7 +365,7 @@ class Decoder(nn.Module):
     scanned = nn.scan(
       self._layer_cls(),
       variable_axes={"params": 0},
-      split_rngs={"params": True},
+      split_rngs={"params": True, lora.DROPOUT_RNG: True},  # each layer its own dropout masks
       in_axes=(nn.broadcast,),
       length=c.num_layers,
       metadata_params={nn.PARTITION_NAME: "layers"},

@@ -16,6 +16,10 @@ The trainer keeps the two halves apart (`split` / `combine`): only the adapters 
 checkpointed and carried in the optimizer state, and the frozen base is the KL reference, run by
 `base_model` (the same decoder without adapters): no second copy of the base. `merge` folds
 trained adapters into the kernels, for a merged export or a sampler without adapter matmuls.
+
+Dropout (`lora_dropout`, as PEFT's): each adapter's input is dropped out before A, only in an
+apply given the `DROPOUT_RNG` stream, which the trainer passes to the policy-gradient loss's
+forward alone; sampling, evaluation and the KL reference run the adapters whole.
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ebpo_jax.models.config import LORA_TARGETS, ModelConfig
+from ebpo_jax.models.config import LORA_DROPOUT, LORA_TARGETS, ModelConfig
 
 TARGETS = LORA_TARGETS
+DROPOUT_RNG = LORA_DROPOUT
 A_NAME, B_NAME = "lora_a", "lora_b"
 
 
@@ -57,7 +62,8 @@ def delta(
   """`(alpha / r) * (x A) B` reshaped to `out_shape`, declaring A and B on `module`.
 
   `shape`/`axes` are the base kernel's; its first `num_in` axes are the input (flattened, the
-  last axis of `x`), the rest the output.
+  last axis of `x`), the rest the output. With `config.lora_dropout > 0` and a `DROPOUT_RNG`
+  stream in the apply (the training loss's forward only), `x` is dropped out before A.
   """
   c = module.config
   r = c.lora_rank
@@ -68,6 +74,9 @@ def delta(
   a = module.param(A_NAME, a_init, (fan_in, r), jnp.float32)
   b = module.param(B_NAME, b_init, (r, fan_out), jnp.float32)
   dtype = jnp.dtype(c.dtype)
+  if c.lora_dropout > 0 and module.has_rng(DROPOUT_RNG):
+    keep = jax.random.bernoulli(module.make_rng(DROPOUT_RNG), 1.0 - c.lora_dropout, x.shape)
+    x = jnp.where(keep, x / (1.0 - c.lora_dropout), 0.0)
   low = jnp.einsum("...i,ir->...r", x.astype(dtype), a.astype(dtype))
   out = jnp.einsum("...r,ro->...o", low, b.astype(dtype)) * (c.lora_alpha / r)
   return out.reshape(out_shape).astype(dtype)

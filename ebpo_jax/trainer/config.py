@@ -308,7 +308,8 @@ def _check_counts_and_rates(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_lora(config: ml_collections.ConfigDict) -> None:
-  """model.lora.*: a rank >= 0, a positive alpha, known targets, no dropout, a known base dtype."""
+  """model.lora.*: a rank >= 0, a positive alpha, known targets, a dropout rate in [0, 1), a
+  known base dtype."""
   _require(config.model.lora.rank >= 0, config, "model.lora.rank", "must be >= 0 (0: no LoRA)")
   _require(config.model.lora.alpha > 0, config, "model.lora.alpha", "must be > 0")
   try:
@@ -316,12 +317,15 @@ def _check_lora(config: ml_collections.ConfigDict) -> None:
   except (ValueError, AttributeError) as e:
     raise ConfigError(f"config.model.lora.targets={config.model.lora.targets!r}: {e}") from None
   _require(
-    config.model.lora.dropout == 0.0,
-    config,
-    "model.lora.dropout",
-    "is not implemented yet: use 0.0",
+    0.0 <= config.model.lora.dropout < 1.0, config, "model.lora.dropout", "must lie in [0, 1)"
   )
   _choice(config, "model.lora.base_dtype", ("", *_DTYPES))
+
+
+def check_training(config: ml_collections.ConfigDict) -> None:
+  """The checks of a training run beyond `check_config`'s: those that the tools reading a run's
+  policy under their own config (evaluate, difficulty) must not make. LoRA refuses an SFT warm
+  start (a LoRA checkpoint holds adapters, never a warm-started base)."""
   _require(
     config.model.lora.rank == 0 or config.sft.num_steps == 0,
     config,

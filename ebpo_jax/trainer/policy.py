@@ -87,7 +87,10 @@ def load_policy(config, tokenizer, mesh, run_dir: str | None, step: int | None):
     params = run_params(run_dir, step, abstract)
   else:  # the checkpoint holds the adapters; the base is the run's, built as the run built it
     adapters = run_params(run_dir, step, models.lora.split(abstract)[0])
-    params = models.lora.combine(adapters, lora_base(config, model, mesh))
+    # A random-init base comes from the run's seed, which `config` (the tool's own) may not hold.
+    run_config = ml_collections.ConfigDict(config.to_dict())
+    run_config.seed = saved_config(run_dir, step).seed
+    params = models.lora.combine(adapters, lora_base(run_config, model, mesh))
   return model, params, {"kind": "checkpoint", "run_dir": files.abspath(run_dir), "step": step}
 
 

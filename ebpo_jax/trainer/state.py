@@ -65,16 +65,19 @@ class StepKeys(NamedTuple):
   refill: tuple[jax.Array, ...]  # DAPO refill round r (1, 2, ...) samples with refill[r - 1]
   shuffle: jax.Array  # mini-batch order of the PPO epochs (inside train_step)
   eval: jax.Array  # the evaluation logged at this step
+  lora_dropout: jax.Array  # the adapters' dropout masks in the step's updates (inside train_step)
 
 
 @functools.partial(jax.jit, static_argnums=2)
 def step_keys(rng: jax.Array, step: jax.Array, num_refill_rounds: int = 0) -> StepKeys:
   """The keys of step `step` (a device scalar, e.g. `state.step`): `fold_in(rng, step)` split
-  once into the four streams. The one derivation of a step's keys, for the host loop and inside
+  once into the five streams. The one derivation of a step's keys, for the host loop and inside
   train_step alike."""
-  rollout, refill, shuffle, eval_key = jax.random.split(jax.random.fold_in(rng, step), 4)
+  # The first four are those of a split in four (threefry's split is counter-based): the streams
+  # that existed before lora_dropout kept their keys.
+  rollout, refill, shuffle, eval_key, dropout = jax.random.split(jax.random.fold_in(rng, step), 5)
   refill_keys = tuple(jax.random.split(refill, max(num_refill_rounds, 1)))
-  return StepKeys(rollout, refill_keys, shuffle, eval_key)
+  return StepKeys(rollout, refill_keys, shuffle, eval_key, dropout)
 
 
 # ----------------------------------------------------------------------------- model
@@ -149,6 +152,7 @@ def _with_lora(model_config: models.ModelConfig, lc: ml_collections.ConfigDict):
     lora_rank=lc.rank,
     lora_alpha=float(lc.alpha),
     lora_targets=models.lora.parse_targets(lc.targets),
+    lora_dropout=float(lc.dropout),
     param_dtype=lc.base_dtype or model_config.param_dtype,
   )
 

@@ -46,13 +46,17 @@ def abstract_batch(
   return {k: jax.ShapeDtypeStruct(s, t, sharding=sharding) for k, (s, t) in shapes.items()}
 
 
-def completion_logits(model: models.Decoder, params: Any, seqs: dict) -> jax.Array:
-  """Logits [R, N, V] that predict the N completion tokens."""
+def completion_logits(
+  model: models.Decoder, params: Any, seqs: dict, dropout_key: jax.Array | None = None
+) -> jax.Array:
+  """Logits [R, N, V] that predict the N completion tokens; with `dropout_key`, the LoRA
+  adapters' inputs are dropped out (`model.lora.dropout`: the training forward only)."""
   logits = model.apply(
     {"params": params},
     seqs["input_ids"],
     positions=seqs["positions"],
     attention_mask=seqs["attention_mask"],
+    rngs=None if dropout_key is None else {models.lora.DROPOUT_RNG: dropout_key},
   )
   n = seqs["targets"].shape[1]
   return logits[:, -n - 1 : -1]
@@ -74,12 +78,15 @@ def _reference_logps(model, ref_params, seqs: dict, micro_rows: int, mesh) -> ja
   return jax.lax.map(one, chunks).reshape(seqs["targets"].shape)
 
 
-def _loss_fn(params, mb, *, model, loss_cfg, num_tokens, num_seqs, base=None, mesh=None):
+def _loss_fn(
+  params, mb, dropout_key, *, model, loss_cfg, num_tokens, num_seqs, base=None, mesh=None
+):
   """The policy loss of a micro-batch as a function of the trained params only: under LoRA
-  (`base` given) the adapters, so no weight gradient of the frozen base is ever computed."""
+  (`base` given) the adapters, so no weight gradient of the frozen base is ever computed.
+  `dropout_key`: the micro-batch's LoRA dropout key, or None (no dropout)."""
   mb = sharding.constrain_rows(mb, mesh)
   full = params if base is None else models.lora.combine(params, base)
-  logits = completion_logits(model, full, mb)
+  logits = completion_logits(model, full, mb, dropout_key)
   return losses.policy_loss(
     losses.token_logprobs(logits, mb["targets"]),
     mb["old_logps"],
@@ -100,8 +107,9 @@ def _loss_fn(params, mb, *, model, loss_cfg, num_tokens, num_seqs, base=None, me
   )
 
 
-def _accumulated_grads(params, mini: dict, *, num_micro: int, loss_fn):
-  """Gradients of a mini-batch summed over micro-batches (the loss is normalised globally)."""
+def _accumulated_grads(params, mini: dict, dropout_key, *, num_micro: int, loss_fn):
+  """Gradients of a mini-batch summed over micro-batches (the loss is normalised globally);
+  `dropout_key` (or None) is split into one key per micro-batch."""
   num_tokens = mini["loss_mask"].sum()
   num_seqs = mini["loss_mask"].shape[0]
   micro = jax.tree.map(lambda x: x.reshape(num_micro, -1, *x.shape[1:]), mini)
@@ -109,12 +117,14 @@ def _accumulated_grads(params, mini: dict, *, num_micro: int, loss_fn):
     functools.partial(loss_fn, num_tokens=num_tokens, num_seqs=num_seqs), has_aux=True
   )
 
-  def body(acc, mb):
-    (loss, aux), grads = grad_fn(params, mb)
+  micro_keys = None if dropout_key is None else jax.random.split(dropout_key, num_micro)
+
+  def body(acc, mb_and_key):
+    (loss, aux), grads = grad_fn(params, *mb_and_key)
     return jax.tree.map(jnp.add, acc, (loss, grads)), aux
 
   zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-  (loss, grads), aux = jax.lax.scan(body, zeros, micro)
+  (loss, grads), aux = jax.lax.scan(body, zeros, (micro, micro_keys))
   return loss, grads, jax.tree.map(jnp.sum, aux)  # each chunk holds its share of the total
 
 
@@ -166,16 +176,22 @@ def train_step(
   elif state.base is not None and rl.loss.kl_coef > 0:  # LoRA: the base, without the adapters
     base_model = models.lora.base_model(model)
     seqs["ref_logps"] = _reference_logps(base_model, state.base, seqs, micro_rows, mesh)
-  shuffle_key = step_keys(state.rng, state.step).shuffle
-  order = _update_order(shuffle_key, seqs["adv"].shape[0], mini_rows, rl.num_iterations)
+  keys = step_keys(state.rng, state.step)
+  order = _update_order(keys.shuffle, seqs["adv"].shape[0], mini_rows, rl.num_iterations)
+  # LoRA dropout: one key per update (each split per micro-batch), from the step's own stream, so
+  # a resumed run drops the same inputs; none at all when off (the step is then exactly as before).
+  dropout_keys = None
+  if config.model.lora.rank > 0 and config.model.lora.dropout > 0:
+    dropout_keys = jax.random.split(keys.lora_dropout, order.shape[0])
   loss_fn = functools.partial(_loss_fn, model=model, loss_cfg=rl.loss, base=state.base, mesh=mesh)
   schedule = learning_rate_schedule(config)
 
-  def update(carry, idx):
+  def update(carry, idx_and_key):
     params, opt_state = carry
+    idx, dropout_key = idx_and_key
     mini = jax.tree.map(lambda x: jnp.take(x, idx, axis=0), seqs)
     loss, grads, aux = _accumulated_grads(
-      params, mini, num_micro=mini_rows // micro_rows, loss_fn=loss_fn
+      params, mini, dropout_key, num_micro=mini_rows // micro_rows, loss_fn=loss_fn
     )
     grad_norm = optax.global_norm(grads)
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
@@ -191,7 +207,8 @@ def train_step(
       **aux,
     }
 
-  (params, opt_state), upd = jax.lax.scan(update, (state.params, state.opt_state), order)
+  carry = (state.params, state.opt_state)
+  (params, opt_state), upd = jax.lax.scan(update, carry, (order, dropout_keys))
   bad = upd.pop("bad")
   metrics = {k: v.mean() for k, v in upd.items()}
   metrics[metrics_lib.BAD_UPDATES] = bad.sum()
