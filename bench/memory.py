@@ -124,9 +124,11 @@ def most_prompts(
 
 
 def _group(arg: str) -> tuple[str, int]:
-  """The model x G (x runlocal) part of a paper.py argument, and G."""
-  model, _, group_size, runlocal = load_paper().parse_arg(arg)
-  return f"{model},g{group_size}" + (",runlocal" if runlocal else ""), group_size
+  """The model x G (x LoRA rank, x runlocal) part of a paper.py argument, and G: what the sampler
+  program depends on (LoRA adds the adapters' matmuls to it)."""
+  v = load_paper().parse_arg(arg)
+  lora = f",lora{v.lora_rank}" if v.lora_rank else ""
+  return f"{v.model},g{v.group_size}{lora}" + (",runlocal" if v.runlocal else ""), v.group_size
 
 
 def sweep(args, tpu: tpu_lib.Slice) -> list[dict]:
