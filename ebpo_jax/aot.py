@@ -412,6 +412,13 @@ def describe(report: dict) -> str:
       f"x{p['loop_factor_bytes']:.0f} bytes by trip counts); roofline {p['roofline_s']:.2f} s, "
       f"{p['bound']}-bound; compiled in {p['compile_s']:.0f} s"
     )
+  train = report["train_step"]
+  if "params_bytes" in train:
+    lines.append(
+      f"train state per chip: trained params {_gb(train['params_bytes'])} + optimizer state "
+      f"{_gb(train['opt_state_bytes'])} + KL reference {_gb(train['ref_params_bytes'])} + "
+      f"frozen LoRA base {_gb(train['base_bytes'])} (+ prior, counters)"
+    )
   if "rl_step_roofline_s" in report:
     lines.append(
       f"RL step roofline: {report['rl_step_roofline_s']:.0f} s (train step + "
