@@ -33,9 +33,9 @@ which carries little information per episode, so a small rank suffices; change i
 `--config.model.lora.rank=64`. The frozen base is stored in bfloat16 (no float32 master copy: it
 is never updated), also on a CPU, where its kernels are cast to the float32 compute dtype as they
 are used: sound (the sampler and the trainer read the same rounded base, so the first PPO ratio
-is 1 up to rounding), half the base's memory, and a forward + backward of runlocal's shapes about 13%
-slower than a float32 base (`--config.model.lora.base_dtype=float32`). The KL reference is that
-base with the adapters off; checkpoints hold the adapters.
+is 1 up to rounding), half the base's memory, and a forward + backward of runlocal's shapes about
+13% slower than a float32 base (`--config.model.lora.base_dtype=float32`). The KL reference is
+that base with the adapters off; checkpoints hold the adapters.
 """
 
 import importlib.util
