@@ -3,6 +3,7 @@
     python bench/memory.py --results=/tmp/memory.jsonl        # every model x method at G = 4, 32
     python bench/memory.py --results=/tmp/memory.jsonl --write=/tmp/tables.md  # + the tables
     python bench/memory.py --configs="qwen3_8b,dapo,g32" --results=/tmp/one.jsonl  # some rows
+    python bench/memory.py --configs="qwen3_8b,grpo,g4,lora32" --results=/tmp/lora.jsonl  # LoRA
     python bench/memory.py --results=/tmp/memory.jsonl --tables_only  # the tables; no compiles
     python bench/memory.py --quick            # CI smoke run: a runlocal config on v5p:2x2x1
 
