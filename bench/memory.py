@@ -3,6 +3,7 @@
     python bench/memory.py --results=/tmp/memory.jsonl        # every model x method at G = 4, 32
     python bench/memory.py --results=/tmp/memory.jsonl --write=/tmp/tables.md  # + the tables
     python bench/memory.py --configs="qwen3_8b,dapo,g32" --results=/tmp/one.jsonl  # some rows
+    python bench/memory.py --configs="qwen3_8b,grpo,g4,lora32" --results=/tmp/lora.jsonl  # LoRA
     python bench/memory.py --results=/tmp/memory.jsonl --tables_only  # the tables; no compiles
     python bench/memory.py --quick            # CI smoke run: a runlocal config on v5p:2x2x1
 
@@ -124,9 +125,11 @@ def most_prompts(
 
 
 def _group(arg: str) -> tuple[str, int]:
-  """The model x G (x runlocal) part of a paper.py argument, and G."""
-  model, _, group_size, runlocal = load_paper().parse_arg(arg)
-  return f"{model},g{group_size}" + (",runlocal" if runlocal else ""), group_size
+  """The model x G (x LoRA rank, x runlocal) part of a paper.py argument, and G: what the sampler
+  program depends on (LoRA adds the adapters' matmuls to it)."""
+  v = load_paper().parse_arg(arg)
+  lora = f",lora{v.lora_rank}" if v.lora_rank else ""
+  return f"{v.model},g{v.group_size}{lora}" + (",runlocal" if v.runlocal else ""), v.group_size
 
 
 def sweep(args, tpu: tpu_lib.Slice) -> list[dict]:

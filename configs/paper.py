@@ -1,6 +1,6 @@
 """The EBPO paper's runs (arXiv 2602.05165): three models x six methods x four group sizes.
 
-  --config=configs/paper.py:MODEL,METHOD[,gN][,runlocal]
+  --config=configs/paper.py:MODEL,METHOD[,gN][,loraR][,runlocal]
 
   MODEL   qwen3_8b | qwen3_14b | llama31_8b
   METHOD  ebpo_topic  EBPO, a prior per topic cluster, batches in clustered sequences
@@ -8,6 +8,8 @@
           ebpo_diff   EBPO, one global running prior, one epoch ordered easy -> hard (curriculum)
           grpo | dr_grpo | dapo   the paper's baselines
   gN      group size G in {4, 8, 16, 32}; default 4 (the paper's default)
+  loraR   LoRA at rank R (not the paper's: it trains all weights), e.g. lora32: adapters on all
+          seven projections, alpha 32, lr 1e-5, the frozen base in bfloat16 (see LORA below)
   runlocal  the same method on a 2-layer random-init model of the same architecture (head layout,
             qk-norm, untied head, MLP ratio): one RL step on integer arithmetic, seconds on a CPU
 
@@ -42,10 +44,19 @@ Why the mesh, dtypes, remat and micro-batch (sized for a v5p-64-class slice, 32 
 bench/RESULTS.md, "configs/paper.py"; the compiled numbers are in bench/MEMORY.md.
 
 Runlocal: 8 fake CPU devices as fsdp x tensor = 4 x 2.
+
+LORA (`loraR`; README "LoRA"): everything else is the paper's recipe. alpha is fixed at 32 as in
+"LoRA Without Regret" (Schulman et al., Thinking Machines 2025), whose 1/r-scaled adapters then
+want about the same learning rate at every rank, about 10x full fine-tuning's: 1e-5 for the
+paper's 1e-6. It found ranks 1-64 match full fine-tuning in policy-gradient RL (little information
+per episode); 32 is a safe middle. The base is frozen, so it needs no float32 master copy: it is
+stored in bfloat16, the compute dtype, and the KL reference is that same base with the adapters
+off (no copy). Per-chip memory with LoRA: bench/MEMORY.md, "LoRA".
 """
 
 import importlib.util
 import pathlib
+from typing import NamedTuple
 
 import ml_collections
 
@@ -100,6 +111,8 @@ MODELS = {  # the checkpoints' config.json values
 METHODS = ("ebpo_topic", "ebpo_naive", "ebpo_diff", "grpo", "dr_grpo", "dapo")
 GROUP_SIZES = (4, 8, 16, 32)
 TARGET_DEVICES = 32  # a v5p-64-class slice: 32 chips
+LORA_ALPHA = 32.0  # LoRA Without Regret's alpha: the best learning rate is then rank-independent
+LORA_LEARNING_RATE = 1e-5  # 10x the paper's 1e-6 (LoRA Without Regret: LoRA wants ~10x full FT)
 
 # DAPO-Math-17K: about 17.4K distinct prompts; one epoch at 512 prompts per step.
 PROMPTS_PER_EPOCH = 17_398
@@ -109,13 +122,23 @@ MAX_PROMPT = 4096  # EBPO.md: max prompt 4096 tokens
 # DAPO's overlong buffer: 4,096 of its 20,480-token maximum; the same fifth of ours.
 OVERLONG_BUFFER = MAX_RESPONSE * 4096 // 20_480
 
-_USAGE = "expected MODEL,METHOD[,gN][,runlocal], e.g. qwen3_8b,ebpo_topic,g16"
+_USAGE = "expected MODEL,METHOD[,gN][,loraR][,runlocal], e.g. qwen3_8b,ebpo_topic,g16"
 
 
-def parse_arg(arg: str | None) -> tuple[str, str, int, bool]:
-  """`"MODEL,METHOD[,gN][,runlocal]"` -> (model, method, G, runlocal); errors name the part.
-  (`common.parse_arg` also takes the named form, `model=qwen3_8b,method=grpo,g=8`.)"""
-  parts = common.parse_arg(arg, model="", method="", g=4, runlocal=False)  # EBPO.md: G = 4
+class Variant(NamedTuple):
+  """A parsed argument of this file."""
+
+  model: str
+  method: str
+  group_size: int
+  runlocal: bool
+  lora_rank: int  # 0: full fine-tuning (the paper)
+
+
+def parse_arg(arg: str | None) -> Variant:
+  """`"MODEL,METHOD[,gN][,loraR][,runlocal]"` -> Variant; errors name the part. (`common.parse_arg`
+  also takes the named form, `model=qwen3_8b,method=grpo,g=8,lora=32`.)"""
+  parts = common.parse_arg(arg, model="", method="", g=4, lora=0, runlocal=False)  # EBPO.md: G=4
   if not (parts.model and parts.method):
     raise ValueError(f"configs/paper.py: argument {arg!r}: {_USAGE}")
   if parts.model not in MODELS:
@@ -128,17 +151,29 @@ def parse_arg(arg: str | None) -> tuple[str, str, int, bool]:
   if parts.g not in GROUP_SIZES:
     sizes = ", ".join(f"g{g}" for g in GROUP_SIZES)
     raise ValueError(f"configs/paper.py: unknown group size g{parts.g} in {arg!r} (known: {sizes})")
-  return parts.model, parts.method, parts.g, parts.runlocal
+  if parts.lora < 0:
+    raise ValueError(f"configs/paper.py: LoRA rank lora{parts.lora} in {arg!r}: must be >= 1")
+  return Variant(parts.model, parts.method, parts.g, parts.runlocal, parts.lora)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  """The config of `arg` = "MODEL,METHOD[,gN][,runlocal]" (see the module docstring)."""
-  model, method, group_size, runlocal = parse_arg(arg)
-  config = _paper_recipe(model, group_size)
-  _apply_method(config, model, method)
-  if runlocal:
-    _make_local(config, model, method)
+  """The config of `arg` = "MODEL,METHOD[,gN][,loraR][,runlocal]" (see the module docstring)."""
+  variant = parse_arg(arg)
+  config = _paper_recipe(variant.model, variant.group_size)
+  _apply_method(config, variant.model, variant.method)
+  if variant.lora_rank:
+    _apply_lora(config, variant.lora_rank)
+  if variant.runlocal:
+    _make_local(config, variant.model, variant.method)
   return config
+
+
+def _apply_lora(config: ml_collections.ConfigDict, rank: int) -> None:
+  """LoRA adapters at `rank` on every projection (module docstring, LORA)."""
+  lc = config.model.lora
+  lc.rank, lc.alpha, lc.targets = rank, LORA_ALPHA, "q,k,v,o,gate,up,down"
+  lc.base_dtype = "bfloat16"  # frozen: no float32 master copy needed; the compute dtype
+  config.train.learning_rate = LORA_LEARNING_RATE
 
 
 def _paper_recipe(model: str, group_size: int) -> ml_collections.ConfigDict:

@@ -169,7 +169,8 @@ def make_target(config: ml_collections.ConfigDict, tpu: Slice, prompt_len: int =
         f"config.model.path={mc.path!r} is not a model directory on this machine: set "
         f"config.model.vocab_size (with the shape keys) to compile its shape"
       )
-    model = models.Decoder(state_lib.random_init_config(mc, mc.vocab_size))
+    model_config = state_lib.random_init_config(mc, mc.vocab_size)
+    model = models.Decoder(state_lib.with_lora(model_config, mc.lora))
     tokenizer = None
   else:
     task, rows, cluster_names, _ = task_rows.load_task_and_rows(config)
@@ -188,6 +189,16 @@ def _shard_bytes(tree: Any) -> int:
   """Bytes of one device's shards of an abstract sharded tree."""
   leaves = jax.tree.leaves(tree)
   return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
+
+
+def state_bytes(state: state_lib.TrainState) -> dict[str, int]:
+  """Bytes per chip of an abstract sharded TrainState, by part: `params` (the trained weights:
+  under LoRA the adapters), `opt_state` (Adam's moments of those), `ref_params` (the KL
+  reference copy; 0 under LoRA), `base` (LoRA's frozen base; 0 otherwise) and `total`."""
+  parts = {
+    k: _shard_bytes(getattr(state, k)) for k in ("params", "opt_state", "ref_params", "base")
+  }
+  return {**parts, "total": _shard_bytes(state)}
 
 
 def _memory(compiled) -> dict:
@@ -269,7 +280,9 @@ def train_step_program(target: Target) -> Program:
   batch = abstract_batch(config, prompt_len, sharding.batch_sharding(mesh))
   step = jit_train_step(config, target.model, optimizer, estimator, mesh, shardings)
   traced = step.trace(state, batch)
-  extra = {"state_bytes": _shard_bytes(state), "batch_bytes": _shard_bytes(batch)}
+  parts = state_bytes(state)
+  extra = {"state_bytes": parts.pop("total"), "batch_bytes": _shard_bytes(batch)}
+  extra.update({f"{k}_bytes": v for k, v in parts.items()})  # trained vs frozen, per chip
   return Program(traced.lower(), count_dots(traced.jaxpr.jaxpr, while_trips=1), extra)
 
 
@@ -398,6 +411,13 @@ def describe(report: dict) -> str:
       f"compiler counts loop bodies once: x{p['loop_factor_flops']:.0f} FLOPs, "
       f"x{p['loop_factor_bytes']:.0f} bytes by trip counts); roofline {p['roofline_s']:.2f} s, "
       f"{p['bound']}-bound; compiled in {p['compile_s']:.0f} s"
+    )
+  train = report["train_step"]
+  if "params_bytes" in train:
+    lines.append(
+      f"train state per chip: trained params {_gb(train['params_bytes'])} + optimizer state "
+      f"{_gb(train['opt_state_bytes'])} + KL reference {_gb(train['ref_params_bytes'])} + "
+      f"frozen LoRA base {_gb(train['base_bytes'])} (+ prior, counters)"
     )
   if "rl_step_roofline_s" in report:
     lines.append(

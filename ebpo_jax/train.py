@@ -112,6 +112,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, name: str = "") -> d
   banner_lib.log_startup(
     mesh=mesh,
     num_params=banner_lib.count_params(abstract_params),
+    lora_rank=config.model.lora.rank,
+    trained_params=banner_lib.count_adapters(abstract_params),
     workdir=workdir,
     config=name,
     resume_step=latest,

@@ -135,6 +135,51 @@ def test_scanned_layers_are_counted_once_per_layer():
   assert per_layer == pytest.approx(2 * layer_params * tokens * 4 / 4, rel=0.35)
 
 
+LORA_STATE = textwrap.dedent(
+  """
+  import json, jax
+  jax.config.update("jax_platforms", "cpu")
+  from ebpo_jax import advantages, aot
+  from ebpo_jax import tpu as tpu_lib
+  from ebpo_jax.trainer import config as config_lib
+  from ebpo_jax.trainer import state as state_lib
+  out = {}
+  for arg in ("qwen3_8b,ebpo_topic,g4", "qwen3_8b,ebpo_topic,g4,lora32"):
+    config = config_lib.load_config("configs/paper.py:" + arg)
+    target = aot.make_target(config, tpu_lib.parse_slice("v5p:2x2x1"))  # no weights on disk
+    optimizer = state_lib.make_optimizer(config)
+    estimator = advantages.from_config(config.rl)
+    state = state_lib.abstract_state(config, optimizer, estimator, 16, target.params)
+    out[arg] = aot.state_bytes(state)
+  print(json.dumps(out))
+  """
+)
+
+
+@pytest.mark.e2e  # the 8B paper config's abstract state on 4 TPU chips, no compile (~10 s)
+def test_lora_state_holds_float32_adapters_and_a_bfloat16_base():
+  # configs/paper.py with lora32 has no model directory here: make_target builds its decoder from
+  # the shape keys, and must still add the adapters (it once built the plain decoder).
+  result = _python(["-c", LORA_STATE])
+  assert result.returncode == 0, result.stderr[-3000:]
+  full, lora = json.loads(result.stdout.strip().splitlines()[-1]).values()
+  # Qwen3-8B over 4 chips (fsdp 1 x tensor 4): 8.19e9 params in float32 with Adam m and v, and a
+  # float32 KL reference; under LoRA the base (the same weights) in bfloat16, no reference.
+  weights = 8.19e9 / 4
+  assert full["params"] == pytest.approx(4 * weights, rel=0.01)
+  assert full["opt_state"] == pytest.approx(2 * full["params"], rel=0.01)
+  assert full["ref_params"] == full["params"] and full["base"] == 0
+  assert lora["base"] == pytest.approx(2 * weights, rel=0.01)
+  assert lora["ref_params"] == 0
+  # rank-32 adapters on q, k, v, o, gate, up, down of 36 layers: 32 x (in + out) float32 each
+  # (4096 + 4096, 4096 + 1024 twice, 4096 + 4096, 4096 + 12288 twice, 12288 + 4096), A over the
+  # chips' input axis or B over the output axis: the per-chip bytes lie between /4 and /1.
+  adapters = 36 * 32 * (8192 + 5120 * 2 + 8192 + 16384 * 3) * 4
+  assert adapters / 4 < lora["params"] < adapters
+  assert lora["opt_state"] == pytest.approx(2 * lora["params"], rel=0.01)
+  assert lora["total"] < 0.25 * full["total"]
+
+
 @pytest.mark.parametrize(
   ("flags", "message"),
   [

@@ -32,6 +32,7 @@ paper = load_config_module("paper")
 RUN_ARGS = [f"{model},{method}" for model in paper.MODELS for method in paper.METHODS] + [
   f"qwen3_8b,grpo,g{g}" for g in paper.GROUP_SIZES if g != 4
 ]
+RUN_ARGS += ["qwen3_8b,ebpo_topic,lora32"]  # LoRA: the KL reference is the base, adapters off
 ALL_ARGS = [
   f"{model},{method},g{g}"
   for model in paper.MODELS
@@ -79,7 +80,12 @@ def test_runlocal_variant_traces_the_train_step(arg):
   for key in ("loss", "grad_norm", "entropy", "bad_updates", "reward/mean"):
     assert metrics[key].shape == (), key
   assert ("ebpo/shrinkage_mean" in metrics) == method.startswith("ebpo")
-  assert (new_state.ref_params is not None) == (config.rl.loss.kl_coef > 0)
+  lora = config.model.lora.rank > 0
+  assert (new_state.ref_params is not None) == (config.rl.loss.kl_coef > 0 and not lora)
+  assert (new_state.base is not None) == lora  # the frozen base beside the trained adapters
+  if lora:
+    assert set(jax.tree.leaves(jax.tree.map(lambda x: x.dtype.name, state.params))) == {"float32"}
+    assert {x.dtype.name for x in jax.tree.leaves(state.base)} == {"bfloat16"}
   assert config.rl.dynamic_sampling == (method == "dapo")
 
 
@@ -119,6 +125,25 @@ def test_runlocal_model_has_the_architecture_of_the_paper_model(model):
   )
   assert ("q_norm" in attention) == (spec["architecture"] == "qwen3")
   assert ("lm_head" in params) == (not spec["tie_word_embeddings"])
+
+
+@pytest.mark.parametrize("arg", ["qwen3_8b,ebpo_topic,lora32", "qwen3_14b,dapo,g32,lora64"])
+def test_lora_variants_change_only_the_adapters_and_the_learning_rate(arg):
+  lora = paper.get_config(arg)
+  full = paper.get_config(arg.rsplit(",", 1)[0]).to_dict()
+  rank = int(arg.rsplit(",lora", 1)[1])
+  assert lora.model.lora.to_dict() == {
+    "rank": rank,
+    "alpha": 32.0,
+    "targets": "q,k,v,o,gate,up,down",
+    "dropout": 0.0,
+    "base_dtype": "bfloat16",
+  }
+  assert lora.train.learning_rate == pytest.approx(10 * full["train"]["learning_rate"]) == 1e-5
+  lora.model.lora, lora.train.learning_rate = full["model"]["lora"], full["train"]["learning_rate"]
+  assert lora.to_dict() == full
+  config_lib.check_config(lora, paper.TARGET_DEVICES)
+  config_lib.check_config(paper.get_config(f"{arg},runlocal"), 8)
 
 
 @pytest.mark.parametrize("arg", ALL_ARGS)
@@ -203,7 +228,9 @@ def test_methods_change_only_what_they_define():
     ("qwen3_8b,grpo,g64", "unknown group size g64"),
     ("qwen3_8b,grpo,runlocal,runlocal", "runlocal given twice"),
     ("qwen3_8b,grpo,g8,g16", "g given twice"),
-    ("qwen3_8b,grpo,ppo", "unknown argument 'ppo'.*known: model, method, g<int>, runlocal"),
+    ("qwen3_8b,grpo,ppo", "unknown argument 'ppo'.*known: model, method, g<int>, lora<int>"),
+    ("qwen3_8b,grpo,lora", "unknown argument 'lora'"),  # the paper's variant names the rank
+    ("qwen3_8b,grpo,lora=-1", "LoRA rank lora-1"),
   ],
 )
 def test_bad_arguments_name_the_part(arg, message):
@@ -224,6 +251,22 @@ def test_other_configs_load_and_pass_the_trainer_checks(name):
     module.get_config("no_such_variant")
 
 
+def test_smollm2_lora_variant():
+  module = load_config_module("smollm2_135m_ebpo")
+  full, lora = module.get_config("runlocal"), module.get_config("runlocal,lora")
+  assert (lora.model.lora.rank, lora.model.lora.alpha, lora.model.lora.base_dtype) == (
+    8,
+    32.0,
+    "bfloat16",
+  )
+  assert lora.model.lora.targets == "q,k,v,o,gate,up,down"
+  assert lora.train.learning_rate == pytest.approx(10 * full.train.learning_rate) == 2e-5
+  lora.model.lora, lora.train.learning_rate = full.model.lora, full.train.learning_rate
+  assert lora.to_dict() == full.to_dict()  # the runlocal shapes are untouched
+  config_lib.check_config(module.get_config("lora"), 1)
+  config_lib.check_config(module.get_config("math,lora"), 1)
+
+
 # ----------------------------------------------------------------------------- configs/common.py
 
 common = load_config_module("common")
@@ -233,6 +276,8 @@ RESOLVED_ARGS = [
   (name, arg) for name in EXPERIMENTS if name != "paper" for arg in (None, "runlocal")
 ]
 RESOLVED_ARGS += [("smollm2_135m_ebpo", "math"), ("smollm2_135m_ebpo", "math,runlocal")]
+RESOLVED_ARGS += [("smollm2_135m_ebpo", "lora"), ("smollm2_135m_ebpo", "runlocal,lora")]
+RESOLVED_ARGS += [("paper", "qwen3_8b,grpo,lora32"), ("paper", "qwen3_8b,grpo,lora32,runlocal")]
 RESOLVED_ARGS += [("paper", arg + local) for arg in ALL_ARGS for local in ("", ",runlocal")]
 
 

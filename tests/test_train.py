@@ -17,6 +17,7 @@ import pytest
 
 from ebpo_jax import checkpoint, data
 from ebpo_jax import metrics as metrics_lib
+from ebpo_jax.trainer import banner as banner_lib
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import task_rows
 
@@ -71,6 +72,27 @@ def test_malformed_data_row_names_file_and_line(arith_config, tmp_path):
 
 
 # ----------------------------------------------------------------------------- the CLI
+
+
+def test_banner_says_how_many_parameters_lora_trains():
+  assert banner_lib.parameters_line(134_515_008) == "parameters: 134,515,008 (134.5M)"
+  # SmolLM2-135M with rank-8 adapters on its 7 projections: 30 layers x 8 x (1152 + 768 x 2 +
+  # 1152 + 2112 x 3) = 2,442,240 adapter scalars beside the 134,515,008 of the base.
+  assert banner_lib.parameters_line(136_957_248, lora_rank=8, trained_params=2_442_240) == (
+    "parameters: 136,957,248 (137.0M), LoRA rank 8: 2,442,240 trained (2.4M, 1.8%), "
+    "134,515,008 frozen"
+  )
+  stacked = {  # a scanned layer stack of 3 layers: kernel [3, 4, 6], adapters at rank 2
+    "q_proj": {
+      "kernel": np.zeros((3, 4, 6)),
+      "lora_a": np.zeros((3, 4, 2)),
+      "lora_b": np.zeros((3, 2, 6)),
+    },
+    "norm": {"scale": np.zeros(4)},
+  }
+  assert banner_lib.count_params(stacked) == 72 + 24 + 36 + 4
+  assert banner_lib.count_adapters(stacked) == 24 + 36
+  assert banner_lib.count_adapters({"q_proj": {"kernel": np.zeros((4, 6))}}) == 0
 
 
 @pytest.mark.e2e

@@ -141,10 +141,13 @@ def make_model(config: ml_collections.ConfigDict, vocab_size: int) -> models.Dec
     )
   else:
     model_config = random_init_config(mc, vocab_size)
-  return models.Decoder(_with_lora(model_config, mc.lora))
+  return models.Decoder(with_lora(model_config, mc.lora))
 
 
-def _with_lora(model_config: models.ModelConfig, lc: ml_collections.ConfigDict):
+def with_lora(
+  model_config: models.ModelConfig, lc: ml_collections.ConfigDict
+) -> models.ModelConfig:
+  """`model_config` with `config.model.lora`'s adapters (`lc`), unchanged when the rank is 0."""
   if lc.rank == 0:
     return model_config
   return dataclasses.replace(
