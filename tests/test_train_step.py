@@ -114,8 +114,11 @@ def test_a_rollout_with_non_finite_logits_is_a_bad_step(tiny_step):
 # ----------------------------------------------------------------------------- LoRA
 
 
+LORA = {"model.lora.rank": 4, "rl.loss.kl_coef": 0.1}  # one compile shared by the LoRA tests
+
+
 def test_a_lora_step_trains_only_the_adapters(tiny_steps):
-  step = tiny_steps({"model.lora.rank": 4, "rl.loss.kl_coef": 0.1})
+  step = tiny_steps(LORA)
   state = step.fresh_state()
   assert state.ref_params is None  # the reference is the base: no second copy
   # The trained params are the adapters (A and B of q, k, v, o, gate, up, down; one scanned
@@ -160,9 +163,6 @@ def test_lora_optimizer_state_is_small_on_the_smollm2_shape(tiny_steps):
   adapters = opt_bytes(rank8, state_lib.make_optimizer(config))
   assert full > 8 * 134e6  # Adam's two float32 moments of ~135M params
   assert adapters < 0.02 * full
-
-
-LORA = {"model.lora.rank": 4, "rl.loss.kl_coef": 0.1}
 
 
 def _spec(x) -> tuple:
