@@ -8,7 +8,7 @@ EBPO, float32, `rl.loss.kl_coef = 0` (no reference forward), one update per step
 model of SmolLM2-135M's shape (30 layers, d=576, 9/3 heads, vocab 49152, tied embeddings). Three
 variants: full fine-tuning, LoRA rank 8 and rank 64 on all seven projections; their steps are timed
 in turn, round after round, after one warm-up round (compilation), so background load hits all
-alike; the median counts. Optimizer-state bytes are the AdamW moments' arrays; checkpoint bytes are
+alike; a variant's time relative to full is the median over rounds of the round's ratio. Optimizer-state bytes are the AdamW moments' arrays; checkpoint bytes are
 the directory `ebpo_jax.checkpoint.Checkpointer` writes for `state.checkpointed(state)` (under LoRA
 without the frozen base).
 
@@ -126,9 +126,9 @@ def checkpoint_bytes(state) -> int:
     )
 
 
-def time_steps(runs: dict, repeats: int) -> dict[str, float]:
-  """Median seconds per step of each variant, one step of each in turn per round; round 0 warms
-  up. Each step continues from the state the previous one returned (the state is donated)."""
+def time_steps(runs: dict, repeats: int) -> dict[str, list[float]]:
+  """Seconds of each timed step of each variant, one step of each in turn per round; round 0
+  warms up. Each step continues from the state the previous one returned (the state is donated)."""
   times = {name: [] for name in runs}
   for repeat in range(repeats + 1):
     for name, run in runs.items():
@@ -138,7 +138,7 @@ def time_steps(runs: dict, repeats: int) -> dict[str, float]:
       run["state"] = state
       if repeat:
         times[name].append(time.perf_counter() - start)
-  return {name: float(np.median(t)) for name, t in times.items()}
+  return times
 
 
 def trained_adapters(adapters, seed: int = 1):
@@ -163,7 +163,7 @@ def time_sampling(run: dict, args) -> dict[str, float]:
   rng = np.random.default_rng(0)
   ids = jnp.asarray(rng.integers(3, vocab, (args.sample_batch, args.prompt_len)), jnp.int32)
   mask = jnp.ones(ids.shape, bool)
-  options = dict(max_new_tokens=args.new_tokens, mesh=run["mesh"])
+  options = dict(max_new_tokens=args.sample_new_tokens, mesh=run["mesh"])
   base_model = models.lora.base_model(model)
   merge = jax.jit(lambda p: models.lora.merge(p, model.config))
 
@@ -178,7 +178,17 @@ def time_sampling(run: dict, args) -> dict[str, float]:
   def merged_excl_merge(key):  # a diagnostic: the decode alone on already merged weights
     return sampling.generate(base_model, premerged, ids, mask, key, **options).tokens
 
-  ways = {"on_the_fly": on_the_fly, "merged": merged, "merged_excl_merge": merged_excl_merge}
+  @jax.jit
+  def merged_in_jit(params, key):  # merged inside the sampler's program (XLA may fuse the merge)
+    merged_params = models.lora.merge(params, model.config)
+    return sampling.generate(base_model, merged_params, ids, mask, key, **options).tokens
+
+  ways = {
+    "on_the_fly": on_the_fly,
+    "merged": merged,
+    "merged_in_jit": lambda key: merged_in_jit(params, key),
+    "merged_excl_merge": merged_excl_merge,
+  }
   best = dict.fromkeys(ways, float("inf"))
   for rep in range(args.sample_reps + 1):  # rep 0 compiles
     for name, fn in ways.items():
@@ -191,7 +201,7 @@ def time_sampling(run: dict, args) -> dict[str, float]:
     start = time.perf_counter()
     jax.block_until_ready(merge(params))
     merge_s = min(merge_s, time.perf_counter() - start)
-  tokens = args.sample_batch * args.new_tokens
+  tokens = args.sample_batch * args.sample_new_tokens
   return {f"{name}_tok_s": tokens / seconds for name, seconds in best.items()} | {
     "merge_s": merge_s
   }
@@ -209,18 +219,24 @@ def main() -> None:
   parser.add_argument("--micro_rows", type=int, default=0, help="rows per micro-batch; 0: all")
   parser.add_argument("--sample_batch", type=int, default=16, help="prompts per sampler call")
   parser.add_argument("--sample_reps", type=int, default=3, help="0: no sampling comparison")
+  parser.add_argument("--sample_new_tokens", type=int, default=0, help="0: --new_tokens")
   parser.add_argument("--quick", action="store_true", help="CI smoke run (tiny shape)")
   args = parser.parse_args()
   args.dtype = "float32"
   if args.quick:
     args.shape, args.prompt_len, args.new_tokens, args.repeats = "tiny", 8, 8, 1
     args.sample_batch, args.sample_reps = 4, 1
+  args.sample_new_tokens = args.sample_new_tokens or args.new_tokens
   ranks = [int(r) for r in args.ranks.split(",")]
   names = ["full"] + [f"lora{r}" for r in ranks]
 
   ranks_by_name = dict(zip(names, [0, *ranks], strict=True))
   runs = {name: build_variant(args.shape, rank, args) for name, rank in ranks_by_name.items()}
-  seconds = time_steps(runs, args.repeats)
+  times = time_steps(runs, args.repeats)
+  seconds = {name: float(np.median(t)) for name, t in times.items()}
+  # Each round's ratio to full fine-tuning, timed back to back: robust to load that changes
+  # between rounds (the medians of the raw times may come from different load phases).
+  ratios = {name: float(np.median(np.divide(t, times["full"]))) for name, t in times.items()}
   opt_bytes = {name: tree_bytes(run["state"].opt_state) for name, run in runs.items()}
   trained = {name: tree_bytes(run["state"].params) for name, run in runs.items()}
   ckpt_bytes = {name: checkpoint_bytes(run["state"]) for name, run in runs.items()}
@@ -228,7 +244,7 @@ def main() -> None:
   print(
     f"\n{args.shape} shape, float32, {args.rows // args.group_size} prompts x G={args.group_size},"
     f" {args.prompt_len} + {args.new_tokens} tokens, median of {args.repeats} interleaved steps;"
-    f" {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
+    f" {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; x full: median of the rounds' ratios"
   )
   header = f"{'variant':8} {'step s':>8} {'x full':>7} {'GFLOP':>7} {'x full':>7}"
   header += f" {'trained MB':>11} {'opt MB':>9}"
@@ -237,7 +253,7 @@ def main() -> None:
   print("-" * len(header))
   for name in names:
     print(
-      f"{name:8} {seconds[name]:8.3f} {seconds[name] / seconds['full']:7.3f}"
+      f"{name:8} {seconds[name]:8.3f} {ratios[name]:7.3f}"
       f" {runs[name]['flops'] / 1e9:7.1f} {runs[name]['flops'] / runs['full']['flops']:7.3f}"
       f" {trained[name] / 1e6:11.2f} {opt_bytes[name] / 1e6:9.2f}"
       f" {opt_bytes[name] / opt_bytes['full']:8.2%} {ckpt_bytes[name] / 1e6:9.2f}"
@@ -245,19 +261,21 @@ def main() -> None:
     )
   summary = {"shape": args.shape}
   for name in names[1:]:
-    summary[f"{name}_step_over_full"] = round(seconds[name] / seconds["full"], 4)
+    summary[f"{name}_step_over_full"] = round(ratios[name], 4)
     summary[f"{name}_flops_over_full"] = round(runs[name]["flops"] / runs["full"]["flops"], 4)
     summary[f"{name}_opt_state_over_full"] = round(opt_bytes[name] / opt_bytes["full"], 5)
     summary[f"{name}_ckpt_over_full"] = round(ckpt_bytes[name] / ckpt_bytes["full"], 5)
   summary["step_s"] = {name: round(seconds[name], 4) for name in names}
+  summary["step_times_s"] = {name: [round(t, 3) for t in times[name]] for name in names}
 
   if args.sample_reps and ranks:
     sampled = time_sampling(runs[names[1]], args)
     print(
       f"\nsampling with {names[1]}: batch {args.sample_batch}, {args.prompt_len} + "
-      f"{args.new_tokens} tokens, best of {args.sample_reps}: on the fly "
+      f"{args.sample_new_tokens} tokens, best of {args.sample_reps}: on the fly "
       f"{sampled['on_the_fly_tok_s']:.0f} tok/s, merged once per call "
-      f"{sampled['merged_tok_s']:.0f} tok/s (without the merge "
+      f"{sampled['merged_tok_s']:.0f} tok/s, merged in the sampler's jit "
+      f"{sampled['merged_in_jit_tok_s']:.0f} tok/s (without the merge "
       f"{sampled['merged_excl_merge_tok_s']:.0f} tok/s; the merge alone "
       f"{sampled['merge_s'] * 1e3:.0f} ms)"
     )
