@@ -134,8 +134,8 @@ class Sampler:
 
   Under LoRA `params` is the full tree (`state.policy_params`) and `model` the LoRA decoder: the
   adapters are applied on the fly. Merging them into the kernels once per step and sampling with
-  `lora.base_model` was measured slower on the SmolLM2-135M shape (bench/lora.py: the merge costs
-  more than the adapter matmuls save) and would hold a second copy of the base while sampling."""
+  `lora.base_model` was no faster on the SmolLM2-135M shape (bench/lora.py, bench/RESULTS.md: the
+  adapter matmuls cost no measurable decode time at rank 8) and holds a second copy of the base."""
 
   def __init__(
     self,
