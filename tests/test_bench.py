@@ -16,6 +16,7 @@ SMOKE_RUNS = {
   "sampler": ["--quick", "--reps=1", "--new-tokens=8"],
   "train_step": ["--quick"],
   "gpu": ["--dry-run"],
+  "lora": ["--quick", "--ranks=8"],  # full vs LoRA rank 8 on the tiny shape
   "memory": ["--quick"],  # the TPU compiler on a runlocal config for v5p:2x2x1
 }
 
@@ -39,3 +40,6 @@ def test_benchmark_runs_and_ends_with_json(name):
     return
   summary = json.loads(result.stdout.strip().splitlines()[-1])
   assert summary, result.stdout[-2000:]
+  if name == "lora":  # the adapters' optimizer state is a small share of full fine-tuning's
+    assert 0 < summary["lora8_opt_state_over_full"] < 0.2, summary
+    assert summary["sampling"]["on_the_fly_tok_s"] > 0, summary

@@ -9,9 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ebpo_jax import data, metrics
+from ebpo_jax import data, metrics, sampling
+from ebpo_jax.models import lora
 from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import state as state_lib
+from ebpo_jax.trainer import step as step_lib
 from ebpo_jax.trainer import task_rows
 
 # ----------------------------------------------------------------------------- PRNG streams
@@ -91,6 +93,48 @@ def test_the_step_loop_makes_no_implicit_transfer(tiny_steps):
   samples = rollouts_lib.sample_rows(rollout, metrics["advantages"], cluster_names, 6)
   assert [s["completion"] for s in samples] == rollout.texts[:6]
   assert [s["advantage"] for s in samples] == pytest.approx(metrics["advantages"].reshape(-1)[:6])
+
+
+def _trained_adapters(adapters, scale: float = 0.3):
+  """Every lora_b random (as after training): the adapted policy differs from the base."""
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(adapters)
+  keys = iter(jax.random.split(jax.random.key(5), len(leaves)))
+  out = [
+    scale * jax.random.normal(next(keys), x.shape) if path[-1].key == lora.B_NAME else x
+    for path, x in leaves
+  ]
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def test_lora_sampler_logps_equal_the_trainers_on_the_first_ppo_iteration(tiny_steps):
+  """Under LoRA the rollout's log-probs (old_logps: the sampler runs the adapted policy on the
+  fly, `policy_params`) equal the train step's of the same tokens (adapters + base) to 1e-4 with
+  trained adapters (B != 0): the first PPO iteration's ratio is 1 and nothing is clipped."""
+  tiny = tiny_steps({"model.lora.rank": 4, "rl.loss.kl_coef": 0.1})  # as test_train_step's
+  config = tiny.config
+  task, rows, _, _ = task_rows.load_task_and_rows(config)
+  tokenizer = state_lib.load_tokenizer(config, task)
+  sampler = rollouts_lib.make_sampler(tiny.model, task, tokenizer, config, tiny.mesh)
+  batches = data.make_batches(rows, batch_size=config.train.batch_size, order="shuffle", seed=0)
+  state = tiny.fresh_state()
+  state = state.replace(params=_trained_adapters(state.params))
+  policy = state_lib.policy_params(state)
+  keys = state_lib.step_keys(state.rng, state.step)
+  batch, _, _ = rollouts_lib.collect_batch(sampler, policy, keys, rows, batches)
+  sampler.pool.close()
+  mask = np.asarray(batch["completion_mask"])
+  seqs = sampling.build_sequences(
+    batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["completion_mask"], tiny.G
+  )
+  trainer = np.asarray(step_lib.completion_logprobs(tiny.model, policy, seqs))
+  old = np.asarray(batch["old_logps"])
+  np.testing.assert_allclose(np.where(mask, old, 0), np.where(mask, trainer, 0), atol=1e-4)
+  # The adapters act: the base alone gives other log-probs (a sampler without them would fail).
+  base = step_lib.completion_logprobs(lora.base_model(tiny.model), state.base, seqs)
+  assert np.abs(np.where(mask, np.asarray(base) - old, 0)).max() > 1e-2
+  _, metrics = tiny.step(state, batch)  # the first (only) PPO iteration on these old_logps
+  assert float(metrics["ratio_mean"]) == pytest.approx(1.0, abs=1e-4)
+  assert float(metrics["clipfrac"]) == 0.0
 
 
 # ----------------------------------------------------------------------------- resume first
