@@ -154,7 +154,8 @@ def small_ablation(tmp_path_factory):
   """grpo and ebpo_running, G=4, one seed, 2 RL steps each on :runlocal (about 30 s)."""
   workdir = tmp_path_factory.mktemp("ablation")
   env = ablate.child_env()
-  env["JAX_COMPILATION_CACHE_DIR"] = str(workdir / "jax_cache")  # the runs share compiles
+  # the runs share compiles with each other and with the session's other trainer runs (conftest)
+  env["JAX_COMPILATION_CACHE_DIR"] = os.environ["EBPO_JAX_TEST_XLA_CACHE"]
   env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   kwargs = dict(
     variants=["grpo", "ebpo_running"],
