@@ -122,6 +122,18 @@ def check_peft_base(config: ml_collections.ConfigDict, run_dir: str) -> None:
     )
 
 
+def base_dtype_note(config: ml_collections.ConfigDict) -> str:
+  """For a PEFT export: how to load the base the run trained on, when it was not float32 (the
+  adapters learned on the rounded base; a float32 base gives other logits)."""
+  dtype = config.model.lora.base_dtype or config.model.param_dtype
+  if dtype == "float32":
+    return ""
+  return (
+    f"; the run trained on a {dtype} base (model.lora.base_dtype): load it with "
+    f"dtype=torch.{dtype} to get the trained policy"
+  )
+
+
 def _export_adapters(
   config, tokenizer, mesh, run_dir: str, step: int, out: str, dtype: str, source: str
 ) -> None:
@@ -146,6 +158,7 @@ def main(argv: Sequence[str]) -> None:
   )
   if f.format == "peft":
     tokenizer_note += f"; a PEFT adapter for the base {summary['source_model']}"
+    tokenizer_note += base_dtype_note(policy_lib.saved_config(f.run_dir, summary["step"]))
   print(f"step {summary['step']} of {f.run_dir} -> {summary['out']}; {tokenizer_note}")
 
 

@@ -219,3 +219,12 @@ def test_export_cli_writes_a_peft_adapter(lora_run, tiny_llama_dir, module_cli, 
   ids = _ids(model.config.vocab_size, (1, 12))
   peft_logits = _torch_logits(_peft_model(tiny_llama_dir, out), ids)
   assert _max_diff(_ours(model, params, ids), peft_logits) < MAX_ABS_DIFF
+
+
+def test_peft_export_says_how_to_load_a_reduced_precision_base(arith_config):
+  # A run on a bfloat16 base (model.lora.base_dtype) trained on the rounded base: PEFT users must
+  # load BASE in bfloat16 too (SmolLM2: the float32 base's logits differ by up to 0.27).
+  lora_cfg = {"model.lora.rank": 4, "sft.num_steps": 0}
+  assert export.base_dtype_note(arith_config(lora_cfg)) == ""
+  note = export.base_dtype_note(arith_config({**lora_cfg, "model.lora.base_dtype": "bfloat16"}))
+  assert "dtype=torch.bfloat16" in note and "model.lora.base_dtype" in note

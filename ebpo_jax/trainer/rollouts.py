@@ -130,12 +130,8 @@ def generate_options(config, tokenizer, *, group_size: int, greedy: bool) -> dic
 class Sampler:
   """Samples and scores completions of data rows with the policy's jitted sampler. Training
   rollouts are scored with `reward_fns` when there are any (config.rewards.fns), every other
-  rollout (evaluation) with the task's verifier.
-
-  Under LoRA `params` is the full tree (`state.policy_params`) and `model` the LoRA decoder: the
-  adapters are applied on the fly. Merging them into the kernels once per step and sampling with
-  `lora.base_model` was no faster on the SmolLM2-135M shape (bench/lora.py, bench/RESULTS.md: the
-  adapter matmuls cost no measurable decode time at rank 8) and holds a second copy of the base."""
+  rollout (evaluation) with the task's verifier. Under LoRA the adapters are applied on the fly
+  (merging them once per step was no faster, and holds a second base: bench/RESULTS.md)."""
 
   def __init__(
     self,
