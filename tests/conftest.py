@@ -476,3 +476,19 @@ def pytest_collection_modifyitems(config, items):
     "test_smollm2" not in item.nodeid,
   )
   items.sort(key=rank)
+
+
+@pytest.fixture(scope="session")
+def randomize_torch_weights() -> Callable[..., None]:
+  """`randomize(torch_model, seed)`: weights of std 0.2 and norm scales near 1, so a tiny random
+  transformers model's logits are O(1) and every term matters in a comparison with ours."""
+  import torch  # only the tests that compare with transformers pay for importing it
+
+  def randomize(model, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+      for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=gen)
+        p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.2 * noise)
+
+  return randomize

@@ -38,24 +38,15 @@ CASES = {  # case: (architecture, LoRA targets)
 }
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-  """Weights of std 0.2 and norm scales near 1, so logits are O(1) and every term matters."""
-  gen = torch.Generator().manual_seed(seed)
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      noise = torch.randn(p.shape, generator=gen)
-      p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.2 * noise)
-
-
 @pytest.fixture(scope="module")
-def hf_dirs(tmp_path_factory):
+def hf_dirs(tmp_path_factory, randomize_torch_weights):
   """{architecture: tiny random HF directory} written by transformers."""
   dirs = {}
   for i, arch in enumerate(("Llama", "Qwen2")):
     model = getattr(transformers, f"{arch}ForCausalLM")(
       getattr(transformers, f"{arch}Config")(**SHAPE)
     )
-    _randomize(model, seed=i)
+    randomize_torch_weights(model, seed=i)
     dirs[arch] = tmp_path_factory.mktemp(arch.lower())
     model.save_pretrained(dirs[arch])
   return dirs

@@ -53,23 +53,14 @@ def _rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
   return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-  """Weights of std 0.2 and norm scales near 1, so logits are O(1) and every term matters."""
-  gen = torch.Generator().manual_seed(seed)
-  with torch.no_grad():
-    for name, p in model.named_parameters():
-      noise = torch.randn(p.shape, generator=gen)
-      p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.2 * noise)
-
-
 @pytest.fixture(scope="module")
-def hf_models(tmp_path_factory):
+def hf_models(tmp_path_factory, randomize_torch_weights):
   """{case: (torch model, directory)} written with transformers' save_pretrained."""
   models = {}
   for i, (case, (arch, kwargs)) in enumerate(CASES.items()):
     config = getattr(transformers, f"{arch}Config")(**kwargs)
     model = getattr(transformers, f"{arch}ForCausalLM")(config).eval()
-    _randomize(model, seed=i)
+    randomize_torch_weights(model, seed=i)
     path = str(tmp_path_factory.mktemp(case))
     model.save_pretrained(path)
     models[case] = (model, path)
