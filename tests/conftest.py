@@ -492,3 +492,23 @@ def randomize_torch_weights() -> Callable[..., None]:
         p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.2 * noise)
 
   return randomize
+
+
+@pytest.fixture(scope="session")
+def trained_lora() -> Callable[..., Any]:
+  """`trained_lora(params, seed=1, scale=0.1)`: `params` (a full tree or the adapters) with every
+  LoRA B random, as after training (a fresh B is zero: the adapters would not act), each on its
+  old leaf's sharding."""
+
+  def train(params: Any, seed: int = 1, scale: float = 0.1) -> Any:
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    keys = iter(jax.random.split(jax.random.key(seed), len(leaves)))
+    out = [
+      jax.device_put(scale * jax.random.normal(next(keys), x.shape), x.sharding)
+      if path[-1].key == models.lora.B_NAME
+      else x
+      for path, x in leaves
+    ]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+  return train

@@ -30,17 +30,6 @@ def _params(config, seed=0):
   return nn.meta.unbox(jax.jit(Decoder(config).init)(jax.random.key(seed), ids)["params"])
 
 
-def _perturb_b(params, seed=1):
-  """Every lora_b set to random values, as after training."""
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
-  keys = iter(jax.random.split(jax.random.key(seed), len(leaves)))
-  out = [
-    0.1 * jax.random.normal(next(keys), x.shape) if path[-1].key == lora.B_NAME else x
-    for path, x in leaves
-  ]
-  return jax.tree_util.tree_unflatten(treedef, out)
-
-
 def _inputs():
   mask = np.arange(8)[None] >= np.array([[0], [3]])
   ids = np.random.default_rng(3).integers(0, 64, (2, 8)).astype(np.int32)
@@ -49,7 +38,7 @@ def _inputs():
 
 
 @pytest.mark.parametrize("targets", [lora.TARGETS, ("v", "o", "down")], ids=["all", "v_o_down"])
-def test_fresh_adapters_and_adapters_off_equal_the_base_on_both_paths(targets):
+def test_fresh_adapters_and_adapters_off_equal_the_base_on_both_paths(targets, trained_lora):
   config = dataclasses.replace(LORA, lora_targets=targets)
   params = _params(config)
   adapters, base = lora.split(params)
@@ -65,7 +54,7 @@ def test_fresh_adapters_and_adapters_off_equal_the_base_on_both_paths(targets):
     p = params if scan else unstack_layers(params)
     apply, base_apply = jax.jit(model.apply), jax.jit(lora.base_model(model).apply)
     np.testing.assert_array_equal(apply({"params": p}, ids, positions, mask), want)
-    trained = _perturb_b(p)
+    trained = trained_lora(p)
     changed = apply({"params": trained}, ids, positions, mask)
     assert np.abs(np.asarray(changed - want)).max() > 1e-3  # the adapters do act
     off = base_apply({"params": lora.split(trained)[1]}, ids, positions, mask)
@@ -74,9 +63,9 @@ def test_fresh_adapters_and_adapters_off_equal_the_base_on_both_paths(targets):
     np.testing.assert_allclose(merged, changed, rtol=1e-5, atol=1e-5)
 
 
-def test_trained_adapters_scanned_equals_cached_prefill_and_decode():
+def test_trained_adapters_scanned_equals_cached_prefill_and_decode(trained_lora):
   config = dataclasses.replace(LORA, architecture="qwen2")
-  params = _perturb_b(_params(config))
+  params = trained_lora(_params(config))
   ids, positions, mask = _inputs()
   full = jax.jit(Decoder(config).apply)({"params": params}, ids, positions, mask)
   apply = jax.jit(Decoder(config, scan_layers=False).apply)
@@ -113,11 +102,11 @@ def test_bad_lora_settings_are_rejected():
   assert lora.parse_targets(" q, down ") == ("q", "down")
 
 
-def test_dropout_acts_only_in_an_apply_given_its_rng():
+def test_dropout_acts_only_in_an_apply_given_its_rng(trained_lora):
   # The trainer passes the dropout stream to the policy-gradient loss's forward alone: without it
   # (sampling, evaluation) a dropout model is the plain adapted model, bit for bit; with it, rate 0
   # changes nothing and rate 0.5 changes the logits, the same for the same key (exact resume).
-  params = _perturb_b(_params(LORA))
+  params = trained_lora(_params(LORA))
   ids, positions, mask = _inputs()
   dropout = dataclasses.replace(LORA, lora_dropout=0.5)
 

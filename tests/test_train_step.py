@@ -215,18 +215,12 @@ def _on_policy(step, state, batch: dict) -> dict:
   return {**batch, "old_logps": np.asarray(logps)}
 
 
-def test_lora_dropout_is_in_the_training_forward_only(tiny_steps):
+def test_lora_dropout_is_in_the_training_forward_only(tiny_steps, trained_lora):
   plain = tiny_steps(LORA)
   dropped = tiny_steps({**LORA, "model.lora.dropout": 0.5})
   state = plain.fresh_state()
   # B = 0.1 noise, as after training: the adapters act, so dropping their inputs shows.
-  keys = iter(jax.random.split(jax.random.key(2), len(jax.tree.leaves(state.params))))
-  trained = jax.tree_util.tree_map_with_path(
-    lambda p, x: jax.device_put(0.1 * jax.random.normal(next(keys), x.shape), x.sharding)
-    if p[-1].key == lora.B_NAME else x,
-    state.params,
-  )  # fmt: skip
-  state = state.replace(params=trained)
+  state = state.replace(params=trained_lora(state.params, seed=2))
   batch = _on_policy(plain, state, plain.batch(1))  # as the sampler (no dropout) computes
   # On-policy old_logps: the plain step's first PPO iteration has ratio 1; with dropout it does
   # not (the training forward drops adapter inputs), and its update differs.

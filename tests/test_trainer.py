@@ -95,18 +95,7 @@ def test_the_step_loop_makes_no_implicit_transfer(tiny_steps):
   assert [s["advantage"] for s in samples] == pytest.approx(metrics["advantages"].reshape(-1)[:6])
 
 
-def _trained_adapters(adapters, scale: float = 0.3):
-  """Every lora_b random (as after training): the adapted policy differs from the base."""
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(adapters)
-  keys = iter(jax.random.split(jax.random.key(5), len(leaves)))
-  out = [
-    scale * jax.random.normal(next(keys), x.shape) if path[-1].key == lora.B_NAME else x
-    for path, x in leaves
-  ]
-  return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def test_lora_sampler_logps_equal_the_trainers_on_the_first_ppo_iteration(tiny_steps):
+def test_lora_sampler_logps_equal_the_trainers_on_the_first_ppo_iteration(tiny_steps, trained_lora):
   """Under LoRA the rollout's log-probs (old_logps: the sampler runs the adapted policy on the
   fly, `policy_params`) equal the train step's of the same tokens (adapters + base) to 1e-4 with
   trained adapters (B != 0): the first PPO iteration's ratio is 1 and nothing is clipped."""
@@ -117,7 +106,7 @@ def test_lora_sampler_logps_equal_the_trainers_on_the_first_ppo_iteration(tiny_s
   sampler = rollouts_lib.make_sampler(tiny.model, task, tokenizer, config, tiny.mesh)
   batches = data.make_batches(rows, batch_size=config.train.batch_size, order="shuffle", seed=0)
   state = tiny.fresh_state()
-  state = state.replace(params=_trained_adapters(state.params))
+  state = state.replace(params=trained_lora(state.params, seed=5, scale=0.3))
   policy = state_lib.policy_params(state)
   keys = state_lib.step_keys(state.rng, state.step)
   batch, _, _ = rollouts_lib.collect_batch(sampler, policy, keys, rows, batches)
