@@ -54,6 +54,17 @@ def test_step_keys_are_the_same_on_the_host_and_under_jit():
 # ----------------------------------------------------------------------------- transfers
 
 
+def _rollout_parts(tiny):
+  """(rows, cluster_names, eval_rows, sampler, batches) of a TinyStep's config, built as the
+  trainer builds them."""
+  config = tiny.config
+  task, rows, cluster_names, eval_rows = task_rows.load_task_and_rows(config)
+  tokenizer = state_lib.load_tokenizer(config, task)
+  sampler = rollouts_lib.make_sampler(tiny.model, task, tokenizer, config, tiny.mesh)
+  batches = data.make_batches(rows, batch_size=config.train.batch_size, order="shuffle", seed=0)
+  return rows, cluster_names, eval_rows, sampler, batches
+
+
 def test_the_step_loop_makes_no_implicit_transfer(tiny_steps):
   """Rollouts, the train step and the evaluation, as the trainer's loop runs them, under
   jax.transfer_guard("disallow"): an implicit host<->device transfer anywhere would raise. Every
@@ -68,10 +79,7 @@ def test_the_step_loop_makes_no_implicit_transfer(tiny_steps):
   }
   tiny = tiny_steps({"sampling.max_new_tokens": 4, **overrides})
   config = tiny.config
-  task, rows, cluster_names, eval_rows = task_rows.load_task_and_rows(config)
-  tokenizer = state_lib.load_tokenizer(config, task)
-  sampler = rollouts_lib.make_sampler(tiny.model, task, tokenizer, config, tiny.mesh)
-  batches = data.make_batches(rows, batch_size=config.train.batch_size, order="shuffle", seed=0)
+  rows, cluster_names, eval_rows, sampler, batches = _rollout_parts(tiny)
   state = tiny.fresh_state()
   with jax.transfer_guard("disallow"):
     keys = state_lib.step_keys(state.rng, state.step, config.rl.max_refill_rounds)
@@ -100,11 +108,7 @@ def test_lora_sampler_logps_equal_the_trainers_on_the_first_ppo_iteration(tiny_s
   fly, `policy_params`) equal the train step's of the same tokens (adapters + base) to 1e-4 with
   trained adapters (B != 0): the first PPO iteration's ratio is 1 and nothing is clipped."""
   tiny = tiny_steps({"model.lora.rank": 4, "rl.loss.kl_coef": 0.1})  # as test_train_step's
-  config = tiny.config
-  task, rows, _, _ = task_rows.load_task_and_rows(config)
-  tokenizer = state_lib.load_tokenizer(config, task)
-  sampler = rollouts_lib.make_sampler(tiny.model, task, tokenizer, config, tiny.mesh)
-  batches = data.make_batches(rows, batch_size=config.train.batch_size, order="shuffle", seed=0)
+  rows, _, _, sampler, batches = _rollout_parts(tiny)
   state = tiny.fresh_state()
   state = state.replace(params=trained_lora(state.params, seed=5, scale=0.3))
   policy = state_lib.policy_params(state)

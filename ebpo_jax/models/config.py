@@ -25,9 +25,6 @@ REMAT_POLICIES = {
 
 # The projections a LoRA adapter may sit on (`q` is `q_proj`, ...): models.lora.
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-# The linen rng stream of the adapters' dropout: only an apply given it (the policy-gradient
-# loss's forward) drops; sampling, evaluation and the KL reference never pass it.
-LORA_DROPOUT = "lora_dropout"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +50,7 @@ class ModelConfig:
   lora_rank: int = 0  # LoRA adapters of this rank on lora_targets (models.lora); 0: none
   lora_alpha: float = 16.0  # adapter output scaled by lora_alpha / lora_rank
   lora_targets: tuple[str, ...] = LORA_TARGETS
-  lora_dropout: float = 0.0  # dropout rate of the adapters' input x, in applies given LORA_DROPOUT
+  lora_dropout: float = 0.0  # dropout rate of the adapters' input x (models.lora.DROPOUT_RNG)
 
   @property
   def attention_bias(self) -> bool:

@@ -33,10 +33,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ebpo_jax.models.config import LORA_DROPOUT, LORA_TARGETS, ModelConfig
+from ebpo_jax.models.config import LORA_TARGETS, ModelConfig
 
 TARGETS = LORA_TARGETS
-DROPOUT_RNG = LORA_DROPOUT
+# The linen rng stream of the adapters' dropout: only an apply given it (the policy-gradient
+# loss's forward) drops; sampling, evaluation and the KL reference never pass it.
+DROPOUT_RNG = "lora_dropout"
 A_NAME, B_NAME = "lora_a", "lora_b"
 
 

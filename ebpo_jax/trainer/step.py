@@ -181,7 +181,7 @@ def train_step(
   # LoRA dropout: one key per update (each split per micro-batch), from the step's own stream, so
   # a resumed run drops the same inputs; none at all when off (the step is then exactly as before).
   dropout_keys = None
-  if config.model.lora.rank > 0 and config.model.lora.dropout > 0:
+  if model.config.lora_dropout > 0:
     dropout_keys = jax.random.split(keys.lora_dropout, order.shape[0])
   loss_fn = functools.partial(_loss_fn, model=model, loss_cfg=rl.loss, base=state.base, mesh=mesh)
   schedule = learning_rate_schedule(config)
