@@ -11,10 +11,13 @@ Sampler: tok/s of `batch x new_tokens` sampled tokens, at temperature 1 with no 
 stop token (exactly `new_tokens` each), from the same prompts (BOS + random ids, no padding) and the
 same weights: a Hugging Face Llama directory that ours (`ebpo_jax.models.from_pretrained`), tunix
 (`tunix.models.llama3`, its vanilla `tunix.generate.sampler.Sampler`) and transformers all load.
-Shapes: `tiny` (4 layers, d=256, 4 query / 2 kv heads of 64, MLP 768, vocab 512, untied; random
-init) at batch 16, 32 prompt + 64 new tokens; `smollm2-135m` (SmolLM2-135M-Instruct itself: 30
-layers, d=576, 9/3 heads of 64, MLP 1536, vocab 49152, tied) at batch 16, 32 + 32. transformers runs
-with the faster of 1 thread and torch's default (bench/sampler.py's probe).
+Shapes: `tiny` (4 layers, d=256, 4 query / 2 kv heads of 64, MLP 768, vocab 512, untied, RoPE base
+1e6; random init) at batch 16, 32 prompt + 64 new tokens; `smollm2-135m` (SmolLM2-135M-Instruct
+itself: 30 layers, d=576, 9/3 heads of 64, MLP 1536, vocab 49152, tied) at batch 16, 32 + 32.
+Before timing, ours and tunix's prompt logits are compared (ours matches transformers elsewhere,
+tests/test_model_io.py): tunix 0.1.7's Llama3 always applies RoPE base 1e6, so they agree at every
+position for `tiny` and at the first only for SmolLM2 (base 1e5; same cost either way).
+transformers runs with the faster of 1 thread and torch's default (bench/sampler.py's probe).
 
 RL step: bench/peers_rl.py says what each side runs and how its time is split into rollout and
 train. 8 prompts x G=4, 32 prompt + 32 new tokens, the tiny model in float32, AdamW, once with no
@@ -40,12 +43,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import peers_rl  # noqa: E402
 import sampler as sampler_bench  # noqa: E402
 
 from ebpo_jax.models import from_pretrained, smollm2_135m_instruct  # noqa: E402
 
+TUNIX_ROPE_THETA = 1_000_000.0
 TINY_HF = dict(
   vocab_size=512,
   hidden_size=256,
@@ -55,6 +60,9 @@ TINY_HF = dict(
   num_key_value_heads=2,
   head_dim=64,
   tie_word_embeddings=False,
+  # tunix 0.1.7's Llama3 applies RoPE with base 1e6 whatever its config says (Attention.block calls
+  # apply_rope without rope_theta): at 1e6 the three engines compute the same function.
+  rope_theta=TUNIX_ROPE_THETA,
 )
 
 
@@ -87,11 +95,27 @@ def round_robin(runs: dict, repeats: int) -> dict[str, list]:
 # ----------------------------------------------------------------------------- sampler
 
 
-def tunix_sampler(path: str, hf: dict, prompts: np.ndarray, new_tokens: int):
+def check_same_logits(model, params, tunix_model, prompts: np.ndarray, rope_theta: float) -> str:
+  """Max |ours - tunix| of the prompts' logits (a full causal forward), at every position when the
+  RoPE base is the one tunix applies (TUNIX_ROPE_THETA), else at the first (no rotation there);
+  raises above 1e-3: the two loaded different weights."""
+  ids = jnp.asarray(prompts)
+  ours = jax.jit(lambda p: model.apply({"params": p}, ids))(params)
+  b, t = ids.shape
+  positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+  causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (b, t, t))
+  theirs, _ = tunix_model(ids, positions, None, causal)
+  upto = t if rope_theta == TUNIX_ROPE_THETA else 1
+  diff = float(jnp.abs(ours[:, :upto] - theirs[:, :upto].astype(jnp.float32)).max())
+  if not diff < 1e-3:
+    raise RuntimeError(f"ours and tunix's logits differ by up to {diff}: not the same weights")
+  return f"{diff:.0e} ({'all positions' if upto == t else 'position 0: RoPE base differs'})"
+
+
+def tunix_sampler(model, hf: dict, prompts: np.ndarray, new_tokens: int):
   """A call of tunix's vanilla sampler over `prompts` [B, P] (BOS first) as text, seeded."""
   from tunix.generate import sampler as tunix_sampling
 
-  model = peers_rl.tunix_llama(path, hf, peers_rl.cpu_mesh())
   cache = tunix_sampling.CacheConfig(
     cache_size=prompts.shape[1] + new_tokens,
     num_layers=hf["num_hidden_layers"],
@@ -137,7 +161,9 @@ def bench_sampler(case: SamplerCase, path: str, repeats: int) -> dict:
   model, params = from_pretrained(path)
   torch_model = sampler_bench.load_torch(path)
   ours = _timer(sampler_bench._ours(model, params, prompts, case.new_tokens))
-  tunix = _timer(tunix_sampler(path, hf, prompts, case.new_tokens))
+  tunix_model = peers_rl.tunix_llama(path, hf, peers_rl.cpu_mesh())
+  logit_diff = check_same_logits(model, params, tunix_model, prompts, model.config.rope_theta)
+  tunix = _timer(tunix_sampler(tunix_model, hf, prompts, case.new_tokens))
   theirs = _timer(sampler_bench._theirs(torch_model, prompts, case.new_tokens))
   warmup = {"ours": ours(0), "tunix": tunix(0), "transformers": theirs()}
   threads = sampler_bench.best_torch_threads(torch_model, prompts)
@@ -150,7 +176,8 @@ def bench_sampler(case: SamplerCase, path: str, repeats: int) -> dict:
   seconds = round_robin(runs, repeats)
   tokens = case.batch * case.new_tokens
   row = {f"{k}_tok_s": tokens / _median(v) for k, v in seconds.items()}
-  return row | {f"{k}_warmup_s": v for k, v in warmup.items()} | {"torch_threads": threads}
+  warmups = {f"{k}_warmup_s": v for k, v in warmup.items()}
+  return row | warmups | {"torch_threads": threads, "logit_diff_vs_tunix": logit_diff}
 
 
 # ----------------------------------------------------------------------------- RL step
@@ -196,7 +223,7 @@ def print_sampler(rows: dict[SamplerCase, dict], repeats: int) -> None:
       f"{r['ours_tok_s']:>8.0f} {r['tunix_tok_s']:>8.0f} {r['transformers_tok_s']:>8.0f}"
       f" {over_tunix:>7.2f} {over_transformers:>8.2f}"
       f"   {r['ours_warmup_s']:.1f}/{r['tunix_warmup_s']:.1f}/{r['transformers_warmup_s']:.1f}"
-      f" ({r['torch_threads']})"
+      f" ({r['torch_threads']}); max |logit diff| vs tunix {r['logit_diff_vs_tunix']}"
     )
 
 

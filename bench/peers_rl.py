@@ -196,6 +196,9 @@ def tunix_llama(path: str, hf: dict, mesh):
   from tunix.models.llama3 import model as llama3
   from tunix.models.llama3 import params as llama3_params
 
+  rope = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10_000.0)}
+  if rope.get("rope_type", "default") != "default":
+    raise ValueError(f"{path}: RoPE scaling {rope} (tunix's Llama3 applies none)")
   config = llama3.ModelConfig(
     num_layers=hf["num_hidden_layers"],
     vocab_size=hf["vocab_size"],
@@ -204,7 +207,7 @@ def tunix_llama(path: str, hf: dict, mesh):
     num_heads=hf["num_attention_heads"],
     head_dim=hf["head_dim"],
     num_kv_heads=hf["num_key_value_heads"],
-    rope_theta=hf.get("rope_theta", 10_000.0),
+    rope_theta=rope["rope_theta"],
     norm_eps=hf.get("rms_norm_eps", 1e-6),
     weight_tying=hf.get("tie_word_embeddings", False),
   )
