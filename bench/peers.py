@@ -198,7 +198,7 @@ def bench_rl(path: str, rl: peers_rl.RLShape, repeats: int) -> dict:
     for engine in engines.values():
       engine.close()
   medians = {
-    name: {part: _median([s[part] for s in runs]) for part in ("rollout", "train", "step")}
+    name: {part: _median([s[part] for s in runs]) for part in runs[0]}
     for name, runs in steps.items()
   }
   return {"medians": medians, "warmup_s": warmup}
@@ -240,6 +240,11 @@ def print_rl(result: dict, rl: peers_rl.RLShape, repeats: int) -> None:
     for part in ("rollout", "train", "step"):
       ours, tunix = m[f"ours{tag}"][part], m[f"tunix{tag}"][part]
       print(f"{'yes' if tag else 'no':4} {part:8} {ours:>8.3f} {tunix:>8.3f} {ours / tunix:>10.2f}")
+  update, update_kl = m["tunix"]["update"], m["tunix_kl"]["update"]
+  print(
+    f"tunix's update_actor alone: {update:.3f} s, with KL {update_kl:.3f} s (the rest of its train"
+    " part: reference log-probs, advantages, its loop)"
+  )
   warm = ", ".join(f"{k} {v:.1f}" for k, v in result["warmup_s"].items())
   print(f"warm-up step (compiles), s: {warm}")
 
