@@ -78,6 +78,12 @@ def _median(xs) -> float:
   return float(np.median(xs))
 
 
+def ratio_range(numerators, denominators) -> str:
+  """min-max of the per-repeat ratios (a repeat's runs are adjacent in time): the noise."""
+  ratios = np.asarray(numerators) / np.asarray(denominators)
+  return f"{ratios.min():.2f}-{ratios.max():.2f}"
+
+
 def hf_config(path: str) -> dict:
   with open(os.path.join(path, "config.json")) as f:
     return json.load(f)
@@ -176,8 +182,12 @@ def bench_sampler(case: SamplerCase, path: str, repeats: int) -> dict:
   seconds = round_robin(runs, repeats)
   tokens = case.batch * case.new_tokens
   row = {f"{k}_tok_s": tokens / _median(v) for k, v in seconds.items()}
+  ranges = {
+    f"over_{peer}_range": ratio_range(seconds[peer], seconds["ours"])
+    for peer in ("tunix", "transformers")
+  }
   warmups = {f"{k}_warmup_s": v for k, v in warmup.items()}
-  return row | warmups | {"torch_threads": threads, "logit_diff_vs_tunix": logit_diff}
+  return row | ranges | warmups | {"torch_threads": threads, "logit_diff_vs_tunix": logit_diff}
 
 
 # ----------------------------------------------------------------------------- RL step
@@ -201,17 +211,28 @@ def bench_rl(path: str, rl: peers_rl.RLShape, repeats: int) -> dict:
     name: {part: _median([s[part] for s in runs]) for part in runs[0]}
     for name, runs in steps.items()
   }
-  return {"medians": medians, "warmup_s": warmup}
+  ranges = {
+    f"{part}{tag}": ratio_range(
+      *([s[part] for s in steps[f"{side}{tag}"]] for side in ("ours", "tunix"))
+    )
+    for tag in ("", "_kl")
+    for part in ("rollout", "train", "step")
+  }
+  return {"medians": medians, "ranges": ranges, "warmup_s": warmup}
 
 
 # ----------------------------------------------------------------------------- report
 
 
 def print_sampler(rows: dict[SamplerCase, dict], repeats: int) -> None:
-  print(f"\nsampler tok/s, median of {repeats} (warm-up s apart; > 1: ours faster)")
+  print(
+    f"\nsampler tok/s, median of {repeats}, and the range of the per-repeat ratios (warm-up s"
+    " apart; > 1: ours faster)"
+  )
   header = (
     f"{'shape':13} {'batch':>5} {'P+N':>6} {'ours':>8} {'tunix':>8} {'transf.':>8}"
-    f" {'/tunix':>7} {'/transf.':>8}   warm-up s ours/tunix/transf. (torch threads)"
+    f" {'/tunix':>7} {'/transf.':>8} {'range /tunix':>12} {'/transf.':>9}"
+    "   warm-up s ours/tunix/transf. (torch threads)"
   )
   print(header)
   print("-" * len(header))
@@ -222,6 +243,7 @@ def print_sampler(rows: dict[SamplerCase, dict], repeats: int) -> None:
       f"{case.name:13} {case.batch:>5} {case.prompt_len:>3}+{case.new_tokens:<2} "
       f"{r['ours_tok_s']:>8.0f} {r['tunix_tok_s']:>8.0f} {r['transformers_tok_s']:>8.0f}"
       f" {over_tunix:>7.2f} {over_transformers:>8.2f}"
+      f" {r['over_tunix_range']:>12} {r['over_transformers_range']:>9}"
       f"   {r['ours_warmup_s']:.1f}/{r['tunix_warmup_s']:.1f}/{r['transformers_warmup_s']:.1f}"
       f" ({r['torch_threads']}); max |logit diff| vs tunix {r['logit_diff_vs_tunix']}"
     )
@@ -230,16 +252,21 @@ def print_sampler(rows: dict[SamplerCase, dict], repeats: int) -> None:
 def print_rl(result: dict, rl: peers_rl.RLShape, repeats: int) -> None:
   print(
     f"\nRL step: {rl.prompts} prompts x G={rl.group_size}, {rl.prompt_len}+{rl.new_tokens} tokens,"
-    f" tiny model fp32, AdamW; median s of {repeats} (< 1: ours faster)"
+    f" tiny model fp32, AdamW; median s of {repeats}, range of the per-repeat ratios"
+    " (< 1: ours faster)"
   )
-  header = f"{'KL':4} {'part':8} {'ours s':>8} {'tunix s':>8} {'ours/tunix':>10}"
+  header = f"{'KL':4} {'part':8} {'ours s':>8} {'tunix s':>8} {'ours/tunix':>10} {'range':>10}"
   print(header)
   print("-" * len(header))
   m = result["medians"]
   for tag in ("", "_kl"):
     for part in ("rollout", "train", "step"):
       ours, tunix = m[f"ours{tag}"][part], m[f"tunix{tag}"][part]
-      print(f"{'yes' if tag else 'no':4} {part:8} {ours:>8.3f} {tunix:>8.3f} {ours / tunix:>10.2f}")
+      spread = result["ranges"][f"{part}{tag}"]
+      print(
+        f"{'yes' if tag else 'no':4} {part:8} {ours:>8.3f} {tunix:>8.3f} {ours / tunix:>10.2f}"
+        f" {spread:>10}"
+      )
   update, update_kl = m["tunix"]["update"], m["tunix_kl"]["update"]
   print(
     f"tunix's update_actor alone: {update:.3f} s, with KL {update_kl:.3f} s (the rest of its train"
