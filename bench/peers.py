@@ -269,8 +269,8 @@ def print_rl(result: dict, rl: peers_rl.RLShape, repeats: int) -> None:
       )
   update, update_kl = m["tunix"]["update"], m["tunix_kl"]["update"]
   print(
-    f"tunix's update_actor alone: {update:.3f} s, with KL {update_kl:.3f} s (the rest of its train"
-    " part: reference log-probs, advantages, its loop)"
+    f"tunix's update_actor alone: {update:.3f} s, with KL {update_kl:.3f} s (with KL it also waits"
+    " for the reference log-probs, dispatched just before it)"
   )
   warm = ", ".join(f"{k} {v:.1f}" for k, v in result["warmup_s"].items())
   print(f"warm-up step (compiles), s: {warm}")

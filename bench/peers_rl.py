@@ -12,8 +12,9 @@ in-process) then the jitted `step.jit_train_step`, metrics fetched. Rollout = co
 the step (which computes the reference log-probs under KL).
 Tunix 0.1.7: `GRPOLearner.train` over a one-batch dataset per step (its `close` deferred to the
 end), actor, reference and vanilla-sampler rollout on one CPU mesh. Rollout = `RLCluster.generate` +
-`_compute_rewards` (timed by wrapping them); train = the rest of the step (reference log-probs
-under KL, advantages, `update_actor`).
+`_compute_rewards` (timed by wrapping them; both return host values, so nothing is left pending);
+train = the rest of the step (under KL the reference log-probs, which tunix dispatches before the
+advantages and `update_actor` waits for; advantages; `update_actor`; its loop).
 """
 
 from __future__ import annotations
