@@ -2,10 +2,12 @@
 
 Layers are scanned (`nn.scan`): every per-layer parameter carries a leading `layers` axis, the
 layout of checkpoints and training. The scanned decoder runs only the full forward, without a KV
-cache (training, reference log-probs). Cached prefill and decode run `Decoder(config,
-scan_layers=False)`: the same math over modules `layers_0 ... layers_{L-1}` (`unstack_layers`
-converts the params once) with one KV-cache layout, a buffer `[B, Hkv, S, D]` per layer that each
-step updates in place (XLA CPU copies every stacked weight or cache slice on every scanned step).
+cache (training, reference log-probs); `ModelConfig.unroll_layers` unrolls its loop (same params,
+one program per layer: slower to compile, faster on XLA:CPU, which fuses across layers). Cached
+prefill and decode run `Decoder(config, scan_layers=False)`: the same math over modules
+`layers_0 ... layers_{L-1}` (`unstack_layers` converts the params once) with one KV-cache layout, a
+buffer `[B, Hkv, S, D]` per layer that each step updates in place (XLA CPU copies every stacked
+weight or cache slice on every scanned step).
 
 Parameter layout (HF name -> ours):
   embed_tokens.weight [V, E]            -> embed_tokens/embedding      (vocab, embed)
@@ -297,9 +299,12 @@ class Decoder(nn.Module):
     positions: jax.Array | None = None,
     attention_mask: jax.Array | None = None,
     cache: KVCache | None = None,
+    logits_slice: tuple[int, int] | None = None,
   ):
     """Without a cache returns logits; with one (`scan_layers=False` only) also the cache with the
-    T tokens written.
+    T tokens written. `logits_slice=(start, stop)` computes the logits of those positions only
+    (`[B, stop - start, V]`): the LM head is a large share of a small model's work, and training
+    needs it only where completion tokens are predicted.
 
     Default positions are `arange(T)` (offset by `cache.index` when a cache is given). The caller
     sizes the cache: writing past its last slot is not detected under jit.
@@ -327,6 +332,8 @@ class Decoder(nn.Module):
     else:
       x, new_cache = self._layer_loop(x, (sin, cos, valid), cache, attention_mask)
     x = RMSNorm(c, name="norm")(x)
+    if logits_slice is not None:
+      x = x[:, slice(*logits_slice)]
     if c.tie_word_embeddings:
       logits = jnp.einsum("bte,ve->btv", x, embedding, preferred_element_type=jnp.float32)
     else:
@@ -368,6 +375,7 @@ class Decoder(nn.Module):
       split_rngs={"params": True, lora.DROPOUT_RNG: True},  # each layer its own dropout masks
       in_axes=(nn.broadcast,),
       length=c.num_layers,
+      unroll=c.num_layers if c.unroll_layers else 1,
       metadata_params={nn.PARTITION_NAME: "layers"},
     )
     return scanned(c, name="layers")
