@@ -20,8 +20,8 @@ TRACEME_FLAG = "--xla_cpu_enable_xprof_traceme=true"
 # (part, pattern on the op's JAX source path); the first match names the part.
 PARTS = (
   ("optimizer (AdamW, grad norm, skip branch)", r"/cond/|optax|global_norm|clip_by"),
-  ("LM head matmuls (forward and backward)", r"bte,ve->btv|bte,ev->btv"),
-  ("layer matmuls (projections)", r"/layers/.*(_proj/.*dot_general|_proj/.*transpose)"),
+  ("LM head matmuls (forward and backward)", r"jvp\(Decoder\)\)?/(dot_general|transpose)$"),
+  ("layer matmuls (projections)", r"/layers/.*_proj/.*(dot_general|transpose)"),
   ("attention (scores, softmax, values)", r"/layers/self_attn/"),
   ("layer elementwise (norms, MLP, residual)", r"/layers/"),
   ("layer loop (slices, stacking, copies)", r"slice|concatenate|dynamic_update|while"),

@@ -318,10 +318,12 @@ def test_decode_loop_updates_the_cache_in_place(policy):
     mesh=None, **static,
   ).compile()  # fmt: skip
   # The decode loop carries one cache buffer per layer and k/v: [rows, kv heads, P + N - 1 slots,
-  # head dim] = [6, 2, 12, 8], and per-layer weights (q_proj [32, 4, 8]) instead of the stack.
+  # head dim] = [6, 2, 12, 8], and per-layer weights (q_proj [32, 4, 8], read as its 2-D [32, 32]
+  # matmul operand) instead of the stack.
   body = _while_body(compiled.as_text(), "f32[6,2,12,8]")
   assert body.count("f32[6,2,12,8]") >= 2 * TINY.num_layers
-  assert "f32[32,4,8]" in body and "f32[2,32,4,8]" not in body
+  assert "f32[32,32]" in body
+  assert "f32[2,32,4,8]" not in body and "f32[2,32,32]" not in body
   # No instruction of the loop copies or transposes a whole cache buffer (any axis order) or
   # slices a weight out of a stack: every step works on the buffers in place.
   for name, dims, op in re.findall(r"(%[\w.\-]+) = f32\[([\d,]*)\]\S* (\w[\w-]*)\(", body):
