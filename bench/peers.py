@@ -5,7 +5,8 @@ step (rollout + reward + update) vs tunix's GRPOLearner.
   python bench/peers.py --parts=sampler     # or --parts=rl
   python bench/peers.py --quick             # CI smoke run: small shapes, 1 repeat
 
-Needs the `peers` extra (google-tunix, torch); see setup.py for why it goes in its own venv.
+Needs the `peers` extra and tunix, installed apart (setup.py's PEERS_REQUIRES says why):
+`pip install -e '.[peers]' && pip install --no-deps google-tunix==0.1.7`.
 
 Sampler: tok/s of `batch x new_tokens` sampled tokens, at temperature 1 with no top-k/top-p and no
 stop token (exactly `new_tokens` each), from the same prompts (BOS + random ids, no padding) and the
