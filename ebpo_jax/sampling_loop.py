@@ -8,9 +8,12 @@ Compacting: the same loop in stages of static, halving row counts (`stage_sizes`
 down to a minimum bucket). Stage k decodes while more rows run than stage k + 1 holds; then its
 running rows (KV cache rows, last token, position, id, outputs so far) are gathered into the next,
 smaller batch, topped up with finished rows (done: they write only padding). At the end of each
-stage its rows are written back to their output rows (`Rows.row_id`). All in one program: no host
-round trip, one loop body per stage. Rows draw from per-row random streams (`row_uniforms`, by
-output row, not by place in the batch), so both give the same tokens for the same key.
+stage its rows are written back to their output rows (`Rows.row_id`). With a mesh the rows are
+split over devices, and each device compacts its own block (no row moves between devices, so no
+cache crosses the interconnect): a stage ends when no device runs more rows than its block of the
+next stage holds. All in one program: no host round trip, one loop body per stage. Rows draw from
+per-row random streams (`row_uniforms`, by output row, not by place in the batch), so both give
+the same tokens for the same key.
 """
 
 from __future__ import annotations
@@ -140,27 +143,42 @@ def constrain_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
   )
 
 
-def _running(state: State) -> jax.Array:
-  return jnp.sum(~state.rows.done, dtype=jnp.int32)
+def _per_shard(x: jax.Array, shards: int) -> jax.Array:
+  """`[R, ...]` -> `[shards, R / shards, ...]`: each device's block of rows on its own index."""
+  return x.reshape(shards, x.shape[0] // shards, *x.shape[1:])
 
 
-def _gather_running(state: State, size: int, mesh: Mesh | None) -> State:
-  """The first `size` rows of `state` with the running ones first (all of them: at most `size`
-  run), the rest finished rows."""
-  order = jnp.argsort(state.rows.done.astype(jnp.int32), stable=True)[:size]
-  take = functools.partial(jnp.take, indices=order, axis=0, unique_indices=True)
-  cache = state.cache.replace(
-    k=tuple(map(take, state.cache.k)),
-    v=tuple(map(take, state.cache.v)),
-    mask=take(state.cache.mask),
-  )
+def _most_running_per_shard(state: State, shards: int) -> jax.Array:
+  return jnp.max(jnp.sum(~_per_shard(state.rows.done, shards), axis=1, dtype=jnp.int32))
+
+
+def _gather_running(state: State, size: int, shards: int, mesh: Mesh | None) -> State:
+  """`size` rows of `state`: on each device, its running rows first (all of them: at most
+  `size / shards` run on any), then its finished ones. Rows never leave their device, so the
+  gather needs no communication (across devices it would gather the whole cache on every one)."""
+  done_dr = _per_shard(state.rows.done, shards).astype(jnp.int32)
+  order_dk = jnp.argsort(done_dr, axis=1, stable=True)[:, : size // shards]
+  take_one = functools.partial(jnp.take, axis=0, unique_indices=True)
+
+  def take(x):
+    return jax.vmap(take_one)(_per_shard(x, shards), order_dk).reshape(size, *x.shape[1:])
+
+  c = state.cache
+  cache = c.replace(k=tuple(map(take, c.k)), v=tuple(map(take, c.v)), mask=take(c.mask))
   rows = sharding.constrain_rows(jax.tree.map(take, state.rows), mesh)
   return State(step=state.step, cache=constrain_cache(cache, mesh), rows=rows)
 
 
-def _write_back(out: Rows, rows: Rows, mesh: Mesh | None) -> Rows:
-  """`out` with the rows of `rows` written to their output rows (`rows.row_id`, all distinct)."""
-  put = lambda o, r: o.at[rows.row_id].set(r, unique_indices=True)  # noqa: E731
+def _write_back(out: Rows, rows: Rows, shards: int, mesh: Mesh | None) -> Rows:
+  """`out` with the rows of `rows` written to their output rows (`rows.row_id`, all distinct, each
+  on the device that holds it in `out`)."""
+  local_dk = _per_shard(rows.row_id % (out.row_id.shape[0] // shards), shards)
+  put_one = lambda o, i, r: o.at[i].set(r, unique_indices=True)  # noqa: E731
+
+  def put(o, r):
+    written = jax.vmap(put_one)(_per_shard(o, shards), local_dk, _per_shard(r, shards))
+    return written.reshape(o.shape)
+
   return sharding.constrain_rows(jax.tree.map(put, out, rows), mesh)
 
 
@@ -174,15 +192,15 @@ def decode(
 ) -> Rows:
   """Runs `decode_one` until every row is done or `width` tokens are drawn, in stages of `sizes`
   rows (`stage_sizes`; `state` holds `sizes[0]` rows); returns the rows in output order."""
-  out = None
+  shards, out = batch_shards(sizes[0], mesh), None
   for k, size in enumerate(sizes):
     if k:
-      state = _gather_running(state, size, mesh)
-    leave_above = sizes[k + 1] if k + 1 < len(sizes) else 0
+      state = _gather_running(state, size, shards, mesh)
+    leave_above = sizes[k + 1] // shards if k + 1 < len(sizes) else 0  # rows on any one device
 
     def keep_going(s: State, leave_above=leave_above) -> jax.Array:
-      return (s.step < width) & (_running(s) > leave_above)
+      return (s.step < width) & (_most_running_per_shard(s, shards) > leave_above)
 
     state = jax.lax.while_loop(keep_going, decode_one, state)
-    out = state.rows if out is None else _write_back(out, state.rows, mesh)
+    out = state.rows if out is None else _write_back(out, state.rows, shards, mesh)
   return out
