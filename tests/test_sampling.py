@@ -345,6 +345,30 @@ def test_compacting_decode_equals_the_plain_loop(policy, sharded):
     assert len(compact.tokens.sharding.device_set) == 8
 
 
+def _collective_sizes(hlo: str) -> list[int]:
+  """Element counts of the results of the program's cross-device collectives."""
+  ops = r"= \w+\[([\d,]*)\]\S* (?:all-gather|all-reduce|all-to-all|collective-permute)\("
+  return [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(ops, hlo)]
+
+
+def test_compacting_under_a_mesh_moves_no_row_between_devices(policy):
+  """Each device compacts its own block of rows: no collective beyond the plain loop's. (A global
+  gather moved cache rows, tokens and log-probs between devices.)"""
+  model, params = policy  # replicated weights: the only collectives are the sampler's own
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
+  prompts = [PROMPTS[i % 3][: 1 + i % 5] for i in range(8)]
+  ids, mask = sampling.pad_prompts(prompts, PAD, BUCKETS)
+  hlo = {
+    compact: sampling.trace_generate(
+      model, params, ids, mask, jax.random.key(0), jnp.float32(1), jnp.float32(1), group_size=4,
+      max_new_tokens=16, stop_ids=(1,), mesh=mesh, compact=compact,
+    ).lower().compile().as_text()
+    for compact in (False, True)
+  }  # fmt: skip
+  assert max(_collective_sizes(hlo[True])) <= max(_collective_sizes(hlo[False]))
+  assert "collective-permute(" not in hlo[True]
+
+
 def _while_body(hlo: str, carried: str) -> str:
   """The text of the body computation of the while loop whose carry holds `carried`."""
   loop = next(line for line in hlo.splitlines() if " while(" in line and carried in line)
