@@ -1,7 +1,9 @@
 """Packaging for ebpo_jax: `pip install -e .` (runtime, CPU JAX), `pip install -e '.[test]'`
 (tests), `pip install -e '.[cuda]'` / `'.[tpu]'` (JAX for NVIDIA GPUs / TPUs),
 `pip install -e '.[aot]'` (the TPU compiler for `python -m ebpo_jax.aot` on any machine) and
-`pip install -e '.[wandb]'` (logging to Weights & Biases, `--config.logging.wandb=True`)."""
+`pip install -e '.[wandb]'` (logging to Weights & Biases, `--config.logging.wandb=True`) and
+`pip install -e '.[peers]'` (bench/peers.py's peers: torch, and tunix's imports; tunix itself goes
+in with `pip install --no-deps google-tunix==0.1.7`, see PEERS_REQUIRES)."""
 
 import pathlib
 
@@ -27,6 +29,22 @@ TPU_REQUIRES = ["jax[tpu]>=0.10,<0.11"]
 
 # Weights & Biases, optional (config.logging.wandb); tested with 0.31 (an offline run read back).
 WANDB_REQUIRES = ["wandb>=0.19,<1"]
+
+# bench/peers.py only (never a runtime dependency): transformers' `generate` runs on torch (2.13.0
+# is the CPU wheel; any other pulls CUDA), and tunix 0.1.7's imports of the modules the bench uses.
+# google-tunix itself is installed apart, without its dependencies: it pins safetensors<0.8, which
+# this package (and transformers >= 5.13) exclude, so pip cannot resolve it beside ebpo_jax; it runs
+# with safetensors 0.8 (bench/peers.py, checked). Install:
+#   pip install -e '.[peers]' && pip install --no-deps google-tunix==0.1.7
+# Tested: google-tunix 0.1.7, google-metrax 0.2.4, jaxtyping 0.3.11, perfetto 0.59.1, sentencepiece
+# 0.2.3 (with jax 0.10.2, flax 0.12.8, transformers 5.24.0, safetensors 0.8.0).
+PEERS_REQUIRES = [
+    "torch==2.13.0",
+    "google-metrax>=0.2.3",  # tunix.rl imports metrax (which brings clu)
+    "jaxtyping>=0.3",
+    "perfetto>=0.59",
+    "sentencepiece>=0.2",
+]
 
 TEST_REQUIRES = [
     "pytest>=8",
@@ -64,6 +82,7 @@ setuptools.setup(
         "test": TEST_REQUIRES,
         "aot": AOT_REQUIRES,
         "wandb": WANDB_REQUIRES,
+        "peers": PEERS_REQUIRES,
         "cuda": CUDA_REQUIRES,
         "tpu": TPU_REQUIRES,
     },

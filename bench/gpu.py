@@ -181,7 +181,7 @@ def bench_train_step(args, device: jax.Device) -> str:
   step_args = argparse.Namespace(
     rows=args.train_rows, group_size=8 if args.train_rows % 8 == 0 else 2,
     prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.reps,
-    micro_rows=args.train_micro, dtype="bfloat16",
+    micro_rows=args.train_micro, dtype="bfloat16", quick=args.dry_run, profile=False,
   )  # fmt: skip
   timed = train_bench.time_steps(shape, step_args)
   lines = [

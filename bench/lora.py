@@ -8,9 +8,10 @@ EBPO, float32, `rl.loss.kl_coef = 0` (no reference forward), one update per step
 model of SmolLM2-135M's shape (30 layers, d=576, 9/3 heads, vocab 49152, tied embeddings). Three
 variants: full fine-tuning, LoRA rank 8 and rank 64 on all seven projections; their steps are timed
 in turn, round after round, after one warm-up round (compilation), so background load hits all
-alike; a variant's time relative to full is the median over rounds of the round's ratio. Optimizer-state bytes are the AdamW moments' arrays; checkpoint bytes are
-the directory `ebpo_jax.checkpoint.Checkpointer` writes for `state.checkpointed(state)` (under LoRA
-without the frozen base).
+alike; a variant's time relative to full is the median over rounds of the round's ratio.
+Optimizer-state bytes are the AdamW moments' arrays; checkpoint bytes are the directory
+`ebpo_jax.checkpoint.Checkpointer` writes for `state.checkpointed(state)` (under LoRA without the
+frozen base).
 
 Sampling with LoRA, two ways on the same adapted policy (rank 8, B non-zero as after training):
 on the fly (the LoRA decoder: two extra small matmuls per projection per decoded token) and merged

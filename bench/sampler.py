@@ -92,9 +92,10 @@ def _timed(fn) -> float:
   return time.perf_counter() - start
 
 
-def tiny_checkpoint(directory: str) -> str:
+def tiny_checkpoint(directory: str, hf_config: dict = TINY_HF) -> str:
+  """A random-init `LlamaForCausalLM` of `hf_config` (seed 0) saved in `directory`."""
   torch.manual_seed(0)
-  hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY_HF))
+  hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**hf_config))
   hf_model.save_pretrained(directory)
   return directory
 

@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import op_profile  # noqa: E402
 
 from ebpo_jax import advantages, sharding  # noqa: E402
 from ebpo_jax.trainer import config as config_lib  # noqa: E402
@@ -108,24 +109,28 @@ def compiled_step(shape_name: str, advantage: str, args):
 
 
 def step_flops(weights: int, shape: dict, args) -> float:
-  """Model FLOPs of one step: 6 per weight per token (forward + backward) plus attention.
+  """Model FLOPs of one step: 6 per weight per token (forward + backward) plus attention, with the
+  LM head counted only where a completion token is predicted (the step computes no other logits).
 
-  Counted by hand because XLA's cost analysis counts the scanned layer body once, not L times.
+  Counted by hand because XLA's cost analysis counts a scanned layer body once, not L times.
   `weights`: the entries of every matrix, each a matmul weight (the tied embedding is the LM head;
   its lookup is free).
   """
-  tokens = args.rows * (args.prompt_len + args.new_tokens)
   seq = args.prompt_len + args.new_tokens
+  head = shape["vocab_size"] * shape["hidden_size"]
   heads_dim = shape["num_heads"] * shape["head_dim"]
   attention = 12 * shape["num_layers"] * args.rows * seq * seq * heads_dim
-  return 6.0 * weights * tokens + attention
+  return 6.0 * ((weights - head) * args.rows * seq + head * args.rows * args.new_tokens) + attention
 
 
 def time_steps(shape_name: str, args) -> dict[str, float]:
-  """Median seconds per step of each estimator, timed alternately so load drift hits both."""
+  """Median seconds per step of each estimator and of the reference matmul, timed in turn each
+  round so load drift hits all three alike."""
   runs = {adv: list(compiled_step(shape_name, adv, args)) for adv in ("grpo", "ebpo")}
-  times = {adv: [] for adv in runs}
+  matmul = matmul_timer(512 if args.quick else 2048)
+  times = {adv: [] for adv in runs} | {"matmul": []}
   for repeat in range(args.repeats + 1):  # the first round warms up
+    matmul_rate = matmul()
     for adv, run in runs.items():
       fn, state, batch, _ = run
       start = time.perf_counter()
@@ -134,18 +139,38 @@ def time_steps(shape_name: str, args) -> dict[str, float]:
       run[1] = state
       if repeat:
         times[adv].append(time.perf_counter() - start)
+    if repeat:
+      times["matmul"].append(matmul_rate)
+  if args.profile:
+    fn, state, batch, _ = runs["grpo"]
+    print_profile(shape_name, op_profile.op_times(fn, state, batch, steps=2))
   flops = step_flops(runs["grpo"][3], SHAPES[shape_name], args)
-  return {adv: float(np.median(t)) for adv, t in times.items()} | {"flops": flops}
+  return {key: float(np.median(t)) for key, t in times.items()} | {"flops": flops}
 
 
-def matmul_flops_per_s(n: int = 2048, repeats: int = 5) -> float:
+def matmul_timer(n: int, calls: int = 3):
+  """A function that times `calls` square float32 matmuls and returns the fastest one's FLOP/s
+  (the machine's rate at that moment: a call that another process interrupted does not count)."""
   a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
   dot = jax.jit(lambda x: x @ x)
   jax.block_until_ready(dot(a))
-  start = time.perf_counter()
-  for _ in range(repeats):
-    jax.block_until_ready(dot(a))
-  return 2 * n**3 * repeats / (time.perf_counter() - start)
+
+  def rate() -> float:
+    seconds = []
+    for _ in range(calls):
+      start = time.perf_counter()
+      jax.block_until_ready(dot(a))
+      seconds.append(time.perf_counter() - start)
+    return 2 * n**3 / min(seconds)
+
+  return rate
+
+
+def print_profile(shape_name: str, op_seconds: dict[str, float]) -> None:
+  total = sum(op_seconds.values())
+  print(f"{shape_name}: where the grpo step's op time goes ({total:.3f} s, summed over threads)")
+  for part, seconds in sorted(op_seconds.items(), key=lambda kv: -kv[1]):
+    print(f"  {part:44} {seconds:8.3f} s {seconds / total:6.1%}")
 
 
 def main() -> None:
@@ -159,17 +184,20 @@ def main() -> None:
   parser.add_argument("--micro_rows", type=int, default=0, help="rows per micro-batch; 0: all")
   parser.add_argument("--dtype", default="float32")
   parser.add_argument("--quick", action="store_true", help="CI smoke run")
+  parser.add_argument("--profile", action="store_true", help="trace the grpo step: op time by part")
   args = parser.parse_args()
+  if args.profile:
+    op_profile.enable_op_events()
   if args.quick:
     args.shapes, args.rows, args.prompt_len, args.new_tokens, args.repeats = "tiny", 8, 8, 8, 1
 
-  matmul = matmul_flops_per_s(512 if args.quick else 2048)
-  print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}; "
-        f"f32 matmul {matmul / 1e9:.1f} GFLOP/s")  # fmt: skip
-  print(f"{'shape':6} {'estimator':10} {'step ms':>9} {'GFLOP':>8} {'GFLOP/s':>9} {'of matmul':>9}")
+  print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}")
   summary = {}
   for shape_name in args.shapes.split(","):
     timed = time_steps(shape_name, args)
+    matmul = timed["matmul"]
+    print(f"{shape_name}: f32 matmul {matmul / 1e9:.1f} GFLOP/s (median over rounds)")
+    print(f"{'shape':6} {'estimator':10} {'step ms':>9} {'GFLOP':>8} {'GFLOP/s':>9} {'matmul':>9}")
     for advantage in ("grpo", "ebpo"):
       seconds, flops = timed[advantage], timed["flops"]
       print(f"{shape_name:6} {advantage:10} {seconds * 1e3:9.1f} {flops / 1e9:8.2f} "

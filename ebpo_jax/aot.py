@@ -22,18 +22,19 @@ sizes are added to the sampler's. A phase fits when its bytes are at most the HB
 compiler makes available on the chip (CHIPS). A program that cannot fit does not compile at all:
 the compiler's RESOURCE_EXHAUSTED message gives the bytes it needed.
 
-FLOPs and bytes accessed are the compiler's `cost_analysis()` (per chip), which counts the body of
-a loop once, whatever its trip count: the layers under `nn.scan`, the micro-batches and updates of
-the train step (`lax.scan`), the sampler's decode `while_loop`. The correction comes from the
-program's jaxpr: the FLOPs (2 x M x N x K) and operand bytes of every `dot_general` are summed once
-with each loop body counted once, as the compiler counts, and once weighted by trip counts (a scan
-its length; the decode loop `max_new_tokens - 1` steps, every row running to the limit; a `cond`
-its largest branch). The compiler's FLOPs are scaled by the first ratio, its bytes by the second.
-This assumes the compiler's per-chip count is spread over the program like the dots are: close
-for FLOPs (matmuls are nearly all of them) and for the train step, whose work is all inside its
-loops; the sampler's bytes also scale what lies outside the decode loop (the prefill) by the
-loop's ratio, so they are an estimate, good to a small factor. The uncorrected counts and both
-ratios are in the JSON (`flops_counted_once`, `bytes_counted_once`, `loop_factor_*`).
+FLOPs and bytes accessed are the compiler's `cost_analysis()` (per chip), which counts the body of a
+loop once, whatever its trip count: the layers under `nn.scan`, the micro-batches and updates of the
+train step (`lax.scan`), the sampler's decode `while_loop`. The correction comes from the program's
+jaxpr: the FLOPs (2 x M x N x K) and operand bytes of every `dot_general` are summed once with each
+loop body counted once, as the compiler counts (an unrolled scan's body once per copy), and once
+weighted by trip counts (a scan its length; the decode loop `max_new_tokens - 1` steps, every row
+running to the limit; a `cond` its largest branch). The compiler's FLOPs are scaled by the first
+ratio, its bytes by the second. This assumes the compiler's per-chip count is spread over the
+program like the dots are: close for FLOPs (matmuls are nearly all of them) and for the train step,
+whose work is all inside its loops; the sampler's bytes also scale what lies outside the decode loop
+(the prefill) by the loop's ratio, so they are an estimate, good to a small factor. The uncorrected
+counts and both ratios are in the JSON (`flops_counted_once`, `bytes_counted_once`,
+`loop_factor_*`).
 
 The roofline time of a program is max(FLOPs / peak FLOP/s, bytes / HBM bandwidth) per chip, from
 the published peaks in CHIPS; it leaves out collectives over the interconnect and the host. An RL
@@ -84,9 +85,11 @@ class DotCount:
   bytes_once: float = 0.0
   bytes: float = 0.0
 
-  def add(self, other: "DotCount", trips: float) -> None:
-    self.flops_once += other.flops_once
-    self.bytes_once += other.bytes_once
+  def add(self, other: "DotCount", trips: float, copies: int = 1) -> None:
+    """Adds `other`, a body that runs `trips` times and appears `copies` times in the compiled
+    program (an unrolled scan's body: the compiler counts each copy)."""
+    self.flops_once += copies * other.flops_once
+    self.bytes_once += copies * other.bytes_once
     self.flops += trips * other.flops
     self.bytes += trips * other.bytes
 
@@ -122,9 +125,10 @@ def count_dots(jaxpr: jax_core.Jaxpr, while_trips: int) -> DotCount:
       total.add(max(branches, key=lambda c: c.flops), 1)
     else:
       trips = {"scan": eqn.params.get("length", 1), "while": while_trips}.get(name, 1)
+      copies = min(int(eqn.params.get("unroll", 1)), trips) if name == "scan" else 1
       for value in eqn.params.values():
         for sub in _sub_jaxprs(value):
-          total.add(count_dots(sub, while_trips), trips)
+          total.add(count_dots(sub, while_trips), trips, copies)
   return total
 
 

@@ -2,6 +2,7 @@
 compiler's verdict on the default job (libtpu compiles for a TPU topology on this CPU machine).
 The oversized case, and launch/tpu_pod.sh stopping on it, is in tests/test_launch.py."""
 
+import functools
 import json
 import os
 import pathlib
@@ -81,6 +82,16 @@ def test_count_dots_weights_loop_bodies_by_their_trip_counts():
   assert count.bytes == 6 * 4 * (8 * 16 + 16 * 32 + 8 * 32) + 7 * 4 * (8 * 16 + 16 * 16 + 8 * 16)
 
 
+def test_count_dots_counts_an_unrolled_scan_body_as_often_as_the_compiler_sees_it():
+  w, x = jnp.ones((16, 32)), jnp.ones((8, 16))  # c @ w: 8192 FLOPs
+
+  for unroll, copies in ((1, 1), (2, 2), (6, 6), (True, 6)):
+    scan = functools.partial(jax.lax.scan, length=6, unroll=unroll)
+    f = lambda w, x, scan=scan: scan(lambda c, _: (c, c @ w), x, None)[1]
+    count = aot.count_dots(jax.make_jaxpr(f)(w, x).jaxpr, 1)
+    assert (count.flops_once, count.flops) == (copies * 8192, 6 * 8192), unroll
+
+
 # ----------------------------------------------------------------------------- the TPU compiler
 
 
@@ -108,7 +119,8 @@ LAYER_SWEEP = textwrap.dedent(
   out = {}
   for layers in (2, 4, 8):
     config = config_lib.load_config(
-      "configs/arith_ebpo.py", {"model.num_layers": layers, "model.remat": "full"}
+      "configs/arith_ebpo.py",
+      {"model.num_layers": layers, "model.remat": "full", "model.unroll_layers": False},
     )
     step = aot.compile_train_step(aot.make_target(config, tpu_lib.parse_slice("v5e:2x2")))
     out[layers] = (step["flops"], step["flops_counted_once"])

@@ -150,6 +150,33 @@ def test_remat_keeps_loss_and_grads():
     jax.tree.map(check, remat_grads, grads)
 
 
+def test_unrolled_layer_loop_keeps_loss_and_grads():
+  model, params = _init(TINY)
+  ids = jnp.asarray(np.random.default_rng(3).integers(0, TINY.vocab_size, (2, 7)), jnp.int32)
+
+  def value_and_grad(unroll):
+    module = model.clone(config=dataclasses.replace(TINY, unroll_layers=unroll))
+    loss = lambda p: jnp.mean(jax.nn.log_softmax(module.apply({"params": p}, ids))[..., 0])
+    hlo = jax.jit(jax.value_and_grad(loss)).lower(params).as_text()
+    assert ("while" in hlo) != unroll  # the layer loop (forward and backward) is gone
+    return jax.jit(jax.value_and_grad(loss))(params)
+
+  value, grads = value_and_grad(False)
+  unrolled_value, unrolled_grads = value_and_grad(True)
+  np.testing.assert_allclose(unrolled_value, value, rtol=1e-6)
+  check = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  jax.tree.map(check, unrolled_grads, grads)
+
+
+def test_logits_slice_equals_the_slice_of_all_logits():
+  model, params = _init(dataclasses.replace(TINY, tie_word_embeddings=True))
+  ids = jnp.asarray(np.random.default_rng(4).integers(0, TINY.vocab_size, (2, 9)), jnp.int32)
+  full = model.apply({"params": params}, ids)
+  part = model.apply({"params": params}, ids, logits_slice=(3, 8))
+  assert part.shape == (2, 5, TINY.vocab_size)
+  np.testing.assert_allclose(part, full[:, 3:8], rtol=1e-6, atol=1e-6)
+
+
 def test_every_param_has_logical_axes():
   leaves = []
   for arch in ("qwen2", "qwen3"):

@@ -392,11 +392,13 @@ def test_decode_loop_updates_the_cache_in_place(policy, group_size, compact, sta
   hlo = compiled.as_text()
   for rows in stage_rows:  # one decode loop per stage (`_while_body` finds it or fails)
     # Each carries one cache buffer per layer and k/v: [rows, kv heads, P + N - 1 slots, head
-    # dim] = [rows, 2, 12, 8], and per-layer weights (q_proj [32, 4, 8]) instead of the stack.
+    # dim] = [rows, 2, 12, 8], and per-layer weights (q_proj [32, 4, 8], read as its 2-D
+    # [32, 32] matmul operand) instead of the stack.
     shape = [str(rows), "2", "12", "8"]
     body = _while_body(hlo, f"f32[{','.join(shape)}]")
     assert body.count(f"f32[{','.join(shape)}]") >= 2 * TINY.num_layers
-    assert "f32[32,4,8]" in body and "f32[2,32,4,8]" not in body
+    assert "f32[32,32]" in body
+    assert "f32[2,32,4,8]" not in body and "f32[2,32,32]" not in body
     # No instruction of the loop copies or transposes a whole cache buffer (any axis order) or
     # slices a weight out of a stack: every step works on the buffers in place.
     for name, dims, op in re.findall(r"(%[\w.\-]+) = f32\[([\d,]*)\]\S* (\w[\w-]*)\(", body):

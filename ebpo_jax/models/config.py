@@ -46,6 +46,7 @@ class ModelConfig:
   dtype: str = "float32"  # compute dtype
   param_dtype: str = "float32"
   remat: str = "none"  # per-layer remat policy: one of REMAT_POLICIES
+  unroll_layers: bool = False  # the scanned layer loop fully unrolled (XLA:CPU fuses across layers)
   architecture: str = "llama"  # llama | qwen2 | qwen3 (for writing config.json back)
   lora_rank: int = 0  # LoRA adapters of this rank on lora_targets (models.lora); 0: none
   lora_alpha: float = 16.0  # adapter output scaled by lora_alpha / lora_rank

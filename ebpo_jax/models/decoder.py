@@ -2,10 +2,12 @@
 
 Layers are scanned (`nn.scan`): every per-layer parameter carries a leading `layers` axis, the
 layout of checkpoints and training. The scanned decoder runs only the full forward, without a KV
-cache (training, reference log-probs). Cached prefill and decode run `Decoder(config,
-scan_layers=False)`: the same math over modules `layers_0 ... layers_{L-1}` (`unstack_layers`
-converts the params once) with one KV-cache layout, a buffer `[B, Hkv, S, D]` per layer that each
-step updates in place (XLA CPU copies every stacked weight or cache slice on every scanned step).
+cache (training, reference log-probs); `ModelConfig.unroll_layers` unrolls its loop (same params,
+one program per layer: slower to compile, faster on XLA:CPU, which fuses across layers). Cached
+prefill and decode run `Decoder(config, scan_layers=False)`: the same math over modules
+`layers_0 ... layers_{L-1}` (`unstack_layers` converts the params once) with one KV-cache layout, a
+buffer `[B, Hkv, S, D]` per layer that each step updates in place (XLA CPU copies every stacked
+weight or cache slice on every scanned step).
 
 Parameter layout (HF name -> ours):
   embed_tokens.weight [V, E]            -> embed_tokens/embedding      (vocab, embed)
@@ -144,25 +146,33 @@ class RMSNorm(nn.Module):
     return scale * normed.astype(x.dtype)
 
 
+def token_matmul(x: jax.Array, w_io: jax.Array, **kwargs) -> jax.Array:
+  """`x [..., I] @ w [I, O] -> [..., O]` as one 2-D matmul over all tokens. A 3-D einsum's weight
+  gradient contracts two axes (batch and time), which XLA:CPU runs at about half the rate of this
+  2-D form (0.77x train step time at a 4-layer d=256 model; bench/RESULTS.md)."""
+  y = jnp.matmul(x.reshape(-1, x.shape[-1]), w_io, **kwargs)
+  return y.reshape(*x.shape[:-1], w_io.shape[-1])
+
+
 class Projection(nn.Module):
-  """`einsum(x, kernel) (+ bias)` with named logical axes on the kernel, plus a LoRA adapter
-  (`models.lora`) when the config's rank is > 0 and the name (`q_proj` -> `q`) is a target."""
+  """`x @ kernel (+ bias)` with named logical axes on the kernel, plus a LoRA adapter
+  (`models.lora`) when the config's rank is > 0 and the name (`q_proj` -> `q`) is a target. The
+  kernel's first `num_in` axes are the input (flattened: the last axis of x), the rest the output
+  (y's trailing axes)."""
 
   config: ModelConfig
-  spec: str  # einsum spec, e.g. "bte,ehd->bthd"
   shape: tuple[int, ...]
   axes: tuple[str, ...]
   bias_axes: tuple[str, ...] | None = None
-  einsum_shape: tuple[int, ...] | None = None  # the kernel reshaped to this for the einsum
-  num_in: int = 1  # leading kernel axes that are the input (flattened: the last axis of x)
+  num_in: int = 1
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     init = nn.initializers.normal(0.02)
     kernel = _param(self, "kernel", self.shape, self.axes, init)
-    if self.einsum_shape is not None:
-      kernel = kernel.reshape(self.einsum_shape)
-    y = jnp.einsum(self.spec, x, kernel)
+    out_dims = self.shape[self.num_in :]
+    kernel_io = kernel.reshape(math.prod(self.shape[: self.num_in]), math.prod(out_dims))
+    y = token_matmul(x, kernel_io).reshape(*x.shape[:-1], *out_dims)
     c = self.config
     if c.lora_rank > 0 and self.name.removesuffix("_proj") in c.lora_targets:
       y = y + lora.delta(self, x, self.shape, self.axes, self.num_in, y.shape)
@@ -203,11 +213,11 @@ class Attention(nn.Module):
     c = self.config
     e, h, kv, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     bias = c.attention_bias
-    q = Projection(c, "bte,ehd->bthd", (e, h, d), ("embed", "heads", "head_dim"),
+    q = Projection(c, (e, h, d), ("embed", "heads", "head_dim"),
                    ("heads", "head_dim") if bias else None, name="q_proj")(x_bte)  # fmt: skip
-    k = Projection(c, "bte,ehd->bthd", (e, kv, d), ("embed", "kv_heads", "head_dim"),
+    k = Projection(c, (e, kv, d), ("embed", "kv_heads", "head_dim"),
                    ("kv_heads", "head_dim") if bias else None, name="k_proj")(x_bte)  # fmt: skip
-    v = Projection(c, "bte,ehd->bthd", (e, kv, d), ("embed", "kv_heads", "head_dim"),
+    v = Projection(c, (e, kv, d), ("embed", "kv_heads", "head_dim"),
                    ("kv_heads", "head_dim") if bias else None, name="v_proj")(x_bte)  # fmt: skip
     if c.qk_norm:
       q = RMSNorm(c, "head_dim", name="q_norm")(q)
@@ -225,8 +235,7 @@ class Attention(nn.Module):
     # One flat (h d) contraction: with two contracting axes XLA CPU transposed the o_proj kernel
     # on every call (inside the decode loop too).
     out = out.astype(x_bte.dtype).reshape(*out.shape[:2], h * d)
-    y = Projection(c, "btf,fe->bte", (h, d, e), ("heads", "head_dim", "embed"),
-                   einsum_shape=(h * d, e), num_in=2, name="o_proj")(out)  # fmt: skip
+    y = Projection(c, (h, d, e), ("heads", "head_dim", "embed"), num_in=2, name="o_proj")(out)
     return y, new_kv
 
 
@@ -237,9 +246,9 @@ class MLP(nn.Module):
   def __call__(self, x_bte: jax.Array) -> jax.Array:
     c = self.config
     shape, axes = (c.hidden_size, c.intermediate_size), ("embed", "mlp")
-    gate = Projection(c, "bte,em->btm", shape, axes, name="gate_proj")(x_bte)
-    up = Projection(c, "bte,em->btm", shape, axes, name="up_proj")(x_bte)
-    down = Projection(c, "btm,me->bte", shape[::-1], axes[::-1], name="down_proj")
+    gate = Projection(c, shape, axes, name="gate_proj")(x_bte)
+    up = Projection(c, shape, axes, name="up_proj")(x_bte)
+    down = Projection(c, shape[::-1], axes[::-1], name="down_proj")
     return down(nn.silu(gate) * up)
 
 
@@ -297,9 +306,12 @@ class Decoder(nn.Module):
     positions: jax.Array | None = None,
     attention_mask: jax.Array | None = None,
     cache: KVCache | None = None,
+    logits_slice: tuple[int, int] | None = None,
   ):
     """Without a cache returns logits; with one (`scan_layers=False` only) also the cache with the
-    T tokens written.
+    T tokens written. `logits_slice=(start, stop)` computes the logits of those positions only
+    (`[B, stop - start, V]`): the LM head is a large share of a small model's work, and training
+    needs it only where completion tokens are predicted.
 
     Default positions are `arange(T)` (offset by `cache.index` when a cache is given). The caller
     sizes the cache: writing past its last slot is not detected under jit.
@@ -327,12 +339,14 @@ class Decoder(nn.Module):
     else:
       x, new_cache = self._layer_loop(x, (sin, cos, valid), cache, attention_mask)
     x = RMSNorm(c, name="norm")(x)
+    if logits_slice is not None:
+      x = x[:, slice(*logits_slice)]
     if c.tie_word_embeddings:
-      logits = jnp.einsum("bte,ve->btv", x, embedding, preferred_element_type=jnp.float32)
+      lm_head = embedding.T
     else:
       lm_head = _param(self, "lm_head", (c.hidden_size, c.vocab_size), ("embed", "vocab"),
                        nn.initializers.normal(0.02))  # fmt: skip
-      logits = jnp.einsum("bte,ev->btv", x, lm_head, preferred_element_type=jnp.float32)
+    logits = token_matmul(x, lm_head, preferred_element_type=jnp.float32)
     logits = logits.astype(jnp.float32)
     return logits if cache is None else (logits, new_cache)
 
@@ -368,6 +382,7 @@ class Decoder(nn.Module):
       split_rngs={"params": True, lora.DROPOUT_RNG: True},  # each layer its own dropout masks
       in_axes=(nn.broadcast,),
       length=c.num_layers,
+      unroll=c.num_layers if c.unroll_layers else 1,
       metadata_params={nn.PARTITION_NAME: "layers"},
     )
     return scanned(c, name="layers")

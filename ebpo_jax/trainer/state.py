@@ -141,6 +141,7 @@ def make_model(config: ml_collections.ConfigDict, vocab_size: int) -> models.Dec
     )
   else:
     model_config = random_init_config(mc, vocab_size)
+  model_config = dataclasses.replace(model_config, unroll_layers=bool(mc.unroll_layers))
   return models.Decoder(with_lora(model_config, mc.lora))
 
 

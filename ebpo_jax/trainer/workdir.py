@@ -58,6 +58,8 @@ SAFE_KEYS = frozenset(
     "mesh.data",
     "mesh.fsdp",
     "mesh.tensor",
+    # How the layer loop compiles (rolled or unrolled): the same math.
+    "model.unroll_layers",
   }
 )
 # Key prefixes that are as safe: where and how the run logs (logging.*, added after config.json
