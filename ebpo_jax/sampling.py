@@ -1,7 +1,9 @@
 """Jitted generation with a KV cache: prefill once per prompt, then a `lax.while_loop` decode.
 
 `generate` prefills B left-padded prompts, repeats the cache G times (group rollouts share one
-prefill), and decodes up to `max_new_tokens` tokens per row until every row has drawn a stop token.
+prefill), and decodes up to `max_new_tokens` tokens per row until every row has drawn a stop token
+(`sampling_loop`: by default in halving batches of the rows still running, as RL's long tails
+leave most rows of a batch done early).
 Rows are prompt-major: row `b * G + g` is sample g of prompt b. One compiled program per (model,
 batch, prompt length, static settings); `pad_prompts` rounds prompt lengths up to buckets so a
 training run compiles a handful of times, and `compile_count` lets a test check that. The KV cache
@@ -30,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from ebpo_jax import sampling_loop as loop
 from ebpo_jax import sharding
 from ebpo_jax.models import KVCache, init_cache
 from ebpo_jax.models.decoder import unstack_layers
@@ -170,22 +173,17 @@ def inverse_cdf_draw(probs_bv: jax.Array, u_b: jax.Array) -> jax.Array:
   return block_b * _BLOCK + within_b
 
 
-class _Drawn(NamedTuple):
-  token: jax.Array  # [B] int32
-  logprob: jax.Array  # [B] float32, under the policy at temperature 1
-  nonfinite: jax.Array  # [B] bool: the row's logits hold a NaN or inf (token and logprob unusable)
-
-
 def _draw(
   logits_bv: jax.Array,
-  key: jax.Array,
+  u_b: jax.Array,
   temperature: jax.Array,
   top_p: jax.Array,
   *,
   top_k: int,
   greedy: bool,
-) -> _Drawn:
-  """Draws one token per row: temperature, then top-k, then top-p (HF's order); or argmax."""
+) -> loop.Drawn:
+  """Draws one token per row: temperature, then top-k, then top-p (HF's order), by inverse CDF
+  at the row's uniform `u_b` in [0, 1); or argmax (`u_b` unused)."""
   logits_bv = logits_bv.astype(jnp.float32)
   rows = jnp.arange(logits_bv.shape[0])
   if greedy:
@@ -197,25 +195,14 @@ def _draw(
     scaled_bv = jax.lax.cond(top_p < 1.0, top_p_filter, lambda x, _: x, scaled_bv, top_p)
     shifted_bv = scaled_bv - scaled_bv.max(axis=-1, keepdims=True)
     probs_bv = jnp.exp(shifted_bv)
-    token = inverse_cdf_draw(probs_bv, jax.random.uniform(key, rows.shape))
+    token = inverse_cdf_draw(probs_bv, u_b)
   logprob = logits_bv[rows, token] - jax.nn.logsumexp(logits_bv, axis=-1)
   # NaN probabilities send the inverse-CDF search into the padded vocabulary (ids >= V).
   nonfinite = ~jnp.isfinite(logits_bv).all(axis=-1)
-  return _Drawn(token.astype(jnp.int32), logprob, nonfinite)
+  return loop.Drawn(token.astype(jnp.int32), logprob, nonfinite)
 
 
 # ----------------------------------------------------------------------------- the decode loop
-
-
-class _Carry(NamedTuple):
-  step: jax.Array  # int32: index of the token drawn next
-  cache: KVCache
-  last_token: jax.Array  # [R] int32: token drawn at step - 1
-  done: jax.Array  # [R] bool: a stop token has been drawn
-  lengths: jax.Array  # [R] int32
-  tokens: jax.Array  # [R, N] int32
-  logprobs: jax.Array  # [R, N] float32
-  nonfinite: jax.Array  # [R] bool: a live row met non-finite logits (and was ended)
 
 
 def _prefill(apply, config, prompt_ids_bp, prompt_mask_bp, max_new_tokens: int):
@@ -259,40 +246,6 @@ def _repeat_rows(cache: KVCache, group_size: int) -> KVCache:
   )
 
 
-def _constrain_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
-  """Shards a per-layer cache's rows over the mesh's batch axes."""
-  if mesh is None:
-    return cache
-  names = ("batch", "kv_heads", "length", "head_dim")
-  kv = NamedSharding(mesh, sharding.logical_to_spec(cache.k[0].shape, names, mesh))
-  rows = sharding.row_sharding(cache.mask.shape, mesh)
-  constrain = functools.partial(jax.lax.with_sharding_constraint, shardings=kv)
-  return cache.replace(
-    k=tuple(map(constrain, cache.k)),
-    v=tuple(map(constrain, cache.v)),
-    mask=jax.lax.with_sharding_constraint(cache.mask, rows),
-  )
-
-
-def _record(carry: _Carry, drawn: _Drawn, stop_ids: tuple[int, ...], pad_id: int) -> _Carry:
-  """Writes the token drawn at `carry.step` (pad and 0 for rows already done). A live row whose
-  logits were non-finite gets pad_id there, is flagged and ends."""
-  live = ~carry.done
-  broken = live & drawn.nonfinite
-  token = jnp.where(live & ~broken, drawn.token, pad_id)
-  stopped = live & jnp.isin(token, jnp.asarray(stop_ids, jnp.int32))
-  column = (slice(None), carry.step)
-  return carry._replace(
-    step=carry.step + 1,
-    last_token=token,
-    done=carry.done | stopped | broken,
-    lengths=carry.lengths + live,
-    tokens=carry.tokens.at[column].set(token),
-    logprobs=carry.logprobs.at[column].set(jnp.where(live & ~broken, drawn.logprob, 0.0)),
-    nonfinite=carry.nonfinite | broken,
-  )
-
-
 @functools.partial(
   jax.jit,
   static_argnames=(
@@ -304,6 +257,7 @@ def _record(carry: _Carry, drawn: _Drawn, stop_ids: tuple[int, ...], pad_id: int
     "top_k",
     "pad_id",
     "mesh",
+    "compact",
   ),
 )
 def _generate(
@@ -322,6 +276,7 @@ def _generate(
   top_k: int,
   pad_id: int,
   mesh: Mesh | None,
+  compact: bool,
 ) -> SampleOutput:
   num_prompts, prompt_len = prompt_ids_bp.shape
   rows, width = num_prompts * group_size, max_new_tokens
@@ -330,40 +285,35 @@ def _generate(
   per_layer = model.clone(scan_layers=False)
   apply = functools.partial(per_layer.apply, {"params": unstack_layers(params)})
   cache, first_logits_rv = _prefill(apply, model.config, prompt_ids_bp, prompt_mask_bp, width)
-  cache = _constrain_cache(_repeat_rows(cache, group_size), mesh)
+  cache = loop.constrain_cache(_repeat_rows(cache, group_size), mesh)
   first_logits_rv = sharding.constrain_rows(jnp.repeat(first_logits_rv, group_size, axis=0), mesh)
-  next_position_r = jnp.repeat(prompt_positions(prompt_mask_bp)[:, -1] + 1, group_size)
-
-  carry = _Carry(
+  first_position_r = jnp.repeat(prompt_positions(prompt_mask_bp)[:, -1] + 1, group_size)
+  state = loop.State(
     step=jnp.zeros((), jnp.int32),
     cache=cache,
-    last_token=jnp.zeros((rows,), jnp.int32),
-    done=jnp.zeros((rows,), bool),
-    lengths=jnp.zeros((rows,), jnp.int32),
-    tokens=jnp.full((rows, width), pad_id, jnp.int32),
-    logprobs=jnp.zeros((rows, width), jnp.float32),
-    nonfinite=jnp.zeros((rows,), bool),
+    rows=sharding.constrain_rows(loop.initial_rows(first_position_r, width, pad_id), mesh),
   )
-  carry = _record(carry, draw(first_logits_rv, jax.random.fold_in(rng, 0)), stop_ids, pad_id)
 
-  def keep_going(c: _Carry) -> jax.Array:
-    return (c.step < width) & ~jnp.all(c.done)
+  def draw_and_record(s: loop.State, logits_rv: jax.Array) -> loop.State:
+    drawn = draw(logits_rv, loop.row_uniforms(rng, s.step, s.rows.row_id))
+    return loop.record(s, drawn, stop_ids, pad_id)
 
-  def decode_one(c: _Carry) -> _Carry:
-    positions = (next_position_r + c.step - 1)[:, None]
-    logits_r1v, cache = apply(c.last_token[:, None], positions, cache=c.cache)
-    c = c._replace(cache=_constrain_cache(cache, mesh))
-    return _record(c, draw(logits_r1v[:, 0], jax.random.fold_in(rng, c.step)), stop_ids, pad_id)
+  def decode_one(s: loop.State) -> loop.State:
+    positions = (s.rows.first_position + s.step - 1)[:, None]
+    logits_r1v, cache = apply(s.rows.last_token[:, None], positions, cache=s.cache)
+    return draw_and_record(s._replace(cache=loop.constrain_cache(cache, mesh)), logits_r1v[:, 0])
 
-  carry = jax.lax.while_loop(keep_going, decode_one, carry)
-  mask = jnp.arange(width)[None, :] < carry.lengths[:, None]
+  state = draw_and_record(state, first_logits_rv)
+  sizes = loop.stage_sizes(rows, compact=compact, shards=loop.batch_shards(rows, mesh))
+  out = loop.decode(state, decode_one, width=width, sizes=sizes, mesh=mesh)
+  mask = jnp.arange(width)[None, :] < out.lengths[:, None]
   return SampleOutput(
-    tokens=carry.tokens,
-    logprobs=carry.logprobs,
+    tokens=out.tokens,
+    logprobs=out.logprobs,
     mask=mask,
-    lengths=carry.lengths,
-    truncated=~carry.done,
-    nonfinite=carry.nonfinite,
+    lengths=out.lengths,
+    truncated=~out.done,
+    nonfinite=out.nonfinite,
   )
 
 
@@ -383,6 +333,7 @@ def generate(
   stop_ids: Sequence[int] = (),
   pad_id: int = 0,
   mesh: Mesh | None = None,
+  compact: bool = True,
 ) -> SampleOutput:
   """Samples `group_size` completions of each left-padded prompt (prefilled once, cache shared).
 
@@ -390,13 +341,16 @@ def generate(
     model: the scanned linen decoder (`model.apply({"params": p}, ids, positions, mask, cache=c)`).
     params: its parameters (placed by the caller; sharded as the model's rules say).
     prompt_ids_bp, prompt_mask_bp: `[B, P]` left-padded prompts and their mask (`pad_prompts`).
-    rng: a PRNG key; step t draws with `fold_in(rng, t)`, so outputs are a function of the key.
+    rng: a PRNG key; row r draws token t with `fold_in(fold_in(rng, t), r)`
+      (`sampling_loop.row_uniforms`), so outputs are a function of the key, compacting or not.
     group_size: samples per prompt (G); output rows `b * G + g`.
     max_new_tokens: N, the width of the output.
     temperature, top_p: may be traced (no recompile when they change); temperature > 0.
     top_k: 0 for no top-k filter. greedy: argmax instead of sampling.
     stop_ids: token ids that end a completion (kept in it, masked after).
     mesh: when given, rows and the cache are sharded over ('data', 'fsdp') of this mesh.
+    compact: decode the long tail in smaller, halving batches of the rows still running
+      (`sampling_loop`); the same outputs as the plain loop, fewer row-steps.
 
   Returns:
     `SampleOutput` with `[B * G, N]` tokens, log-probs and mask, `[B * G]` lengths, truncated
@@ -423,7 +377,9 @@ def generate(
     spec = sharding.logical_to_spec(prompt_ids_bp.shape, ("batch", None), mesh)
     prompt_ids_bp = jax.device_put(prompt_ids_bp, NamedSharding(mesh, spec))
     prompt_mask_bp = jax.device_put(prompt_mask_bp, NamedSharding(mesh, spec))
-  static = _static_args(model, group_size, max_new_tokens, greedy, stop_ids, top_k, pad_id, mesh)
+  static = _static_args(
+    model, group_size, max_new_tokens, greedy, stop_ids, top_k, pad_id, mesh, compact
+  )
   temperature, top_p = _device_scalar(temperature, mesh), _device_scalar(top_p, mesh)
   return _generate(params, prompt_ids_bp, prompt_mask_bp, rng, temperature, top_p, **static)
 
@@ -444,15 +400,20 @@ def trace_generate(
   stop_ids: Sequence[int] = (),
   pad_id: int = 0,
   mesh: Mesh | None = None,
+  compact: bool = True,
 ) -> jax.stages.Traced:
   """The program `generate` runs, traced for these inputs (arrays or `jax.ShapeDtypeStruct`s
   with shardings; temperature and top_p as float32 scalars) with the same static arguments.
   `.jaxpr` is its computation and `.lower().compile()` compiles it: what ebpo_jax.aot measures."""
-  static = _static_args(model, group_size, max_new_tokens, greedy, stop_ids, top_k, pad_id, mesh)
+  static = _static_args(
+    model, group_size, max_new_tokens, greedy, stop_ids, top_k, pad_id, mesh, compact
+  )
   return _generate.trace(params, prompt_ids_bp, prompt_mask_bp, rng, temperature, top_p, **static)
 
 
-def _static_args(model, group_size, max_new_tokens, greedy, stop_ids, top_k, pad_id, mesh) -> dict:
+def _static_args(
+  model, group_size, max_new_tokens, greedy, stop_ids, top_k, pad_id, mesh, compact
+) -> dict:
   """`_generate`'s static arguments, normalised (hashable Python values: one compile each)."""
   return {
     "model": model,
@@ -463,6 +424,7 @@ def _static_args(model, group_size, max_new_tokens, greedy, stop_ids, top_k, pad
     "top_k": int(top_k),
     "pad_id": int(pad_id),
     "mesh": mesh,
+    "compact": bool(compact),
   }
 
 

@@ -14,6 +14,7 @@ SMOKE_RUNS = {
   "advantages": ["--batch_sizes=64", "--group_sizes=4", "--repeats=1", "--loop_iters=2"],
   "forward": ["--models=tiny", "--batch=2", "--seq=16", "--seconds=0.2"],
   "sampler": ["--quick", "--reps=1", "--new-tokens=8"],
+  "compact": ["--quick"],  # compacting vs plain decode, long-tailed lengths
   "train_step": ["--quick"],
   "gpu": ["--dry-run"],
   "lora": ["--quick", "--ranks=8"],  # full vs LoRA rank 8 on the tiny shape
@@ -43,3 +44,5 @@ def test_benchmark_runs_and_ends_with_json(name):
   if name == "lora":  # the adapters' optimizer state is a small share of full fine-tuning's
     assert 0 < summary["lora8_opt_state_over_full"] < 0.2, summary
     assert summary["sampling"]["on_the_fly_tok_s"] > 0, summary
+  if name == "compact":  # both modes timed (the bench checks they draw the same tokens)
+    assert summary["compact_over_plain"] > 0 and summary["same_length_compact_over_plain"] > 0

@@ -36,6 +36,7 @@ BAD_VALUES = [
   ({"sft.learning_rate": 0.0}, "config.sft.learning_rate=0.0: must be > 0"),
   ({"eval.num_samples": 0}, "config.eval.num_samples=0: must be >= 1"),
   ({"sampling.top_k": -1}, "config.sampling.top_k=-1: must be >= 0"),
+  ({"sampling.compact": None}, "config.sampling.compact=None: must be one of True, False"),
   ({"rl.loss.kl_coef": -1.0}, "config.rl.loss.kl_coef=-1.0: must be >= 0"),
   ({"model.dtype": "float8"}, "config.model.dtype='float8': must be one of"),
   ({"model.lora.dropout": 1.0}, "config.model.lora.dropout=1.0: must lie in [0, 1)"),

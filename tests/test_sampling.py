@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from ebpo_jax import sampling, sharding
+from ebpo_jax import sampling, sampling_loop, sharding
 from ebpo_jax.models import Decoder, ModelConfig
+from ebpo_jax.sampling import SampleOutput
 
 TINY = ModelConfig(
   vocab_size=64,
@@ -207,13 +208,12 @@ TARGET = np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
 
 
 def _draw_counts(logits_v, num_draws, *, temperature=1.0, top_k=0, top_p=1.0, vocab=None):
-  """Token counts of `num_draws` draws from one row of logits (one key; each row its own
-  uniform)."""
+  """Token counts of `num_draws` draws from one row of logits (each row its own uniform)."""
   logits = jnp.broadcast_to(jnp.asarray(logits_v, jnp.float32), (num_draws, len(logits_v)))
+  uniforms = jax.random.uniform(jax.random.key(0), (num_draws,))
   drawn = jax.jit(sampling._draw, static_argnames=("top_k", "greedy"))(
-    logits, jax.random.key(0), jnp.float32(temperature), jnp.float32(top_p), top_k=top_k,
-    greedy=False,
-  )  # fmt: skip
+    logits, uniforms, jnp.float32(temperature), jnp.float32(top_p), top_k=top_k, greedy=False
+  )
   return np.bincount(np.asarray(drawn.token), minlength=len(logits_v))
 
 
@@ -301,6 +301,74 @@ def test_sharded_over_eight_devices_equals_single_device(policy):
   np.testing.assert_allclose(sharded.logprobs, single.logprobs, rtol=1e-5, atol=1e-5)
 
 
+# ----------------------------------------------------------------------------- compacting
+
+
+def _long_tailed_sample(model, params, *, compact, mesh=None):
+  """32 rows (8 prompts x G = 4) with a few stop tokens: lengths from 1 to the cap of 16."""
+  prompts = [PROMPTS[i % 3][: 1 + i % 5] for i in range(8)]
+  ids, mask = sampling.pad_prompts(prompts, PAD, BUCKETS)
+  return sampling.generate(
+    model, params, ids, mask, jax.random.key(4), group_size=4, max_new_tokens=16,
+    temperature=0.9, top_p=0.95, stop_ids=tuple(range(1, 64, 6)), pad_id=PAD, mesh=mesh,
+    compact=compact,
+  )  # fmt: skip
+
+
+def test_stage_sizes_halve_down_to_the_minimum_in_multiples_of_the_shards():
+  assert sampling_loop.stage_sizes(64, compact=False) == (64,)
+  assert sampling_loop.stage_sizes(64, compact=True) == (64, 32, 16, 8)
+  assert sampling_loop.stage_sizes(48, compact=True, shards=8) == (48, 24, 16, 8)
+  assert sampling_loop.stage_sizes(96, compact=True, shards=32) == (96, 64, 32)
+  assert sampling_loop.stage_sizes(12, compact=True) == (12,)  # 6 < 8 rows: one stage
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "mesh"])
+def test_compacting_decode_equals_the_plain_loop(policy, sharded):
+  model, params = policy
+  mesh = None
+  if sharded:
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
+    abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+    params = jax.device_put(params, sharding.logical_shardings(abstract["params"], mesh))
+  plain = _long_tailed_sample(model, params, compact=False, mesh=mesh)
+  compact = _long_tailed_sample(model, params, compact=True, mesh=mesh)
+  # The last stage (8 rows) decodes something: the 9th longest row ends before the longest.
+  lengths = np.sort(np.asarray(plain.lengths))[::-1]
+  assert lengths[8] < lengths[0] and lengths[-1] < 5 and len(set(lengths)) > 5, lengths
+  for name in SampleOutput._fields:
+    if name == "logprobs" and sharded:  # the smaller batches' sums split otherwise over devices
+      np.testing.assert_allclose(compact.logprobs, plain.logprobs, rtol=1e-5, atol=1e-5)
+    else:  # one device: bit for bit, the same arithmetic per row in any batch
+      np.testing.assert_array_equal(getattr(compact, name), getattr(plain, name), err_msg=name)
+  if sharded:
+    assert len(compact.tokens.sharding.device_set) == 8
+
+
+def _collective_sizes(hlo: str) -> list[int]:
+  """Element counts of the results of the program's cross-device collectives."""
+  ops = r"= \w+\[([\d,]*)\]\S* (?:all-gather|all-reduce|all-to-all|collective-permute)\("
+  return [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(ops, hlo)]
+
+
+def test_compacting_under_a_mesh_moves_no_row_between_devices(policy):
+  """Each device compacts its own block of rows: no collective beyond the plain loop's. (A global
+  gather moved cache rows, tokens and log-probs between devices.)"""
+  model, params = policy  # replicated weights: the only collectives are the sampler's own
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
+  prompts = [PROMPTS[i % 3][: 1 + i % 5] for i in range(8)]
+  ids, mask = sampling.pad_prompts(prompts, PAD, BUCKETS)
+  hlo = {
+    compact: sampling.trace_generate(
+      model, params, ids, mask, jax.random.key(0), jnp.float32(1), jnp.float32(1), group_size=4,
+      max_new_tokens=16, stop_ids=(1,), mesh=mesh, compact=compact,
+    ).lower().compile().as_text()
+    for compact in (False, True)
+  }  # fmt: skip
+  assert max(_collective_sizes(hlo[True])) <= max(_collective_sizes(hlo[False]))
+  assert "collective-permute(" not in hlo[True]
+
+
 def _while_body(hlo: str, carried: str) -> str:
   """The text of the body computation of the while loop whose carry holds `carried`."""
   loop = next(line for line in hlo.splitlines() if " while(" in line and carried in line)
@@ -309,27 +377,34 @@ def _while_body(hlo: str, carried: str) -> str:
   return hlo[start : hlo.index("\n}", start)]
 
 
-def test_decode_loop_updates_the_cache_in_place(policy):
+@pytest.mark.parametrize(
+  ("group_size", "compact", "stage_rows"), [(2, False, (6,)), (8, True, (24, 12))],
+  ids=["plain", "compacting"],
+)  # fmt: skip
+def test_decode_loop_updates_the_cache_in_place(policy, group_size, compact, stage_rows):
   model, params = policy
   ids, mask = sampling.pad_prompts(PROMPTS, PAD, BUCKETS)
-  static = dict(model=model, group_size=2, max_new_tokens=5, greedy=False, stop_ids=(1,))
+  static = dict(model=model, group_size=group_size, max_new_tokens=5, greedy=False, stop_ids=(1,))
   compiled = sampling._generate.lower(
     params, ids, mask, jax.random.key(0), jnp.float32(1), jnp.float32(1), top_k=0, pad_id=PAD,
-    mesh=None, **static,
+    mesh=None, compact=compact, **static,
   ).compile()  # fmt: skip
-  # The decode loop carries one cache buffer per layer and k/v: [rows, kv heads, P + N - 1 slots,
-  # head dim] = [6, 2, 12, 8], and per-layer weights (q_proj [32, 4, 8], read as its 2-D [32, 32]
-  # matmul operand) instead of the stack.
-  body = _while_body(compiled.as_text(), "f32[6,2,12,8]")
-  assert body.count("f32[6,2,12,8]") >= 2 * TINY.num_layers
-  assert "f32[32,32]" in body
-  assert "f32[2,32,4,8]" not in body and "f32[2,32,32]" not in body
-  # No instruction of the loop copies or transposes a whole cache buffer (any axis order) or
-  # slices a weight out of a stack: every step works on the buffers in place.
-  for name, dims, op in re.findall(r"(%[\w.\-]+) = f32\[([\d,]*)\]\S* (\w[\w-]*)\(", body):
-    if sorted(dims.split(",")) == sorted(["6", "2", "12", "8"]):
-      assert op != "copy" and "copy" not in name and "transpose" not in name, (name, dims, op)
-    assert "dynamic-slice" not in op and "dynamic_slice" not in name, (name, dims, op)
+  hlo = compiled.as_text()
+  for rows in stage_rows:  # one decode loop per stage (`_while_body` finds it or fails)
+    # Each carries one cache buffer per layer and k/v: [rows, kv heads, P + N - 1 slots, head
+    # dim] = [rows, 2, 12, 8], and per-layer weights (q_proj [32, 4, 8], read as its 2-D
+    # [32, 32] matmul operand) instead of the stack.
+    shape = [str(rows), "2", "12", "8"]
+    body = _while_body(hlo, f"f32[{','.join(shape)}]")
+    assert body.count(f"f32[{','.join(shape)}]") >= 2 * TINY.num_layers
+    assert "f32[32,32]" in body
+    assert "f32[2,32,4,8]" not in body and "f32[2,32,32]" not in body
+    # No instruction of the loop copies or transposes a whole cache buffer (any axis order) or
+    # slices a weight out of a stack: every step works on the buffers in place.
+    for name, dims, op in re.findall(r"(%[\w.\-]+) = f32\[([\d,]*)\]\S* (\w[\w-]*)\(", body):
+      if sorted(dims.split(",")) == sorted(shape):
+        assert op != "copy" and "copy" not in name and "transpose" not in name, (name, dims, op)
+      assert "dynamic-slice" not in op and "dynamic_slice" not in name, (name, dims, op)
 
 
 def test_non_finite_logits_are_flagged_and_never_give_an_out_of_vocabulary_token(policy):

@@ -204,6 +204,7 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
     "must be >= 0 (0: all prompts in one sampler call)",
   )
   _choice(config, "rl.dynamic_sampling", (True, False))
+  _choice(config, "sampling.compact", (True, False))
   _require(rl.max_refill_rounds >= 0, config, "rl.max_refill_rounds", "must be >= 0")
   _require(
     0 <= rl.overlong_buffer <= config.sampling.max_new_tokens,

@@ -114,8 +114,7 @@ def _split_keys(key: jax.Array, n: int) -> tuple[jax.Array, ...]:
 
 
 def generate_options(config, tokenizer, *, group_size: int, greedy: bool) -> dict:
-  """The static options of the Sampler's `sampling.generate` calls (one compile per distinct
-  set): what ebpo_jax.aot compiles the sampler with too."""
+  """The Sampler's static `sampling.generate` options (one compile per set; aot's too)."""
   sc = config.sampling
   return {
     "group_size": group_size,
@@ -124,6 +123,7 @@ def generate_options(config, tokenizer, *, group_size: int, greedy: bool) -> dic
     "greedy": greedy,
     "stop_ids": tokenizer.stop_ids,
     "pad_id": tokenizer.pad_id,
+    "compact": sc.compact,
   }
 
 
