@@ -127,8 +127,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.sampling.prompts_per_call = 0  # prompts per sampler call (0: all); bounds the KV cache
   config.sampling.prompt_buckets = (6, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # tokens
   # False: one decode loop over all rows to the end. True: fewer row-steps, the same tokens, one
-  # loop body per stage (~2x the sampler's compile time): ebpo_jax/sampling_loop.py.
-  config.sampling.compact = True  # decode in halving batches of the running rows
+  # loop body per stage (~2x the sampler's compile time): ebpo_jax/sampling_loop.py. It pays for
+  # long, uneven responses (5x useful tok/s on a long tail, bench/RESULTS.md): the real-model
+  # configs turn it on; this job's 4-token answers would only compile longer.
+  config.sampling.compact = False  # decode in halving batches of the running rows
 
   config.rewards = ml_collections.ConfigDict()  # scoring the responses
   config.rewards.workers = 0  # scorer processes; 0: score in this process

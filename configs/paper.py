@@ -237,6 +237,7 @@ def _paper_recipe(model: str, group_size: int) -> ml_collections.ConfigDict:
   config.sampling.temperature = 1.0  # EBPO.md: rollout temperature 1.0
   config.sampling.top_p = 1.0  # EBPO.md: top-p 1.0
   config.sampling.max_new_tokens = MAX_RESPONSE  # EBPO.md: response 8192 tokens
+  config.sampling.compact = True  # long-tailed lengths: decode only the running rows
   # 256 rows (prompts x G) per sampler call, 32 per chip: a 13-16 GB KV cache at every G
   # (bench/MEMORY.md; all 512 x 32 rows at once would need 928 GB per chip).
   config.sampling.prompts_per_call = 256 // group_size

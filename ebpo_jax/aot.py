@@ -28,13 +28,13 @@ train step (`lax.scan`), the sampler's decode `while_loop`. The correction comes
 jaxpr: the FLOPs (2 x M x N x K) and operand bytes of every `dot_general` are summed once with each
 loop body counted once, as the compiler counts (an unrolled scan's body once per copy), and once
 weighted by trip counts (a scan its length; the decode loop `max_new_tokens - 1` steps, every row
-running to the limit; a `cond` its largest branch). The compiler's FLOPs are scaled by the first
-ratio, its bytes by the second. This assumes the compiler's per-chip count is spread over the
-program like the dots are: close for FLOPs (matmuls are nearly all of them) and for the train step,
-whose work is all inside its loops; the sampler's bytes also scale what lies outside the decode loop
-(the prefill) by the loop's ratio, so they are an estimate, good to a small factor. The uncorrected
-counts and both ratios are in the JSON (`flops_counted_once`, `bytes_counted_once`,
-`loop_factor_*`).
+running to the limit, which leaves a compacting decode's later stages with no step; a `cond` its
+largest branch). The compiler's FLOPs are scaled by the first ratio, its bytes by the second. This
+assumes the compiler's per-chip count is spread over the program like the dots are: close for FLOPs
+(matmuls are nearly all of them) and for the train step, whose work is all inside its loops; the
+sampler's bytes also scale what lies outside the decode loop (the prefill) by the loop's ratio, so
+they are an estimate, good to a small factor. The uncorrected counts and both ratios are in the JSON
+(`flops_counted_once`, `bytes_counted_once`, `loop_factor_*`).
 
 The roofline time of a program is max(FLOPs / peak FLOP/s, bytes / HBM bandwidth) per chip, from
 the published peaks in CHIPS; it leaves out collectives over the interconnect and the host. An RL
@@ -48,13 +48,14 @@ fits (launch/tpu_pod.sh reads `fits`); 2 with one line for a bad config or an un
 
 import concurrent.futures
 import dataclasses
+import itertools
 import json
 import math
 import os
 import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -108,8 +109,16 @@ def _sub_jaxprs(value) -> list:
   return []
 
 
-def count_dots(jaxpr: jax_core.Jaxpr, while_trips: int) -> DotCount:
-  """`DotCount` of `jaxpr` and everything nested in it; a `while` body runs `while_trips` times."""
+def count_dots(jaxpr: jax_core.Jaxpr, while_trips: int | Sequence[int]) -> DotCount:
+  """`DotCount` of `jaxpr` and everything nested in it. A `while` body runs `while_trips` times;
+  with a sequence, the k-th while loop met in program order runs `while_trips[k]` times (0 after
+  the sequence ends)."""
+  if isinstance(while_trips, int):
+    return _count_dots(jaxpr, itertools.repeat(while_trips))
+  return _count_dots(jaxpr, itertools.chain(while_trips, itertools.repeat(0)))
+
+
+def _count_dots(jaxpr: jax_core.Jaxpr, while_trips: Iterator[int]) -> DotCount:
   total = DotCount()
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
@@ -121,14 +130,16 @@ def count_dots(jaxpr: jax_core.Jaxpr, while_trips: int) -> DotCount:
       nbytes = float(sum(_nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars)))
       total.add(DotCount(flops, flops, nbytes, nbytes), 1)
     elif name == "cond":  # one branch runs: the costliest
-      branches = [count_dots(j, while_trips) for j in _sub_jaxprs(eqn.params["branches"])]
+      branches = [_count_dots(j, while_trips) for j in _sub_jaxprs(eqn.params["branches"])]
       total.add(max(branches, key=lambda c: c.flops), 1)
     else:
-      trips = {"scan": eqn.params.get("length", 1), "while": while_trips}.get(name, 1)
+      trips = {"scan": eqn.params.get("length", 1)}.get(name, 1)
+      if name == "while":
+        trips = next(while_trips)
       copies = min(int(eqn.params.get("unroll", 1)), trips) if name == "scan" else 1
       for value in eqn.params.values():
         for sub in _sub_jaxprs(value):
-          total.add(count_dots(sub, while_trips), trips, copies)
+          total.add(_count_dots(sub, while_trips), trips, copies)
   return total
 
 
@@ -314,7 +325,9 @@ def sampler_program(target: Target) -> Program:
     mesh=mesh,
     **options,
   )
-  dots = count_dots(traced.jaxpr.jaxpr, while_trips=config.sampling.max_new_tokens - 1)
+  # Every row running to the cap (the worst case): the decode loop runs max_new_tokens - 1 steps;
+  # compacting, that is its first stage's loop, and the later (smaller) stages never run.
+  dots = count_dots(traced.jaxpr.jaxpr, while_trips=(config.sampling.max_new_tokens - 1,))
   extra = {"prompts_per_call": prompts, "calls_per_round": -(-config.train.batch_size // prompts)}
   return Program(traced.lower(), dots, extra)
 

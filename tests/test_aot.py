@@ -92,6 +92,19 @@ def test_count_dots_counts_an_unrolled_scan_body_as_often_as_the_compiler_sees_i
     assert (count.flops_once, count.flops) == (copies * 8192, 6 * 8192), unroll
 
 
+def test_count_dots_gives_each_while_loop_its_own_trip_count_in_program_order():
+  # The compacting sampler's stages are while loops one after another; in the worst case (no row
+  # stops) the first runs to the cap and the later ones never run.
+  w, x = jnp.ones((16, 16)), jnp.ones((8, 16))  # c @ w: 4096 FLOPs
+
+  def f(w, x):
+    loop = lambda c: jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] @ w), c)
+    return loop(loop((0, x)))
+
+  count = aot.count_dots(jax.make_jaxpr(f)(w, x).jaxpr, while_trips=(7, 0))
+  assert (count.flops_once, count.flops) == (2 * 4096, 7 * 4096)
+
+
 # ----------------------------------------------------------------------------- the TPU compiler
 
 
