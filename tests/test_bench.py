@@ -1,6 +1,8 @@
-"""Every benchmark runs at smoke sizes and prints its summary; CI does not time them."""
+"""Every benchmark runs at smoke sizes and prints its summary; CI does not time them (bench/peers.py
+needs tunix, installed apart: its test is marked `peers` and runs with `-m peers`)."""
 
 import json
+import math
 import os
 import pathlib
 import subprocess
@@ -22,9 +24,8 @@ SMOKE_RUNS = {
 }
 
 
-@pytest.mark.e2e  # each benchmark is a script run as its own process (6-40 s)
-@pytest.mark.parametrize("name", sorted(SMOKE_RUNS))
-def test_benchmark_runs_and_ends_with_json(name):
+def _run_bench(name: str, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+  """bench/NAME.py run as its own process on one CPU device; it must exit 0."""
   env = dict(
     os.environ,
     XLA_FLAGS="--xla_force_host_platform_device_count=1",
@@ -32,10 +33,17 @@ def test_benchmark_runs_and_ends_with_json(name):
     PYTHONPATH=str(ROOT),
   )
   result = subprocess.run(
-    [sys.executable, str(ROOT / "bench" / f"{name}.py"), *SMOKE_RUNS[name]],
-    env=env, cwd=ROOT, capture_output=True, text=True, timeout=600,
+    [sys.executable, str(ROOT / "bench" / f"{name}.py"), *args],
+    env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
   )  # fmt: skip
   assert result.returncode == 0, result.stderr[-3000:]
+  return result
+
+
+@pytest.mark.e2e  # each benchmark is a script run as its own process (6-40 s)
+@pytest.mark.parametrize("name", sorted(SMOKE_RUNS))
+def test_benchmark_runs_and_ends_with_json(name):
+  result = _run_bench(name, SMOKE_RUNS[name])
   if name == "gpu":  # a markdown table for bench/RESULTS.md
     assert "| tiny | 2 |" in result.stdout, result.stdout[-2000:]
     return
@@ -46,3 +54,20 @@ def test_benchmark_runs_and_ends_with_json(name):
     assert summary["sampling"]["on_the_fly_tok_s"] > 0, summary
   if name == "compact":  # both modes timed (the bench checks they draw the same tokens)
     assert summary["compact_over_plain"] > 0 and summary["same_length_compact_over_plain"] > 0
+
+
+PEERS_RL_KEYS = [
+  f"{part}_over_tunix{kl}" for kl in ("", "_kl") for part in ("rl_step", "train", "rollout")
+]
+
+
+@pytest.mark.peers  # needs tunix, installed apart (setup.py's PEERS_REQUIRES): -m peers runs it
+@pytest.mark.e2e  # a script run as its own process (about 100 s on 2 shared cores)
+def test_peers_quick_run_ends_with_every_ratio():
+  result = _run_bench("peers", ["--quick"], timeout=900)
+  summary = json.loads(result.stdout.strip().splitlines()[-1])
+  assert set(summary) == {"sampler", *PEERS_RL_KEYS}, summary
+  assert set(summary["sampler"]) == {"tiny"}, summary
+  assert set(summary["sampler"]["tiny"]) == {"sampler_over_tunix", "sampler_over_transformers"}
+  ratios = [*summary["sampler"]["tiny"].values(), *(summary[k] for k in PEERS_RL_KEYS)]
+  assert all(math.isfinite(r) and r > 0 for r in ratios), summary
