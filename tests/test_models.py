@@ -132,40 +132,31 @@ def test_left_padding_does_not_change_real_token_logits():
   assert np.isfinite(np.asarray(padded)).all()
 
 
-def test_remat_keeps_loss_and_grads():
+@pytest.mark.parametrize(
+  "change, in_hlo",
+  [
+    ({"remat": "full"}, lambda hlo: "while" in hlo),  # remat keeps the rolled loop
+    ({"remat": "dots"}, lambda hlo: "while" in hlo),
+    ({"unroll_layers": True}, lambda hlo: "while" not in hlo),  # no layer loop left
+  ],
+  ids=["remat_full", "remat_dots", "unrolled"],
+)
+def test_layer_loop_variants_keep_loss_and_grads(change, in_hlo):
   model, params = _init(TINY)
   ids = jnp.asarray(np.random.default_rng(2).integers(0, TINY.vocab_size, (2, 7)), jnp.int32)
 
-  def value_and_grad(remat):
-    module = model.clone(config=dataclasses.replace(TINY, remat=remat))
+  def value_and_grad(config):
+    module = model.clone(config=config)
     loss = lambda p: jnp.mean(jax.nn.log_softmax(module.apply({"params": p}, ids))[..., 0])
-    assert ("remat" in str(jax.make_jaxpr(loss)(params))) == (remat != "none")
-    return jax.jit(jax.value_and_grad(loss))(params)
+    fn = jax.jit(jax.value_and_grad(loss))
+    return fn(params), str(jax.make_jaxpr(loss)(params)), fn.lower(params).as_text()
 
-  value, grads = value_and_grad("none")
-  for remat in ("full", "dots"):
-    remat_value, remat_grads = value_and_grad(remat)
-    np.testing.assert_allclose(remat_value, value, rtol=1e-6)
-    check = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-    jax.tree.map(check, remat_grads, grads)
-
-
-def test_unrolled_layer_loop_keeps_loss_and_grads():
-  model, params = _init(TINY)
-  ids = jnp.asarray(np.random.default_rng(3).integers(0, TINY.vocab_size, (2, 7)), jnp.int32)
-
-  def value_and_grad(unroll):
-    module = model.clone(config=dataclasses.replace(TINY, unroll_layers=unroll))
-    loss = lambda p: jnp.mean(jax.nn.log_softmax(module.apply({"params": p}, ids))[..., 0])
-    hlo = jax.jit(jax.value_and_grad(loss)).lower(params).as_text()
-    assert ("while" in hlo) != unroll  # the layer loop (forward and backward) is gone
-    return jax.jit(jax.value_and_grad(loss))(params)
-
-  value, grads = value_and_grad(False)
-  unrolled_value, unrolled_grads = value_and_grad(True)
-  np.testing.assert_allclose(unrolled_value, value, rtol=1e-6)
+  (value, grads), _, _ = value_and_grad(TINY)
+  (new_value, new_grads), jaxpr, hlo = value_and_grad(dataclasses.replace(TINY, **change))
+  assert ("remat" in jaxpr) == ("remat" in change) and in_hlo(hlo)
+  np.testing.assert_allclose(new_value, value, rtol=1e-6)
   check = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-  jax.tree.map(check, unrolled_grads, grads)
+  jax.tree.map(check, new_grads, grads)
 
 
 def test_logits_slice_equals_the_slice_of_all_logits():
