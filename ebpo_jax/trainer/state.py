@@ -87,7 +87,7 @@ _ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 def random_init_config(mc: ml_collections.ConfigDict, vocab_size: int) -> models.ModelConfig:
   """The ModelConfig of a random-init decoder from `config.model` (shape keys, `architecture`,
-  `tie_word_embeddings`, `rope_theta`)."""
+  `tie_word_embeddings`, `rope_theta`, and how it computes: dtypes, remat, the unrolled loop)."""
   arch = mc.architecture
   if arch not in _ARCHITECTURES:
     raise ConfigError(f"config.model.architecture={arch!r}: must be one of {_ARCHITECTURES}")
@@ -105,6 +105,7 @@ def random_init_config(mc: ml_collections.ConfigDict, vocab_size: int) -> models
     dtype=mc.dtype,
     param_dtype=mc.param_dtype,
     remat=mc.remat,
+    unroll_layers=bool(mc.unroll_layers),
   )
 
 
@@ -137,11 +138,14 @@ def make_model(config: ml_collections.ConfigDict, vocab_size: int) -> models.Dec
   mc = config.model
   if mc.path:
     model_config = hf_io.pretrained_config(
-      model_dir(config), mc.dtype, param_dtype=mc.param_dtype, remat=mc.remat
+      model_dir(config),
+      mc.dtype,
+      param_dtype=mc.param_dtype,
+      remat=mc.remat,
+      unroll_layers=bool(mc.unroll_layers),
     )
   else:
     model_config = random_init_config(mc, vocab_size)
-  model_config = dataclasses.replace(model_config, unroll_layers=bool(mc.unroll_layers))
   return models.Decoder(with_lora(model_config, mc.lora))
 
 
