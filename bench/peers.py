@@ -52,18 +52,11 @@ import sampler as sampler_bench  # noqa: E402
 from ebpo_jax.models import from_pretrained, smollm2_135m_instruct  # noqa: E402
 
 TUNIX_ROPE_THETA = 1_000_000.0
+# bench/sampler.py's tiny Llama with the issue's vocabulary and MLP width. tunix 0.1.7's Llama3
+# applies RoPE with base 1e6 whatever its config says (Attention.block calls apply_rope without
+# rope_theta): at 1e6 the three engines compute the same function.
 TINY_HF = dict(
-  vocab_size=512,
-  hidden_size=256,
-  intermediate_size=768,
-  num_hidden_layers=4,
-  num_attention_heads=4,
-  num_key_value_heads=2,
-  head_dim=64,
-  tie_word_embeddings=False,
-  # tunix 0.1.7's Llama3 applies RoPE with base 1e6 whatever its config says (Attention.block calls
-  # apply_rope without rope_theta): at 1e6 the three engines compute the same function.
-  rope_theta=TUNIX_ROPE_THETA,
+  sampler_bench.TINY_HF, vocab_size=512, intermediate_size=768, rope_theta=TUNIX_ROPE_THETA
 )
 
 

@@ -27,12 +27,12 @@ import time
 import jax
 import numpy as np
 import optax
+import train_step as train_step_bench  # bench/train_step.py, beside this file
 
-from ebpo_jax import advantages, sharding
+from ebpo_jax import sharding
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import state as state_lib
-from ebpo_jax.trainer import step as step_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REWARD_WORD = "w7"
@@ -155,14 +155,8 @@ class OurRL:
     config = our_config(path, rl, kl)
     self.mesh = sharding.make_mesh(dict(config.mesh))
     model = state_lib.make_model(config, vocab)
-    params = state_lib.init_params(config, model, self.mesh)
-    optimizer = state_lib.make_optimizer(config)
-    estimator = advantages.from_config(config.rl)
-    state_args = (config, optimizer, estimator, 1)
-    shardings = state_lib.state_shardings(*state_args, params)
-    self.state = state_lib.create_state(*state_args, params)
-    self.step_fn = step_lib.jit_train_step(
-      config, model, optimizer, estimator, self.mesh, shardings
+    self.state, self.step_fn, _ = train_step_bench.fresh_state_and_step(
+      config, model, self.mesh, num_clusters=1
     )
     task, tokenizer = WordTask(), OurWords(vocab)
     self.sampler = rollouts_lib.make_sampler(model, task, tokenizer, config, self.mesh)

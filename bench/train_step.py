@@ -90,20 +90,27 @@ def synthetic_batch(config, prompt_len: int, vocab: int, seed: int = 0) -> dict:
   return batch
 
 
+def fresh_state_and_step(config, model, mesh, num_clusters: int):
+  """A fresh train state of `model` (random init) and the trainer's jitted `train_step` for it,
+  built as the trainer builds them; also the number of matmul weights (for FLOP counts)."""
+  params = state_lib.init_params(config, model, mesh)
+  optimizer = state_lib.make_optimizer(config)
+  estimator = advantages.from_config(config.rl)
+  state_args = (config, optimizer, estimator, num_clusters)
+  state_sharding = state_lib.state_shardings(*state_args, params)
+  num_params = sum(x.size for x in jax.tree.leaves(params) if x.ndim >= 2)
+  state = state_lib.create_state(*state_args, params)  # params are donated
+  step = step_lib.jit_train_step(config, model, optimizer, estimator, mesh, state_sharding)
+  return state, step, num_params
+
+
 def compiled_step(shape_name: str, advantage: str, args):
   """The trainer's train_step for this shape and estimator, compiled, with its state and batch."""
   shape = SHAPES[shape_name]
   config = load_config(shape, advantage, args)
   mesh = sharding.make_mesh(dict(config.mesh))
   model = state_lib.make_model(config, shape["vocab_size"])
-  params = state_lib.init_params(config, model, mesh)
-  optimizer = state_lib.make_optimizer(config)
-  estimator = advantages.from_config(config.rl)
-  state_args = (config, optimizer, estimator, 3)  # 3 clusters
-  state_sharding = state_lib.state_shardings(*state_args, params)
-  num_params = sum(x.size for x in jax.tree.leaves(params) if x.ndim >= 2)
-  state = state_lib.create_state(*state_args, params)  # params are donated
-  step = step_lib.jit_train_step(config, model, optimizer, estimator, mesh, state_sharding)
+  state, step, num_params = fresh_state_and_step(config, model, mesh, num_clusters=3)
   batch = synthetic_batch(config, args.prompt_len, shape["vocab_size"])
   return step.lower(state, batch).compile(), state, batch, num_params
 
