@@ -142,8 +142,8 @@ def get_config() -> ml_collections.ConfigDict:
 
   config.eval = ml_collections.ConfigDict()  # held-out evaluation
   config.eval.every_steps = 25  # RL steps between evaluations (and at step 0 and the last)
-  config.eval.greedy = True  # argmax decoding; False: sampled at sampling.temperature
-  config.eval.num_samples = 1  # k samples per problem for `python -m ebpo_jax.evaluate`
+  config.eval.greedy = True  # argmax decoding (when num_samples is 1); False: sampled
+  config.eval.num_samples = 1  # k responses per problem; eval/accuracy is avg@k (full reward)
   # Rows for `ebpo_jax.evaluate`, read as data.path is (a DatasetDict: name its split's folder).
   config.eval.path = ""  # "": the task's eval split
 

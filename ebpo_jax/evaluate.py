@@ -218,7 +218,7 @@ def run(
   run_dir = policy_lib.resolve_run_dir(run_dir, workdir, step)
   policy_lib.check_policy_source(config, run_dir)
   config, step = policy_lib.policy_config(config, run_dir, step)
-  k = config.eval.num_samples
+  k, greedy = rollouts_lib.eval_sampling(config)
   if k < 1:
     raise config_lib.ConfigError(f"config.eval.num_samples={k!r}: must be >= 1")
   config_lib.check_config(config, jax.device_count())
@@ -227,7 +227,6 @@ def run(
   tokenizer = state_lib.load_tokenizer(config, task)
   rows, cluster_names, rows_origin = eval_rows(config, task, tokenizer)
   model, params, origin = policy_lib.load_policy(config, tokenizer, mesh, run_dir, step)
-  greedy = bool(config.eval.greedy and k == 1)
   sampler = rollouts_lib.make_sampler(model, task, tokenizer, config, mesh)
   with sampler.pool:
     batches = rollouts_lib.sample_and_score_batches(

@@ -66,6 +66,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, name: str = "") -> d
   """Trains (or resumes) under `config` in `workdir`; returns the last evaluation. `name`: the
   config as the command line gave it, for the startup banner."""
   is_main = jax.process_index() == 0
+  started = time.perf_counter()
   sigterm = checkpoint.install_sigterm_flag()  # the whole run, the warm start included
   mesh = sharding.make_mesh(dict(config.mesh))
 
@@ -136,7 +137,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, name: str = "") -> d
       exit_on_sigterm(ckpt, writer, "the warm start saved its own checkpoint")
     state = state_lib.create_state(*state_args, params)
     last_eval = evaluate(state)
-    writer.write(0, last_eval)
+    writer.write(0, {**last_eval, metrics_lib.TIME_ELAPSED_S: time.perf_counter() - started})
     ckpt.save(
       0, state_lib.checkpointed(state), data_iter=batches, config=config.to_dict(), force=True
     )
@@ -190,6 +191,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, name: str = "") -> d
       if (step + 1) % config.eval.every_steps == 0 or step + 1 == num_steps:
         last_eval = evaluate(state)
         logged.update(last_eval)
+      logged[metrics_lib.TIME_ELAPSED_S] = time.perf_counter() - started
       if (step + 1) % config.train.log_every == 0 or metrics_lib.EVAL_ACCURACY in logged:
         writer.write(step + 1, logged)
       samples_every = config.logging.samples_every

@@ -192,13 +192,35 @@ def test_in_training_evaluation_counts_verifier_errors():
   """The in-training evaluation logs its failed verifier calls (they scored 0 unseen)."""
   rollout = types.SimpleNamespace(rewards=np.array([[1.0], [0.0], [0.0]]), errors=2)
   sampler = types.SimpleNamespace(
-    config=ml_collections.ConfigDict({"eval": {"greedy": True}}),
+    config=ml_collections.ConfigDict({"eval": {"greedy": True, "num_samples": 1}}),
     rollout=lambda *args, **kwargs: rollout,
   )
   rows = [{"cluster": 0}, {"cluster": 1}, {"cluster": 1}]
   result = rollouts.evaluate_accuracy(sampler, None, rows, ["a", "b"], key=None)
   assert result[metrics_lib.EVAL_VERIFIER_ERRORS] == 2
   assert metrics_lib.EVAL_VERIFIER_ERRORS in metrics_lib.KEYS
+
+
+def test_in_training_evaluation_is_avg_at_k_of_full_rewards():
+  """With `eval.greedy=False` the in-training evaluation samples `eval.num_samples` responses per
+  problem (as `python -m ebpo_jax.evaluate` does) and its accuracy is avg@k: the share of
+  responses with the full reward, so a partial credit (reasoning-gym's 0.5 for an answer inside a
+  longer one) is not counted as half right."""
+  rewards = np.array([[1.0, 0.5, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5]])
+  calls = []
+
+  def rollout(params, rows, key, *, group_size, greedy):
+    calls.append((group_size, greedy))
+    return types.SimpleNamespace(rewards=rewards, errors=0)
+
+  config = ml_collections.ConfigDict({"eval": {"greedy": False, "num_samples": 4}})
+  sampler = types.SimpleNamespace(config=config, rollout=rollout)
+  rows = [{"cluster": 0}, {"cluster": 1}]
+  result = rollouts.evaluate_accuracy(sampler, None, rows, ["a", "b"], key=None)
+  assert calls == [(4, False)]
+  assert result[metrics_lib.EVAL_ACCURACY] == pytest.approx(2 / 8)
+  assert result[metrics_lib.per_cluster(metrics_lib.EVAL_ACCURACY, "a")] == pytest.approx(0.5)
+  assert result[metrics_lib.per_cluster(metrics_lib.EVAL_ACCURACY, "b")] == 0.0
 
 
 def test_evaluate_checks_its_rows_file_too(arith_config, tmp_path):

@@ -58,13 +58,14 @@ TIME_STEP_S = "time/step_s"
 TIME_SAMPLE_S = "time/sample_s"
 TIME_UPDATE_S = "time/update_s"
 TIME_TOKENS_PER_S = "time/tokens_per_s"  # ROLLOUT_TOKENS / TIME_STEP_S
+TIME_ELAPSED_S = "time/elapsed_s"  # wall time since this start of the run (compiles, evals too)
 
 # Evaluation lines.
 EVAL_ACCURACY = "eval/accuracy"
 EVAL_VERIFIER_ERRORS = "eval/verifier_errors"  # evaluation verifier calls that raised or timed out
 
 # Keys that measure wall-clock time: they differ between an interrupted and a straight run.
-TIMING_KEYS = (TIME_STEP_S, TIME_TOKENS_PER_S, TIME_SAMPLE_S, TIME_UPDATE_S)
+TIMING_KEYS = (TIME_STEP_S, TIME_TOKENS_PER_S, TIME_SAMPLE_S, TIME_UPDATE_S, TIME_ELAPSED_S)
 # Keys that are also logged per cluster, as per_cluster(key, name).
 PER_CLUSTER_KEYS = (REWARD_MEAN, EVAL_ACCURACY, EBPO_PRIOR_MEAN, EBPO_PRIOR_STD, EBPO_SHRINKAGE)
 # Every metric name above (not STEP).
