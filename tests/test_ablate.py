@@ -110,10 +110,13 @@ def test_report_arithmetic():
   assert ebpo["zero_frac"] == 0.0 and grpo["zero_frac"] == 0.5
   # Paired by seed: ebpo minus grpo gains, seed 0: 0.4 - 0.2 = 0.2, seed 1: 0.2 - 0 = 0.2.
   assert ebpo["vs_grpo_mean"] == pytest.approx(0.2) and ebpo["vs_grpo_std"] == pytest.approx(0.0)
-  assert any("paired by seed: ebpo_running +0.200 (std 0.000)" in x for x in report["summary"])
+  assert any("ebpo_running +0.200 [+0.200, +0.200] (n=2)" in x for x in report["summary"])
   markdown = ablate.render_markdown(report, {"config": "c.py", "date": "2026-11-30"})
   assert "| ebpo_running | 8 | 2 |" in markdown
-  assert "+0.300 (+0.40, +0.20) | +0.200 ± 0.000 |" in markdown
+  # Gains 0.4, 0.2: half-width t_{0.975,1} * sd / sqrt(2) = 12.706 * 0.1414 / 1.414 = 1.271.
+  assert (
+    "+0.300 [-0.971, +1.571] (n=2); per seed +0.40, +0.20 | +0.200 [+0.200, +0.200]" in markdown
+  )
 
 
 def test_ablation_plot_shades_the_seed_range_around_the_mean(tmp_path):

@@ -13,11 +13,13 @@ finished is skipped when the ablation is started again, unless its resolved conf
 config file, the overrides, or its seed's warm start): then it runs again from scratch; one that was
 interrupted resumes from its latest checkpoint.
 
-Writes WORKDIR/ablation.md (final accuracy mean and spread per variant and group size, per cluster,
-gain of the hardest cluster, zero-advantage share, entropy, steps to a target gain), ablation.json
-(every run's summary) and plots in WORKDIR/plots/ (held-out accuracy; the training diagnostics:
-reward, groups without signal, EBPO's shrinkage and prior, gradient norm, entropy), then prints a
-short summary.
+Writes WORKDIR/ablation.md (per variant and group size over the seeds: final accuracy mean and
+spread, per cluster; the hardest cluster's gain with a 95% Student t interval; each variant minus
+GRPO paired by seed, of that gain and of the final accuracy, with 95% t intervals; the share of
+all-equal groups, zero-advantage share, grad norm, entropy; steps to a target gain), ablation.json
+(those rows and every run's summary) and plots in WORKDIR/plots/ (held-out accuracy; the training
+diagnostics: reward, groups without signal, EBPO's shrinkage and prior, gradient norm, entropy),
+then prints the report, its summary last.
 
 WORKDIR may be `gs://bucket/...`: the runs are trainer workdirs under it, and every file goes
 through `ebpo_jax.files`. A run's log.txt grows as the run goes on a local WORKDIR; on a bucket
@@ -318,7 +320,9 @@ def run_ablation(
 
 
 def summarize_run(run_dir: str | os.PathLike, run: Run) -> dict:
-  """A run's numbers from its metrics.jsonl: accuracy curves per cluster, train metric means."""
+  """A run's numbers from its metrics.jsonl: accuracy curves per cluster; means over the RL steps
+  of the share of all-equal groups, of zero advantages, of the grad norm and of EBPO's shrinkage;
+  the entropy of the last tenth of the steps."""
   records = metrics_lib.read_metrics(run_dir)
   evals = [r for r in records if r.get("eval/accuracy") is not None]
   train = [r for r in records if "reward/mean" in r]
@@ -341,10 +345,11 @@ def summarize_run(run_dir: str | os.PathLike, run: Run) -> dict:
     "name": run.name,
     "clusters": clusters,
     "curve": curve,
-    "zero_frac": mean_of("adv/zero_frac"),
+    "all_equal_frac": mean_of(metrics_lib.ADV_ALL_EQUAL_FRAC),
+    "zero_frac": mean_of(metrics_lib.ADV_ZERO_FRAC),
     "entropy_final": float(np.mean([r["entropy"] for r in train[-max(len(train) // 10, 1) :]])),
-    "grad_norm": mean_of("grad_norm"),
-    "shrinkage": mean_of("ebpo/shrinkage_mean"),
+    "grad_norm": mean_of(metrics_lib.GRAD_NORM),
+    "shrinkage": mean_of(metrics_lib.EBPO_SHRINKAGE_MEAN),
   }
 
 

@@ -1,5 +1,6 @@
 """The ablation report: every run's summary -> per-variant tables, paired differences, plots."""
 
+import functools
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -8,6 +9,7 @@ import numpy as np
 
 from ebpo_jax import files
 from ebpo_jax import metrics as metrics_lib
+from ebpo_jax.ablate import stats
 
 
 def _hardest_cluster(results: Sequence[dict]) -> str | None:
@@ -28,68 +30,113 @@ def _steps_to(curve: dict, key: str, target: float) -> int | None:
 
 
 def build_report(results: Sequence[dict], *, target_gain: float = 0.10) -> dict:
-  """Rows per (variant, G): mean and spread over seeds of the final and per-cluster accuracy,
-  the hardest cluster's gain over its step-0 value, zero-advantage share, final entropy, and how
-  many steps the hardest cluster took to gain `target_gain` (median over the seeds that did)."""
+  """Rows per (variant, G) over seeds: final and per-cluster accuracy (mean, population std), the
+  hardest cluster's gain over its step-0 value with a 95% Student t interval, each variant minus
+  GRPO paired by seed (hard-cluster gain and final accuracy, 95% t intervals), the training
+  diagnostics (all-equal groups, zero-advantage share, grad norm, final entropy, EBPO shrinkage),
+  and how many steps the hardest cluster took to gain `target_gain` (median over the seeds that
+  did). A cell of one seed has no interval (None)."""
   if not results:
     raise ValueError("no results to report")
   hard = _hardest_cluster(results)
   groups: dict[tuple[str, int], list[dict]] = {}
   for r in sorted(results, key=lambda r: (r["group_size"], r["variant"], r["seed"])):
     groups.setdefault((r["variant"], r["group_size"]), []).append(r)
-  rows = []
-  for (variant, g), runs in groups.items():
-    final = [r["curve"]["all"][-1] for r in runs]
-    row = {
-      "variant": variant,
-      "G": g,
-      "seeds": len(runs),
-      "acc_mean": float(np.mean(final)),
-      "acc_std": float(np.std(final)),
-      "acc_before": float(np.mean([r["curve"]["all"][0] for r in runs])),
-      "per_cluster": {
-        c: float(np.mean([r["curve"][c][-1] for r in runs])) for c in runs[0]["clusters"]
-      },
-      "zero_frac": _mean([r["zero_frac"] for r in runs]),
-      "entropy": _mean([r["entropy_final"] for r in runs]),
-      "shrinkage": _mean([r["shrinkage"] for r in runs]),
-    }
-    if hard is not None:
-      gains = [r["curve"][hard][-1] - r["curve"][hard][0] for r in runs]
-      reached = [_steps_to(r["curve"], hard, r["curve"][hard][0] + target_gain) for r in runs]
-      reached = [s for s in reached if s is not None]
-      row.update(
-        hard_gain_mean=float(np.mean(gains)),
-        hard_gain_std=float(np.std(gains)),
-        hard_gains=[round(x, 3) for x in gains],
-        reached=len(reached),
-        steps_to_target=float(np.median(reached)) if reached else None,
-      )
-    rows.append(row)
-  if hard is not None:
-    _add_paired_differences(rows, groups, hard)
+  rows = [_row(variant, g, runs, hard, target_gain) for (variant, g), runs in groups.items()]
+  for row in rows:
+    row.update(_versus_reference(groups, row["variant"], row["G"], hard))
   return {
     "rows": rows,
     "runs": list(results),
     "hard_cluster": hard,
     "target_gain": target_gain,
+    "ci_level": stats.LEVEL,
+    "reference": REFERENCE,
     "summary": summary_lines(rows, hard, target_gain),
   }
 
 
-def _add_paired_differences(rows: list[dict], groups: dict, hard: str) -> None:
-  """Each row's hard-cluster gain minus GRPO's at the same G and seed (same warm start and data),
-  mean and population std over the shared seeds; None without a GRPO run."""
+def _row(variant: str, g: int, runs: Sequence[dict], hard: str | None, target_gain: float) -> dict:
+  """One (variant, G) row over its seeds' runs (see build_report)."""
+  final = [_final_accuracy(r) for r in runs]
+  row = {
+    "variant": variant,
+    "G": g,
+    "seeds": len(runs),
+    "acc_mean": float(np.mean(final)),
+    "acc_std": float(np.std(final)),  # population std (ddof=0): the spread, not an interval
+    "acc_before": float(np.mean([r["curve"]["all"][0] for r in runs])),
+    "per_cluster": {
+      c: float(np.mean([r["curve"][c][-1] for r in runs])) for c in runs[0]["clusters"]
+    },
+    "all_equal_frac": _mean([r.get("all_equal_frac") for r in runs]),  # older runs: None
+    "zero_frac": _mean([r["zero_frac"] for r in runs]),
+    "grad_norm": _mean([r.get("grad_norm") for r in runs]),
+    "entropy": _mean([r["entropy_final"] for r in runs]),
+    "shrinkage": _mean([r["shrinkage"] for r in runs]),
+  }
+  if hard is not None:
+    gains = [_gain(r, hard) for r in runs]
+    _, low, high = stats.mean_ci(gains)
+    reached = [_steps_to(r["curve"], hard, r["curve"][hard][0] + target_gain) for r in runs]
+    reached = [s for s in reached if s is not None]
+    row.update(
+      hard_gain_mean=float(np.mean(gains)),
+      hard_gain_std=float(np.std(gains)),  # population std, as acc_std
+      hard_gain_low=low,
+      hard_gain_high=high,
+      hard_gains=[round(x, 3) for x in gains],
+      reached=len(reached),
+      steps_to_target=float(np.median(reached)) if reached else None,
+    )
+  return row
 
-  def gains(runs: Sequence[dict]) -> dict[int, float]:
-    return {r["seed"]: r["curve"][hard][-1] - r["curve"][hard][0] for r in runs}
 
-  for row in rows:
-    reference = gains(groups.get(("grpo", row["G"]), []))
-    ours = gains(groups[(row["variant"], row["G"])])
-    diffs = [ours[s] - reference[s] for s in sorted(ours) if s in reference]
-    row["vs_grpo_mean"] = float(np.mean(diffs)) if diffs else None
-    row["vs_grpo_std"] = float(np.std(diffs)) if diffs else None
+REFERENCE = "grpo"  # the estimator every variant is compared with, seed by seed
+_PAIRED_KEYS = ("vs_grpo_seeds", "vs_grpo_mean", "vs_grpo_std", "vs_grpo_low", "vs_grpo_high",
+                "vs_grpo_gain_diffs", "vs_grpo_acc_mean", "vs_grpo_acc_low", "vs_grpo_acc_high",
+                "vs_grpo_acc_diffs")  # fmt: skip
+
+
+def _versus_reference(groups: dict, variant: str, g: int, hard: str | None) -> dict:
+  """The row's paired differences to GRPO at the same G: per seed both ran (the same warm start
+  and data order), variant minus GRPO of the hard-cluster gain (`vs_grpo_*`) and of the final
+  accuracy (`vs_grpo_acc_*`), their mean and 95% t interval over those seeds. All None for GRPO's
+  own row, without a GRPO run at this G, or without a shared seed (`vs_grpo_seeds` says which)."""
+  paired = dict.fromkeys(_PAIRED_KEYS)
+  reference = groups.get((REFERENCE, g))
+  if variant == REFERENCE or reference is None:
+    return paired
+  ours = groups[(variant, g)]
+  acc = stats.paired_differences(
+    _by_seed(ours, _final_accuracy), _by_seed(reference, _final_accuracy)
+  )
+  paired["vs_grpo_seeds"] = list(acc)
+  if not acc:
+    return paired
+  mean, low, high = stats.mean_ci(list(acc.values()))
+  paired.update(vs_grpo_acc_mean=mean, vs_grpo_acc_low=low, vs_grpo_acc_high=high)
+  paired["vs_grpo_acc_diffs"] = list(acc.values())
+  if hard is not None:
+    gain = functools.partial(_gain, cluster=hard)
+    diffs = list(stats.paired_differences(_by_seed(ours, gain), _by_seed(reference, gain)).values())
+    mean, low, high = stats.mean_ci(diffs)
+    paired.update(vs_grpo_mean=mean, vs_grpo_low=low, vs_grpo_high=high, vs_grpo_gain_diffs=diffs)
+    paired["vs_grpo_std"] = float(np.std(diffs))  # population std, kept for older readers
+  return paired
+
+
+def _by_seed(runs: Sequence[dict], value) -> dict[int, float]:
+  return {r["seed"]: value(r) for r in runs}
+
+
+def _final_accuracy(run: dict) -> float:
+  return run["curve"]["all"][-1]
+
+
+def _gain(run: dict, cluster: str) -> float:
+  """The run's accuracy on `cluster` at its last evaluation minus at step 0."""
+  return run["curve"][cluster][-1] - run["curve"][cluster][0]
 
 
 def _mean(values: Sequence[float | None]) -> float | None:
@@ -97,35 +144,78 @@ def _mean(values: Sequence[float | None]) -> float | None:
   return float(np.mean(values)) if values else None
 
 
+def _paired_text(row: dict, prefix: str) -> str:
+  """The row's paired difference `prefix` ('vs_grpo' or 'vs_grpo_acc') as text; '-' for GRPO's own
+  row, 'no grpo' without GRPO at this G, 'no shared seed' when the two ran no seed in common."""
+  if row["variant"] == REFERENCE:
+    return "-"
+  if row["vs_grpo_seeds"] is None:
+    return f"no {REFERENCE}"
+  if row[f"{prefix}_mean"] is None:
+    return "no shared seed"
+  low, high = row[f"{prefix}_low"], row[f"{prefix}_high"]
+  return stats.format_interval(row[f"{prefix}_mean"], low, high, len(row["vs_grpo_seeds"]))
+
+
+def _gain_text(row: dict) -> str:
+  ci = stats.format_interval(
+    row["hard_gain_mean"], row["hard_gain_low"], row["hard_gain_high"], row["seeds"]
+  )
+  return f"{ci}; per seed {', '.join(f'{x:+.2f}' for x in row['hard_gains'])}"
+
+
+def _missing_reference(rows: Sequence[dict]) -> list[int]:
+  """The group sizes without a GRPO row: their variants have no paired differences."""
+  sizes = sorted({r["G"] for r in rows})
+  return [g for g in sizes if not any(r["G"] == g and r["variant"] == REFERENCE for r in rows)]
+
+
 def summary_lines(rows: Sequence[dict], hard: str | None, target_gain: float) -> list[str]:
-  """A few plain sentences: the best variant per G, and EBPO variants against GRPO by seed."""
-  if hard is None:
-    lines = []
-    for g in sorted({r["G"] for r in rows}):
-      best = max((r for r in rows if r["G"] == g), key=lambda r: r["acc_mean"])
-      lines.append(f"G={g}: best final accuracy: {best['variant']} {best['acc_mean']:.3f}")
-    return lines
+  """A few plain sentences per G: the best variant, every variant minus GRPO paired by seed (with
+  95% t intervals), and how to read them."""
   lines = []
   for g in sorted({r["G"] for r in rows}):
     at_g = [r for r in rows if r["G"] == g]
-    best = max(at_g, key=lambda r: r["hard_gain_mean"])
-    text = f"G={g}: largest mean gain on {hard}: {best['variant']} {best['hard_gain_mean']:+.3f}"
-    paired = [r for r in at_g if r["variant"].startswith("ebpo") and r["vs_grpo_mean"] is not None]
-    if paired:
-      diffs = ", ".join(
-        f"{r['variant']} {r['vs_grpo_mean']:+.3f} (std {r['vs_grpo_std']:.3f})" for r in paired
-      )
-      text += f"; EBPO minus GRPO, paired by seed: {diffs}"
-    reached = sum(r["reached"] for r in at_g)
-    text += f"; {reached}/{sum(r['seeds'] for r in at_g)} runs gained >= {target_gain:.2f}"
-    lines.append(text)
-  seeds = min(r["seeds"] for r in rows)
-  spread = float(np.mean([r["hard_gain_std"] for r in rows]))
-  lines.append(
-    f"{seeds} seed(s) per cell; the gain's seed-to-seed std averages {spread:.3f}, so "
-    "differences between variants well below that are not evidence of a difference."
-  )
+    if hard is None:
+      best = max(at_g, key=lambda r: r["acc_mean"])
+      text = f"G={g}: best final accuracy: {best['variant']} {best['acc_mean']:.3f}"
+    else:
+      best = max(at_g, key=lambda r: r["hard_gain_mean"])
+      text = f"G={g}: largest mean gain on {hard}: {best['variant']} {_gain_text(best)}"
+      reached = sum(r["reached"] for r in at_g)
+      text += f"; {reached}/{sum(r['seeds'] for r in at_g)} runs gained >= {target_gain:.2f}"
+    lines += [text, f"G={g}: {_paired_summary(at_g, hard)}"]
+  lines.append(_reading_note(rows))
   return lines
+
+
+def _paired_summary(at_g: Sequence[dict], hard: str | None) -> str:
+  if all(r["variant"] != REFERENCE for r in at_g):
+    return f"no {REFERENCE} run at this G, so no paired differences"
+  others = [r for r in at_g if r["variant"] != REFERENCE]
+  if not others:
+    return f"only {REFERENCE} ran"
+  what = f"{hard} gain / final accuracy" if hard is not None else "final accuracy"
+  parts = []
+  for r in others:
+    acc = _paired_text(r, "vs_grpo_acc")
+    parts.append(
+      f"{r['variant']} {_paired_text(r, 'vs_grpo')} / {acc}"
+      if hard is not None
+      else f"{r['variant']} {acc}"
+    )
+  return f"minus {REFERENCE} paired by seed ({what}): " + ", ".join(parts)
+
+
+def _reading_note(rows: Sequence[dict]) -> str:
+  level = f"{stats.LEVEL:.0%}"
+  note = (
+    f"Intervals: {level} Student t over seeds (mean ± t·sd/√n, sd with n-1); a paired interval "
+    f"that contains 0 is no evidence that the variant differs from {REFERENCE}."
+  )
+  if min(r["seeds"] for r in rows) < 2:
+    note += " Cells with 1 seed have no interval: run more seeds (--seeds) before comparing them."
+  return note
 
 
 def _fmt(value: float | None, digits: int = 3) -> str:
@@ -136,33 +226,38 @@ def render_markdown(report: dict, header: Mapping[str, Any]) -> str:
   """The report as Markdown: settings, the table, per-cluster accuracies, summary, plots."""
   rows, hard = report["rows"], report["hard_cluster"]
   clusters = list(rows[0]["per_cluster"])
-  gain_head = f"{hard} gain (seeds)" if hard is not None else "gain"
+  level = f"{stats.LEVEL:.0%}"
+  gain_head = f"{hard} gain, mean [{level} CI]" if hard is not None else "gain"
   target = f"steps to +{report['target_gain']:.2f}"
   head = ["variant", "G", "seeds", "acc before", "acc after (mean ± std)", gain_head,
-          "minus grpo, paired", target, "zero-adv share", "entropy (final)",
-          "shrinkage"]  # fmt: skip
+          f"gain minus {REFERENCE}, paired [{level} CI]",
+          f"acc minus {REFERENCE}, paired [{level} CI]", target, "all-equal groups",
+          "zero-adv share", "grad norm", "entropy (final)", "shrinkage"]  # fmt: skip
   lines = [
     "# Ablation",
     "",
     f"- date: {header.get('date')}",
     f"- config: `{header.get('config')}` {' '.join(header.get('overrides', []))}",
     f"- hardest cluster (lowest accuracy at step 0): {hard}",
+    f"- intervals: {level} Student t over seeds, mean ± t·sd/√n with sd over n-1; n=1: no CI",
+    f"- paired: per seed, the variant minus {REFERENCE} at the same G (same warm start and data), "
+    "over the seeds both ran",
+    *(f"- no {REFERENCE} run at G={g}: no paired differences" for g in _missing_reference(rows)),
     "",
     "| " + " | ".join(head) + " |",
     "|" + "---|" * len(head),
   ]
   for r in rows:
-    gain, paired = "-", "-"
+    gain, steps = "-", "-"
     if hard is not None:
-      gain = f"{r['hard_gain_mean']:+.3f} ({', '.join(f'{x:+.2f}' for x in r['hard_gains'])})"
-      if r["vs_grpo_mean"] is not None and r["variant"] != "grpo":
-        paired = f"{r['vs_grpo_mean']:+.3f} ± {r['vs_grpo_std']:.3f}"
-    steps = (
-      "-" if hard is None else f"{_fmt(r['steps_to_target'], 0)} ({r['reached']}/{r['seeds']})"
-    )
+      gain = _gain_text(r)
+      steps = f"{_fmt(r['steps_to_target'], 0)} ({r['reached']}/{r['seeds']})"
     cells = [r["variant"], str(r["G"]), str(r["seeds"]), _fmt(r["acc_before"]),
-             f"{r['acc_mean']:.3f} ± {r['acc_std']:.3f}", gain, paired, steps, _fmt(r["zero_frac"]),
-             _fmt(r["entropy"]), _fmt(r["shrinkage"])]  # fmt: skip
+             f"{r['acc_mean']:.3f} ± {r['acc_std']:.3f}", gain,
+             _paired_text(r, "vs_grpo") if hard is not None else "-",
+             _paired_text(r, "vs_grpo_acc"), steps, _fmt(r["all_equal_frac"]),
+             _fmt(r["zero_frac"]), _fmt(r["grad_norm"]), _fmt(r["entropy"]),
+             _fmt(r["shrinkage"])]  # fmt: skip
     lines.append("| " + " | ".join(cells) + " |")
   lines += ["", "Final accuracy per cluster (mean over seeds):", ""]
   lines.append("| variant | G | " + " | ".join(clusters) + " |")
