@@ -107,6 +107,8 @@ def test_cli_run_writes_metrics_checkpoints_and_summary(arith_run):
   evals = [m for m in lines if "eval/accuracy" in m]
   assert [m["step"] for m in evals] == [0, 2, 4]
   assert any(k.startswith("eval/accuracy/") for k in evals[0])
+  elapsed = [m[metrics_lib.TIME_ELAPSED_S] for m in evals]  # the x axis of accuracy vs wall time
+  assert 0 < elapsed[0] < elapsed[1] < elapsed[2]
   assert 0.0 <= train_lines[0]["adv/zero_frac"] <= 1.0
   assert (workdir / "checkpoints").is_dir()
   assert "held-out accuracy" in result.stdout
