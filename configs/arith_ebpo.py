@@ -11,6 +11,17 @@ table and WORKDIR/plots/.
 
 Any key can be overridden, e.g. `--config.rl.advantage=grpo --config.rl.group_size=4`.
 
+The hard regime, `:hard` (or "hard,runlocal"; runlocal's sizes win): the same task, model and RL
+recipe, for estimator ablations at small G on a hard cluster (GRPO's all-fail groups). A warm start
+of 200 steps stops before add_2's learning transition (steps 250-550, by seed): held-out greedy
+add_2 accuracy 0.027 / 0.066 / 0.078 for seeds 0 / 1 / 2 (256 prompts per cluster, s.e. <= 1.7
+points), sampled (T=1) success 2-3%, so about 4% of G=2 groups and 20% of G=8 groups of add_2
+hold a success (add_1: 0.43-0.59). Then 100 RL steps: 24-56 s a run with the warm start shared
+(`python -m ebpo_jax.ablate`), measured two at a time with another heavy job on the 2 cores.
+RL moves add_2 only a few points in that budget (mean gain -0.01 to +0.02, 2 seeds): calibration
+and the pilot ablation in bench/RESULTS.md, "configs/arith_ebpo.py:hard". No add_3: warm-started
+on add_1-add_3, this model's add_3 stays at <= 1.6% greedy and 0.6% sampled after 600 steps.
+
 Why these settings, and this config's results: bench/RESULTS.md, "configs/arith_ebpo.py".
 """
 
@@ -28,9 +39,14 @@ _spec.loader.exec_module(common)
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  """Returns the config; `arg` may be "runlocal" (a few steps, seconds on a CPU)."""
-  arg = common.parse_arg(arg, runlocal=False)
+  """Returns the config; `arg` may hold "hard" (the hard regime above) and "runlocal" (a few
+  steps, seconds on a CPU), e.g. "hard,runlocal"."""
+  arg = common.parse_arg(arg, hard=False, runlocal=False)
   config = common.get_config()  # the base config holds this job's values
+  if arg.hard:
+    config.sft.num_steps = 200  # add_2 stays at <= 10% greedy (its transition: steps 250-550)
+    config.task.num_eval = 256  # binomial s.e. <= 2 points at add_2's accuracy of <= 10%
+    config.train.num_steps = 100  # RL steps: 24-56 s a run (G 2-8, 2 at a time, busy cores)
   if arg.runlocal:
     config.task.num_train = 512
     config.task.num_eval = 8

@@ -267,6 +267,25 @@ def test_smollm2_lora_variant():
   config_lib.check_config(module.get_config("math,lora"), 1)
 
 
+def test_arith_hard_variant_shortens_the_warm_start_and_widens_the_evaluation():
+  # The hard regime (configs/arith_ebpo.py:hard): the same task, model and RL recipe; a warm start
+  # that stops before add_2's transition, more held-out prompts per cluster, fewer RL steps.
+  module = load_config_module("arith_ebpo")
+  default, hard = module.get_config().to_dict(), module.get_config("hard")
+  assert tasks.from_config(hard.task).cluster_names == ["add_1", "add_2"]
+  assert hard.sft.num_steps == 200 < default["sft"]["num_steps"]
+  assert hard.task.num_eval == 256 > default["task"]["num_eval"]
+  assert hard.train.num_steps == 100 < default["train"]["num_steps"]
+  hard.sft.num_steps = default["sft"]["num_steps"]
+  hard.task.num_eval = default["task"]["num_eval"]
+  hard.train.num_steps = default["train"]["num_steps"]
+  assert hard.to_dict() == default  # nothing else changed
+  config_lib.check_config(module.get_config("hard"), 1)
+  # runlocal's sizes override the regime's: "hard,runlocal" is the runlocal smoke run (trained by
+  # the tests of configs/arith_ebpo.py:runlocal, e.g. tests/test_train.py).
+  assert module.get_config("hard,runlocal").to_dict() == module.get_config("runlocal").to_dict()
+
+
 # ----------------------------------------------------------------------------- configs/common.py
 
 common = load_config_module("common")
@@ -277,6 +296,7 @@ RESOLVED_ARGS = [
 ]
 RESOLVED_ARGS += [("smollm2_135m_ebpo", "math"), ("smollm2_135m_ebpo", "math,runlocal")]
 RESOLVED_ARGS += [("smollm2_135m_ebpo", "lora"), ("smollm2_135m_ebpo", "runlocal,lora")]
+RESOLVED_ARGS += [("arith_ebpo", "hard"), ("arith_ebpo", "hard,runlocal")]
 RESOLVED_ARGS += [("paper", "qwen3_8b,grpo,lora32"), ("paper", "qwen3_8b,grpo,lora32,runlocal")]
 RESOLVED_ARGS += [("paper", arg + local) for arg in ALL_ARGS for local in ("", ",runlocal")]
 
