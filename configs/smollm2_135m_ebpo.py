@@ -14,7 +14,8 @@ of 32 prompts, 512 new tokens, lr 2e-6 (a 135M model takes larger steps than the
 
   # one GPU (bfloat16 compute, float32 master weights)
   python -m ebpo_jax.train --config=configs/smollm2_135m_ebpo.py --workdir=/tmp/smollm2_ebpo
-  # 1 RL step on a CPU with small shapes (CI runs this; about 2 minutes on 2 cores)
+  # 1 RL step on a CPU with small shapes (about 2 minutes on 2 cores; CI trains the same model
+  # with LoRA in configs/smollm2_135m_cpu.py:runlocal, the laptop run's config)
   python -m ebpo_jax.train --config=configs/smollm2_135m_ebpo.py:runlocal --workdir=/tmp/smol_local
   # held-out evaluation of the trained policy (k samples per problem)
   python -m ebpo_jax.evaluate --config=configs/smollm2_135m_ebpo.py --workdir=/tmp/smollm2_ebpo

@@ -301,12 +301,16 @@ RESOLVED_ARGS += [("paper", "qwen3_8b,grpo,lora32"), ("paper", "qwen3_8b,grpo,lo
 RESOLVED_ARGS += [("paper", arg + local) for arg in ALL_ARGS for local in ("", ",runlocal")]
 
 
+# Keys whose value is a dict (one option), not a section of keys.
+DICT_VALUED = {"task.options.dataset_cfg"}
+
+
 def flat_keys(config, prefix="") -> set[str]:
   """Dotted leaf keys."""
   keys = set()
   for key, value in config.items():
     name = prefix + key
-    if hasattr(value, "items"):
+    if hasattr(value, "items") and name not in DICT_VALUED:
       keys |= flat_keys(value, name + ".")
     else:
       keys.add(name)
