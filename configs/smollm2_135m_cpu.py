@@ -2,21 +2,24 @@
 
 The policy is configs/smollm2_135m_ebpo.py's "lora" variant (rank-8 adapters on all seven
 projections of the packaged SmolLM2-135M-Instruct) at shapes that 2 CPU cores finish in under an
-hour: 8 prompts x G = 8 responses per step, at most 48 new tokens, float32, no KL term (it would
-cost a reference forward per step), lr 5e-5.
+hour: 8 prompts x G = 8 responses per step, at most 32 new tokens, 20 steps, float32, no KL term
+(it would cost a reference forward per step), lr 1e-4.
 
 Task: the easiest curriculum level of three reasoning-gym datasets, one cluster each: `chain_sum`
 and `basic_arithmetic` (two 1-digit operands) and `products` (1-digit x 1-digit). Why these: at
-temperature 1 the packaged model (a Q4_1 GGUF) is at most 6% avg@8 on every reasoning-gym task and
-level measured (bench/RESULTS.md, "SmolLM2-135M-Instruct on reasoning-gym"); mostly it does not
-end with the "Answer: <n>" line that the verifier reads ("7 + 8 = 15" scores 0), and these three
-are where its answers are most often right. The prompt carries one worked line of the format
-(`INSTRUCTION`). The training reward is the dataset's own score (reasoning-gym's partial credit
-for an answer inside a longer final line) plus 0.2 x `answer_format`, so the format is learned
-from rewards, not shown by a supervised warm start; the held-out metric is avg@8 at temperature 1
-(full reward only), every 10 steps, on 16 problems per cluster.
+temperature 1 the packaged model (a Q4_1 GGUF) is at most 3% avg@8 on every reasoning-gym task and
+level measured (bench/RESULTS.md, "SmolLM2-135M-Instruct on reasoning-gym"); it rarely ends with
+the "Answer: <n>" line the verifier reads ("7 + 8 = 15" scores 0.2), and these three are where
+its numbers are most often right. The reward is the dataset's own score: 1 for the exact answer,
+reasoning-gym's partial credit len(answer) / len(line) for an answer inside a longer final line,
+a path from "7 + 8 = 15" to "15". The held-out metric is avg@8 at temperature 1 (full reward only)
+at steps 0, 10 and 20, on 24 problems per cluster.
 
-  # the run (about 40 minutes on 2 idle cores; bench/RESULTS.md has the measured times)
+Not a format bonus: with a worked format line in the prompt ('... the last line is: Answer: 5')
+and 0.2 x `answer_format` in the reward, the policy learned within 8 steps to answer "Answer: 5"
+to everything (format reward 0 -> 1.0, held-out avg@8 0.016 -> 0.019 at step 12).
+
+  # the run (bench/RESULTS.md has the measured times and accuracies, 2 seeds)
   python -m ebpo_jax.train --config=configs/smollm2_135m_cpu.py --workdir=/tmp/smol_cpu
   python bench/learning_curve.py /tmp/smol_cpu --out smol_cpu.png   # accuracy vs wall time
   # 1 RL step with small shapes (CI runs this)
@@ -31,7 +34,8 @@ import ml_collections
 
 def _sibling(name: str):
   """configs/ is not a package and the loaders import a config by path: load siblings by path."""
-  spec = importlib.util.spec_from_file_location(name, pathlib.Path(__file__).with_name(name + ".py"))
+  path = pathlib.Path(__file__).with_name(name + ".py")
+  spec = importlib.util.spec_from_file_location(name, path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
@@ -40,11 +44,6 @@ def _sibling(name: str):
 common = _sibling("common")
 smollm2 = _sibling("smollm2_135m_ebpo")
 
-# The default instruction with one worked line: the packaged model rarely uses the format otherwise.
-INSTRUCTION = (
-  "\n\nGive your final answer on the last line, as 'Answer: <answer>'. "
-  'For example, for "2 + 3 =", the last line is: Answer: 5'
-)
 _ONE_DIGIT_PAIR = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
 
 
@@ -57,26 +56,24 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.task.options.dataset_cfg = {
     name: dict(_ONE_DIGIT_PAIR) for name in ("chain_sum", "basic_arithmetic", "products")
   }
-  config.task.options.instruction = INSTRUCTION
   config.task.num_train = 3_000
   config.task.num_eval = 24  # per cluster: 72 problems x 8 samples
   config.model.dtype = "float32"
   config.model.lora.base_dtype = "float32"  # faster on a CPU than casting a bfloat16 base
-  config.rewards.fns = "task, format=0.2*answer_format"
   config.rl.group_size = 8
   config.rl.loss.kl_coef = 0.0
-  config.train.num_steps = 24
+  config.train.num_steps = 20
   config.train.batch_size = 8
   config.train.mini_batch_size = 8
   config.train.micro_batch_size = 16
   config.train.learning_rate = 1e-4
-  config.sampling.max_new_tokens = 40
+  config.sampling.max_new_tokens = 32
   config.sampling.prompts_per_call = 72  # the whole evaluation in one call
   config.sampling.prompt_buckets = (96, 128, 160)
   config.eval.greedy = False
   config.eval.num_samples = 8
-  config.eval.every_steps = 12
-  config.checkpoint.every_steps = 12
+  config.eval.every_steps = 10
+  config.checkpoint.every_steps = 10
   config.logging.samples_every = 5
   if arg.runlocal:
     config.task.num_train = 32
