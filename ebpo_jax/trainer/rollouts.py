@@ -431,8 +431,7 @@ def sample_rows(
 
 
 def eval_sampling(config: ml_collections.ConfigDict) -> tuple[int, bool]:
-  """(k, greedy) of an evaluation: k = `eval.num_samples` responses per problem, greedy only when
-  `eval.greedy` and k == 1 (k greedy responses would be k copies)."""
+  """(k, greedy): `eval.num_samples` responses per problem, greedy only when k == 1."""
   k = config.eval.num_samples
   return k, bool(config.eval.greedy and k == 1)
 
@@ -440,23 +439,22 @@ def eval_sampling(config: ml_collections.ConfigDict) -> tuple[int, bool]:
 def evaluate_accuracy(
   sampler: Sampler, params, eval_rows: Sequence[dict], cluster_names: Sequence[str], key
 ) -> dict[str, float]:
-  """Accuracy on held-out prompts, overall and per cluster: avg@k, the share of the k responses
-  per problem (`eval_sampling`) that earn the full reward; and the number of failed verifier
-  calls (each scored 0)."""
+  """avg@k on held-out prompts (the share of responses with the full reward; `eval_sampling`),
+  overall and per cluster, and the number of failed verifier calls (each scored 0)."""
   k, greedy = eval_sampling(sampler.config)
   rollout = sampler.rollout(params, eval_rows, key, group_size=k, greedy=greedy)
   correct = (np.asarray(rollout.rewards) >= tasks.base.FULL_REWARD).mean(axis=1)
   clusters = np.array([row["cluster"] for row in eval_rows])
-  result = {
-    metrics_lib.EVAL_ACCURACY: float(correct.mean()),
+  accuracy = metrics_lib.EVAL_ACCURACY
+  return {
+    accuracy: float(correct.mean()),
     metrics_lib.EVAL_VERIFIER_ERRORS: int(rollout.errors),
+    **{
+      metrics_lib.per_cluster(accuracy, name): float(correct[clusters == c].mean())
+      for c, name in enumerate(cluster_names)
+      if (clusters == c).any()
+    },
   }
-  for c, name in enumerate(cluster_names):
-    if (clusters == c).any():
-      result[metrics_lib.per_cluster(metrics_lib.EVAL_ACCURACY, name)] = float(
-        correct[clusters == c].mean()
-      )
-  return result
 
 
 class ScoredBatch(NamedTuple):
