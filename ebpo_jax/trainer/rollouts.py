@@ -467,13 +467,7 @@ class ScoredBatch(NamedTuple):
 
 
 def sample_and_score_batches(
-  sampler: Sampler,
-  params: Any,
-  rows: Sequence[dict],
-  *,
-  num_samples: int,
-  greedy: bool,
-  skip: int = 0,
+  sampler: Sampler, params, rows: Sequence[dict], *, num_samples: int, greedy: bool, skip: int = 0
 ) -> Iterator[ScoredBatch]:
   """k completions per row, decoded and scored, one sampler call (`sampling.prompts_per_call`
   rows; 0: all) at a time, so a caller shows progress and keeps what is done. The calls' keys are
@@ -498,8 +492,7 @@ def join_batches(batches: Sequence[ScoredBatch]) -> tuple[list[list[str]], np.nd
 
 
 def make_sampler(model, task, tokenizer, config: ml_collections.ConfigDict, mesh) -> Sampler:
-  """A Sampler with its own verifier pool (close it with `sampler.pool.close()`) and the reward
-  functions of `config.rewards.fns`."""
+  """A Sampler with its own verifier pool (`sampler.pool.close()`) and `config.rewards.fns`."""
   fns = reward_fns_lib.load(config.rewards.fns)
   pool = rewards_lib.RewardPool(config.rewards.workers, config.rewards.timeout_s)
   return Sampler(model, task, tokenizer, config, pool, mesh, fns)
