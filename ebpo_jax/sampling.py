@@ -104,6 +104,25 @@ def build_sequences(prompt_ids_bp, prompt_mask_bp, tokens_rn, mask_rn, group_siz
   }
 
 
+def build_packed_sequences(
+  prompt_ids_bp, prompt_mask_bp, tokens_rn, mask_rn, group_size: int
+) -> dict:
+  """`build_sequences` in the shared-prefix layout (`models.shared_prefix`): row b holds prompt b
+  once, then its G completions, each at the positions `build_sequences` gives it. `input_ids`,
+  `positions` and `attention_mask` are `[B, P + G*N]`; `targets` and `loss_mask` `[B*G, N]`."""
+  num_prompts, n = prompt_ids_bp.shape[0], tokens_rn.shape[1]
+  packed = lambda x_rn: x_rn.reshape(num_prompts, group_size * n)  # noqa: E731
+  completion_pos = prompt_mask_bp.sum(-1, keepdims=True) + jnp.arange(n)[None]
+  positions = [prompt_positions(prompt_mask_bp), jnp.tile(completion_pos, (1, group_size))]
+  return {
+    "input_ids": jnp.concatenate([prompt_ids_bp, packed(tokens_rn)], axis=1),
+    "positions": jnp.concatenate(positions, axis=1).astype(jnp.int32),
+    "attention_mask": jnp.concatenate([prompt_mask_bp, packed(mask_rn)], axis=1),
+    "targets": tokens_rn,
+    "loss_mask": mask_rn,
+  }
+
+
 # ----------------------------------------------------------------------------- drawing one token
 
 

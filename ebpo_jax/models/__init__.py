@@ -1,20 +1,23 @@
 """The policy model: one config-driven decoder, its HF/GGUF weight I/O, and the packaged SmolLM2."""
 
-from ebpo_jax.models import lora
+from ebpo_jax.models import lora, shared_prefix
 from ebpo_jax.models.config import ModelConfig
 from ebpo_jax.models.decoder import Decoder, KVCache, init_cache
 from ebpo_jax.models.gguf_io import convert_gguf, resolve_model_path, smollm2_135m_instruct
 from ebpo_jax.models.hf_io import from_pretrained, save_pretrained
+from ebpo_jax.models.shared_prefix import PrefixGroups
 
 __all__ = [
   "Decoder",
   "KVCache",
   "ModelConfig",
+  "PrefixGroups",
   "convert_gguf",
   "from_pretrained",
   "init_cache",
   "lora",
   "resolve_model_path",
   "save_pretrained",
+  "shared_prefix",
   "smollm2_135m_instruct",
 ]

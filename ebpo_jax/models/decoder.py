@@ -7,7 +7,8 @@ one program per layer: slower to compile, faster on XLA:CPU, which fuses across 
 prefill and decode run `Decoder(config, scan_layers=False)`: the same math over modules
 `layers_0 ... layers_{L-1}` (`unstack_layers` converts the params once) with one KV-cache layout, a
 buffer `[B, Hkv, S, D]` per layer that each step updates in place (XLA CPU copies every stacked
-weight or cache slice on every scanned step).
+weight or cache slice on every scanned step). The full forward also runs the shared-prefix layout
+(`models.shared_prefix`: each prompt once, then its G completions) for training.
 
 Parameter layout (HF name -> ours):
   embed_tokens.weight [V, E]            -> embed_tokens/embedding      (vocab, embed)
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ebpo_jax.models import lora
+from ebpo_jax.models import lora, shared_prefix
 from ebpo_jax.models.config import REMAT_POLICIES, ModelConfig
 
 _NEG_INF = -1e30  # finite, so a query with no valid key gives a uniform (ignored) row, not NaN
@@ -201,6 +202,22 @@ def _attention(q_bthd, k_bksd, v_bksd, valid_bts) -> jax.Array:
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
 
 
+def _attend(q_bthd, k_btkd, v_btkd, valid) -> jax.Array:
+  """Attention without a cache: over the row (`valid` [B, T, T]), or in the shared-prefix layout
+  (`valid` a `shared_prefix.GroupedValid`) the prompt over itself and each completion over its
+  prompt, then itself. Returns [B,T,H,D]."""
+  heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+  if not isinstance(valid, shared_prefix.GroupedValid):
+    return _attention(q_bthd, heads_first(k_btkd), heads_first(v_btkd), valid)
+  split = lambda x: shared_prefix.split(x, valid.groups)  # noqa: E731
+  (q_p, q_c), (k_p, k_c), (v_p, v_c) = split(q_bthd), split(k_btkd), split(v_btkd)
+  k_p, k_c, v_p, v_c = map(heads_first, (k_p, k_c, v_p, v_c))
+  out_p = _attention(q_p, k_p, v_p, valid.prompt)
+  prefixed = shared_prefix.prefixed
+  out_c = _attention(q_c, prefixed(k_p, k_c), prefixed(v_p, v_c), valid.completions)
+  return shared_prefix.merge(out_p, out_c)
+
+
 class Attention(nn.Module):
   """GQA self-attention with RoPE. With a cache, `layer_cache` is `(k, v, index)`: the new keys and
   values go into their slots, attention reads the written cache, and the updated `(k, v)` is
@@ -225,7 +242,7 @@ class Attention(nn.Module):
     q, k = apply_rope(q, sin_btd, cos_btd), apply_rope(k, sin_btd, cos_btd)
     if layer_cache is None:
       new_kv = None
-      out = _attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), valid_bts)
+      out = _attend(q, k, v, valid_bts)
     else:
       # The attention reads the written buffer, so it runs after the write and XLA updates the
       # per-layer buffer in place (a read of the old buffer beside the write would force a copy).
@@ -307,16 +324,23 @@ class Decoder(nn.Module):
     attention_mask: jax.Array | None = None,
     cache: KVCache | None = None,
     logits_slice: tuple[int, int] | None = None,
+    prefix_groups: shared_prefix.PrefixGroups | None = None,
   ):
     """Without a cache returns logits; with one (`scan_layers=False` only) also the cache with the
     T tokens written. `logits_slice=(start, stop)` computes the logits of those positions only
     (`[B, stop - start, V]`): the LM head is a large share of a small model's work, and training
     needs it only where completion tokens are predicted.
 
+    `prefix_groups` (no cache): the rows are packed, each a prompt then its G completions
+    (`models.shared_prefix`), and the logits are those that predict the completions' N tokens,
+    `[B*G, N, V]`: each prompt runs once, not once per completion.
+
     Default positions are `arange(T)` (offset by `cache.index` when a cache is given). The caller
     sizes the cache: writing past its last slot is not detected under jit.
     """
     c = self.config
+    if cache is not None and prefix_groups is not None:
+      raise ValueError("prefix_groups is a full forward's layout: no KV cache with it")
     if cache is not None and self.scan_layers:
       raise ValueError(
         "a KV cache given to the scanned Decoder (scan_layers=True), which runs only the full "
@@ -333,13 +357,20 @@ class Decoder(nn.Module):
                        nn.initializers.normal(0.02))  # fmt: skip
     x = jnp.take(embedding, input_ids, axis=0)
     sin, cos = rope_tables(c, positions)
-    valid = _valid_pairs(attention_mask) if cache is None else _valid_slots(attention_mask, cache)
+    if cache is not None:
+      valid = _valid_slots(attention_mask, cache)
+    elif prefix_groups is not None:
+      valid = shared_prefix.valid_pairs(attention_mask, prefix_groups)
+    else:
+      valid = _valid_pairs(attention_mask)
     if self.scan_layers:
       x, new_cache = self._scanned_layers()(x, (sin, cos, valid))[0], None
     else:
       x, new_cache = self._layer_loop(x, (sin, cos, valid), cache, attention_mask)
     x = RMSNorm(c, name="norm")(x)
-    if logits_slice is not None:
+    if prefix_groups is not None:
+      x = shared_prefix.predicting_states(x, prefix_groups)
+    elif logits_slice is not None:
       x = x[:, slice(*logits_slice)]
     if c.tie_word_embeddings:
       lm_head = embedding.T

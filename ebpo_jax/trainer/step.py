@@ -2,8 +2,10 @@
 
 It computes the advantages (threading the estimator's prior through the state), builds the
 sequences in the sampler's layout, and runs `rl.num_iterations` epochs of PPO-clip mini-batch
-updates with gradient accumulation over micro-batches. Nothing here knows which estimator runs:
-the registry entry carries its hyperparameters and names its own metrics.
+updates with gradient accumulation over micro-batches. Where micro-batches hold whole groups
+(`uses_shared_prefix`) the forward runs each prompt once per group, not once per completion.
+Nothing here knows which estimator runs: the registry entry carries its hyperparameters and names
+its own metrics.
 """
 
 import functools
@@ -51,27 +53,38 @@ def completion_logits(
 ) -> jax.Array:
   """Logits [R, N, V] that predict the N completion tokens (the LM head runs at those positions
   only); with `dropout_key`, the LoRA adapters' inputs are dropped out (`model.lora.dropout`: the
-  training forward only)."""
-  seq_len, n = seqs["input_ids"].shape[1], seqs["targets"].shape[1]
+  training forward only).
+
+  `seqs` in either layout of `sampling`: one row per completion (`build_sequences`), or one per
+  prompt with its G completions packed after it (`build_packed_sequences`: the shared-prefix
+  forward, each prompt run once), told apart by G = rows of `targets` / rows of `input_ids`."""
+  (rows, n), (seq_rows, seq_len) = seqs["targets"].shape, seqs["input_ids"].shape
+  group_size = rows // seq_rows
+  if group_size > 1:
+    layout = {"prefix_groups": models.PrefixGroups(seq_len - group_size * n, group_size)}
+  else:
+    layout = {"logits_slice": (seq_len - n - 1, seq_len - 1)}
   return model.apply(
     {"params": params},
     seqs["input_ids"],
     positions=seqs["positions"],
     attention_mask=seqs["attention_mask"],
     rngs=None if dropout_key is None else {models.lora.DROPOUT_RNG: dropout_key},
-    logits_slice=(seq_len - n - 1, seq_len - 1),
+    **layout,
   )
 
 
 def completion_logprobs(model: models.Decoder, params: Any, seqs: dict) -> jax.Array:
-  """log pi(completion token) [R, N] under `params`."""
+  """log pi(completion token) [R, N] under `params` (`seqs` in either layout)."""
   return losses.token_logprobs(completion_logits(model, params, seqs), seqs["targets"])
 
 
 def _reference_logps(model, ref_params, seqs: dict, micro_rows: int, mesh) -> jax.Array:
-  """log pi_ref of the completions [R, N], one micro-batch at a time (bounded memory)."""
+  """log pi_ref of the completions [R, N], one micro-batch at a time (bounded memory); `seqs` in
+  either layout (a packed micro-batch holds micro_rows / G prompts)."""
   keys = ("input_ids", "positions", "attention_mask", "targets")
-  chunks = {k: seqs[k].reshape(-1, micro_rows, *seqs[k].shape[1:]) for k in keys}
+  num_chunks = seqs["targets"].shape[0] // micro_rows
+  chunks = {k: seqs[k].reshape(num_chunks, -1, *seqs[k].shape[1:]) for k in keys}
 
   def one(mb):
     return completion_logprobs(model, ref_params, sharding.constrain_rows(mb, mesh))
@@ -137,6 +150,39 @@ def _update_order(shuffle_key: jax.Array, num_rows: int, mini_rows: int, epochs:
   return jnp.concatenate([jax.random.permutation(k, num_rows) for k in keys]).reshape(-1, mini_rows)
 
 
+def uses_shared_prefix(config: ml_collections.ConfigDict, mesh: Mesh | None) -> bool:
+  """Whether `train_step` runs each prompt once per group (the shared-prefix forward,
+  `models.shared_prefix`) rather than once per completion: when every micro-batch holds whole
+  groups of G > 1, which is when there is one PPO epoch (`rl.num_iterations == 1`: rows are
+  taken in order, unshuffled), the micro-batch rows are a multiple of G, and, with a mesh, a
+  micro-batch's prompts split over the same devices as its rows. Otherwise each row runs its
+  prompt and completion in full (the same math, more work)."""
+  rl, tc = config.rl, config.train
+  g = rl.group_size
+  micro_rows = tc.micro_batch_size or tc.mini_batch_size * g
+  if rl.num_iterations != 1 or g == 1 or micro_rows % g:
+    return False
+  if mesh is None:
+    return True
+  spec = lambda num: sharding.row_sharding((num,), mesh).spec  # noqa: E731
+  return spec(micro_rows // g) == spec(micro_rows)
+
+
+def _sequences(batch: dict, group_size: int, shared: bool) -> tuple[dict, dict]:
+  """The batch's sequences as (per-row arrays [R, ...], per-prompt arrays [B, ...]): in the
+  shared-prefix layout (`shared`) the model's inputs are per prompt, else all is per row."""
+  build = sampling.build_packed_sequences if shared else sampling.build_sequences
+  seqs = build(
+    batch["prompt_ids"],
+    batch["prompt_mask"],
+    batch["tokens"],
+    batch["completion_mask"],
+    group_size,
+  )
+  prompt_keys = ("input_ids", "positions", "attention_mask") if shared else ()
+  return seqs, {k: seqs.pop(k) for k in prompt_keys}
+
+
 def train_step(
   state: TrainState,
   batch: dict,
@@ -161,24 +207,20 @@ def train_step(
   rollout_finite = ~batch["nonfinite"].any()
   adv_bg, prior, adv_metrics = estimator(batch["rewards"], None, batch["cluster_ids"], state.prior)
   prior = jax.tree.map(lambda new, old: jnp.where(rollout_finite, new, old), prior, state.prior)
-  seqs = sampling.build_sequences(
-    batch["prompt_ids"],
-    batch["prompt_mask"],
-    batch["tokens"],
-    batch["completion_mask"],
-    rl.group_size,
-  )
+  shared = uses_shared_prefix(config, mesh)
+  seqs, prompts = _sequences(batch, rl.group_size, shared)
   seqs["old_logps"] = batch["old_logps"]
   seqs["adv"] = adv_bg.reshape(-1)
   mini_rows = tc.mini_batch_size * rl.group_size
   micro_rows = tc.micro_batch_size or mini_rows
   if state.ref_params is not None:
-    seqs["ref_logps"] = _reference_logps(model, state.ref_params, seqs, micro_rows, mesh)
+    seqs["ref_logps"] = _reference_logps(model, state.ref_params, seqs | prompts, micro_rows, mesh)
   elif state.base is not None and rl.loss.kl_coef > 0:  # LoRA: the base, without the adapters
     base_model = models.lora.base_model(model)
-    seqs["ref_logps"] = _reference_logps(base_model, state.base, seqs, micro_rows, mesh)
+    seqs["ref_logps"] = _reference_logps(base_model, state.base, seqs | prompts, micro_rows, mesh)
   keys = step_keys(state.rng, state.step)
   order = _update_order(keys.shuffle, seqs["adv"].shape[0], mini_rows, rl.num_iterations)
+  prompt_order = order[:, :: rl.group_size] // rl.group_size if shared else None  # whole groups
   # LoRA dropout: one key per update (each split per micro-batch), from the step's own stream, so
   # a resumed run drops the same inputs; none at all when off (the step is then exactly as before).
   dropout_keys = None
@@ -191,10 +233,11 @@ def train_step(
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), new_opt_state
 
-  def update(carry, idx_and_key):
+  def update(carry, indices_and_key):
     params, opt_state = carry
-    idx, dropout_key = idx_and_key
-    mini = jax.tree.map(lambda x: jnp.take(x, idx, axis=0), seqs)
+    idx, prompt_idx, dropout_key = indices_and_key
+    take = lambda tree, i: jax.tree.map(lambda x: jnp.take(x, i, axis=0), tree)  # noqa: E731
+    mini = take(seqs, idx) | take(prompts, prompt_idx)
     loss, grads, aux = _accumulated_grads(
       params, mini, dropout_key, num_micro=mini_rows // micro_rows, loss_fn=loss_fn
     )
@@ -212,7 +255,7 @@ def train_step(
     }
 
   carry = (state.params, state.opt_state)
-  (params, opt_state), upd = jax.lax.scan(update, carry, (order, dropout_keys))
+  (params, opt_state), upd = jax.lax.scan(update, carry, (order, prompt_order, dropout_keys))
   bad = upd.pop("bad")
   metrics = {k: v.mean() for k, v in upd.items()}
   metrics[metrics_lib.BAD_UPDATES] = bad.sum()
