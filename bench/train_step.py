@@ -112,22 +112,29 @@ def compiled_step(shape_name: str, advantage: str, args):
   model = state_lib.make_model(config, shape["vocab_size"])
   state, step, num_params = fresh_state_and_step(config, model, mesh, num_clusters=3)
   batch = synthetic_batch(config, args.prompt_len, shape["vocab_size"])
-  return step.lower(state, batch).compile(), state, batch, num_params
+  shared = step_lib.uses_shared_prefix(config, mesh)
+  return step.lower(state, batch).compile(), state, batch, num_params, shared
 
 
-def step_flops(weights: int, shape: dict, args) -> float:
+def step_flops(weights: int, shape: dict, args, shared_prefix: bool) -> float:
   """Model FLOPs of one step: 6 per weight per token (forward + backward) plus attention, with the
   LM head counted only where a completion token is predicted (the step computes no other logits).
 
-  Counted by hand because XLA's cost analysis counts a scanned layer body once, not L times.
-  `weights`: the entries of every matrix, each a matmul weight (the tied embedding is the LM head;
-  its lookup is free).
+  The tokens the layers run: with `shared_prefix` (step.uses_shared_prefix) each prompt once per
+  group, its completions' attention over the prompt's keys and their own; else each of the rows
+  in full. Counted by hand because XLA's cost analysis counts a scanned layer body once, not L
+  times. `weights`: the entries of every matrix, each a matmul weight (the tied embedding is the
+  LM head; its lookup is free).
   """
-  seq = args.prompt_len + args.new_tokens
+  p, n, rows = args.prompt_len, args.new_tokens, args.rows
+  prompts = rows // args.group_size if shared_prefix else rows  # prompt copies the layers run
+  tokens = prompts * p + rows * n
+  # Score and value matmuls (2 x 2 FLOPs per query-key pair and head dim), x3 for the backward.
+  pairs = prompts * p * p + rows * n * (p + n) if shared_prefix else rows * (p + n) ** 2
   head = shape["vocab_size"] * shape["hidden_size"]
   heads_dim = shape["num_heads"] * shape["head_dim"]
-  attention = 12 * shape["num_layers"] * args.rows * seq * seq * heads_dim
-  return 6.0 * ((weights - head) * args.rows * seq + head * args.rows * args.new_tokens) + attention
+  attention = 12 * shape["num_layers"] * pairs * heads_dim
+  return 6.0 * ((weights - head) * tokens + head * rows * n) + attention
 
 
 def time_steps(shape_name: str, args) -> dict[str, float]:
@@ -139,7 +146,7 @@ def time_steps(shape_name: str, args) -> dict[str, float]:
   for repeat in range(args.repeats + 1):  # the first round warms up
     matmul_rate = matmul()
     for adv, run in runs.items():
-      fn, state, batch, _ = run
+      fn, state, batch = run[:3]
       start = time.perf_counter()
       state, metrics = fn(state, batch)
       jax.block_until_ready((state, metrics))
@@ -149,9 +156,11 @@ def time_steps(shape_name: str, args) -> dict[str, float]:
     if repeat:
       times["matmul"].append(matmul_rate)
   if args.profile:
-    fn, state, batch, _ = runs["grpo"]
+    fn, state, batch = runs["grpo"][:3]
     print_profile(shape_name, op_profile.op_times(fn, state, batch, steps=2))
-  flops = step_flops(runs["grpo"][3], SHAPES[shape_name], args)
+  num_params, shared = runs["grpo"][3:]
+  print(f"{shape_name}: the step runs {'each prompt once per group' if shared else 'full rows'}")
+  flops = step_flops(num_params, SHAPES[shape_name], args, shared)
   return {key: float(np.median(t)) for key, t in times.items()} | {"flops": flops}
 
 
