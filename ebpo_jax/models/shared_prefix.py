@@ -12,7 +12,8 @@ of each prompt; at a batch of 8 prompts x G=4 with P = N = 32 the layers run 37.
 
 Logits at masked positions (pads, a completion's tail after it stopped) are not those of the full
 layout: a pad query sees no key in either, and the keys it then averages differ. They predict no
-token the loss reads.
+token the loss reads. LoRA dropout draws one mask per packed token, so a prompt token is dropped
+alike for its G completions (the full layout drops each copy on its own): both are dropout.
 """
 
 from __future__ import annotations

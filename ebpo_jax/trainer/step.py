@@ -195,6 +195,10 @@ def train_step(
 ) -> tuple[TrainState, dict]:
   """One RL step on a scored rollout batch (`abstract_batch`): advantages, then PPO-clip updates.
 
+  The forward runs each prompt once for its G completions where `uses_shared_prefix` (one PPO
+  epoch, micro-batches of whole groups, their prompts split over the devices as their rows), else
+  every row's prompt and completion in full; the same math either way.
+
   With `mesh`, micro-batch rows are kept sharded over its batch axes. Metrics are scalars, or
   per-cluster vectors [K] that the host splits by cluster name, and ADVANTAGES [B, G].
 
