@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ebpo_jax import ablate
-from ebpo_jax.ablate import stats
+from ebpo_jax.ablate import advantage_mass, stats
 
 # Two-sided 95% Student t critical values t_{0.975, df} from a printed table (not from scipy).
 T_975 = {3: 3.182, 4: 2.776}
@@ -168,3 +168,113 @@ def test_run_summary_averages_the_diagnostics_over_the_rl_steps(tmp_path):
   assert result["zero_frac"] == pytest.approx(0.4) and result["grad_norm"] == pytest.approx(2.0)
   assert result["entropy_final"] == pytest.approx(0.7)  # the last tenth of the steps: step 2
   assert result["curve"] == {"step": [0, 2], "all": [0.5, 0.6], "a": [0.5, 0.6]}
+
+
+# ----------------------------------------------------------------------------- advantage mass
+
+# (step, prompt, cluster, rewards, advantages) of a G=2 run's samples.jsonl.
+SAMPLES = [
+  (10, "1+1=", "easy", [0.0, 0.0], [-0.5, -0.3]),  # all_fail
+  (10, "9+9=", "hard", [1.0, 0.0], [0.8, -0.8]),  # mixed
+  (10, "9+9=", "hard", [1.0, 1.0], [0.2, 0.4]),  # the same prompt again: a group of its own
+  (20, "1+1=", "easy", [1.0, 1.0], [0.6, 0.6]),  # all_success
+  (20, "2+2=", "easy", [0.0, 0.0], [-0.1, -0.1]),  # all_fail
+  (20, "3+3=", "easy", [0.5, 0.5], [0.3, 0.3]),  # all_equal_other (the same partial credit)
+  (20, "4+4=", "easy", [0.5], [0.9]),  # cut short by logging.num_samples: left out
+]
+
+
+def write_run(run_dir, samples=SAMPLES):
+  """A run dir with a two-evaluation metrics.jsonl and, unless `samples` is None, samples.jsonl."""
+  run_dir.mkdir(parents=True, exist_ok=True)
+  lines = [
+    {"step": 0, "eval/accuracy": 0.5, "eval/accuracy/easy": 0.8, "eval/accuracy/hard": 0.2},
+    {"step": 20, "reward/mean": 0.4, "adv/zero_frac": 0.1, "entropy": 0.5},
+    {"step": 20, "eval/accuracy": 0.6, "eval/accuracy/easy": 0.9, "eval/accuracy/hard": 0.3},
+  ]
+  (run_dir / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+  if samples is None:
+    return
+  rows = [
+    {"step": step, "prompt": prompt, "completion": "x", "answer": "y", "reward": r, "advantage": a,
+     "cluster": cluster}
+    for step, prompt, cluster, rewards, advantages in samples
+    for r, a in zip(rewards, advantages, strict=True)
+  ]  # fmt: skip
+  (run_dir / "samples.jsonl").write_text("".join(json.dumps(x) + "\n" for x in rows))
+
+
+def cell(cluster, outcome, groups, count, adv_mean, abs_mean):
+  return {"cluster": cluster, "outcome": outcome, "groups": groups, "count": count,
+          "adv_mean": pytest.approx(adv_mean), "abs_mean": pytest.approx(abs_mean)}  # fmt: skip
+
+
+def test_group_outcomes():
+  outcome = advantage_mass.outcome
+  assert outcome([0.0, 0.0, 0.0]) == "all_fail" and outcome([-0.2, 0.0]) == "all_fail"
+  assert outcome([1.0, 1.0]) == "all_success" and outcome([0.0, 1.0]) == "mixed"
+  assert outcome([0.5, 0.5]) == "all_equal_other" and outcome([0.5, 1.0]) == "mixed"
+  assert outcome([0.0, 0.5]) == "mixed"
+
+
+def test_run_summary_has_the_advantages_by_cluster_and_outcome(tmp_path):
+  write_run(tmp_path)
+  result = ablate.summarize_run(tmp_path, ablate.Run("ebpo_running", 2, 0))
+  # The trainer's cluster order (easy, hard), then all_fail, mixed, all_equal_other, all_success.
+  # easy all_fail: -0.5, -0.3, -0.1, -0.1 -> mean -0.25, |A| 0.25 (2 groups, 4 completions).
+  # hard: the repeated prompt makes [1, 0] mixed and [1, 1] all_success; merged into one group of
+  # 4 they would be one mixed group of mean 0.15.
+  assert result[advantage_mass.KEY] == [
+    cell("easy", "all_fail", 2, 4, -0.25, 0.25),
+    cell("easy", "all_equal_other", 1, 2, 0.3, 0.3),
+    cell("easy", "all_success", 1, 2, 0.6, 0.6),
+    cell("hard", "mixed", 1, 2, 0.0, 0.8),
+    cell("hard", "all_success", 1, 2, 0.3, 0.3),
+  ]
+  json.dumps(result)  # result.json holds it as it is
+
+
+def test_runs_without_samples_have_no_advantage_mass(tmp_path):
+  write_run(tmp_path / "none", samples=None)
+  result = ablate.summarize_run(tmp_path / "none", ablate.Run("grpo", 2, 0))
+  assert result[advantage_mass.KEY] is None
+  report = ablate.build_report([result])
+  assert report["rows"][0][advantage_mass.KEY] is None
+  assert report["rows"][0]["advantage_mass_seeds"] == 0
+  assert "Where the advantages go" not in ablate.render_markdown(report, {})
+
+
+def test_advantage_mass_is_pooled_over_the_seeds_by_completion(tmp_path):
+  # Seed 0: easy all_fail, 4 completions of mean -0.25; seed 1: 2 completions of mean +0.5 (|A|
+  # 0.5); seed 2: an old result without the field. Pooled over the 6 completions: mean
+  # (4 * -0.25 + 2 * 0.5) / 6 = 0, |A| (4 * 0.25 + 2 * 0.5) / 6 = 0.333; the mean of the two seeds'
+  # means would be +0.125 and 0.375.
+  write_run(tmp_path / "s0")
+  write_run(tmp_path / "s1", samples=[(10, "5+5=", "easy", [0.0, 0.0], [0.5, 0.5])])
+  results = [
+    ablate.summarize_run(tmp_path / f"s{s}", ablate.Run("ebpo_running", 2, s)) for s in (0, 1)
+  ]
+  old = summary("ebpo_running", 2, gain=0.1, acc=0.5, g=2)
+  results.append(old)
+  report = ablate.build_report(results)
+  (row,) = report["rows"]
+  assert row["advantage_mass_seeds"] == 2
+  assert row[advantage_mass.KEY][0] == cell("easy", "all_fail", 3, 6, 0.0, 1 / 3)
+  assert row[advantage_mass.KEY][1] == cell("easy", "all_equal_other", 1, 2, 0.3, 0.3)
+  json.dumps(report)
+  markdown = ablate.render_markdown(report, {})
+  table = markdown.split("Where the advantages go")[1].split("## Summary")[0]
+  head = "| variant | G | seeds with samples | easy all_fail | easy all_equal_other | "
+  assert head + "easy all_success | hard mixed | hard all_success |" in table
+  row_line = "| ebpo_running | 2 | 2/3 | 0.33 (+0.00, n=6) | 0.30 (+0.30, n=2) | "
+  assert row_line + "0.60 (+0.60, n=2) | 0.80 (+0.00, n=2) | 0.30 (+0.30, n=2) |" in table
+
+
+def test_an_old_result_gets_its_advantage_mass_from_samples_when_read(tmp_path):
+  run_dir = tmp_path / "runs" / "grpo_G2_s0"
+  write_run(run_dir)
+  old = summary("grpo", 0, gain=0.1, acc=0.5, g=2)  # from before the field existed
+  (run_dir / ablate.RESULT_FILE).write_text(json.dumps(old))
+  (loaded,) = ablate.load_results(tmp_path)
+  assert loaded[advantage_mass.KEY][0] == cell("easy", "all_fail", 2, 4, -0.25, 0.25)
+  assert json.loads((run_dir / ablate.RESULT_FILE).read_text()) == old  # left as it was

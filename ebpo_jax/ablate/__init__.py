@@ -16,7 +16,9 @@ interrupted resumes from its latest checkpoint.
 Writes WORKDIR/ablation.md (per variant and group size over the seeds: final accuracy mean and
 spread, per cluster; the hardest cluster's gain with a 95% Student t interval; each variant minus
 GRPO paired by seed, of that gain and of the final accuracy, with 95% t intervals; the share of
-all-equal groups, zero-advantage share, grad norm, entropy; steps to a target gain), ablation.json
+all-equal groups, zero-advantage share, grad norm, entropy; steps to a target gain; where the
+advantages go: mean |advantage| and mean advantage of the logged completions (samples.jsonl) by
+cluster and group outcome, all-fail / mixed / all-success, pooled over the seeds), ablation.json
 (those rows and every run's summary) and plots in WORKDIR/plots/ (held-out accuracy; the training
 diagnostics: reward, groups without signal, EBPO's shrinkage and prior, gradient norm, entropy),
 then prints the report, its summary last.
@@ -45,6 +47,7 @@ import tqdm
 
 from ebpo_jax import files
 from ebpo_jax import metrics as metrics_lib
+from ebpo_jax.ablate import advantage_mass
 from ebpo_jax.ablate.diagnostics import (  # noqa: F401  (panel_curves: for notebooks)
   panel_curves,
   plot_diagnostics,
@@ -245,7 +248,7 @@ def _run_one(config, workdir, run: Run, base_args, env, warm_locks) -> dict:
   result_path = files.join(run_dir, RESULT_FILE)
   if _ran_with(run_dir, config, args):
     if files.exists(result_path):
-      return json.loads(files.read_text(result_path))
+      return read_result(run_dir, run.group_size)
   else:
     files.remove_tree(run_dir)
   start = time.perf_counter()
@@ -322,7 +325,8 @@ def run_ablation(
 def summarize_run(run_dir: str | os.PathLike, run: Run) -> dict:
   """A run's numbers from its metrics.jsonl: accuracy curves per cluster; means over the RL steps
   of the share of all-equal groups, of zero advantages, of the grad norm and of EBPO's shrinkage;
-  the entropy of the last tenth of the steps."""
+  the entropy of the last tenth of the steps. From its samples.jsonl: the advantages by cluster and
+  group outcome (`advantage_mass.summarize`; None when the run logged no samples)."""
   records = metrics_lib.read_metrics(run_dir)
   evals = [r for r in records if r.get("eval/accuracy") is not None]
   train = [r for r in records if "reward/mean" in r]
@@ -350,7 +354,19 @@ def summarize_run(run_dir: str | os.PathLike, run: Run) -> dict:
     "entropy_final": float(np.mean([r["entropy"] for r in train[-max(len(train) // 10, 1) :]])),
     "grad_norm": mean_of(metrics_lib.GRAD_NORM),
     "shrinkage": mean_of(metrics_lib.EBPO_SHRINKAGE_MEAN),
+    advantage_mass.KEY: advantage_mass.summarize(run_dir, run.group_size, clusters),
   }
+
+
+def read_result(run_dir: str | os.PathLike, group_size: int | None = None) -> dict:
+  """A finished run's summary (its result.json; `group_size` defaults to the one it names). One
+  written before the advantages by cluster and outcome were summarized gets them from the run's
+  samples.jsonl now (result.json is left as is)."""
+  result = json.loads(files.read_text(files.join(run_dir, RESULT_FILE)))
+  if advantage_mass.KEY not in result:
+    g = result["group_size"] if group_size is None else group_size
+    result[advantage_mass.KEY] = advantage_mass.summarize(run_dir, g, result.get("clusters", ()))
+  return result
 
 
 def load_results(workdir: str | os.PathLike) -> list[dict]:
@@ -358,5 +374,5 @@ def load_results(workdir: str | os.PathLike) -> list[dict]:
   runs = files.join(workdir, "runs")
   if not files.isdir(runs):
     return []
-  paths = [files.join(runs, name, RESULT_FILE) for name in files.listdir(runs)]
-  return [json.loads(files.read_text(path)) for path in paths if files.exists(path)]
+  run_dirs = [files.join(runs, name) for name in files.listdir(runs)]
+  return [read_result(d) for d in run_dirs if files.exists(files.join(d, RESULT_FILE))]

@@ -9,7 +9,7 @@ import numpy as np
 
 from ebpo_jax import files
 from ebpo_jax import metrics as metrics_lib
-from ebpo_jax.ablate import stats
+from ebpo_jax.ablate import advantage_mass, stats
 
 
 def _hardest_cluster(results: Sequence[dict]) -> str | None:
@@ -35,7 +35,9 @@ def build_report(results: Sequence[dict], *, target_gain: float = 0.10) -> dict:
   GRPO paired by seed (hard-cluster gain and final accuracy, 95% t intervals), the training
   diagnostics (all-equal groups, zero-advantage share, grad norm, final entropy, EBPO shrinkage),
   and how many steps the hardest cluster took to gain `target_gain` (median over the seeds that
-  did). A cell of one seed has no interval (None)."""
+  did), and the advantages of the logged completions by cluster and group outcome pooled over the
+  seeds (`advantage_mass`, with `advantage_mass_seeds` the seeds that logged them). A cell of one
+  seed has no interval (None)."""
   if not results:
     raise ValueError("no results to report")
   hard = _hardest_cluster(results)
@@ -75,6 +77,7 @@ def _row(variant: str, g: int, runs: Sequence[dict], hard: str | None, target_ga
     "entropy": _mean([r["entropy_final"] for r in runs]),
     "shrinkage": _mean([r["shrinkage"] for r in runs]),
   }
+  row[advantage_mass.KEY], row["advantage_mass_seeds"] = advantage_mass.pool(runs)
   if hard is not None:
     gains = [_gain(r, hard) for r in runs]
     _, low, high = stats.mean_ci(gains)
@@ -265,12 +268,44 @@ def render_markdown(report: dict, header: Mapping[str, Any]) -> str:
   for r in rows:
     cells = [r["variant"], str(r["G"]), *(_fmt(r["per_cluster"][c]) for c in clusters)]
     lines.append("| " + " | ".join(cells) + " |")
+  lines += _advantage_mass_table(rows)
   lines += ["", "## Summary", "", *(f"- {line}" for line in report["summary"])]
   if report.get("plots"):
     lines += ["", "## Plots", ""]
     names = [os.path.basename(p) for p in report["plots"]]
     lines += [f"![{os.path.splitext(name)[0]}](plots/{name})" for name in names]
   return "\n".join(lines) + "\n"
+
+
+def _advantage_mass_table(rows: Sequence[dict]) -> list[str]:
+  """The Markdown lines of the advantages by cluster and group outcome per (variant, G), pooled
+  over the seeds that logged samples: a column per (cluster, outcome) some row has, cells
+  'mean |A| (mean A, n=completions)'. No lines when no run logged samples."""
+  columns = []
+  for r in rows:
+    for cell in r.get(advantage_mass.KEY) or ():
+      if (cell["cluster"], cell["outcome"]) not in columns:
+        columns.append((cell["cluster"], cell["outcome"]))
+  if not columns:
+    return []
+  clusters = list(rows[0]["per_cluster"])  # the trainer's order
+  columns.sort(key=lambda column: advantage_mass.sort_key(column, clusters))
+  lines = [
+    "",
+    "Where the advantages go: mean |advantage| (mean advantage) by cluster and group outcome, from "
+    "the logged batches (samples.jsonl), pooled over the seeds; all_fail: every reward <= 0, "
+    "all_success: every reward full, all_equal_other: equal partial rewards; n: completions.",
+    "",
+    "| variant | G | seeds with samples | " + " | ".join(f"{c} {o}" for c, o in columns) + " |",
+    "|" + "---|" * (len(columns) + 3),
+  ]
+  for r in rows:
+    found = {(c["cluster"], c["outcome"]): c for c in r.get(advantage_mass.KEY) or ()}
+    cells = [f"{c['abs_mean']:.2f} ({c['adv_mean']:+.2f}, n={c['count']})" if c else "-"
+             for c in (found.get(col) for col in columns)]  # fmt: skip
+    seeds = f"{r.get('advantage_mass_seeds', 0)}/{r['seeds']}"
+    lines.append("| " + " | ".join([r["variant"], str(r["G"]), seeds, *cells]) + " |")
+  return lines
 
 
 # ----------------------------------------------------------------------------- plots
