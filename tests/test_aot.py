@@ -153,10 +153,10 @@ def test_scanned_layers_are_counted_once_per_layer():
   per_layer = (flops[4][0] - flops[2][0]) / 2
   assert (flops[8][0] - flops[4][0]) / 4 == pytest.approx(per_layer, rel=0.05)
   assert flops[8][1] - flops[2][1] < 0.1 * (flops[8][0] - flops[2][0])  # uncorrected: ~flat
-  # arith_ebpo: hidden 64, 2 + 2 heads of 32, MLP 192; 32 prompts x G 8 rows of 8 + 4 tokens
-  # (prompt bucket 8), over 4 chips.
+  # arith_ebpo: hidden 64, 2 + 2 heads of 32, MLP 192; 32 prompts of 8 tokens (prompt bucket 8),
+  # each run once for its G = 8 completions of 4 tokens (the shared-prefix step), over 4 chips.
   layer_params = 64 * 64 * 2 + 64 * 64 * 2 + 3 * 64 * 192
-  tokens = 32 * 8 * (8 + 4)
+  tokens = 32 * 8 + 32 * 8 * 4
   assert per_layer == pytest.approx(2 * layer_params * tokens * 4 / 4, rel=0.35)
 
 
