@@ -60,20 +60,23 @@ def cells(groups_: Sequence[Sequence[dict]], clusters: Sequence[str] = ()) -> li
     key = (group[0]["cluster"], outcome([r["reward"] for r in group]))
     advantages.setdefault(key, []).extend(r["advantage"] for r in group)
     group_counts[key] = group_counts.get(key, 0) + 1
-  out = []
-  for cluster, kind in sorted(advantages, key=lambda key: sort_key(key, clusters)):
-    adv = np.asarray(advantages[(cluster, kind)], dtype=np.float64)
-    out.append(
-      {
-        "cluster": cluster,
-        "outcome": kind,
-        "groups": group_counts[(cluster, kind)],
-        "count": int(adv.size),
-        "adv_mean": float(adv.mean()),
-        "abs_mean": float(np.abs(adv).mean()),
-      }
-    )
-  return out
+  return [
+    _cell(key, group_counts[key], np.asarray(advantages[key], dtype=np.float64))
+    for key in sorted(advantages, key=lambda key: sort_key(key, clusters))
+  ]
+
+
+def _cell(key: tuple[str, str], groups_: int, adv: np.ndarray) -> dict:
+  """One (cluster, outcome) cell from its groups' count and its completions' advantages."""
+  cluster, kind = key
+  return {
+    "cluster": cluster,
+    "outcome": kind,
+    "groups": groups_,
+    "count": int(adv.size),
+    "adv_mean": float(adv.mean()),
+    "abs_mean": float(np.abs(adv).mean()),
+  }
 
 
 def sort_key(key: tuple[str, str], clusters: Sequence[str]) -> tuple:
