@@ -105,7 +105,11 @@ def load_torch(path: str) -> torch.nn.Module:
 
 
 def _ours(model, params, prompts: np.ndarray, new_tokens: int):
+  """A call of our sampler over `prompts`. The weights are put in the sampler's per-layer layout
+  once (`sampling.decode_params`), as a caller sampling several times from the same weights does
+  and as transformers and tunix hold theirs; stacked params would add a copy per call."""
   ids, mask = jnp.asarray(prompts), jnp.ones(prompts.shape, bool)
+  params = sampling.decode_params(params)
 
   def run(seed: int) -> None:
     key = jax.random.key(seed)

@@ -10,9 +10,11 @@ training run compiles a handful of times, and `compile_count` lets a test check 
 never crosses the jit boundary: it is built by the prefill and then carried by the while loop, which
 XLA updates in place, so there is no cache buffer for a caller to donate.
 
-Prefill and decode both run `Decoder(scan_layers=False)` on params unstacked once per call, outside
-the loop, with the decoder's one (per-layer) cache layout: XLA CPU copies every stacked weight slice
-on every scanned step, which cost ~40% of a decode step at the tiny config.
+Prefill and decode both run `Decoder(scan_layers=False)` on per-layer params, outside the loop,
+with the decoder's one (per-layer) cache layout: XLA CPU copies every stacked weight slice on every
+scanned step, which cost ~40% of a decode step at the tiny config. Stacked params are unstacked once
+per call (a copy of every layer weight, 7% of a SmolLM2 call on CPU); a caller that samples several
+times from the same weights converts them once with `decode_params` and passes those instead.
 
 Sampling runs on CPU as well as on accelerators, which shaped two choices: a token is drawn by
 inverse-CDF from one uniform per row (a Gumbel draw needs V random numbers per row, ~5x slower on
@@ -302,7 +304,9 @@ def _generate(
   draw = functools.partial(_draw, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
   # Unstacked once, outside the loop: prefill and decode read each layer's weights in place.
   per_layer = model.clone(scan_layers=False)
-  apply = functools.partial(per_layer.apply, {"params": unstack_layers(params)})
+  if not is_decode_params(params):
+    params = unstack_layers(params)
+  apply = functools.partial(per_layer.apply, {"params": params})
   cache, first_logits_rv = _prefill(apply, model.config, prompt_ids_bp, prompt_mask_bp, width)
   cache = loop.constrain_cache(_repeat_rows(cache, group_size), mesh)
   first_logits_rv = sharding.constrain_rows(jnp.repeat(first_logits_rv, group_size, axis=0), mesh)
@@ -358,7 +362,9 @@ def generate(
 
   Args:
     model: the scanned linen decoder (`model.apply({"params": p}, ids, positions, mask, cache=c)`).
-    params: its parameters (placed by the caller; sharded as the model's rules say).
+    params: its parameters (placed by the caller; sharded as the model's rules say), stacked, or
+      converted by `decode_params` (to sample several times from the same weights without
+      copying them out of the stack in every call).
     prompt_ids_bp, prompt_mask_bp: `[B, P]` left-padded prompts and their mask (`pad_prompts`).
     rng: a PRNG key; row r draws token t with `fold_in(fold_in(rng, t), r)`
       (`sampling_loop.row_uniforms`), so outputs are a function of the key, compacting or not.
@@ -401,6 +407,22 @@ def generate(
   )
   temperature, top_p = _device_scalar(temperature, mesh), _device_scalar(top_p, mesh)
   return _generate(params, prompt_ids_bp, prompt_mask_bp, rng, temperature, top_p, **static)
+
+
+def decode_params(params):
+  """The scanned model's params in the layout the sampler decodes with (`layers_0 ...
+  layers_{L-1}`, as `models.decoder.unstack_layers`), each array keeping its sharding; params
+  already in it are returned as they are. `generate` takes either; passing these skips the copy
+  of every layer weight it otherwise makes per call."""
+  return params if is_decode_params(params) else _unstack_layers(params)
+
+
+_unstack_layers = jax.jit(unstack_layers)
+
+
+def is_decode_params(params) -> bool:
+  """Whether `params` are in `decode_params`' per-layer layout (else stacked)."""
+  return "layers" not in params and "layers_0" in params
 
 
 def trace_generate(

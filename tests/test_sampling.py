@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import NamedSharding, PartitionSpec
 from scipy import stats
 
 from ebpo_jax import sampling, sampling_loop, sharding
@@ -418,3 +419,44 @@ def test_non_finite_logits_are_flagged_and_never_give_an_out_of_vocabulary_token
   assert (np.asarray(out.tokens) < TINY.vocab_size).all()
   clean, _, _ = _sample(model, policy[1], jax.random.key(2))
   assert not np.asarray(clean.nonfinite).any()
+
+
+def test_decode_params_sample_the_same_and_skip_the_per_call_weight_copy(policy):
+  """Params converted once by `decode_params` give the same samples as the stacked params, and
+  the call's program no longer slices the weights out of the stack (the copy per call)."""
+  model, params = policy
+  ids, mask = sampling.pad_prompts(PROMPTS, PAD, BUCKETS)
+  common = dict(group_size=2, max_new_tokens=6, temperature=0.8, stop_ids=(1,), pad_id=PAD)
+  decoded = sampling.decode_params(params)
+  assert sampling.is_decode_params(decoded) and not sampling.is_decode_params(params)
+  assert sampling.decode_params(decoded) is decoded
+  stacked_out = sampling.generate(model, params, ids, mask, jax.random.key(3), **common)
+  decoded_out = sampling.generate(model, decoded, ids, mask, jax.random.key(3), **common)
+  for a, b in zip(stacked_out, decoded_out, strict=True):
+    np.testing.assert_array_equal(a, b)
+
+  def weight_slices(p) -> int:  # slices of the [2, 32, 4, 8] q_proj stack into [1, 32, 4, 8]
+    static = dict(model=model, max_new_tokens=6, greedy=False, stop_ids=(1,), group_size=2)
+    hlo = sampling._generate.lower(
+      p, ids, mask, jax.random.key(0), jnp.float32(1), jnp.float32(1), top_k=0, pad_id=PAD,
+      mesh=None, compact=True, **static,
+    ).as_text()  # fmt: skip
+    return hlo.count("tensor<2x32x4x8xf32>) -> tensor<1x32x4x8xf32>")
+
+  assert weight_slices(params) >= TINY.num_layers  # the positive control: the copy is there
+  assert weight_slices(decoded) == 0
+
+
+def test_decode_params_keep_each_weights_sharding(policy):
+  model, params = policy
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
+  abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+  placed = jax.device_put(params, sharding.logical_shardings(abstract["params"], mesh))
+  decoded = sampling.decode_params(placed)
+  stacked_q = placed["layers"]["self_attn"]["q_proj"]["kernel"]
+  assert stacked_q.sharding.spec[1] is not None  # split over the mesh: the check below can fail
+  for i in range(TINY.num_layers):
+    q = decoded[f"layers_{i}"]["self_attn"]["q_proj"]["kernel"]
+    expected = NamedSharding(mesh, PartitionSpec(*stacked_q.sharding.spec[1:]))
+    assert q.sharding.is_equivalent_to(expected, q.ndim), (q.sharding, expected)
+  assert decoded["embed_tokens"].sharding == placed["embed_tokens"].sharding

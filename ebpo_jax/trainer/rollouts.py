@@ -168,13 +168,17 @@ class Sampler:
   ) -> Rollout:
     """`group_size` scored completions of each row, `sampling.prompts_per_call` rows per sampler
     call (0: all at once). A short last call is padded with copies of its last prompt, so every
-    call has one shape (one compile); the copies' completions are dropped. `training`: scored
-    with the reward functions (when configured), else with the task's verifier."""
+    call has one shape (one compile); the copies' completions are dropped. Over several calls
+    the weights are put in the sampler's layout once (`sampling.decode_params`), not per call.
+    `training`: scored with the reward functions (when configured), else with the task's verifier.
+    """
     rows = list(rows)
     prompt_ids, prompt_mask = self.prompts(rows)
     chunk = self.config.sampling.prompts_per_call or len(rows)
     starts = range(0, len(rows), chunk)
     call_keys = (key,) if len(starts) == 1 else _split_keys(key, len(starts))
+    if len(starts) > 1:
+      params = sampling.decode_params(params)
     parts = []
     for start, call_key in zip(starts, call_keys, strict=True):
       ids, mask = prompt_ids[start : start + chunk], prompt_mask[start : start + chunk]
@@ -477,6 +481,8 @@ def sample_and_score_batches(
   starts = range(0, len(rows), chunk)
   key = jax.random.PRNGKey(sampler.config.seed)
   keys = (key,) if len(starts) == 1 else _split_keys(key, len(starts))
+  if len(starts) > 1:
+    params = sampling.decode_params(params)  # once, not in every call
   for start, call_key in list(zip(starts, keys, strict=True))[skip:]:
     part = rows[start : start + chunk]
     rollout = sampler.rollout(params, part, call_key, group_size=num_samples, greedy=greedy)
