@@ -139,13 +139,14 @@ def step_flops(weights: int, shape: dict, args, shared_prefix: bool) -> float:
 
 def time_steps(shape_name: str, args) -> dict[str, float]:
   """Median seconds per step of each estimator and of the reference matmul, timed in turn each
-  round so load drift hits all three alike."""
+  round so load drift hits all three alike (the two estimators in alternating order, so neither
+  always runs second), and the EBPO/GRPO ratios of the rounds (paired: one load each)."""
   runs = {adv: list(compiled_step(shape_name, adv, args)) for adv in ("grpo", "ebpo")}
   matmul = matmul_timer(512 if args.quick else 2048)
   times = {adv: [] for adv in runs} | {"matmul": []}
   for repeat in range(args.repeats + 1):  # the first round warms up
     matmul_rate = matmul()
-    for adv, run in runs.items():
+    for adv, run in sorted(runs.items(), reverse=bool(repeat % 2)):
       fn, state, batch = run[:3]
       start = time.perf_counter()
       state, metrics = fn(state, batch)
@@ -161,7 +162,9 @@ def time_steps(shape_name: str, args) -> dict[str, float]:
   num_params, shared = runs["grpo"][3:]
   print(f"{shape_name}: the step runs {'each prompt once per group' if shared else 'full rows'}")
   flops = step_flops(num_params, SHAPES[shape_name], args, shared)
-  return {key: float(np.median(t)) for key, t in times.items()} | {"flops": flops}
+  ratios = np.array(times["ebpo"]) / np.array(times["grpo"])
+  medians = {key: float(np.median(t)) for key, t in times.items()}
+  return medians | {"flops": flops, "ebpo_over_grpo": ratios}
 
 
 def matmul_timer(n: int, calls: int = 3):
@@ -218,8 +221,12 @@ def main() -> None:
       seconds, flops = timed[advantage], timed["flops"]
       print(f"{shape_name:6} {advantage:10} {seconds * 1e3:9.1f} {flops / 1e9:8.2f} "
             f"{flops / seconds / 1e9:9.2f} {flops / seconds / matmul:9.1%}")  # fmt: skip
+    ratios = timed["ebpo_over_grpo"]
+    print(f"{shape_name}: EBPO/GRPO step time, per round: median {np.median(ratios):.3f}, "
+          f"range {ratios.min():.3f}-{ratios.max():.3f} over {len(ratios)} rounds")  # fmt: skip
     summary[shape_name] = {
-      "ebpo_over_grpo": timed["ebpo"] / timed["grpo"],
+      "ebpo_over_grpo": float(np.median(ratios)),
+      "ebpo_over_grpo_range": [float(ratios.min()), float(ratios.max())],
       "flops_share_of_matmul": timed["flops"] / timed["grpo"] / matmul,
     }
   print(json.dumps(summary))
