@@ -1,11 +1,12 @@
 """Compacting decode vs the plain loop on long-tailed response lengths (useful tokens per second).
 
   python bench/compact.py            # tiny shape, 16 prompts x G=4, log-normal lengths (~8 minutes)
-  python bench/compact.py --quick    # CI smoke run: short lengths, one repeat
+  python bench/compact.py --quick    # CI smoke run: one layer, short lengths, one repeat
 
 The model is the tiny shape of bench/sampler.py (4 layers, d=256, 4/2 heads, 259 tokens), random,
 with its stop token's probability set through the model itself (`HazardDecoder`, bench-only): at
-completion token n the stop token gets probability h(n), the hazard of a discretised log-normal
+completion token n the stop token gets probability h(n) (a table passed in the params, so both
+cases below run the same two compiled programs), the hazard of a discretised log-normal
 length (median `--median`, sigma `--sigma`), the other tokens share the rest as the random model
 says. So the sampler draws the lengths: long-tailed, capped at `--cap` tokens (rows that reach it
 are truncated). A second, short-tailed case gives every row the same length (`--median`): there
@@ -19,6 +20,7 @@ of completion lengths / wall time. Prints the length distribution, a table, then
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -46,21 +48,22 @@ TINY = ModelConfig(
   max_position_embeddings=4096,
 )
 STOP_ID = 2  # ByteTokenizer's end-of-sequence id (any id works: its logit is set by the hazard)
+STOP_TABLE = "stop_logodds"  # the hazard table's entry in the params: data, not a constant
 
 
 class HazardDecoder(Decoder):
   """The decoder, with its stop token's probability at completion token n set to a given hazard:
-  stop logit = logsumexp(other logits) + log(h / (1 - h)). Prompts are `prompt_len` tokens, no
-  padding, so the logits at position p predict completion token p - prompt_len + 1."""
+  stop logit = logsumexp(other logits) + log(h / (1 - h)), the log-odds for n = 0 .. cap - 1 read
+  from `params[STOP_TABLE]`. Prompts are `prompt_len` tokens, no padding, so the logits at
+  position p predict completion token p - prompt_len + 1."""
 
-  stop_logodds: tuple[float, ...] = ()  # log(h(n) / (1 - h(n))) for n = 0 .. cap - 1
   prompt_len: int = 1
 
   def __call__(self, input_ids, positions=None, attention_mask=None, cache=None):
     out = super().__call__(input_ids, positions, attention_mask, cache)
     logits_btv, new_cache = out if cache is not None else (out, None)
-    table = jnp.asarray(self.stop_logodds, jnp.float32)
-    n_bt = jnp.clip(positions - self.prompt_len + 1, 0, len(self.stop_logodds) - 1)
+    table = self.variables["params"][STOP_TABLE]
+    n_bt = jnp.clip(positions - self.prompt_len + 1, 0, table.shape[0] - 1)
     others = logits_btv.at[..., STOP_ID].set(-jnp.inf)
     stop = jax.nn.logsumexp(others, axis=-1) + table[n_bt]
     logits_btv = logits_btv.at[..., STOP_ID].set(stop)
@@ -85,13 +88,17 @@ def _logodds(h: float) -> float:
 
 
 def build(logodds, args):
-  model = HazardDecoder(TINY, stop_logodds=logodds, prompt_len=args.prompt_len)
-  params = jax.jit(Decoder(TINY).init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
-  return model, nn.meta.unbox(params)
+  """The hazard model (the same module for every table: one compile per mode) and its params."""
+  model = HazardDecoder(args.model, prompt_len=args.prompt_len)
+  init = jax.jit(Decoder(args.model).init)
+  params = nn.meta.unbox(init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+  return model, {**params, STOP_TABLE: jnp.asarray(logodds, jnp.float32)}
 
 
 def sampler(model, params, args, compact: bool):
-  prompts = np.random.default_rng(0).integers(3, TINY.vocab_size, (args.prompts, args.prompt_len))
+  prompts = np.random.default_rng(0).integers(
+    3, args.model.vocab_size, (args.prompts, args.prompt_len)
+  )
   ids, mask = jnp.asarray(prompts, jnp.int32), jnp.ones(prompts.shape, bool)
 
   def run(seed: int):
@@ -111,7 +118,8 @@ def _timed(fn):
 
 
 def bench_case(name: str, logodds, args, reps: int) -> dict:
-  """Compiles both modes (one program each), then times them back to back, `reps` keys."""
+  """Runs both modes once (the first case compiles one program each; later cases, the same
+  shapes with another table, reuse them), then times them back to back, `reps` keys."""
   model, params = build(logodds, args)
   runs = {
     "plain": sampler(model, params, args, False),
@@ -163,15 +171,18 @@ def main() -> None:
   parser.add_argument("--reps", type=int, default=3)
   parser.add_argument("--same_reps", type=int, default=9, help="repeats of the same-length case")
   args = parser.parse_args()
-  if args.quick:  # 16 rows: two stages (16, 8)
+  args.model = TINY
+  if args.quick:  # 16 rows: two stages (16, 8); one layer (the sampler unrolls the layers)
     args.prompts, args.median, args.cap, args.reps, args.same_reps = 4, 4.0, 32, 1, 1
+    args.model = dataclasses.replace(TINY, num_layers=1)
   cases = [
     bench_case("long_tail", lognormal_logodds(args.median, args.sigma, args.cap), args, args.reps),
     bench_case("same_length", fixed_logodds(int(args.median), args.cap), args, args.same_reps),
   ]
   rows = args.prompts * args.group_size
   print(
-    f"\ncompacting decode: tiny shape, {args.prompts} prompts x G={args.group_size} = {rows} rows,"
+    f"\ncompacting decode: tiny shape, {args.model.num_layers} layers, {args.prompts} prompts"
+    f" x G={args.group_size} = {rows} rows,"
     f" prompt {args.prompt_len}, cap {args.cap}; median of {args.reps} (same length:"
     f" {args.same_reps}) back-to-back repeats;"
     f" {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"

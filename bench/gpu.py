@@ -75,8 +75,8 @@ MODELS = {
     num_kv_heads=8, head_dim=128, rope_theta=1e6, tie_word_embeddings=True,
     architecture="qwen3", **BF16,
   ),
-  "tiny": ModelConfig(
-    vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+  "tiny": ModelConfig(  # --dry-run only; one layer: the sampler's per-layer code compiles once
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
     num_kv_heads=2, head_dim=16, **BF16,
   ),
 }  # fmt: skip
@@ -177,7 +177,7 @@ def bench_train_step(args, device: jax.Device) -> str:
   import train_step as train_bench  # bench/train_step.py, beside this file
 
   peak = next((rate for name, rate in BF16_PEAK_FLOPS if name in device.device_kind), None)
-  shape = "tiny" if args.dry_run else "0.6b"
+  shape = "smoke" if args.dry_run else "0.6b"
   step_args = argparse.Namespace(
     rows=args.train_rows, group_size=8 if args.train_rows % 8 == 0 else 2,
     prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.reps,

@@ -1,7 +1,7 @@
 """LoRA vs full fine-tuning on the SmolLM2-135M shape: train-step time, optimizer state, checkpoint.
 
     python bench/lora.py                # 135m shape, 2 prompts x G=2, 32 + 32 tokens (minutes)
-    python bench/lora.py --quick        # CI smoke run: tiny shape, one timed round (seconds)
+    python bench/lora.py --quick        # CI smoke run: smoke shape, one timed round (seconds)
 
 The step is the trainer's own jitted `train_step` (bench/train_step.py builds it the same way),
 EBPO, float32, `rl.loss.kl_coef = 0` (no reference forward), one update per step, on a random-init
@@ -221,11 +221,11 @@ def main() -> None:
   parser.add_argument("--sample_batch", type=int, default=16, help="prompts per sampler call")
   parser.add_argument("--sample_reps", type=int, default=3, help="0: no sampling comparison")
   parser.add_argument("--sample_new_tokens", type=int, default=0, help="0: --new_tokens")
-  parser.add_argument("--quick", action="store_true", help="CI smoke run (tiny shape)")
+  parser.add_argument("--quick", action="store_true", help="CI smoke run (smoke shape)")
   args = parser.parse_args()
   args.dtype = "float32"
   if args.quick:
-    args.shape, args.prompt_len, args.new_tokens, args.repeats = "tiny", 8, 8, 1
+    args.shape, args.prompt_len, args.new_tokens, args.repeats = "smoke", 8, 8, 1
     args.sample_batch, args.sample_reps = 4, 1
   args.sample_new_tokens = args.sample_new_tokens or args.new_tokens
   ranks = [int(r) for r in args.ranks.split(",")]

@@ -1,7 +1,7 @@
 """Train-step cost: EBPO vs GRPO in the same jitted step, and achieved FLOP/s vs a plain matmul.
 
     python bench/train_step.py [--shapes tiny,135m] [--rows 8] [--prompt_len 32] [--new_tokens 32]
-    python bench/train_step.py --quick        # CI smoke run: tiny shape, one timed step
+    python bench/train_step.py --quick        # CI smoke run: smoke shape, one timed step
 
 The step is the trainer's own `train_step` (advantages, sequence assembly, PPO-clip update with
 AdamW), compiled once per estimator. The 135m shape is SmolLM2-135M's (30 layers, d=576, 9/3 heads,
@@ -35,6 +35,17 @@ SHAPES = {
     hidden_size=128,
     intermediate_size=384,
     num_layers=3,
+    num_heads=4,
+    num_kv_heads=4,
+    head_dim=32,
+    vocab_size=18,
+  ),  # fmt: skip
+  # CI smoke runs (--quick): tiny's widths, one layer. The trainer unrolls the layer loop
+  # (model.unroll_layers), so each layer is its own code to compile.
+  "smoke": dict(
+    hidden_size=128,
+    intermediate_size=384,
+    num_layers=1,
     num_heads=4,
     num_kv_heads=4,
     head_dim=32,
@@ -208,7 +219,7 @@ def main() -> None:
   if args.profile:
     op_profile.enable_op_events()
   if args.quick:
-    args.shapes, args.rows, args.prompt_len, args.new_tokens, args.repeats = "tiny", 8, 8, 8, 1
+    args.shapes, args.rows, args.prompt_len, args.new_tokens, args.repeats = "smoke", 8, 8, 8, 1
 
   print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}")
   summary = {}

@@ -19,7 +19,7 @@ SMOKE_RUNS = {
   "compact": ["--quick"],  # compacting vs plain decode, long-tailed lengths
   "train_step": ["--quick"],
   "gpu": ["--dry-run"],
-  "lora": ["--quick", "--ranks=8"],  # full vs LoRA rank 8 on the tiny shape
+  "lora": ["--quick", "--ranks=8"],  # full vs LoRA rank 8 on the one-layer smoke shape
   "memory": ["--quick"],  # the TPU compiler on a runlocal config for v5p:2x2x1
 }
 

@@ -3,31 +3,20 @@ agree with trained adapters; adapters are float32 with logical axes on their big
 
 import dataclasses
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_decoder import BASE, init_params
 
-from ebpo_jax.models import Decoder, ModelConfig, init_cache, lora
+from ebpo_jax.models import Decoder, init_cache, lora
 from ebpo_jax.models.decoder import unstack_layers
 
-BASE = ModelConfig(
-  vocab_size=64,
-  hidden_size=32,
-  intermediate_size=48,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=8,
-  rope_theta=500.0,
-)
 LORA = dataclasses.replace(BASE, lora_rank=4, lora_alpha=8.0)
 
 
 def _params(config, seed=0):
-  ids = jnp.zeros((1, 4), jnp.int32)
-  return nn.meta.unbox(jax.jit(Decoder(config).init)(jax.random.key(seed), ids)["params"])
+  return init_params(config, seed)
 
 
 def _inputs():
@@ -43,7 +32,8 @@ def test_fresh_adapters_and_adapters_off_equal_the_base_on_both_paths(targets, t
   params = _params(config)
   adapters, base = lora.split(params)
   assert jax.tree.structure(lora.combine(adapters, base)) == jax.tree.structure(params)
-  assert not lora.split(base)[0] and jax.tree.structure(base) == jax.tree.structure(_params(BASE))
+  base_structure = jax.tree.structure(jax.eval_shape(lambda: _params(BASE)))  # traced, not compiled
+  assert not lora.split(base)[0] and jax.tree.structure(base) == base_structure
   adapted = sum(1 for p, _ in jax.tree_util.tree_flatten_with_path(params)[0] if lora.is_adapter(p))
   assert adapted == 2 * len(targets)
   ids, positions, mask = _inputs()
@@ -51,7 +41,7 @@ def test_fresh_adapters_and_adapters_off_equal_the_base_on_both_paths(targets, t
   # Both decoder paths with every target; a subset of targets is the same code: scanned only.
   for scan in (True, False) if targets == lora.TARGETS else (True,):
     model = Decoder(config, scan_layers=scan)
-    p = params if scan else unstack_layers(params)
+    p = params if scan else jax.jit(unstack_layers)(params)  # one program, not one per leaf
     apply, base_apply = jax.jit(model.apply), jax.jit(lora.base_model(model).apply)
     np.testing.assert_array_equal(apply({"params": p}, ids, positions, mask), want)
     trained = trained_lora(p)
@@ -59,7 +49,8 @@ def test_fresh_adapters_and_adapters_off_equal_the_base_on_both_paths(targets, t
     assert np.abs(np.asarray(changed - want)).max() > 1e-3  # the adapters do act
     off = base_apply({"params": lora.split(trained)[1]}, ids, positions, mask)
     np.testing.assert_array_equal(off, want)
-    merged = base_apply({"params": lora.merge(trained, config)}, ids, positions, mask)
+    merged_params = jax.jit(lora.merge, static_argnums=1)(trained, config)
+    merged = base_apply({"params": merged_params}, ids, positions, mask)
     np.testing.assert_allclose(merged, changed, rtol=1e-5, atol=1e-5)
 
 
@@ -69,7 +60,7 @@ def test_trained_adapters_scanned_equals_cached_prefill_and_decode(trained_lora)
   ids, positions, mask = _inputs()
   full = jax.jit(Decoder(config).apply)({"params": params}, ids, positions, mask)
   apply = jax.jit(Decoder(config, scan_layers=False).apply)
-  layer_params = unstack_layers(params)
+  layer_params = jax.jit(unstack_layers)(params)
   cache = init_cache(config, batch_size=2, max_len=10)
   p = slice(0, 5)
   logits, cache = apply({"params": layer_params}, ids[:, p], positions[:, p], mask[:, p], cache)

@@ -1,6 +1,7 @@
 """Decoder numerics: KV-cache decode equals a full forward; padding, remat, dtypes, config I/O."""
 
 import dataclasses
+import functools
 
 import flax.linen as nn
 import jax
@@ -24,6 +25,7 @@ TINY = ModelConfig(
 )
 
 
+@functools.cache  # one init program per config and seed in a process; tests only read params
 def _init(config: ModelConfig, seed: int = 0):
   model = Decoder(config)
   ids = jnp.zeros((1, 4), jnp.int32)
@@ -132,6 +134,20 @@ def test_left_padding_does_not_change_real_token_logits():
   assert np.isfinite(np.asarray(padded)).all()
 
 
+def _layer_loop_loss(config: ModelConfig):
+  """(loss of `config`'s decoder on TINY's params and fixed ids, those params)."""
+  model, params = _init(TINY)
+  ids = jnp.asarray(np.random.default_rng(2).integers(0, TINY.vocab_size, (2, 7)), jnp.int32)
+  module = model.clone(config=config)
+  return lambda p: jnp.mean(jax.nn.log_softmax(module.apply({"params": p}, ids))[..., 0]), params
+
+
+@functools.cache  # the baseline the three layer-loop variants share (one compile per process)
+def _layer_loop_value_and_grad(config: ModelConfig):
+  loss, params = _layer_loop_loss(config)
+  return jax.jit(jax.value_and_grad(loss))(params)
+
+
 @pytest.mark.parametrize(
   "change, in_hlo",
   [
@@ -142,17 +158,11 @@ def test_left_padding_does_not_change_real_token_logits():
   ids=["remat_full", "remat_dots", "unrolled"],
 )
 def test_layer_loop_variants_keep_loss_and_grads(change, in_hlo):
-  model, params = _init(TINY)
-  ids = jnp.asarray(np.random.default_rng(2).integers(0, TINY.vocab_size, (2, 7)), jnp.int32)
-
-  def value_and_grad(config):
-    module = model.clone(config=config)
-    loss = lambda p: jnp.mean(jax.nn.log_softmax(module.apply({"params": p}, ids))[..., 0])
-    fn = jax.jit(jax.value_and_grad(loss))
-    return fn(params), str(jax.make_jaxpr(loss)(params)), fn.lower(params).as_text()
-
-  (value, grads), _, _ = value_and_grad(TINY)
-  (new_value, new_grads), jaxpr, hlo = value_and_grad(dataclasses.replace(TINY, **change))
+  value, grads = _layer_loop_value_and_grad(TINY)  # the plain rolled loop: computed once
+  loss, params = _layer_loop_loss(dataclasses.replace(TINY, **change))
+  fn = jax.jit(jax.value_and_grad(loss))
+  new_value, new_grads = fn(params)
+  jaxpr, hlo = str(jax.make_jaxpr(loss)(params)), fn.lower(params).as_text()
   assert ("remat" in jaxpr) == ("remat" in change) and in_hlo(hlo)
   np.testing.assert_allclose(new_value, value, rtol=1e-6)
   check = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

@@ -34,7 +34,7 @@ def policy():
   params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
   params = nn.meta.unbox(params)
   # A larger scale than the init's 0.02 gives peaked next-token distributions (few near-ties).
-  return model, jax.tree.map(lambda x: 6.0 * x, params)
+  return model, jax.jit(lambda p: jax.tree.map(lambda x: 6.0 * x, p))(params)  # one compile
 
 
 def _full_forward_logits(model, params, ids_bt, mask_bt):

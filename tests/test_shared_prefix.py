@@ -4,11 +4,11 @@ through it equals the update through the full layout."""
 
 import dataclasses
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny_decoder import BASE, init_params
 
 from ebpo_jax import losses, sampling, sharding
 from ebpo_jax.models import Decoder, ModelConfig, PrefixGroups
@@ -16,16 +16,6 @@ from ebpo_jax.models.decoder import unstack_layers
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer import step as step_lib
 
-BASE = ModelConfig(
-  vocab_size=64,
-  hidden_size=32,
-  intermediate_size=48,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=2,  # GQA: 2 query heads per key head
-  head_dim=8,
-  rope_theta=500.0,
-)
 B, G, P, N = 3, 2, 6, 5
 VARIANTS = {
   "scanned_rolled": BASE,
@@ -42,12 +32,7 @@ VARIANTS = {
 def _params(config: ModelConfig):
   """Random params with every leaf perturbed: norm scales, biases and LoRA B (zero or one at
   init) then act, so a stream that skipped one would show."""
-  ids = jnp.zeros((1, 4), jnp.int32)
-  params = nn.meta.unbox(jax.jit(Decoder(config).init)(jax.random.key(0), ids)["params"])
-  leaves, treedef = jax.tree.flatten(params)
-  keys = jax.random.split(jax.random.key(1), len(leaves))
-  noisy = [x + 0.1 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
-  return jax.tree.unflatten(treedef, noisy)
+  return init_params(config, seed=0, noise=0.1)
 
 
 def _batch(seed: int = 0) -> dict:
@@ -123,16 +108,16 @@ def test_shared_prefix_on_the_per_layer_decoder_and_with_lora_dropout():
   params = _params(config)
   full, packed = _layouts(_batch(seed=1))
   valid = np.asarray(full["loss_mask"])
+  logits = jax.jit(step_lib.completion_logits, static_argnums=0)  # the decoder is static
   # The per-layer decoder (scan_layers=False), as the scanned one.
   per_layer = Decoder(config, scan_layers=False)
-  want = step_lib.completion_logits(Decoder(config), params, full)
-  got = step_lib.completion_logits(per_layer, unstack_layers(params), packed)
+  want = logits(Decoder(config), params, full)
+  got = logits(per_layer, jax.jit(unstack_layers)(params), packed)
   np.testing.assert_allclose(got[valid], want[valid], rtol=1e-5, atol=1e-5)
   # Dropout: each prompt token is dropped once for its G completions (not G times), so the
   # logits are not the full layout's; they are finite, change with the key, and differ from the
   # forward without dropout.
-  dropped = [step_lib.completion_logits(Decoder(config), params, packed, jax.random.key(s))
-             for s in (0, 1)]  # fmt: skip
+  dropped = [logits(Decoder(config), params, packed, jax.random.key(s)) for s in (0, 1)]
   assert np.isfinite(np.asarray(dropped[0])).all()
   assert np.abs(np.asarray(dropped[0] - dropped[1]))[valid].max() > 1e-3
   assert np.abs(np.asarray(dropped[0] - want))[valid].max() > 1e-3
@@ -141,7 +126,7 @@ def test_shared_prefix_on_the_per_layer_decoder_and_with_lora_dropout():
 def test_a_kv_cache_is_refused_with_the_packed_layout():
   from ebpo_jax.models import init_cache
 
-  model, params = Decoder(BASE, scan_layers=False), unstack_layers(_params(BASE))
+  model, params = Decoder(BASE, scan_layers=False), jax.jit(unstack_layers)(_params(BASE))
   ids = jnp.ones((2, P + G * N), jnp.int32)
   with pytest.raises(ValueError, match="no KV cache"):
     model.apply(

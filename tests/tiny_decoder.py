@@ -1,0 +1,39 @@
+"""The tiny decoder that tests/test_lora.py and tests/test_shared_prefix.py share, and its params
+built in one compiled program (imported by those tests, not collected: no test_ prefix)."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ebpo_jax.models import Decoder, ModelConfig
+
+BASE = ModelConfig(
+  vocab_size=64,
+  hidden_size=32,
+  intermediate_size=48,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=2,  # GQA: 2 query heads per key head
+  head_dim=8,
+  rope_theta=500.0,
+)
+
+
+def init_params(config: ModelConfig, seed: int = 0, noise: float = 0.0):
+  """`Decoder(config)`'s params from `key(seed)`, plus, with `noise`, `noise` x N(0, 1) on every
+  leaf (norm scales, biases and a fresh LoRA B are then not their init's ones or zeros).
+
+  Init and noise run as one jitted program: drawn eagerly, each leaf's distinct shape would
+  compile its own random-normal program (about a second each on 2 busy cores)."""
+
+  def build():
+    ids = jnp.zeros((1, 4), jnp.int32)
+    params = nn.meta.unbox(Decoder(config).init(jax.random.key(seed), ids)["params"])
+    if not noise:
+      return params
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed + 1), len(leaves))
+    noisy = [x + noise * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys, strict=True)]
+    return jax.tree.unflatten(treedef, noisy)
+
+  return jax.jit(build)()
