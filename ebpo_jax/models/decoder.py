@@ -211,43 +211,11 @@ def _attend(q_bthd, k_btkd, v_btkd, valid) -> jax.Array:
     return _attention(q_bthd, heads_first(k_btkd), heads_first(v_btkd), valid)
   split = lambda x: shared_prefix.split(x, valid.groups)  # noqa: E731
   (q_p, q_c), (k_p, k_c), (v_p, v_c) = split(q_bthd), split(k_btkd), split(v_btkd)
-  k_p, v_p = heads_first(k_p), heads_first(v_p)
+  k_p, k_c, v_p, v_c = map(heads_first, (k_p, k_c, v_p, v_c))
   out_p = _attention(q_p, k_p, v_p, valid.prompt)
-  out_c = _completions_attention(q_c, k_p, v_p, k_c, v_c, valid.completions)
+  prefixed = shared_prefix.prefixed
+  out_c = _attention(q_c, prefixed(k_p, k_c), prefixed(v_p, v_c), valid.completions)
   return shared_prefix.merge(out_p, out_c)
-
-
-def _completions_attention(q_rnhd, k_bksd, v_bksd, k_rnkd, v_rnkd, valid_rns) -> jax.Array:
-  """Each completion's attention over its prompt's keys `[B, Hkv, P, D]`, then its own
-  `[B*G, N, Hkv, D]`, with one softmax over both (`valid_rns` [B*G, N, P + N]).
-
-  The G completions of a prompt read the same prompt keys: their queries form one `G * N`-long
-  block against them, so the prompt's keys and values are neither copied per completion nor their
-  gradients summed over copies (the concatenated form spent 20% of the tiny train step on that).
-  Returns [B*G, N, H, D].
-  """
-  b, kv_heads, p, d = k_bksd.shape
-  r, n, h, _ = q_rnhd.shape
-  g = r // b
-  # Queries [B, Hkv, G, h/Hkv, N, D]; the completions' own keys and values [B, Hkv, G, N, D].
-  q = q_rnhd.reshape(b, g, n, kv_heads, h // kv_heads, d).transpose(0, 3, 1, 4, 2, 5)
-  own = lambda x: x.reshape(b, g, n, kv_heads, d).transpose(0, 3, 1, 2, 4)  # noqa: E731
-  k_c, v_c = own(k_rnkd), own(v_rnkd)
-  f32 = dict(preferred_element_type=jnp.float32)
-  q_flat = q.astype(k_bksd.dtype).reshape(b, kv_heads, -1, d)
-  scores_p = jnp.einsum("bktd,bksd->bkts", q_flat, k_bksd, **f32).reshape(*q.shape[:-1], p)
-  scores_c = jnp.einsum("bkcgnd,bkcmd->bkcgnm", q.astype(k_c.dtype), k_c, **f32)
-  valid = valid_rns.reshape(b, 1, g, 1, n, p + n)
-  scores_p = jnp.where(valid[..., :p], scores_p * d**-0.5, _NEG_INF)
-  scores_c = jnp.where(valid[..., p:], scores_c * d**-0.5, _NEG_INF)
-  top = jax.lax.stop_gradient(jnp.maximum(scores_p.max(-1), scores_c.max(-1)))[..., None]
-  exp_p, exp_c = jnp.exp(scores_p - top), jnp.exp(scores_c - top)
-  total = exp_p.sum(-1, keepdims=True) + exp_c.sum(-1, keepdims=True)
-  probs_p = (exp_p / total).astype(v_bksd.dtype).reshape(b, kv_heads, -1, p)
-  probs_c = (exp_c / total).astype(v_c.dtype)
-  out = jnp.einsum("bkts,bksd->bktd", probs_p, v_bksd, **f32).reshape(q.shape)
-  out = out + jnp.einsum("bkcgnm,bkcmd->bkcgnd", probs_c, v_c, **f32)
-  return out.transpose(0, 2, 4, 1, 3, 5).reshape(r, n, h, d)
 
 
 class Attention(nn.Module):

@@ -59,6 +59,13 @@ def merge(prompts_bp: jax.Array, completions_rn: jax.Array) -> jax.Array:
   return jnp.concatenate([prompts_bp, packed.astype(prompts_bp.dtype)], axis=1)
 
 
+def prefixed(prompts_bksd: jax.Array, completions_rknd: jax.Array) -> jax.Array:
+  """Heads-first keys (or values) of each completion's attention: its prompt's `[B, Hkv, P, D]`
+  (repeated for the G completions) then its own `[B*G, Hkv, N, D]` -> `[B*G, Hkv, P + N, D]`."""
+  g = completions_rknd.shape[0] // prompts_bksd.shape[0]
+  return jnp.concatenate([jnp.repeat(prompts_bksd, g, axis=0), completions_rknd], axis=2)
+
+
 def causal_pairs(key_mask_bs: jax.Array, query_mask_bt: jax.Array) -> jax.Array:
   """`[B, T, S]` bool: the T queries are the last T of the S keys; a valid query sees the valid
   keys at or before it (the full layout's rule, `decoder._valid_pairs`, is T = S)."""
