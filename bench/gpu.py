@@ -64,6 +64,7 @@ BF16_PEAK_FLOPS = (
 )
 
 BF16 = dict(dtype="bfloat16", param_dtype="bfloat16")
+TRAIN_SHAPE = "0.6b"  # bench/train_step.py's SHAPES: the train step's MFU at Qwen3-0.6B's widths
 MODELS = {
   "smollm2-135m": ModelConfig(
     vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
@@ -177,7 +178,7 @@ def bench_train_step(args, device: jax.Device) -> str:
   import train_step as train_bench  # bench/train_step.py, beside this file
 
   peak = next((rate for name, rate in BF16_PEAK_FLOPS if name in device.device_kind), None)
-  shape = "smoke" if args.dry_run else "0.6b"
+  shape = "smoke" if args.dry_run else TRAIN_SHAPE
   step_args = argparse.Namespace(
     rows=args.train_rows, group_size=8 if args.train_rows % 8 == 0 else 2,
     prompt_len=args.prompt_len, new_tokens=args.new_tokens, repeats=args.reps,

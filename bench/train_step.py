@@ -51,6 +51,17 @@ SHAPES = {
     head_dim=32,
     vocab_size=18,
   ),  # fmt: skip
+  # bench/gpu.py's train step: Qwen3-0.6B's widths (its q/k norms and tied head left out: they
+  # change neither the matmuls nor the FLOP count much).
+  "0.6b": dict(
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_layers=28,
+    num_heads=16,
+    num_kv_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+  ),  # fmt: skip
   "135m": dict(
     hidden_size=576,
     intermediate_size=1536,
