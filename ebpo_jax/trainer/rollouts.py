@@ -168,19 +168,14 @@ class Sampler:
   ) -> Rollout:
     """`group_size` scored completions of each row, `sampling.prompts_per_call` rows per sampler
     call (0: all at once). A short last call is padded with copies of its last prompt, so every
-    call has one shape (one compile); the copies' completions are dropped. Over several calls
-    the weights are put in the sampler's layout once (`sampling.decode_params`), not per call.
+    call has one shape (one compile); the copies' completions are dropped (`call_plan`).
     `training`: scored with the reward functions (when configured), else with the task's verifier.
     """
     rows = list(rows)
     prompt_ids, prompt_mask = self.prompts(rows)
-    chunk = self.config.sampling.prompts_per_call or len(rows)
-    starts = range(0, len(rows), chunk)
-    call_keys = (key,) if len(starts) == 1 else _split_keys(key, len(starts))
-    if len(starts) > 1:
-      params = sampling.decode_params(params)
+    params, chunk, calls = self.call_plan(params, len(rows), key)
     parts = []
-    for start, call_key in zip(starts, call_keys, strict=True):
+    for start, call_key in calls:
       ids, mask = prompt_ids[start : start + chunk], prompt_mask[start : start + chunk]
       fill = np.full(chunk - len(ids), len(ids) - 1)
       ids, mask = np.concatenate([ids, ids[fill]]), np.concatenate([mask, mask[fill]])
@@ -189,6 +184,17 @@ class Sampler:
         self._sample_call(params, ids, mask, call_key, call_rows, group_size, greedy, training)
       )
     return _concat_rollouts(parts)
+
+  def call_plan(self, params, num_rows: int, key: jax.Array):
+    """`(params, chunk, [(start, key)])` of `num_rows` rows sampled `sampling.prompts_per_call`
+    (0: all) at a time: over several calls the weights are put in the sampler's layout once
+    (`sampling.decode_params`), and call i samples rows `[start, start + chunk)` with its key."""
+    chunk = self.config.sampling.prompts_per_call or num_rows
+    starts = range(0, num_rows, chunk)
+    if len(starts) == 1:
+      return params, chunk, [(0, key)]
+    keys = _split_keys(key, len(starts))
+    return sampling.decode_params(params), chunk, list(zip(starts, keys, strict=True))
 
   def _sample_call(
     self, params, ids, mask, key, rows, group_size: int, greedy: bool, training: bool
@@ -392,15 +398,8 @@ def to_batch(rollout: Rollout, rewards: np.ndarray, mesh: Mesh) -> dict:
   batch sharding when a sampler call had another), the rewards and cluster ids placed."""
   spec = sharding.batch_sharding(mesh)
   cluster_ids = np.array([row["cluster"] for row in rollout.rows], np.int32)
-  on_device = {
-    "prompt_ids": rollout.prompt_ids,
-    "prompt_mask": rollout.prompt_mask,
-    "tokens": rollout.tokens,
-    "completion_mask": rollout.mask,
-    "old_logps": rollout.old_logps,
-    "truncated": rollout.truncated,
-    "nonfinite": rollout.nonfinite,
-  }
+  on_device = rollout.device_fields()
+  on_device["completion_mask"] = on_device.pop("mask")  # the step's name for it
   return {
     **jax.device_put(on_device, spec),
     "rewards": sharding.place_from_host(np.asarray(rewards, np.float32), spec),
@@ -477,13 +476,9 @@ def sample_and_score_batches(
   rows; 0: all) at a time, so a caller shows progress and keeps what is done. The calls' keys are
   those of one `sampler.rollout` over all rows (the same results however they are taken); `skip`
   leaves out the first calls (done by an earlier, stopped run)."""
-  chunk = sampler.config.sampling.prompts_per_call or len(rows)
-  starts = range(0, len(rows), chunk)
   key = jax.random.PRNGKey(sampler.config.seed)
-  keys = (key,) if len(starts) == 1 else _split_keys(key, len(starts))
-  if len(starts) > 1:
-    params = sampling.decode_params(params)  # once, not in every call
-  for start, call_key in list(zip(starts, keys, strict=True))[skip:]:
+  params, chunk, calls = sampler.call_plan(params, len(rows), key)
+  for start, call_key in calls[skip:]:
     part = rows[start : start + chunk]
     rollout = sampler.rollout(params, part, call_key, group_size=num_samples, greedy=greedy)
     texts = [rollout.texts[i * num_samples : (i + 1) * num_samples] for i in range(len(part))]
