@@ -5,9 +5,13 @@
 
 The step is the trainer's own `train_step` (advantages, sequence assembly, PPO-clip update with
 AdamW), compiled once per estimator. The 135m shape is SmolLM2-135M's (30 layers, d=576, 9/3 heads,
-vocab 49152), randomly initialised. FLOPs come from XLA's cost analysis of the compiled step; the
+vocab 49152), randomly initialised. FLOPs are counted from the shapes (step_flops); the
 reference rate is a square float32 matmul timed in the same process. Prints a table, then last a
 JSON line with the EBPO/GRPO time ratio (goal <= 1.02: the prior must be free) and the FLOP/s share.
+
+It also times the step's weight matmuls alone (the same shapes, forward and backward, chained in
+one program): the share the step would have if it took only their time. At small widths this is
+itself far below the square matmul's rate, and bounds what any change to the step can reach.
 """
 
 import argparse
@@ -159,15 +163,52 @@ def step_flops(weights: int, shape: dict, args, shared_prefix: bool) -> float:
   return 6.0 * ((weights - head) * tokens + head * rows * n) + attention
 
 
+def projection_matmuls(shape: dict, args, shared_prefix: bool) -> list[tuple[int, int, int]]:
+  """(m, k, n) of every weight matmul of one step, forward and backward (the input's and the
+  weight's gradients), at the tokens step_flops counts: the step's matmuls without the rest."""
+  d, f, hd = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
+  q, kv = shape["num_heads"] * hd, shape["num_kv_heads"] * hd
+  p, n, rows = args.prompt_len, args.new_tokens, args.rows
+  tokens = (rows // args.group_size if shared_prefix else rows) * p + rows * n
+  layer = [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)]
+  weights = [(tokens, k, out) for k, out in layer] * shape["num_layers"]
+  weights.append((rows * n, d, shape["vocab_size"]))  # the LM head, at completion tokens only
+  return [s for t, k, out in weights for s in ((t, k, out), (t, out, k), (k, t, out))]
+
+
+def matmuls_timer(shapes: list[tuple[int, int, int]]):
+  """A function that times the matmuls of `shapes` chained in one program (as XLA runs them in the
+  step, nothing else between them) and returns their seconds: the fastest of 3 calls."""
+  keys = jax.random.split(jax.random.PRNGKey(1), len(shapes))
+  operands = [
+    (jax.random.normal(key, (m, k), jnp.float32), jax.random.normal(key, (k, n), jnp.float32))
+    for key, (m, k, n) in zip(keys, shapes, strict=True)
+  ]
+  chain = jax.jit(lambda ops: sum(jnp.sum(a @ b) for a, b in ops))
+  jax.block_until_ready(chain(operands))
+
+  def seconds() -> float:
+    times = []
+    for _ in range(3):
+      start = time.perf_counter()
+      jax.block_until_ready(chain(operands))
+      times.append(time.perf_counter() - start)
+    return min(times)
+
+  return seconds
+
+
 def time_steps(shape_name: str, args) -> dict[str, float]:
   """Median seconds per step of each estimator and of the reference matmul, timed in turn each
   round so load drift hits all three alike (the two estimators in alternating order, so neither
   always runs second), and the EBPO/GRPO ratios of the rounds (paired: one load each)."""
   runs = {adv: list(compiled_step(shape_name, adv, args)) for adv in ("grpo", "ebpo")}
+  num_params, shared = runs["grpo"][3:]
   matmul = matmul_timer(512 if args.quick else 2048)
-  times = {adv: [] for adv in runs} | {"matmul": []}
+  matmuls_alone = matmuls_timer(projection_matmuls(SHAPES[shape_name], args, shared))
+  times = {adv: [] for adv in runs} | {"matmul": [], "matmuls_alone": []}
   for repeat in range(args.repeats + 1):  # the first round warms up
-    matmul_rate = matmul()
+    matmul_rate, alone = matmul(), matmuls_alone()
     for adv, run in sorted(runs.items(), reverse=bool(repeat % 2)):
       fn, state, batch = run[:3]
       start = time.perf_counter()
@@ -178,10 +219,10 @@ def time_steps(shape_name: str, args) -> dict[str, float]:
         times[adv].append(time.perf_counter() - start)
     if repeat:
       times["matmul"].append(matmul_rate)
+      times["matmuls_alone"].append(alone)
   if args.profile:
     fn, state, batch = runs["grpo"][:3]
     print_profile(shape_name, op_profile.op_times(fn, state, batch, steps=2))
-  num_params, shared = runs["grpo"][3:]
   print(f"{shape_name}: the step runs {'each prompt once per group' if shared else 'full rows'}")
   flops = step_flops(num_params, SHAPES[shape_name], args, shared)
   ratios = np.array(times["ebpo"]) / np.array(times["grpo"])
@@ -243,6 +284,11 @@ def main() -> None:
       seconds, flops = timed[advantage], timed["flops"]
       print(f"{shape_name:6} {advantage:10} {seconds * 1e3:9.1f} {flops / 1e9:8.2f} "
             f"{flops / seconds / 1e9:9.2f} {flops / seconds / matmul:9.1%}")  # fmt: skip
+    # The step's share if it took only the time of its weight matmuls run alone: above what the
+    # step can reach at this shape, since attention and the rest take time too.
+    ceiling = timed["flops"] / timed["matmuls_alone"] / matmul
+    print(f"{shape_name}: its weight matmuls alone (forward and backward, nothing else) take "
+          f"{timed['matmuls_alone'] * 1e3:.1f} ms: at most {ceiling:.1%} for the step")  # fmt: skip
     ratios = timed["ebpo_over_grpo"]
     print(f"{shape_name}: EBPO/GRPO step time, per round: median {np.median(ratios):.3f}, "
           f"range {ratios.min():.3f}-{ratios.max():.3f} over {len(ratios)} rounds")  # fmt: skip
@@ -250,6 +296,7 @@ def main() -> None:
       "ebpo_over_grpo": float(np.median(ratios)),
       "ebpo_over_grpo_range": [float(ratios.min()), float(ratios.max())],
       "flops_share_of_matmul": timed["flops"] / timed["grpo"] / matmul,
+      "matmuls_alone_share": ceiling,
     }
   print(json.dumps(summary))
 
