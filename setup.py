@@ -17,8 +17,8 @@ def _requirements() -> list[str]:
   return [ln.strip() for ln in lines if ln.strip() and not ln.startswith("#")]
 
 
-# The TPU compiler for `python -m ebpo_jax.aot` on a machine without a TPU: the libtpu that jax's own
-# `tpu` extra names for the jax of requirements.txt (0.10.2). TPU VMs get it from jax[tpu].
+# The TPU compiler for `python -m ebpo_jax.aot` on a machine without a TPU: the libtpu that jax's
+# own `tpu` extra names for the jax of requirements.txt (0.10.2). TPU VMs get it from jax[tpu].
 AOT_REQUIRES = ["libtpu==0.0.42.*"]
 
 # JAX for an accelerator: the jax of requirements.txt with its own backend from pip (jax's extras:
