@@ -39,51 +39,51 @@ WANDB_REQUIRES = ["wandb>=0.19,<1"]
 # Tested: google-tunix 0.1.7, google-metrax 0.2.4, jaxtyping 0.3.11, perfetto 0.59.1, sentencepiece
 # 0.2.3 (with jax 0.10.2, flax 0.12.8, transformers 5.24.0, safetensors 0.8.0).
 PEERS_REQUIRES = [
-    "torch==2.13.0",
-    "google-metrax>=0.2.3",  # tunix.rl imports metrax (which brings clu)
-    "jaxtyping>=0.3",
-    "perfetto>=0.59",
-    "sentencepiece>=0.2",
+  "torch==2.13.0",
+  "google-metrax>=0.2.3",  # tunix.rl imports metrax (which brings clu)
+  "jaxtyping>=0.3",
+  "perfetto>=0.59",
+  "sentencepiece>=0.2",
 ]
 
 TEST_REQUIRES = [
-    "pytest>=8",
-    "pytest-xdist>=3.5",  # `-n 2`: test files in parallel processes
-    "import-linter>=2.2",  # the layer contracts of pyproject.toml (tests/test_layers.py)
-    "hypothesis>=6.100",
-    "ruff>=0.6",
-    # PyTorch reference models for logit parity; 2.13.0 is the CPU wheel (any other pulls CUDA).
-    "torch==2.13.0",
-    # Loads the adapters of `export --format=peft` (tests/test_lora_export.py); tested: 0.21.2.
-    "peft>=0.21.2,<1",
-    "nbclient>=0.10",
-    "nbformat>=5.10",
-    "ipykernel>=6.29",
-    # A Google Cloud Storage API on loopback for the gs:// tests (tests/conftest.py gcs_emulator).
-    "gcp-storage-emulator>=2024.8",
-    # Writes the save_to_disk fixtures that ebpo_jax.data reads with pyarrow alone (tested: 5.2).
-    "datasets>=3.0,<6",
-    *AOT_REQUIRES,  # tests/test_aot.py, tests/test_launch.py (tpu_pod.sh's fit check)
-    *WANDB_REQUIRES,  # tests/test_logging.py: a run with wandb offline
+  "pytest>=8",
+  "pytest-xdist>=3.5",  # `-n 2`: test files in parallel processes
+  "import-linter>=2.2",  # the layer contracts of pyproject.toml (tests/test_layers.py)
+  "hypothesis>=6.100",
+  "ruff>=0.6",
+  # PyTorch reference models for logit parity; 2.13.0 is the CPU wheel (any other pulls CUDA).
+  "torch==2.13.0",
+  # Loads the adapters of `export --format=peft` (tests/test_lora_export.py); tested: 0.21.2.
+  "peft>=0.21.2,<1",
+  "nbclient>=0.10",
+  "nbformat>=5.10",
+  "ipykernel>=6.29",
+  # A Google Cloud Storage API on loopback for the gs:// tests (tests/conftest.py gcs_emulator).
+  "gcp-storage-emulator>=2024.8",
+  # Writes the save_to_disk fixtures that ebpo_jax.data reads with pyarrow alone (tested: 5.2).
+  "datasets>=3.0,<6",
+  *AOT_REQUIRES,  # tests/test_aot.py, tests/test_launch.py (tpu_pod.sh's fit check)
+  *WANDB_REQUIRES,  # tests/test_logging.py: a run with wandb offline
 ]
 
 setuptools.setup(
-    name="ebpo_jax",
-    version="0.1.0",
-    description="EBPO: empirical-Bayes shrinkage baselines for GRPO-style RLVR, in JAX/Flax.",
-    long_description=(HERE / "README.md").read_text(),
-    long_description_content_type="text/markdown",
-    license="Apache-2.0",
-    license_files=["LICENSE"],
-    python_requires=">=3.11",
-    packages=setuptools.find_packages(include=["ebpo_jax", "ebpo_jax.*"]),
-    install_requires=_requirements(),
-    extras_require={
-        "test": TEST_REQUIRES,
-        "aot": AOT_REQUIRES,
-        "wandb": WANDB_REQUIRES,
-        "peers": PEERS_REQUIRES,
-        "cuda": CUDA_REQUIRES,
-        "tpu": TPU_REQUIRES,
-    },
+  name="ebpo_jax",
+  version="0.1.0",
+  description="EBPO: empirical-Bayes shrinkage baselines for GRPO-style RLVR, in JAX/Flax.",
+  long_description=(HERE / "README.md").read_text(),
+  long_description_content_type="text/markdown",
+  license="Apache-2.0",
+  license_files=["LICENSE"],
+  python_requires=">=3.11",
+  packages=setuptools.find_packages(include=["ebpo_jax", "ebpo_jax.*"]),
+  install_requires=_requirements(),
+  extras_require={
+    "test": TEST_REQUIRES,
+    "aot": AOT_REQUIRES,
+    "wandb": WANDB_REQUIRES,
+    "peers": PEERS_REQUIRES,
+    "cuda": CUDA_REQUIRES,
+    "tpu": TPU_REQUIRES,
+  },
 )

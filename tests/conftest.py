@@ -17,8 +17,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 # emulator (fixture gcs_emulator) has no such API, and gcsfs would log a warning per call.
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 # The tests' programs take longer to compile than to run (small models, a few steps): JAX's switch
-# for that case (LLVM at -O0 without its expensive passes; float32 as before) takes the
-# suite's CPU time from about 3,400 to 2,000 s. The processes the tests start inherit it.
+# for that case (LLVM at -O0 without its expensive passes; float32 as before) takes the sum of
+# the tests' durations from about 3,400 to 2,000 s (bench/RESULTS.md). The processes the tests
+# start inherit it.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
 from ebpo_jax import sharding  # noqa: E402  (imports jax: after the variables above)
