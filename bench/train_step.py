@@ -35,27 +35,20 @@ from ebpo_jax.trainer import step as step_lib  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+TINY = dict(
+  hidden_size=128,
+  intermediate_size=384,
+  num_layers=3,
+  num_heads=4,
+  num_kv_heads=4,
+  head_dim=32,
+  vocab_size=18,
+)  # fmt: skip
 SHAPES = {
-  "tiny": dict(
-    hidden_size=128,
-    intermediate_size=384,
-    num_layers=3,
-    num_heads=4,
-    num_kv_heads=4,
-    head_dim=32,
-    vocab_size=18,
-  ),  # fmt: skip
+  "tiny": TINY,
   # CI smoke runs (--quick): tiny's widths, one layer. The trainer unrolls the layer loop
   # (model.unroll_layers), so each layer is its own code to compile.
-  "smoke": dict(
-    hidden_size=128,
-    intermediate_size=384,
-    num_layers=1,
-    num_heads=4,
-    num_kv_heads=4,
-    head_dim=32,
-    vocab_size=18,
-  ),  # fmt: skip
+  "smoke": TINY | {"num_layers": 1},
   # bench/gpu.py's train step: Qwen3-0.6B's widths (its q/k norms and tied head left out: they
   # change neither the matmuls nor the FLOP count much).
   "0.6b": dict(
@@ -143,6 +136,13 @@ def compiled_step(shape_name: str, advantage: str, args):
   return step.lower(state, batch).compile(), state, batch, num_params, shared
 
 
+def layer_tokens(args, shared_prefix: bool) -> int:
+  """Tokens the layers run per step: each prompt once per group with `shared_prefix`, else once
+  per row, plus every completion token."""
+  prompts = args.rows // args.group_size if shared_prefix else args.rows
+  return prompts * args.prompt_len + args.rows * args.new_tokens
+
+
 def step_flops(weights: int, shape: dict, args, shared_prefix: bool) -> float:
   """Model FLOPs of one step: 6 per weight per token (forward + backward) plus attention, with the
   LM head counted only where a completion token is predicted (the step computes no other logits).
@@ -155,7 +155,7 @@ def step_flops(weights: int, shape: dict, args, shared_prefix: bool) -> float:
   """
   p, n, rows = args.prompt_len, args.new_tokens, args.rows
   prompts = rows // args.group_size if shared_prefix else rows  # prompt copies the layers run
-  tokens = prompts * p + rows * n
+  tokens = layer_tokens(args, shared_prefix)
   # Score and value matmuls (2 x 2 FLOPs per query-key pair and head dim), x3 for the backward.
   pairs = prompts * p * p + rows * n * (p + n) if shared_prefix else rows * (p + n) ** 2
   head = shape["vocab_size"] * shape["hidden_size"]
@@ -169,11 +169,10 @@ def projection_matmuls(shape: dict, args, shared_prefix: bool) -> list[tuple[int
   weight's gradients), at the tokens step_flops counts: the step's matmuls without the rest."""
   d, f, hd = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
   q, kv = shape["num_heads"] * hd, shape["num_kv_heads"] * hd
-  p, n, rows = args.prompt_len, args.new_tokens, args.rows
-  tokens = (rows // args.group_size if shared_prefix else rows) * p + rows * n
+  tokens, completion_tokens = layer_tokens(args, shared_prefix), args.rows * args.new_tokens
   layer = [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)]
   weights = [(tokens, k, out) for k, out in layer] * shape["num_layers"]
-  weights.append((rows * n, d, shape["vocab_size"]))  # the LM head, at completion tokens only
+  weights.append((completion_tokens, d, shape["vocab_size"]))  # the LM head: completions only
   return [s for t, k, out in weights for s in ((t, k, out), (t, out, k), (k, t, out))]
 
 
@@ -187,16 +186,7 @@ def matmuls_timer(shapes: list[tuple[int, int, int]]):
   ]
   chain = jax.jit(lambda ops: sum(jnp.sum(a @ b) for a, b in ops))
   jax.block_until_ready(chain(operands))
-
-  def seconds() -> float:
-    times = []
-    for _ in range(3):
-      start = time.perf_counter()
-      jax.block_until_ready(chain(operands))
-      times.append(time.perf_counter() - start)
-    return min(times)
-
-  return seconds
+  return lambda: fastest_seconds(lambda: chain(operands))
 
 
 def time_steps(shape_name: str, args) -> dict[str, float]:
@@ -237,16 +227,17 @@ def matmul_timer(n: int, calls: int = 3):
   a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32)
   dot = jax.jit(lambda x: x @ x)
   jax.block_until_ready(dot(a))
+  return lambda: 2 * n**3 / fastest_seconds(lambda: dot(a), calls)
 
-  def rate() -> float:
-    seconds = []
-    for _ in range(calls):
-      start = time.perf_counter()
-      jax.block_until_ready(dot(a))
-      seconds.append(time.perf_counter() - start)
-    return 2 * n**3 / min(seconds)
 
-  return rate
+def fastest_seconds(fn, calls: int = 3) -> float:
+  """The fastest of `calls` timed calls of `fn` (its outputs waited for)."""
+  seconds = []
+  for _ in range(calls):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    seconds.append(time.perf_counter() - start)
+  return min(seconds)
 
 
 def print_profile(shape_name: str, op_seconds: dict[str, float]) -> None:
