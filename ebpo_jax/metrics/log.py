@@ -4,6 +4,7 @@ reading, truncating."""
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -149,12 +150,27 @@ def _summary_writer(logdir: str, purge_step: int | None):
   """A tensorboardX SummaryWriter on `logdir`; a remote logdir's event file goes through
   `ebpo_jax.files` (`_RemoteEventFile`). `purge_step`: TensorBoard drops the events of earlier
   files from that step on (the steps a resumed run writes again)."""
+  _load_tensorboardx_without_torch()
   from tensorboardX import SummaryWriter, record_writer
 
   if files.is_remote(logdir):
     scheme = logdir.split("://", 1)[0]
     record_writer.register_writer_factory(scheme, _RemoteEventFileFactory())
   return SummaryWriter(logdir, purge_step=purge_step)
+
+
+def _load_tensorboardx_without_torch() -> None:
+  """Imports tensorboardX without torch: its writer module imports torch when it is installed
+  (only to recognise torch tensors, which this writer never passes), 3-4 s of every trainer's
+  start. `import torch` fails while the module loads (a None entry in sys.modules) and works again
+  after; a process that has already imported torch imports tensorboardX as it is."""
+  if "tensorboardX" in sys.modules or "torch" in sys.modules:
+    return
+  sys.modules["torch"] = None
+  try:
+    import tensorboardX  # noqa: F401
+  finally:
+    del sys.modules["torch"]
 
 
 def _write_hparams(tb, hparams: Mapping[str, Any]) -> None:
