@@ -9,7 +9,12 @@ evaluate, export, ablate or the launch scripts as processes, run the notebook or
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# XLA:CPU's older fusion emitters (LLVM IR written directly, not through MLIR) compile the tests'
+# small programs in about a third less time, with the same results (bench/RESULTS.md, "The test
+# suite's time"); the processes the tests start keep the flag (`cpu_env`).
+os.environ.setdefault(
+  "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_cpu_use_fusion_emitters=false"
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -193,18 +198,23 @@ if _CACHE_VARIABLE not in os.environ:
 _SESSION_CACHE = os.environ[_CACHE_VARIABLE]
 
 
+def cpu_env(devices: int) -> dict[str, str]:
+  """This process's environment for a process on `devices` CPU devices: the device count in
+  XLA_FLAGS replaced, its other flags (the fusion emitters above) kept."""
+  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
+  flags.insert(0, f"--xla_force_host_platform_device_count={devices}")
+  return dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
+
+
 def run_module(module: str, *args: str, devices: int = 8, timeout: float = 300, wait: bool = True):
   """`python -m MODULE ARGS` (`python MODULE ARGS` for a `.py` path) on `devices` CPU devices
   from the repository root: the CompletedProcess (output captured), or with `wait=False` the
   running Popen. The processes of a session share a persistent compilation cache (their sampler,
   evaluation and train-step programs mostly repeat): about 3x faster."""
-  env = dict(
-    os.environ,
-    XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
-    JAX_PLATFORMS="cpu",
-    JAX_COMPILATION_CACHE_DIR=_SESSION_CACHE,
-    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-  )
+  env = cpu_env(devices) | {
+    "JAX_COMPILATION_CACHE_DIR": _SESSION_CACHE,
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+  }
   cmd = [sys.executable, *([module] if module.endswith(".py") else ["-m", module]), *args]
   if not wait:
     return subprocess.Popen(
@@ -224,6 +234,12 @@ def run_trainer(workdir, *overrides: str, config: str = ARITH, **kwargs):
 def module_cli() -> Callable[..., Any]:
   """`run_module` above: an entry point (evaluate, export, ...) as a process."""
   return run_module
+
+
+@pytest.fixture(scope="session")
+def cpu_process_env() -> Callable[[int], dict[str, str]]:
+  """`cpu_env` above: the environment of a process the test starts itself."""
+  return cpu_env
 
 
 @pytest.fixture(scope="session")

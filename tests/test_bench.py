@@ -3,7 +3,6 @@ needs tunix, installed apart: its test is marked `peers` and runs with `-m peers
 
 import json
 import math
-import os
 import pathlib
 import subprocess
 import sys
@@ -24,14 +23,10 @@ SMOKE_RUNS = {
 }
 
 
-def _run_bench(name: str, args: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
-  """bench/NAME.py run as its own process on one CPU device; it must exit 0."""
-  env = dict(
-    os.environ,
-    XLA_FLAGS="--xla_force_host_platform_device_count=1",
-    JAX_PLATFORMS="cpu",
-    PYTHONPATH=str(ROOT),
-  )
+def _run_bench(name: str, args: list[str], env: dict, timeout: int = 600):
+  """bench/NAME.py run as its own process in `env` (conftest's `cpu_process_env`, one CPU device);
+  it must exit 0."""
+  env = env | {"PYTHONPATH": str(ROOT)}
   result = subprocess.run(
     [sys.executable, str(ROOT / "bench" / f"{name}.py"), *args],
     env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
@@ -42,8 +37,8 @@ def _run_bench(name: str, args: list[str], timeout: int = 600) -> subprocess.Com
 
 @pytest.mark.e2e  # each benchmark is a script run as its own process (6-40 s)
 @pytest.mark.parametrize("name", sorted(SMOKE_RUNS))
-def test_benchmark_runs_and_ends_with_json(name):
-  result = _run_bench(name, SMOKE_RUNS[name])
+def test_benchmark_runs_and_ends_with_json(name, cpu_process_env):
+  result = _run_bench(name, SMOKE_RUNS[name], cpu_process_env(1))
   if name == "gpu":  # a markdown table for bench/RESULTS.md
     assert "| tiny | 2 |" in result.stdout, result.stdout[-2000:]
     return
@@ -63,8 +58,8 @@ PEERS_RL_KEYS = [
 
 @pytest.mark.peers  # needs tunix, installed apart (setup.py's PEERS_REQUIRES): -m peers runs it
 @pytest.mark.e2e  # a script run as its own process (about 100 s on 2 shared cores)
-def test_peers_quick_run_ends_with_every_ratio():
-  result = _run_bench("peers", ["--quick"], timeout=900)
+def test_peers_quick_run_ends_with_every_ratio(cpu_process_env):
+  result = _run_bench("peers", ["--quick"], cpu_process_env(1), timeout=900)
   summary = json.loads(result.stdout.strip().splitlines()[-1])
   assert set(summary) == {"sampler", *PEERS_RL_KEYS}, summary
   assert set(summary["sampler"]) == {"tiny"}, summary

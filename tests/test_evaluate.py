@@ -5,11 +5,8 @@ directory, the clear error when there is nothing to evaluate, and the difficulty
 import itertools
 import json
 import math
-import os
 import pathlib
 import shutil
-import subprocess
-import sys
 from fractions import Fraction
 
 import jax
@@ -30,12 +27,6 @@ from ebpo_jax.trainer import state as state_lib
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "arith_ebpo.py")
-
-
-def cli(module, *args, timeout=300):
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
-  cmd = [sys.executable, "-m", module, *args]
-  return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
 # ----------------------------------------------------------------------------- metric math
@@ -139,16 +130,17 @@ def test_a_runs_params_are_restored_from_its_checkpoint(arith_config, checkpoint
 
 
 @pytest.mark.e2e
-def test_evaluate_cli_on_a_trainer_workdir_writes_eval_json(arith_run, tmp_path):
+def test_evaluate_cli_on_a_trainer_workdir_writes_eval_json(arith_run, module_cli, tmp_path):
   workdir, _ = arith_run  # checkpoints every 2 steps, the latest at step 4
   run_dir = tmp_path / "run"
   shutil.copytree(workdir / "checkpoints", run_dir / "checkpoints")
-  result = cli(
+  result = module_cli(
     "ebpo_jax.evaluate",
     f"--config={CONFIG}:runlocal",
     f"--workdir={run_dir}",  # evaluates the workdir's own checkpoints
     "--config.eval.num_samples=4",
     "--config.sampling.prompts_per_call=8",  # 16 problems: two sampler calls
+    devices=1,
   )
   assert result.returncode == 0, result.stderr[-3000:]
   saved = json.loads((run_dir / "eval.json").read_text())
@@ -180,16 +172,19 @@ def test_evaluate_cli_on_a_trainer_workdir_writes_eval_json(arith_run, tmp_path)
 
 
 @pytest.mark.e2e
-def test_evaluate_cli_on_a_lora_run_gives_the_accuracy_the_trainer_logged(lora_run, tmp_path):
+def test_evaluate_cli_on_a_lora_run_gives_the_accuracy_the_trainer_logged(
+  lora_run, module_cli, tmp_path
+):
   # The experiment's own config (runlocal: an SFT warm start, which a LoRA run refuses; the tool
   # evaluates the run's adapters and warm-starts nothing) and the run's seed (the same eval rows).
   workdir, _ = lora_run
-  result = cli(
+  result = module_cli(
     "ebpo_jax.evaluate",
     f"--config={CONFIG}:runlocal",
     f"--workdir={tmp_path}",
     f"--run_dir={workdir}",
     "--config.seed=1",
+    devices=1,
   )
   assert result.returncode == 0, result.stderr[-3000:]
   saved = json.loads((tmp_path / "eval.json").read_text())
@@ -266,7 +261,7 @@ def test_evaluate_a_hugging_face_directory(arith_config, tiny_llama_dir, tmp_pat
 
 
 @pytest.mark.e2e
-def test_difficulty_cli_round_trip(arith_run, tmp_path):
+def test_difficulty_cli_round_trip(arith_run, module_cli, tmp_path):
   workdir, _ = arith_run
   rows = [
     {"prompt": "1+1=", "answer": "2", "cluster": "easy", "id": "a"},
@@ -276,13 +271,14 @@ def test_difficulty_cli_round_trip(arith_run, tmp_path):
   source = tmp_path / "rows.jsonl"
   source.write_text("".join(json.dumps(r) + "\n" for r in rows))
   out = tmp_path / "rows_difficulty.jsonl"
-  result = cli(
+  result = module_cli(
     "ebpo_jax.difficulty",
     f"--config={CONFIG}:runlocal",
     f"--input={source}",
     f"--output={out}",
     "--k=4",
     f"--run_dir={workdir}",
+    devices=1,
   )
   assert result.returncode == 0, result.stderr[-3000:]
   assert "difficulty: 100%" in result.stderr  # the bar

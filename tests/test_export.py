@@ -1,10 +1,7 @@
 """Export of a run's policy as a Hugging Face directory: transformers loads it with our logits,
 and a run that started from a model directory carries its tokenizer and chat template along."""
 
-import os
 import pathlib
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -84,19 +81,11 @@ def test_export_of_a_run_from_a_model_directory_keeps_its_tokenizer(
 
 @pytest.mark.e2e
 def test_export_cli_writes_the_directory_and_names_the_tokenizer_source(
-  run_from_a_model_directory, tiny_llama_dir, tmp_path
+  run_from_a_model_directory, tiny_llama_dir, module_cli, tmp_path
 ):
   run_dir, model, params = run_from_a_model_directory
   out = tmp_path / "hf"
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
-  result = subprocess.run(
-    [sys.executable, "-m", "ebpo_jax.export", f"--run_dir={run_dir}", f"--out={out}"],
-    env=env,
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+  result = module_cli("ebpo_jax.export", f"--run_dir={run_dir}", f"--out={out}", devices=1)
   assert result.returncode == 0, result.stderr[-3000:]
   assert f"step 0 of {run_dir} -> {out}; tokenizer files from {tiny_llama_dir}" in result.stdout
   assert export.tokenizer_files(str(out)) == export.tokenizer_files(str(tiny_llama_dir))

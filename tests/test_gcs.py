@@ -243,21 +243,19 @@ TWO_PROCESS_RUN = (
 )
 
 
-def _train(processes: int, workdir, num_steps: int, cwd) -> subprocess.CompletedProcess:
-  """TWO_PROCESS_RUN for `num_steps` from `cwd`: 2 processes x 4 CPU devices by
-  launch/local_multiprocess.sh (the emulator's variables pass through it), or one process on 8 CPU
-  devices. Their compiled programs go to the session's compilation cache (conftest's), which the
-  session's other trainer runs share: the one-process run's sampler programs are those of every
-  default-job run on 8 devices (arith_run's, say)."""
-  env = {
-    **os.environ,
+def _train(processes: int, workdir, num_steps: int, cwd, env: dict) -> subprocess.CompletedProcess:
+  """TWO_PROCESS_RUN for `num_steps` from `cwd` in `env` (8 CPU devices: conftest's
+  `cpu_process_env`): 2 processes x 4 devices by launch/local_multiprocess.sh (the emulator's
+  variables pass through it), or one process on the 8. Their compiled programs go to the session's
+  compilation cache (conftest's), which the session's other trainer runs share: the one-process
+  run's sampler programs are those of every default-job run on 8 devices (arith_run's, say)."""
+  env = env | {
     "PYTHONPATH": str(ROOT),  # cwd may be elsewhere
     "JAX_COMPILATION_CACHE_DIR": os.environ["EBPO_JAX_TEST_XLA_CACHE"],
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
   }
   if processes == 1:
     launcher = [sys.executable, "-m", "ebpo_jax.train"]
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   else:
     launcher = [ROOT / "launch" / "local_multiprocess.sh", str(processes)]
     env.update(PYTHON=sys.executable)
@@ -280,17 +278,18 @@ def _same_metrics(got: list[dict], expected: list[dict]) -> None:
 
 @pytest.mark.e2e
 def test_two_processes_train_into_a_bucket_resume_from_it_and_equal_one_process(
-  gcs_dir, tmp_path, arith_config
+  gcs_dir, tmp_path, arith_config, cpu_process_env
 ):
   """launch/local_multiprocess.sh 2 into a gs:// workdir, stopped after step 2 and resumed from
   the bucket to step 3: process 0 writes metrics.jsonl (each line once), both processes write
   their shards of every checkpoint, and the metrics equal one process's on local disk."""
   workdir, cwd = files.join(gcs_dir, "run"), tmp_path / "cwd"
   cwd.mkdir()
-  single = _train(1, tmp_path / "one", 3, ROOT)
+  env = cpu_process_env(8)
+  single = _train(1, tmp_path / "one", 3, ROOT, env)
   assert single.returncode == 0, single.stderr[-3000:]
   for num_steps in (2, 3):
-    result = _train(2, workdir, num_steps, cwd)
+    result = _train(2, workdir, num_steps, cwd, env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-1000:]
     assert "[rank 0] " in result.stdout and "[rank 1] " in result.stdout
     lines = files.read_text(files.join(workdir, "metrics.jsonl")).splitlines()
