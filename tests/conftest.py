@@ -23,9 +23,10 @@ def _xla_accepts(flag: str) -> bool:
 
 
 # XLA:CPU's older fusion emitters (LLVM IR written directly, not through MLIR) compile the tests'
-# small programs in a third to a half less time, with the same results (bench/RESULTS.md, "The
-# test suite's time"); the processes the tests start keep the flag (`cpu_env`). XLA plans to
-# remove that route: without it, the tests compile as before.
+# small programs in a third to a half less time (bench/RESULTS.md, "The test suite's time"); their
+# code rounds differently and runs slower, so they are for tests only, which compare runs made
+# alike. The processes the tests start keep the flag (`cpu_env`). XLA plans to remove that route:
+# without it, the tests compile as before.
 OLD_FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 if "XLA_FLAGS" not in os.environ:
   _flags = ["--xla_force_host_platform_device_count=8"]
