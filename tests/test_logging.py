@@ -287,7 +287,7 @@ def test_a_run_with_wandb_offline_logs_the_scalars_config_and_samples(arith_run)
 
 
 def test_the_tensorboard_writer_does_not_import_torch(tmp_path):
-  """tensorboardX imports torch when it is installed (3-4 s of every trainer's start, for a
+  """tensorboardX imports torch when it is installed (2-4 s of every trainer's start, for a
   writer that never sees a torch tensor). The writer keeps it out; torch still imports after."""
   script = f"""
 import sys

@@ -161,7 +161,7 @@ def _summary_writer(logdir: str, purge_step: int | None):
 
 def _load_tensorboardx_without_torch() -> None:
   """Imports tensorboardX without torch: its writer module imports torch when it is installed
-  (only to recognise torch tensors, which this writer never passes), 3-4 s of every trainer's
+  (only to recognise torch tensors, which this writer never passes), 2-4 s of every trainer's
   start. `import torch` fails while the module loads (a None entry in sys.modules) and works again
   after; a process that has already imported torch imports tensorboardX as it is."""
   if "tensorboardX" in sys.modules or "torch" in sys.modules:
