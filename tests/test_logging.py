@@ -298,7 +298,9 @@ assert "torch" not in sys.modules, "the writer imported torch"
 import torch
 print(float(torch.ones(2).sum()))
 """
-  result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+  result = subprocess.run(
+    [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+  )
   assert result.returncode == 0, result.stderr[-2000:]
   assert result.stdout.strip() == "2.0"
   assert os.listdir(tmp_path / "tensorboard")  # the event file was written
