@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import MutableMapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -115,6 +115,15 @@ def logical_shardings(abstract_tree: Any, mesh: Mesh, rules: Rules = DEFAULT_RUL
 
 
 _FAKE_CPU_DEVICES_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+
+
+def fake_cpu_devices_env(devices: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
+  """`base` (default: os.environ) for a process on `devices` fake CPU devices: the device count in
+  XLA_FLAGS replaced, its other flags kept."""
+  env = dict(os.environ if base is None else base)
+  flags = _FAKE_CPU_DEVICES_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
+  env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
+  return env
 
 
 def size_cpu_thread_pools(environ: MutableMapping[str, str] = os.environ) -> None:

@@ -214,11 +214,9 @@ _SESSION_CACHE = os.environ[_CACHE_VARIABLE]
 
 
 def cpu_env(devices: int) -> dict[str, str]:
-  """This process's environment for a process on `devices` CPU devices: the device count in
-  XLA_FLAGS replaced, its other flags (the fusion emitters above) kept."""
-  flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "device_count" not in f]
-  flags.insert(0, f"--xla_force_host_platform_device_count={devices}")
-  return dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
+  """This process's environment for a process on `devices` CPU devices (`sharding.
+  fake_cpu_devices_env`: XLA_FLAGS's other flags, the fusion emitters above, kept)."""
+  return sharding.fake_cpu_devices_env(devices) | {"JAX_PLATFORMS": "cpu"}
 
 
 def run_module(module: str, *args: str, devices: int = 8, timeout: float = 300, wait: bool = True):

@@ -45,7 +45,7 @@ from typing import Any, TextIO
 import numpy as np
 import tqdm
 
-from ebpo_jax import files
+from ebpo_jax import files, sharding
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.ablate import advantage_mass
 from ebpo_jax.ablate.diagnostics import (  # noqa: F401  (panel_curves: for notebooks)
@@ -144,10 +144,7 @@ def _override_args(overrides: Mapping[str, Any]) -> list[str]:
 
 def child_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
   """The environment of a run: one CPU device (the mesh spans all devices a process sees)."""
-  env = dict(os.environ if base is None else base)
-  flags = [f for f in env.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
-  env["XLA_FLAGS"] = " ".join([*flags, "--xla_force_host_platform_device_count=1"])
-  return env
+  return sharding.fake_cpu_devices_env(1, base)
 
 
 @contextlib.contextmanager
