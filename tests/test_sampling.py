@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 from scipy import stats
 
-from ebpo_jax import sampling, sampling_loop, sharding
+from ebpo_jax import sampling, sampling_loop, sequences, sharding
 from ebpo_jax.models import Decoder, ModelConfig
 from ebpo_jax.sampling import SampleOutput
 
@@ -39,7 +39,7 @@ def policy():
 
 def _full_forward_logits(model, params, ids_bt, mask_bt):
   """Logits of one uncached forward over left-padded prompts followed by their completions."""
-  positions = sampling.prompt_positions(mask_bt)
+  positions = sequences.prompt_positions(mask_bt)
   return model.apply({"params": params}, ids_bt, positions, mask_bt)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from tiny_decoder import BASE, init_params
 
-from ebpo_jax import losses, sampling, sharding
+from ebpo_jax import losses, sequences, sharding
 from ebpo_jax.models import Decoder, ModelConfig, PrefixGroups
 from ebpo_jax.models.decoder import unstack_layers
 from ebpo_jax.trainer import state as state_lib
@@ -52,13 +52,13 @@ def _batch(seed: int = 0) -> dict:
 
 def _layouts(batch: dict) -> tuple[dict, dict]:
   args = (batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["completion_mask"], G)
-  return sampling.build_sequences(*args), sampling.build_packed_sequences(*args)
+  return sequences.build_sequences(*args), sequences.build_packed_sequences(*args)
 
 
 def test_packed_sequences_hold_each_prompt_once_then_its_completions():
   ids = jnp.array([[0, 0, 5, 6], [7, 8, 9, 10]])
   tokens = jnp.array([[11, 12], [13, 2], [14, 15], [16, 17]])
-  seqs = sampling.build_packed_sequences(ids, ids > 0, tokens, tokens > 0, group_size=2)
+  seqs = sequences.build_packed_sequences(ids, ids > 0, tokens, tokens > 0, group_size=2)
   np.testing.assert_array_equal(seqs["input_ids"][0], [0, 0, 5, 6, 11, 12, 13, 2])
   # Prompt 0 has 2 real tokens at positions 0, 1; each of its completions continues at 2, 3.
   np.testing.assert_array_equal(seqs["positions"][0], [0, 0, 0, 1, 2, 3, 2, 3])
@@ -176,9 +176,9 @@ def test_a_train_step_through_the_shared_prefix_equals_the_full_layout(
   tiny = tiny_steps(overrides, num_devices=1)
   assert step_lib.uses_shared_prefix(tiny.config, tiny.mesh)
   packed_calls = []
-  build_packed = sampling.build_packed_sequences
+  build_packed = sequences.build_packed_sequences
   monkeypatch.setattr(
-    sampling,
+    sequences,
     "build_packed_sequences",
     lambda *args: packed_calls.append(1) or build_packed(*args),
   )

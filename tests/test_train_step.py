@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ebpo_jax import sampling
+from ebpo_jax import sequences
 from ebpo_jax.models import Decoder, ModelConfig, lora
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer import step as step_lib
@@ -76,7 +76,7 @@ def test_sequences_put_completions_after_left_padded_prompts():
   ids = jnp.array([[0, 0, 5, 6], [7, 8, 9, 10]])
   mask = ids > 0
   tokens = jnp.array([[11, 12], [13, 2], [14, 15], [16, 17]])
-  seqs = sampling.build_sequences(ids, mask, tokens, tokens > 0, group_size=2)
+  seqs = sequences.build_sequences(ids, mask, tokens, tokens > 0, group_size=2)
   # Prompt 0 has 2 real tokens at positions 0, 1; its completions continue at 2, 3.
   np.testing.assert_array_equal(seqs["positions"][0], [0, 0, 0, 1, 2, 3])
   np.testing.assert_array_equal(seqs["positions"][3], [0, 1, 2, 3, 4, 5])
@@ -207,7 +207,7 @@ def test_a_sharded_lora_step_on_8_devices_equals_1(tiny_steps):
 
 def _on_policy(step, state, batch: dict) -> dict:
   """`batch` with old_logps the policy's own (as the sampler computes them: no dropout)."""
-  seqs = sampling.build_sequences(
+  seqs = sequences.build_sequences(
     batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["completion_mask"], step.G
   )
   logprobs = jax.jit(functools.partial(step_lib.completion_logprobs, step.model))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ebpo_jax import data, metrics, sampling
+from ebpo_jax import data, metrics, sequences
 from ebpo_jax.models import lora
 from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import state as state_lib
@@ -116,7 +116,7 @@ def test_lora_sampler_logps_equal_the_trainers_on_the_first_ppo_iteration(tiny_s
   batch, _, _ = rollouts_lib.collect_batch(sampler, policy, keys, rows, batches)
   sampler.pool.close()
   mask = np.asarray(batch["completion_mask"])
-  seqs = sampling.build_sequences(
+  seqs = sequences.build_sequences(
     batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["completion_mask"], tiny.G
   )
   trainer = np.asarray(step_lib.completion_logprobs(tiny.model, policy, seqs))

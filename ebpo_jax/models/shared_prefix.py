@@ -3,11 +3,11 @@
 A GRPO-style batch holds G completions per prompt. Under a causal decoder a prompt's activations do
 not depend on its completions, so the training forward need not run each prompt G times: row b of
 a packed batch `[B, P + G * N]` holds prompt b (P tokens, left-padded) followed by its G
-completions (N tokens each; `sampling.build_packed_sequences`). The per-token parts of a layer
+completions (N tokens each; `sequences.build_packed_sequences`). The per-token parts of a layer
 (norms, projections, MLP) run on the packed rows as they are; attention splits them: the prompt
 attends causally over itself, and each completion over its prompt's keys (the same P keys for all
 G) then its own N keys, causally. The logits at valid positions equal those of the G full
-sequences prompt + completion (`sampling.build_sequences`), and the gradient sums over the G uses
+sequences prompt + completion (`sequences.build_sequences`), and the gradient sums over the G uses
 of each prompt; at a batch of 8 prompts x G=4 with P = N = 32 the layers run 37.5% fewer tokens.
 
 Logits at masked positions (pads, a completion's tail after it stopped) are not those of the full

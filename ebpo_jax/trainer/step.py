@@ -18,7 +18,7 @@ import ml_collections
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ebpo_jax import advantages, losses, models, sampling, sharding
+from ebpo_jax import advantages, losses, models, sequences, sharding
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.trainer.state import TrainState, learning_rate, learning_rate_schedule, step_keys
 
@@ -55,7 +55,7 @@ def completion_logits(
   only); with `dropout_key`, the LoRA adapters' inputs are dropped out (`model.lora.dropout`: the
   training forward only).
 
-  `seqs` in either layout of `sampling`: one row per completion (`build_sequences`), or one per
+  `seqs` in either layout of `sequences`: one row per completion (`build_sequences`), or one per
   prompt with its G completions packed after it (`build_packed_sequences`: the shared-prefix
   forward, each prompt run once), told apart by G = rows of `targets` / rows of `input_ids`."""
   (rows, n), (seq_rows, seq_len) = seqs["targets"].shape, seqs["input_ids"].shape
@@ -171,7 +171,7 @@ def uses_shared_prefix(config: ml_collections.ConfigDict, mesh: Mesh | None) -> 
 def _sequences(batch: dict, group_size: int, shared: bool) -> tuple[dict, dict]:
   """The batch's sequences as (per-row arrays [R, ...], per-prompt arrays [B, ...]): in the
   shared-prefix layout (`shared`) the model's inputs are per prompt, else all is per row."""
-  build = sampling.build_packed_sequences if shared else sampling.build_sequences
+  build = sequences.build_packed_sequences if shared else sequences.build_sequences
   seqs = build(
     batch["prompt_ids"],
     batch["prompt_mask"],

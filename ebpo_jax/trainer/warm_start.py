@@ -17,7 +17,7 @@ import numpy as np
 import optax
 import tqdm
 
-from ebpo_jax import checkpoint, files, models, sampling
+from ebpo_jax import checkpoint, files, models, sequences
 from ebpo_jax.trainer import policy as policy_lib
 from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import state as state_lib
@@ -98,7 +98,7 @@ def warm_start(
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def sft_step(params, opt_state, batch):
     def loss_fn(p):
-      seqs = sampling.build_sequences(
+      seqs = sequences.build_sequences(
         batch["prompt_ids"], batch["prompt_mask"], batch["targets"], batch["target_mask"], 1
       )
       logps = completion_logprobs(model, p, seqs)
