@@ -353,10 +353,10 @@ def test_tpu_pod_stops_when_the_tpu_compiler_says_the_config_does_not_fit(tmp_pa
   assert "RESOURCE_EXHAUSTED" in report["sampler"]["compile_error"]
 
 
-def test_the_readme_dry_run_line_works_as_printed():
+def test_the_docs_dry_run_line_works_as_printed():
   (line,) = [
     ln.strip()
-    for ln in (REPO / "README.md").read_text().splitlines()
+    for ln in (REPO / "docs" / "hosts.md").read_text().splitlines()
     if "DRY_RUN=1" in ln and "launch/tpu_pod.sh" in ln
   ]
   words = shlex.split(line, comments=True)

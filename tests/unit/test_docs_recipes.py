@@ -1,6 +1,7 @@
-"""The README's three recipes (a reward, a task, an estimator) work as written: their code, taken
-from the README, runs here with the registries patched as the recipes' one-line edits would patch
-them (the trainer runs of the recipes are the e2e test of rewards.fns and `:runlocal`)."""
+"""The three recipes of docs/extending.md (a reward, a task, an estimator) work as written: their
+code, taken from the page, runs here with the registries patched as the recipes' one-line edits
+would patch them (the trainer runs of the recipes are the e2e test of rewards.fns and
+`:runlocal`)."""
 
 import pathlib
 import shlex
@@ -15,14 +16,14 @@ from ebpo_jax.advantages import estimators, registry
 from ebpo_jax.tasks import reward_fns
 from ebpo_jax.tasks.arithmetic import score_arithmetic
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-SECTION = (ROOT / "README.md").read_text().split("## Extending", 1)[1].split("\n## ", 1)[0]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PAGE = (ROOT / "docs" / "extending.md").read_text()
 
 
 def block(first_line: str) -> str:
-  """The README code (4-space indented lines) from the line after `first_line` to the next
+  """The page's code (4-space indented lines) from the line after `first_line` to the next
   comment line, command or prose."""
-  lines = SECTION.splitlines()
+  lines = PAGE.splitlines()
   start = next(i for i, line in enumerate(lines) if line.strip() == first_line) + 1
   out = []
   for line in lines[start:]:
@@ -34,8 +35,8 @@ def block(first_line: str) -> str:
 
 
 def command(word: str) -> list[str]:
-  """The README command (continued lines joined) that holds `word`, split as a shell would."""
-  text = SECTION.replace("\\\n", " ")
+  """The page's command (continued lines joined) that holds `word`, split as a shell would."""
+  text = PAGE.replace("\\\n", " ")
   (line,) = [ln for ln in text.splitlines() if "python -m ebpo_jax.train" in ln and word in ln]
   return shlex.split(line)
 
