@@ -455,7 +455,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="session")
 def gcs_emulator() -> str:
   """A Google Cloud Storage API on loopback (`gcp-storage-emulator`, started by
-  tests/gcs_emulator.py, in memory, one per xdist worker) with the bucket GCS_BUCKET; this process
+  tests/helpers/gcs_emulator.py, in memory, one per xdist worker) with the bucket GCS_BUCKET; this process
   and its children use it (gcsfs and google-cloud-storage follow STORAGE_EMULATOR_HOST,
   tensorstore TENSORSTORE_GCS_HTTP_URL). Returns its URL."""
   port = _free_port()
@@ -463,7 +463,7 @@ def gcs_emulator() -> str:
   server = subprocess.Popen(
     [
       sys.executable,
-      str(ROOT / "tests" / "gcs_emulator.py"),  # the emulator with GCS's generation headers
+      str(ROOT / "tests" / "helpers" / "gcs_emulator.py"),  # the emulator with GCS's generation headers
       "start",
       "--host=localhost",
       f"--port={port}",

@@ -151,7 +151,7 @@ def test_kill_9_and_sigterm_at_four_moments_then_resume_equals_a_straight_run(
 
   def stopped_at(moment: str, status: int):
     args = ("--config=configs/arith_ebpo.py:runlocal", f"--workdir={tmp_path}")
-    result = module_cli("tests/killed_trainer.py", moment, *args, "--config.train.num_steps=4")
+    result = module_cli("tests/helpers/killed_trainer.py", moment, *args, "--config.train.num_steps=4")
     assert result.returncode == status, result.stderr[-3000:]
     assert (status != 143) or "SIGTERM: the checkpoint of step 3 is the latest" in result.stderr
     return [(m["step"], "eval/accuracy" in m) for m in read(tmp_path)]
@@ -181,7 +181,7 @@ def test_a_lora_run_stopped_and_resumed_equals_a_straight_run(
   overrides = [f"--config.{k}={v}" for k, v in lora_overrides.items()]
   overrides.append("--config.train.num_steps=4")
   args = ("--config=configs/arith_ebpo.py:runlocal", f"--workdir={tmp_path}", *overrides)
-  stopped = module_cli("tests/killed_trainer.py", "term:2", *args)
+  stopped = module_cli("tests/helpers/killed_trainer.py", "term:2", *args)
   assert stopped.returncode == 143, stopped.stderr[-3000:]
   assert [m["step"] for m in read(tmp_path)] == [0, 1, 2]
   finished = trainer_cli(tmp_path, *overrides)

@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
 SEARCHED = ("tests", "bench", "ebpo_jax", "notebooks")
 _NAMES = r"(?:\((?P<paren>[^)]*)\)|(?P<line>[^\n#]*))"
 _FROM_PACKAGE = re.compile(r"^\s*from\s+ebpo_jax\s+import\s+" + _NAMES, re.MULTILINE)

@@ -1,6 +1,6 @@
-"""`python -m ebpo_jax.train`, SIGKILLed at one chosen moment (tests/test_train.py's kill -9 test).
+"""`python -m ebpo_jax.train`, SIGKILLed at a chosen moment (the kill -9 test of e2e/test_train.py).
 
-    python tests/killed_trainer.py POINT:STEP --config=... --workdir=... [--config.K=V ...]
+    python tests/helpers/killed_trainer.py POINT:STEP --config=... --workdir=... [--config.K=V ...]
 
 POINT is `eval` (the evaluation line of STEP has just reached metrics.jsonl, its checkpoint not
 yet started), `save` (the checkpoint of STEP has just started: orbax is writing it in the

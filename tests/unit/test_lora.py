@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_decoder import BASE, init_params
 
 from ebpo_jax.models import Decoder, init_cache, lora
 from ebpo_jax.models.decoder import unstack_layers
+from tests.helpers.tiny_decoder import BASE, init_params
 
 LORA = dataclasses.replace(BASE, lora_rank=4, lora_alpha=8.0)
 

@@ -8,13 +8,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from tiny_decoder import BASE, init_params
 
 from ebpo_jax import losses, sequences, sharding
 from ebpo_jax.models import Decoder, ModelConfig, PrefixGroups
 from ebpo_jax.models.decoder import unstack_layers
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer import step as step_lib
+from tests.helpers.tiny_decoder import BASE, init_params
 
 B, G, P, N = 3, 2, 6, 5
 VARIANTS = {

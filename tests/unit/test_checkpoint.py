@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ebpo_jax import checkpoint
+from tests.helpers import ROOT
 
 
 class Prior(NamedTuple):
@@ -194,7 +195,7 @@ def test_checkpoint_killed_mid_save_is_never_latest(tmp_path):
     capture_output=True,
     text=True,
     timeout=120,
-    cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    cwd=ROOT,
   )
   assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
   leftovers = sorted(os.listdir(directory))

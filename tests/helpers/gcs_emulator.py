@@ -1,6 +1,6 @@
 """`gcp-storage-emulator` with the generation headers that Google Cloud Storage sends on a download.
 
-  python tests/gcs_emulator.py start --host=localhost --port=PORT --in-memory --default-bucket=B
+  python tests/helpers/gcs_emulator.py start --host=HOST --port=PORT --in-memory --default-bucket=B
 
 The same command line as `gcp-storage-emulator`. Real GCS answers an object download with
 `x-goog-generation` and `x-goog-metageneration`; the emulator leaves them out. tensorstore (under

@@ -3,7 +3,6 @@ reasoning-gym, jsonl, answer extraction."""
 
 import inspect
 import json
-import pathlib
 import pickle
 
 import numpy as np
@@ -16,8 +15,7 @@ from ebpo_jax.tasks.base import answers_match, split_of
 from ebpo_jax.tasks.tokenizers import ByteTokenizer
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import workdir as workdir_lib
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
 
 # ------------------------------------------------------------------------------ arithmetic
 

@@ -1,4 +1,4 @@
-"""The tiny decoder that tests/test_lora.py and tests/test_shared_prefix.py share, and its params
+"""The tiny decoder that tests/unit/test_lora.py and test_shared_prefix.py share, and its params
 built in one compiled program (imported by those tests, not collected: no test_ prefix)."""
 
 import flax.linen as nn

@@ -1,0 +1,1 @@
+"""The fast tier: `python -m pytest -m "not e2e"` runs these."""
