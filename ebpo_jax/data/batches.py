@@ -1,4 +1,4 @@
-"""Infinite, resumable grain iterators over batches of row indices, in three orders.
+"""Infinite, resumable grain iterators over batches of row indices, in four orders.
 
 Every batch is a pure function of (seed, batch number): the pipeline is
 `grain.MapDataset.range(N).map(BatchIndexer)`, so the iterator state is one position and
@@ -15,6 +15,11 @@ Orders:
   than a batch wraps around into its next epoch). The EBPO paper's topic streams.
 - `curriculum`: every epoch sorted by difficulty, easy (low) to hard (high), ties shuffled.
   Needs a finite difficulty on every row (e.g. 1 - pass rate of the base model).
+- `sampled`: every batch drawn uniformly with replacement, batch k being draw k of one NumPy
+  generator seeded by `seed` (`default_rng(seed).integers(0, N, batch_size)`, draw after draw):
+  the supervised warm start's batches. Not an RL order (`data.order` takes the three above): a row
+  may repeat within a batch and epochs mean nothing. Reaching batch k replays the draws before it
+  (sequential reads are one draw each).
 """
 
 from collections.abc import Callable, Sequence
@@ -23,7 +28,8 @@ from typing import Any
 import grain
 import numpy as np
 
-ORDERS = ("shuffle", "clustered", "curriculum")
+ORDERS = ("shuffle", "clustered", "curriculum")  # config.data.order's
+_SAMPLED = "sampled"  # the warm start's order (make_batches only)
 _NUM_BATCHES = 2**40  # "infinite": a trillion batches
 _MAX_BATCH_SIZE = 2**20  # keeps stream positions (batch number * batch size) inside int64
 _CACHE_SIZE = 64  # permutations kept, enough for the epochs of a few consecutive batches
@@ -88,6 +94,7 @@ class BatchIndexer:
     self.num_rows, self.batch_size, self.order = num_rows, batch_size, order
     self.seed, self.run_length = seed, run_length
     self._cache: dict[tuple[int, ...], np.ndarray] = {}
+    self._draws: tuple[int, np.random.Generator] | None = None  # (next batch number, generator)
     if order == "clustered":
       ids = _checked_cluster_ids(cluster_ids, num_rows)
       self.clusters = np.unique(ids)  # the non-empty clusters, in increasing id order
@@ -98,6 +105,8 @@ class BatchIndexer:
   def __call__(self, batch_number: int) -> np.ndarray:
     if self.order == "clustered":
       return self._clustered_batch(batch_number).astype(np.int32)
+    if self.order == _SAMPLED:
+      return self._sampled_batch(batch_number).astype(np.int32)
     perm = self._shuffled_epoch if self.order == "shuffle" else self._sorted_epoch
     start = batch_number * self.batch_size
     return _take(start, self.batch_size, self.num_rows, perm).astype(np.int32)
@@ -115,6 +124,18 @@ class BatchIndexer:
       )
 
     return _take(visit * self.batch_size, self.batch_size, len(members), perm)
+
+  def _sampled_batch(self, batch_number: int) -> np.ndarray:
+    """Draw `batch_number` of the generator seeded by `seed`, from where the last call left it
+    (or, going back, from the start)."""
+    if self._draws is None or self._draws[0] > batch_number:
+      self._draws = (0, np.random.default_rng(self.seed))
+    done, rng = self._draws
+    for _ in range(batch_number - done):
+      rng.integers(0, self.num_rows, self.batch_size)
+    batch = rng.integers(0, self.num_rows, self.batch_size)
+    self._draws = (batch_number + 1, rng)
+    return batch
 
   def _shuffled_epoch(self, epoch: int) -> np.ndarray:
     return self._cached((epoch,), lambda: self._permutation((epoch,), self.num_rows))
@@ -152,8 +173,8 @@ def _take(start: int, count: int, n: int, epoch_perm: Callable[[int], np.ndarray
 
 
 def _check_args(num_rows: int, batch_size: int, order: str, seed: int, run_length: int) -> None:
-  if order not in ORDERS:
-    raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
+  if order not in (*ORDERS, _SAMPLED):
+    raise ValueError(f"order must be one of {(*ORDERS, _SAMPLED)}, got {order!r}")
   if not isinstance(num_rows, int) or num_rows < 1:
     raise ValueError(f"need at least one row, got {num_rows!r}")
   if not isinstance(batch_size, int) or not 1 <= batch_size <= _MAX_BATCH_SIZE:
