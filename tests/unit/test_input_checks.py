@@ -112,24 +112,6 @@ def test_intact_model_directory_passes_the_file_check(arith_config, tmp_path):
   config_lib.check_model_path(arith_config({"model.path": str(_model_dir(tmp_path))}))
 
 
-@pytest.mark.e2e
-def test_cli_typo_in_a_config_key_is_one_line_with_the_suggestion(trainer_cli, tmp_path):
-  result = trainer_cli(tmp_path, "--config.train.num_step=3", timeout=120)
-  assert result.returncode == 2, result.stderr[-3000:]
-  assert result.stderr.strip() == (
-    "error: --config.train.num_step=3: no config key train.num_step; did you mean train.num_steps?"
-  )
-
-
-@pytest.mark.e2e
-@pytest.mark.parametrize("module", ["ebpo_jax.evaluate", "ebpo_jax.difficulty", "ebpo_jax.ablate"])
-def test_every_config_entry_point_reports_a_key_typo_in_one_line(module_cli, module):
-  args = ["--config=configs/arith_ebpo.py:runlocal", "--config.sed=1"]
-  result = module_cli(module, *args, devices=1, timeout=120)
-  assert result.returncode == 2, result.stderr[-3000:]
-  assert result.stderr.strip() == "error: --config.sed=1: no config key sed; did you mean seed?"
-
-
 # ----------------------------------------------------------------------------- data rows
 
 GOOD = b'{"prompt": "1+1=", "answer": "2"}\n'
@@ -272,15 +254,3 @@ def test_prompts_per_call_must_split_over_the_data_devices(arith_config):
     config_lib.check_config(config, num_devices=8)
   config_lib.check_config(arith_config({"sampling.prompts_per_call": 208}), num_devices=8)
   config_lib.check_config(config, num_devices=2)  # data x fsdp = 2
-
-
-@pytest.mark.e2e
-def test_print_config_prints_the_resolved_config_and_exits(trainer_cli, tmp_path):
-  result = trainer_cli(
-    tmp_path / "run", "--config.rl.group_size=8", "--config.seed=3", "--print_config", timeout=120
-  )
-  assert result.returncode == 0, result.stderr[-2000:]
-  printed = json.loads(result.stdout)
-  assert printed["rl"]["group_size"] == 8 and printed["seed"] == 3
-  assert printed["task"]["name"] == "arithmetic" and "checkpoint" in printed
-  assert not (tmp_path / "run").exists()  # nothing written, nothing compiled

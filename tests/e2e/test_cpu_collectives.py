@@ -17,8 +17,6 @@ import textwrap
 
 import pytest
 
-from ebpo_jax import sharding
-
 # Many small data-parallel steps (scan + gradient all-reduce) dispatched back to back, as the
 # warm start does, inside the entry points' frame. Before the fix it aborted in 1 of 2 runs of 400
 # steps and in each of 3 runs of 1500-3000 steps; 3000 take about 20 seconds after it.
@@ -67,31 +65,6 @@ def test_back_to_back_collectives_on_8_cpu_devices_do_not_abort():
   )
   assert result.returncode == 0, result.stderr[-2000:]
   assert result.stdout.startswith("done 8 "), result.stdout
-
-
-@pytest.mark.parametrize(
-  "env, expected",
-  [
-    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}, "16"),
-    ({"XLA_FLAGS": "--foo=1 --xla_force_host_platform_device_count=4", "NPROC": "2"}, "8"),
-    ({"JAX_NUM_CPU_DEVICES": "8"}, "16"),
-    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PJRT_NPROC": "12"}, "12"),
-    ({}, None),  # one CPU device (or an accelerator): XLA's own sizing
-    ({"XLA_FLAGS": "--xla_force_host_platform_device_count=1"}, None),
-  ],
-)
-def test_size_cpu_thread_pools(env, expected, monkeypatch):
-  monkeypatch.setattr(os, "cpu_count", lambda: 2)
-  env = dict(env)
-  sharding.size_cpu_thread_pools(env)
-  assert env.get("PJRT_NPROC") == expected
-
-
-def test_size_cpu_thread_pools_keeps_more_cores(monkeypatch):
-  monkeypatch.setattr(os, "cpu_count", lambda: 64)
-  env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-  sharding.size_cpu_thread_pools(env)
-  assert env["PJRT_NPROC"] == "64"
 
 
 @pytest.mark.e2e

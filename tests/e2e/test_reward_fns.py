@@ -1,0 +1,40 @@
+"""A reward function of `config.rewards` in the trainer (a process): logged beside math-verify."""
+
+import os
+
+import pytest
+
+from ebpo_jax import metrics
+
+# ------------------------------------------------------------------------------ in the trainer
+
+REWARD_MODULE = '''
+def short(completions, rows, **extras):
+  """1.0 for a completion of at most 2 characters (a 1- or 2-digit sum), else 0.0."""
+  return [float(len(c) <= 2) for c in completions]
+'''
+
+
+@pytest.mark.e2e
+def test_trainer_logs_a_reward_function_beside_math_verify(trainer_cli, tmp_path, monkeypatch):
+  # A reward module that only the trainer's PYTHONPATH finds, weight 0.5 beside the built-in
+  # math_verify (in worker processes: it times out with signals).
+  (tmp_path / "my_rewards.py").write_text(REWARD_MODULE)
+  monkeypatch.setenv(
+    "PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+  )
+  result = trainer_cli(
+    tmp_path / "run",
+    "--config.rewards.fns=math_verify, 0.5*my_rewards:short",
+    "--config.rewards.workers=1",
+    "--config.train.num_steps=1",
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  train = [m for m in metrics.read_metrics(tmp_path / "run") if "reward/mean" in m]
+  assert len(train) == 1
+  line = train[0]
+  assert line["reward/errors"] == 0
+  # The weighted total: 1 x math_verify + 0.5 x short, averaged (no None, no overlong penalty).
+  expected = line["reward/math_verify"] + 0.5 * line["reward/short"]
+  assert line["reward/mean"] == pytest.approx(expected, abs=1e-6)
+  assert 0 < line["reward/short"] <= 1
