@@ -54,18 +54,15 @@ stored in bfloat16, the compute dtype, and the KL reference is that same base wi
 off (no copy). Per-chip memory with LoRA: bench/MEMORY.md, "LoRA".
 """
 
-import importlib.util
 import pathlib
 from typing import NamedTuple
 
 import ml_collections
 
-# configs/ is not a package and the loaders import a config by path: load its sibling by path too.
-_spec = importlib.util.spec_from_file_location(
-  "common", pathlib.Path(__file__).with_name("common.py")
-)
-common = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(common)
+from ebpo_jax import cli
+
+# configs/ is not a package: its sibling common.py is loaded by path, as every config is.
+common = cli.load_module(pathlib.Path(__file__).with_name("common.py"))
 
 MODELS = {  # the checkpoints' config.json values
   "qwen3_8b": {

@@ -26,23 +26,15 @@ to everything (format reward 0 -> 1.0, held-out avg@8 0.016 -> 0.019 at step 12)
   python -m ebpo_jax.train --config=configs/smollm2_135m_cpu.py:runlocal --workdir=/tmp/smol_cpu1
 """
 
-import importlib.util
 import pathlib
 
 import ml_collections
 
+from ebpo_jax import cli
 
-def _sibling(name: str):
-  """configs/ is not a package and the loaders import a config by path: load siblings by path."""
-  path = pathlib.Path(__file__).with_name(name + ".py")
-  spec = importlib.util.spec_from_file_location(name, path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-common = _sibling("common")
-smollm2 = _sibling("smollm2_135m_ebpo")
+# configs/ is not a package: its siblings are loaded by path, as every config is.
+common = cli.load_module(pathlib.Path(__file__).with_name("common.py"))
+smollm2 = cli.load_module(pathlib.Path(__file__).with_name("smollm2_135m_ebpo.py"))
 
 _ONE_DIGIT_PAIR = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
 

@@ -39,17 +39,14 @@ is 1 up to rounding), half the base's memory, and a forward + backward of runloc
 that base with the adapters off; checkpoints hold the adapters.
 """
 
-import importlib.util
 import pathlib
 
 import ml_collections
 
-# configs/ is not a package and the loaders import a config by path: load its sibling by path too.
-_spec = importlib.util.spec_from_file_location(
-  "common", pathlib.Path(__file__).with_name("common.py")
-)
-common = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(common)
+from ebpo_jax import cli
+
+# configs/ is not a package: its sibling common.py is loaded by path, as every config is.
+common = cli.load_module(pathlib.Path(__file__).with_name("common.py"))
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:

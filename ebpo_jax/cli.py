@@ -1,23 +1,35 @@
-"""The command lines' one flag library, absl: a CLI's flags in-process as under `python -m`.
+"""The command lines' frame: one flag library (absl), the config flags, bad input as one line.
 
 A command line that is also called as a function (`simulate.main([...])` from a test or a
 notebook) declares its flags once, in a function `define(flag_values)`; `run(define, main)` is its
 `python -m` (absl parses the command line, `--help` lists the flags as the module's own) and
 `parse(define, argv)` gives `main(argv)` the same flags, checks and messages in-process. A bad flag
-is one line `error: flag --NAME=VALUE: why` and exit status 2, as a bad config value is
-(`ebpo_jax.trainer.config.entry_point`).
+is one line `error: flag --NAME=VALUE: why` and exit status 2, as a bad input (`BadInput`: a config
+value, a data row, a policy to load) is under `entry_point`.
+
+The entry points that read a config (train, evaluate, difficulty, aot, ablate) declare
+`--config=FILE.py[:ARG]` with `define_config_flags` and parse with `parse_flags`; `load_config` is
+the one loader of a config file by path (the configs load `configs/common.py` with `load_module`).
 """
 
+import contextlib
+import difflib
+import importlib.util
 import logging as std_logging
 import os
 import sys
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
+import ml_collections
 from absl import app, flags, logging
+from ml_collections import config_flags
 
-BAD_FLAG_STATUS = 2
+from ebpo_jax import jsonable, process
+from ebpo_jax.errors import BadInput, ConfigError
+
+BAD_INPUT_STATUS = 2  # the exit status of a bad flag or a bad input (never a traceback)
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
@@ -27,16 +39,54 @@ Define = Callable[[flags.FlagValues], None]
 def usage_error(message: str) -> NoReturn:
   """Exits with `error: <message>` on stderr and status 2 (a SystemExit in-process)."""
   print(f"error: {message}", file=sys.stderr, flush=True)
-  sys.exit(BAD_FLAG_STATUS)
+  sys.exit(BAD_INPUT_STATUS)
 
 
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's FLAGS parsed from `argv` (pass as `app.run(main, flags_parser=parse_flags)`); a bad
-  flag is one line and status 2 (absl's parser prints `FATAL Flags parsing error`, exits 1)."""
+  flag is one line and status 2 (absl's parser prints `FATAL Flags parsing error`, exits 1), and
+  so is a `--config.KEY` override that names no key of the config file, with the closest key
+  (ml_collections raises a long traceback from inside the parser)."""
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
     usage_error(str(e))
+  except (AttributeError, KeyError, TypeError):
+    problem = _unknown_override(argv)
+    if problem is None:
+      raise
+    usage_error(problem)
+
+
+def _unknown_override(argv: Sequence[str]) -> str | None:
+  """The first `--config.KEY=VALUE` of `argv` whose KEY the `--config=` file lacks, described with
+  the closest known key; None when every key exists (or the config file does not load)."""
+  spec = _flag_value(argv, "--config")
+  if spec is None:
+    return None
+  try:
+    known = set(flat_keys(load_config(spec)))
+  except Exception:  # the file's own error is absl's to report
+    return None
+  for arg in argv:
+    if not arg.startswith("--config."):
+      continue
+    key = arg.removeprefix("--config.").split("=", 1)[0]
+    if key not in known and not any(k.startswith(key + ".") for k in known):
+      close = difflib.get_close_matches(key, sorted(known), n=1)
+      hint = f"; did you mean {close[0]}?" if close else ""
+      return f"{arg}: no config key {key}{hint}"
+  return None
+
+
+def _flag_value(argv: Sequence[str], flag: str) -> str | None:
+  """The value of `flag` in `argv`, given as `FLAG=VALUE` or as `FLAG VALUE`."""
+  for i, arg in enumerate(argv):
+    if arg.startswith(flag + "="):
+      return arg.split("=", 1)[1]
+    if arg == flag and i + 1 < len(argv):
+      return argv[i + 1]
+  return None
 
 
 def parse(define: Define, argv: Sequence[str] | None) -> types.SimpleNamespace:
@@ -96,3 +146,77 @@ def set_verbosity(verbosity: int) -> None:
   for old in [f for f in handler.filters if isinstance(f, _ProjectInfo)]:
     handler.removeFilter(old)
   handler.addFilter(_ProjectInfo(logging.converter.absl_to_standard(verbosity)))
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+@contextlib.contextmanager
+def entry_point(verbosity: int = logging.WARNING) -> Iterator[None]:
+  """The frame of every command-line entry point: absl logging at `verbosity` for other libraries
+  (orbax logs each save at INFO; the project's own INFO lines are shown, `set_verbosity`),
+  `jax.distributed` joined when the environment asks for it, and a bad input (BadInput) turned
+  into `error: <message>` and exit status 2 (BAD_INPUT_STATUS); on N fake CPU devices, XLA:CPU
+  thread pools that fit them (`process.size_cpu_thread_pools`)."""
+  set_verbosity(verbosity)
+  try:
+    process.size_cpu_thread_pools()  # 8 CPU devices on 2 cores: no rendezvous abort
+    process.init_distributed()
+    yield
+  except BadInput as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(BAD_INPUT_STATUS)
+
+
+def define_config_flags() -> tuple[flags.FlagHolder, flags.FlagHolder]:
+  """`--config=FILE.py[:ARG]` (required; `--config.KEY=VALUE` overrides) and `--print_config`,
+  in absl's FLAGS: the flags of every entry point that reads a config. The entry point adopts
+  them (`flags.adopt_module_key_flags(cli)`) so that its `--help` lists them."""
+  config = config_flags.DEFINE_config_file("config", None, "Experiment config file: FILE.py[:ARG].")
+  flags.mark_flag_as_required("config")
+  print_config = flags.DEFINE_bool(
+    "print_config",
+    False,
+    "Print the resolved config (the file and its --config.* overrides) as JSON and exit; "
+    "nothing is compiled or written.",
+  )
+  return config, print_config
+
+
+def print_config(config: ml_collections.ConfigDict) -> None:
+  """`--print_config`: the resolved config as JSON on stdout, as config.json holds it."""
+  print(jsonable.dumps(config, indent=1, sort_keys=True), flush=True)
+
+
+def load_module(path: str | os.PathLike) -> types.ModuleType:
+  """The Python module of a config file (its `get_config` and any tables it defines), loaded by
+  path: configs/ is not a package (a config loads its sibling configs/common.py with this too)."""
+  path = os.fspath(path)
+  spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+  if spec is None or not os.path.isfile(path):
+    raise ConfigError(f"config file {path!r} not found")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def load_config(
+  spec: str | os.PathLike, overrides: Mapping[str, Any] | None = None
+) -> ml_collections.ConfigDict:
+  """The ConfigDict of `configs/NAME.py[:ARG]` (what `--config=` takes), with `overrides`
+  (dotted keys, e.g. {"rl.group_size": 4}) applied as `--config.KEY=VALUE` would."""
+  path, _, arg = os.fspath(spec).partition(":")
+  config = load_module(path).get_config(arg or None)
+  if overrides:
+    config.update_from_flattened_dict(dict(overrides))
+  return config
+
+
+def flat_keys(config: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+  """Every dotted key of `config` (nested ConfigDicts descended, their own keys included)."""
+  keys = []
+  for name, value in config.items():
+    keys.append(prefix + name)
+    if isinstance(value, ml_collections.ConfigDict):
+      keys += flat_keys(value, f"{prefix}{name}.")
+  return keys

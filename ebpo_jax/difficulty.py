@@ -25,11 +25,11 @@ import numpy as np
 import tqdm
 from absl import app, flags, logging
 
-from ebpo_jax import data, files, sharding, tasks
+from ebpo_jax import cli, data, files, jsonable, sharding, tasks
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import policy as policy_lib
 from ebpo_jax.trainer import rollouts as rollouts_lib
-from ebpo_jax.trainer import state as state_lib
+from ebpo_jax.trainer import task_rows
 
 # Prompts per sampler call when the config says all at once (0): the unit of progress kept.
 DEFAULT_PROMPTS_PER_CALL = 64
@@ -95,11 +95,11 @@ def run(
   when every row is measured, and the partial file removed.
   """
   if k < 1:
-    raise config_lib.PolicyError(f"--k={k}: must be >= 1")
+    raise policy_lib.PolicyError(f"--k={k}: must be >= 1")
   if not output_path.endswith(".jsonl"):
-    raise config_lib.PolicyError(f"--output={output_path}: must end in .jsonl")
+    raise policy_lib.PolicyError(f"--output={output_path}: must end in .jsonl")
   if run_dir is None and step is not None:
-    raise config_lib.PolicyError(f"--step={step} needs --run_dir")
+    raise policy_lib.PolicyError(f"--step={step} needs --run_dir")
   config, step = policy_lib.policy_config(config, run_dir, step)
   policy_lib.check_policy_source(config, run_dir)
   config_lib.check_config(config, jax.device_count())
@@ -110,14 +110,14 @@ def run(
     config.sampling.prompts_per_call = -(-DEFAULT_PROMPTS_PER_CALL // shards) * shards
   chunk = config.sampling.prompts_per_call or len(rows)
   task = tasks.from_config(config.task)
-  tokenizer = state_lib.load_tokenizer(config, task)
+  tokenizer = task_rows.load_tokenizer(config, task)
   model, params, origin = policy_lib.load_policy(config, tokenizer, mesh, run_dir, step)
   is_main, partial_path = jax.process_index() == 0, output_path + ".partial"
   header = {
     "difficulty_of": files.abspath(input_path),
     "k": k,
     "params": origin,
-    "config": config_lib.config_json(config),
+    "config": jsonable.to_data(config),
   }
   # Several processes would each have to read the same partial file: they start afresh.
   out = read_partial(partial_path, header, rows) if jax.process_count() == 1 else []
@@ -129,7 +129,7 @@ def run(
     print(f"{partial_path}: another input, k, policy or config measured it; starting over")
   sampler = rollouts_lib.make_sampler(model, task, tokenizer, config, mesh)
   calls = math.ceil(len(rows) / chunk)
-  with sampler.pool:
+  with sampler.scorer.pool:
     batches = rollouts_lib.sample_and_score_batches(
       sampler, params, rows, num_samples=k, greedy=False, skip=done_calls
     )
@@ -155,20 +155,20 @@ def main(argv: Sequence[str]) -> None:
   del argv
   f = flags.FLAGS
   if f.print_config:
-    config_lib.print_config(f.config)
+    cli.print_config(f.config)
     return
   if f.input is None or f.output is None:
     raise app.UsageError("--input and --output are required")
-  with config_lib.entry_point(logging.ERROR):  # orbax warns about the items it skips
+  with cli.entry_point(logging.ERROR):  # orbax warns about the items it skips
     run(f.config, f.input, f.output, k=f.k, run_dir=f.run_dir, step=f.step)
 
 
 if __name__ == "__main__":
-  config_lib.define_config_flags()
-  flags.adopt_module_key_flags(config_lib)  # --help lists --config and --print_config
+  cli.define_config_flags()
+  flags.adopt_module_key_flags(cli)  # --help lists --config and --print_config
   flags.DEFINE_string("input", None, "Rows file (JSONL or Parquet) to measure.")
   flags.DEFINE_string("output", None, "Output JSONL: the rows with pass_rate and difficulty.")
   flags.DEFINE_integer("k", 8, "Rollouts per prompt.")
   flags.DEFINE_string("run_dir", None, "Trainer workdir whose checkpoint to measure.")
   flags.DEFINE_integer("step", None, "Checkpoint step of --run_dir (default: the latest).")
-  app.run(main, flags_parser=config_lib.parse_flags)  # a --config.KEY typo: one line
+  app.run(main, flags_parser=cli.parse_flags)  # a --config.KEY typo: one line

@@ -26,7 +26,6 @@ atomically (WORKDIR and the run directory may be `gs://bucket/...`), and prints 
 """
 
 import collections
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -38,14 +37,16 @@ import numpy as np
 import tqdm
 from absl import app, flags, logging
 
-from ebpo_jax import data, files, sharding, tasks
+from ebpo_jax import cli, data, files, jsonable, sharding, tasks
 from ebpo_jax import metrics as metrics_lib
+from ebpo_jax.errors import ConfigError
 from ebpo_jax.tasks import base as tasks_base
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import policy as policy_lib
+from ebpo_jax.trainer import prompts as prompts_lib
 from ebpo_jax.trainer import rollouts as rollouts_lib
-from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer import task_rows
+from ebpo_jax.trainer.rollout_options import EvalOptions
 
 EVAL_FILE = "eval.json"
 SAMPLES_FILE = "eval_samples.jsonl"
@@ -150,27 +151,6 @@ def answer_extractor(task: tasks.Task) -> Callable[[str], str]:
 # ----------------------------------------------------------------------------- files
 
 
-def _json_default(value: Any) -> Any:
-  if isinstance(value, np.generic | np.ndarray):
-    return value.tolist()
-  raise TypeError(f"{type(value).__name__} {value!r} is not JSON-able")
-
-
-def to_json(value: Any, **kwargs: Any) -> str:
-  """JSON of plain values, numpy scalars and arrays; non-finite floats become null."""
-  return json.dumps(_finite(value), default=_json_default, **kwargs)
-
-
-def _finite(value: Any) -> Any:
-  if isinstance(value, float) and not math.isfinite(value):
-    return None
-  if isinstance(value, dict):
-    return {k: _finite(v) for k, v in value.items()}
-  if isinstance(value, list | tuple):
-    return [_finite(v) for v in value]
-  return value
-
-
 def metrics_table(metrics: dict[str, Any]) -> str:
   """The overall, per-dataset and per-cluster metrics as one plain-text table."""
   rows = {"all": metrics["overall"]}
@@ -191,7 +171,7 @@ def eval_rows(config, task, tokenizer) -> tuple[list[dict], list[str], str]:
   file's rows are tokenized first, as the trainer's: one `FILE:LINE:` line per row that does not
   encode or fit the largest prompt bucket (dropped and counted with `data.skip_bad_rows`)."""
   if config.eval.path:
-    check = task_rows.row_checker(task, tokenizer, config.sampling.prompt_buckets)
+    check = prompts_lib.PromptEncoder.from_config(config, task, tokenizer).check
     rows, names, dropped = data.load_checked_rows(
       config.eval.path,
       check,
@@ -218,24 +198,25 @@ def run(
   run_dir = policy_lib.resolve_run_dir(run_dir, workdir, step)
   policy_lib.check_policy_source(config, run_dir)
   config, step = policy_lib.policy_config(config, run_dir, step)
-  k, greedy = rollouts_lib.eval_sampling(config)
+  eval_options = EvalOptions.from_config(config)
+  k, greedy = eval_options.num_samples, eval_options.greedy
   if k < 1:
-    raise config_lib.ConfigError(f"config.eval.num_samples={k!r}: must be >= 1")
+    raise ConfigError(f"config.eval.num_samples={k!r}: must be >= 1")
   config_lib.check_config(config, jax.device_count())
   mesh = sharding.make_mesh(dict(config.mesh))
   task = tasks.from_config(config.task)
-  tokenizer = state_lib.load_tokenizer(config, task)
+  tokenizer = task_rows.load_tokenizer(config, task)
   rows, cluster_names, rows_origin = eval_rows(config, task, tokenizer)
   model, params, origin = policy_lib.load_policy(config, tokenizer, mesh, run_dir, step)
   sampler = rollouts_lib.make_sampler(model, task, tokenizer, config, mesh)
-  with sampler.pool:
+  with sampler.scorer.pool:
     batches = rollouts_lib.sample_and_score_batches(
       sampler, params, rows, num_samples=k, greedy=greedy
     )
     calls = math.ceil(len(rows) / (config.sampling.prompts_per_call or len(rows)))
     bar = dict(total=calls, desc="evaluate", unit="call", disable=jax.process_index() != 0)
     texts, rewards, errors = rollouts_lib.join_batches(list(tqdm.tqdm(batches, **bar)))
-    error_examples = list(sampler.pool.last_errors)
+    error_examples = list(sampler.scorer.pool.last_errors)
   extract = answer_extractor(task)
   answers = [[extract(t) for t in group] for group in texts]
   per_problem = [problem_metrics(r.tolist(), a) for r, a in zip(rewards, answers, strict=True)]
@@ -271,8 +252,12 @@ def run(
         zip(rows, datasets, clusters, texts, rewards, answers, strict=True)
       )
     ]
-    files.write_lines(files.join(workdir, SAMPLES_FILE), (to_json(s) for s in samples))
-    files.write_atomic(files.join(workdir, EVAL_FILE), to_json(result, indent=2) + "\n")
+    files.write_lines(
+      files.join(workdir, SAMPLES_FILE), (jsonable.dumps(s, nan_as_null=True) for s in samples)
+    )
+    files.write_atomic(
+      files.join(workdir, EVAL_FILE), jsonable.dumps(result, nan_as_null=True, indent=2) + "\n"
+    )
     print(
       f"{len(rows)} problems x {k} samples ({'greedy' if greedy else 'sampled'}), params: "
       f"{origin}, {errors} verifier errors, {result['time_s']:.1f} s"
@@ -293,19 +278,19 @@ def main(argv: Sequence[str]) -> None:
   del argv
   f = flags.FLAGS
   if f.print_config:
-    config_lib.print_config(f.config)
+    cli.print_config(f.config)
     return
   if f.workdir is None:
     raise app.UsageError("--workdir is required")
-  with config_lib.entry_point(logging.ERROR):  # orbax warns about the items it skips
+  with cli.entry_point(logging.ERROR):  # orbax warns about the items it skips
     run(f.config, f.workdir, run_dir=f.run_dir, step=f.step)
 
 
 if __name__ == "__main__":
-  config_lib.define_config_flags()
-  flags.adopt_module_key_flags(config_lib)  # --help lists --config and --print_config
+  cli.define_config_flags()
+  flags.adopt_module_key_flags(cli)  # --help lists --config and --print_config
   flags.DEFINE_string(
     "workdir", None, "Directory for eval.json and eval_samples.jsonl (local or gs://...)."
   )
   define_policy_flags()
-  app.run(main, flags_parser=config_lib.parse_flags)  # a --config.KEY typo: one line
+  app.run(main, flags_parser=cli.parse_flags)  # a --config.KEY typo: one line

@@ -35,12 +35,11 @@ import jax.numpy as jnp
 import ml_collections
 from absl import app, flags, logging
 
-from ebpo_jax import files, models, sharding, tasks
+from ebpo_jax import cli, files, models, sharding, tasks
 from ebpo_jax.models import hf_io, peft_io
-from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import policy as policy_lib
-from ebpo_jax.trainer import state as state_lib
-from ebpo_jax.trainer.config import PolicyError
+from ebpo_jax.trainer import task_rows
+from ebpo_jax.trainer.policy import PolicyError
 
 # Files of a model directory that describe the weights (written anew by save_pretrained).
 _WEIGHT_FILES = (hf_io.CONFIG_FILE, hf_io.INDEX_FILE)
@@ -73,7 +72,7 @@ def export(
     check_peft_base(config, run_dir)  # before any weight is read
   mesh = sharding.make_mesh({"fsdp": -1})  # every local device: no host holds a full copy
   task = tasks.from_config(config.task)
-  tokenizer = state_lib.load_tokenizer(config, task)
+  tokenizer = task_rows.load_tokenizer(config, task)
   source = policy_lib.model_source(config)
   if format == "peft":
     _export_adapters(config, tokenizer, mesh, run_dir, step, out, dtype, source)
@@ -104,7 +103,7 @@ def _export_merged(config, tokenizer, mesh, run_dir: str, step: int, out: str, d
 def check_peft_base(config: ml_collections.ConfigDict, run_dir: str) -> None:
   """PolicyError unless the run of `config` is a LoRA run on `model.path`: a PEFT adapter is only
   usable on a base its user can load."""
-  if not state_lib.lora_enabled(config):
+  if not models.build.lora_enabled(config):
     raise PolicyError(
       f"--format=peft: {run_dir} is a full fine-tuning run (config.model.lora.rank=0) with no "
       "adapters; export it with --format=merged"
@@ -138,8 +137,8 @@ def _export_adapters(
   config, tokenizer, mesh, run_dir: str, step: int, out: str, dtype: str, source: str
 ) -> None:
   """The adapters alone, restored from the checkpoint (the base is neither read nor built)."""
-  model = state_lib.make_model(config, tokenizer.vocab_size)
-  abstract = models.lora.split(state_lib.abstract_params(model, mesh))[0]
+  model = models.build.make_model(config, tokenizer.vocab_size)
+  abstract = models.lora.split(models.build.abstract_params(model, mesh))[0]
   adapters = policy_lib.run_params(run_dir, step, abstract)
   peft_io.save_adapter(  # collective; process 0 writes
     out, model.config, _cast(adapters, dtype), base_model=source, dropout=config.model.lora.dropout
@@ -149,7 +148,7 @@ def _export_adapters(
 def main(argv: Sequence[str]) -> None:
   del argv
   f = flags.FLAGS
-  with config_lib.entry_point(logging.ERROR):  # orbax warns about the items it skips
+  with cli.entry_point(logging.ERROR):  # orbax warns about the items it skips
     summary = export(f.run_dir, f.out, step=f.step, dtype=f.dtype, format=f.format)
   tokenizer_note = (
     f"tokenizer files from {summary['source_model']}: {', '.join(summary['copied'])}"

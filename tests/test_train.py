@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from ebpo_jax import checkpoint, data
+from ebpo_jax import checkpoint, data, errors
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.trainer import banner as banner_lib
 from ebpo_jax.trainer import config as config_lib
@@ -59,7 +59,7 @@ CONFIG_ERRORS = [
 
 @pytest.mark.parametrize("overrides, message", CONFIG_ERRORS)
 def test_invalid_config_is_one_error_naming_the_key(arith_config, overrides, message):
-  with pytest.raises(config_lib.ConfigError) as error:
+  with pytest.raises(errors.ConfigError) as error:
     config_lib.check_config(arith_config(overrides), num_devices=8)
   assert message in str(error.value) and "\n" not in str(error.value)
 

@@ -14,7 +14,6 @@ import pytest
 
 from ebpo_jax import ablate, files
 from ebpo_jax import metrics as metrics_lib
-from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import workdir as workdir_lib
 
 # ----------------------------------------------------------------------------- the lock
@@ -135,17 +134,31 @@ def test_safe_keys_and_accepted_changes_resume(arith_config, tmp_path):
   assert json.loads((tmp_path / workdir_lib.CONFIG_FILE).read_text())["seed"] == 0
 
 
-def test_logging_keys_may_change_and_an_older_workdir_without_them_resumes(arith_config, tmp_path):
+def test_logging_keys_may_change(arith_config, tmp_path):
   workdir = str(tmp_path)
   workdir_lib.check_and_save_config(workdir, arith_config())
   path = tmp_path / workdir_lib.CONFIG_FILE
-  old = json.loads(path.read_text())
-  del old["logging"]  # config.json of a run from before the logging keys
-  path.write_text(json.dumps(old))
   on = {"logging.wandb": True, "logging.wandb_project": "p", "logging.samples_every": 0}
   workdir_lib.check_and_save_config(workdir, arith_config(on))
   workdir_lib.check_and_save_config(workdir, arith_config({"logging.num_samples": 2}))
   assert json.loads(path.read_text())["logging"]["num_samples"] == 2
+
+
+def test_a_workdir_of_another_format_is_refused_with_what_to_do(arith_config, tmp_path):
+  workdir = str(tmp_path)
+  workdir_lib.check_and_save_config(workdir, arith_config())
+  format_file = tmp_path / workdir_lib.FORMAT_FILE
+  assert json.loads(format_file.read_text()) == {"format": workdir_lib.FORMAT}
+  format_file.unlink()  # config.json alone: the workdir of an ebpo-jax before format numbers
+  with pytest.raises(workdir_lib.WorkdirError) as error:
+    workdir_lib.check_and_save_config(workdir, arith_config())
+  message = one_line(error)
+  assert f"{workdir}: written by an older ebpo-jax (workdir format absent" in message
+  assert "start a fresh workdir" in message
+  format_file.write_text(json.dumps({"format": workdir_lib.FORMAT - 1}))
+  with pytest.raises(workdir_lib.WorkdirError, match=f"workdir format {workdir_lib.FORMAT - 1}, "):
+    workdir_lib.saved_config(workdir)
+  assert json.loads(format_file.read_text()) == {"format": workdir_lib.FORMAT - 1}  # untouched
 
 
 def test_config_check_on_a_bucket(arith_config, gcs_dir):
@@ -239,37 +252,3 @@ def test_an_ablation_reruns_a_variant_whose_config_changed(tmp_path, monkeypatch
   args.append("--config.sft.num_steps=7")
   ablate._run_one(config, str(tmp_path), run, args, {}, {0: ablate.threading.Lock()})
   assert trained == ["s0", run.name, run.name, "s0", run.name]
-
-
-def test_keys_added_since_the_run_started_resume_at_their_old_meaning(arith_config, tmp_path):
-  # A workdir written before the ADDED_KEYS existed (data.split, the column keys, rewards.fns, the
-  # task options listed in common.py): its config.json lacks them.
-  workdir = str(tmp_path)
-  workdir_lib.check_and_save_config(workdir, arith_config())
-  path = tmp_path / workdir_lib.CONFIG_FILE
-  old = json.loads(path.read_text())
-  added = [
-    *workdir_lib.ADDED_KEYS,
-    *(f"task.options.{k}" for k, v in old["task"]["options"].items() if v is None),
-  ]
-  for key in added:
-    section, name = key.rsplit(".", 1)
-    node = old
-    for part in section.split("."):
-      node = node[part]
-    del node[name]
-  assert "path" not in old["task"]["options"] and "fns" not in old["rewards"]
-  path.write_text(json.dumps(old))
-  workdir_lib.check_and_save_config(workdir, arith_config())  # the defaults: what the run did
-  path.write_text(json.dumps(old))
-  with pytest.raises(workdir_lib.WorkdirError, match=r"data\.prompt_column \(None -> 'question'\)"):
-    workdir_lib.check_and_save_config(workdir, arith_config({"data.prompt_column": "question"}))
-
-
-def test_every_added_key_is_listed_with_its_default():
-  defaults = config_lib.load_module("configs/common.py").get_config()
-  for key, value in workdir_lib.ADDED_KEYS.items():
-    node = defaults
-    for part in key.split("."):
-      node = node[part]
-    assert node == value, key

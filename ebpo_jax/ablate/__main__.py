@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from absl import app, flags
 from ml_collections import config_flags
 
-from ebpo_jax import files
+from ebpo_jax import cli, files
 from ebpo_jax.ablate import (
   DEFAULT_VARIANTS,
   VARIANTS,
@@ -21,7 +21,6 @@ from ebpo_jax.ablate import (
   _override_args,
   run_ablation,
 )
-from ebpo_jax.trainer import config as config_lib
 
 
 def main(argv: Sequence[str]) -> None:
@@ -58,4 +57,4 @@ if __name__ == "__main__":
   flags.DEFINE_integer("workers", 1, "Runs at once (each one process, one device).")
   flags.DEFINE_float("target_gain", 0.10, "Gain of the hardest cluster counted as 'reached'.")
   flags.mark_flags_as_required(["config", "workdir"])
-  app.run(main, flags_parser=config_lib.parse_flags)  # a --config.KEY typo: one line
+  app.run(main, flags_parser=cli.parse_flags)  # a --config.KEY typo: one line

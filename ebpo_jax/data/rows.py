@@ -18,12 +18,12 @@ import re
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
-from ebpo_jax import files
+from ebpo_jax import errors, files
 
 SUFFIXES = (".jsonl", ".parquet")
 
 
-class DataError(ValueError):
+class DataError(errors.BadInput):
   """A data file or row that cannot be used; the message starts with `FILE:LINE:`."""
 
 

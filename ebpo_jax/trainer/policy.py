@@ -11,9 +11,12 @@ from typing import Any
 
 import ml_collections
 
-from ebpo_jax import checkpoint, files, models
-from ebpo_jax.trainer import state as state_lib
-from ebpo_jax.trainer.config import PolicyError
+from ebpo_jax import checkpoint, errors, files, models
+
+
+class PolicyError(errors.BadInput):
+  """Nothing to load a policy from, or a checkpoint that does not fit; the message says what to
+  pass."""
 
 
 def _checkpoints(run_dir: str) -> checkpoint.Checkpointer:
@@ -77,12 +80,12 @@ def load_policy(config, tokenizer, mesh, run_dir: str | None, step: int | None):
   restored into abstract shapes, without loading or initialising any weights first.
   """
   check_policy_source(config, run_dir)
-  model = state_lib.make_model(config, tokenizer.vocab_size)
+  model = models.build.make_model(config, tokenizer.vocab_size)
   if run_dir is None:
-    path = state_lib.model_dir(config)
+    path = models.build.model_dir(config)
     params = initial_params(config, model, mesh)
     return model, params, {"kind": "hf", "path": files.abspath(path)}
-  abstract = state_lib.abstract_params(model, mesh)
+  abstract = models.build.abstract_params(model, mesh)
   if model.config.lora_rank == 0:
     params = run_params(run_dir, step, abstract)
   else:  # the checkpoint holds the adapters; the base is the run's, built as the run built it
@@ -111,13 +114,13 @@ def initial_params(config: ml_collections.ConfigDict, model, mesh) -> Any:
   ablation's shared warm start), else `state.init_params` (`config.model.path` or random). Under
   LoRA: that base (`lora_base`) with fresh adapters."""
   if model.config.lora_rank > 0:
-    adapters = state_lib.fresh_adapters(config, model, mesh)
+    adapters = models.build.fresh_adapters(config, model, mesh)
     return models.lora.combine(adapters, lora_base(config, model, mesh))
   run_dir = config.model.init_from
   if not run_dir:
-    return state_lib.init_params(config, model, mesh)
+    return models.build.init_params(config, model, mesh)
   step = checkpoint_step(run_dir, None)
-  return run_params(run_dir, step, state_lib.abstract_params(model, mesh))
+  return run_params(run_dir, step, models.build.abstract_params(model, mesh))
 
 
 def lora_base(config: ml_collections.ConfigDict, model, mesh) -> Any:
@@ -137,4 +140,4 @@ def policy_config(config, run_dir: str | None, step: int | None):
 
 def model_source(config: ml_collections.ConfigDict) -> Any:
   """The resolved model directory of `config.model.path`, or None for a random-init model."""
-  return state_lib.model_dir(config) if config.model.path else None
+  return models.build.model_dir(config) if config.model.path else None

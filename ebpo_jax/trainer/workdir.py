@@ -17,6 +17,9 @@ config differs from it in a key that defines the experiment stops with one line 
 before anything compiles; SAFE_KEYS (steps, evaluation, logging and checkpoint cadence, the mesh,
 ...) and the logging.* keys (SAFE_PREFIXES) may change on a resume;
 `--config.workdir.accept_changes=KEY,...` (or `all`) accepts others.
+
+format.json beside it holds the workdir's format number (FORMAT); a workdir of another format (an
+older ebpo-jax's) is refused with one line, never migrated.
 """
 
 import contextlib
@@ -35,12 +38,17 @@ import numpy as np
 from absl import flags
 from ml_collections import config_flags
 
-from ebpo_jax import files
+from ebpo_jax import cli, files, jsonable
+from ebpo_jax.errors import ConfigError
 from ebpo_jax.metrics.log import flatten
-from ebpo_jax.trainer.config import ConfigError, config_json
 
 CONFIG_FILE = "config.json"
 LOCK_FILE = "lock"
+# WORKDIR/format.json, {"format": FORMAT}: the layout of the workdir this code writes and reads
+# (config.json, metrics.jsonl, samples.jsonl, what ablations keep). Raise it when that layout
+# changes; a workdir of another format is refused, never migrated.
+FORMAT_FILE = "format.json"
+FORMAT = 1
 # Keys whose change does not change the experiment: a resume may change them freely.
 SAFE_KEYS = frozenset(
   {
@@ -62,27 +70,8 @@ SAFE_KEYS = frozenset(
     "model.unroll_layers",
   }
 )
-# Key prefixes that are as safe: where and how the run logs (logging.*, added after config.json
-# existed: an older workdir lacks them, and they may change on any resume).
+# Key prefixes that are as safe: where and how the run logs (logging.*).
 SAFE_PREFIXES = ("logging.",)
-# Keys added to the project after config.json existed, with the value that does what the code did
-# before them: a workdir whose config.json lacks one resumes when the run keeps that value. Add a
-# key here when you add it to configs/common.py (tests/test_workdir.py checks the values). Keys
-# whose value is None (a placeholder: "the reader's own default", e.g. task.options.*) need no
-# entry: a None key absent from config.json is the same.
-ADDED_KEYS = {
-  "data.split": "train",
-  "data.prompt_column": "prompt",
-  "data.answer_column": "answer",
-  "data.cluster_column": "cluster",
-  "data.answer_regex": "",
-  "rewards.fns": "",
-  "model.lora.rank": 0,
-  "model.lora.alpha": 16.0,
-  "model.lora.targets": "q,k,v,o,gate,up,down",
-  "model.lora.dropout": 0.0,
-  "model.lora.base_dtype": "",
-}
 # Keys about this invocation only (the workdir's own switches): never compared.
 SESSION_PREFIX = "workdir."
 
@@ -182,12 +171,8 @@ def _dead_here(holder: Mapping[str, Any]) -> bool:
 
 def changed_keys(saved: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple]:
   """{dotted key: (saved value, new value)} of the keys whose values differ (a key on one side
-  only: None on the other; an ADDED_KEYS key, or a None key, that `saved` lacks and `new` holds
-  at its listed value is the same); SESSION_PREFIX keys are not compared."""
-  before, after = flatten(config_json(saved)), flatten(config_json(new))
-  for key, value in [*ADDED_KEYS.items(), *((k, None) for k, v in after.items() if v is None)]:
-    if key not in before and after.get(key) == value:
-      before[key] = value
+  only: None on the other); SESSION_PREFIX keys are not compared."""
+  before, after = flatten(jsonable.to_data(saved)), flatten(jsonable.to_data(new))
   return {
     key: (before.get(key), after.get(key))
     for key in sorted(before.keys() | after.keys())
@@ -196,15 +181,28 @@ def changed_keys(saved: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, 
 
 
 def save_config(workdir: str, config) -> None:
-  """Writes WORKDIR/config.json."""
-  text = json.dumps(config_json(config), indent=1, sort_keys=True) + "\n"
+  """Writes WORKDIR/format.json (this code's FORMAT), then WORKDIR/config.json."""
+  files.write_atomic(files.join(workdir, FORMAT_FILE), json.dumps({"format": FORMAT}) + "\n")
+  text = jsonable.dumps(config, indent=1, sort_keys=True) + "\n"
   files.write_atomic(files.join(workdir, CONFIG_FILE), text)
 
 
 def saved_config(workdir: str) -> dict[str, Any] | None:
-  """WORKDIR/config.json, or None when the workdir has none."""
+  """WORKDIR/config.json, or None when the workdir has none; WorkdirError when the workdir is of
+  another FORMAT (format.json absent: an ebpo-jax from before the format numbers)."""
   path = files.join(workdir, CONFIG_FILE)
-  return json.loads(files.read_text(path)) if files.exists(path) else None
+  if not files.exists(path):
+    return None
+  format_path = files.join(workdir, FORMAT_FILE)
+  found = json.loads(files.read_text(format_path))["format"] if files.exists(format_path) else None
+  if found != FORMAT:
+    age = "a newer" if isinstance(found, int) and found > FORMAT else "an older"
+    shown = "absent" if found is None else found
+    raise WorkdirError(
+      f"{workdir}: written by {age} ebpo-jax (workdir format {shown}, this one reads "
+      f"{FORMAT}): start a fresh workdir (another --workdir), or delete this one"
+    )
+  return json.loads(files.read_text(path))
 
 
 def check_and_save_config(workdir: str, config: ml_collections.ConfigDict) -> None:
@@ -230,7 +228,7 @@ def _accepted(config: ml_collections.ConfigDict, changed: Mapping[str, Any]) -> 
   if text == "all":
     return set(changed)
   keys = {key.strip() for key in text.split(",") if key.strip()}
-  known = flatten(config_json(config))
+  known = flatten(jsonable.to_data(config))
   unknown = sorted(keys - known.keys())
   if unknown:
     raise WorkdirError(
@@ -281,9 +279,11 @@ def _everyone_agrees(ok: bool) -> bool:
 
 
 def resolved_config(spec: str, args: Sequence[str]) -> ml_collections.ConfigDict:
-  """The config the trainer resolves from `--config=SPEC` and `args` (`--config.KEY=VALUE`)."""
-  argv = ["resolve", f"--config={spec}", *args]
+  """The config the trainer resolves from `--config=SPEC` and `args` (`--config.KEY=VALUE`): the
+  file loaded by `cli.load_config`, the args parsed by the config flags' own parser."""
+  argv = ["resolve", *args]
   flag_values = flags.FlagValues()
-  config_flags.DEFINE_config_file("config", None, "", flag_values=flag_values, sys_argv=argv)
+  config = cli.load_config(spec)
+  config_flags.DEFINE_config_dict("config", config, flag_values=flag_values, sys_argv=argv)
   flag_values(argv)
   return flag_values.config

@@ -6,7 +6,7 @@ The cause: XLA:CPU sizes its client thread pool (and its intra-op pool) to max(c
 8 threads for 8 devices on a 2-core machine. Each device's part of a program holds one pool thread
 until the program ends, and a launch of the next program holds one while it waits for a device's
 in-flight slot; then a device's part of the running program finds no free thread and the other 7
-wait at the all-reduce until XLA aborts the process. `sharding.size_cpu_thread_pools` (called by
+wait at the all-reduce until XLA aborts the process. `process.size_cpu_thread_pools` (called by
 every entry point and by conftest.py) gives the pools room for two programs' parts.
 """
 
@@ -24,9 +24,9 @@ _BACK_TO_BACK = textwrap.dedent(
   """
   import jax, jax.numpy as jnp, numpy as np
   from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-  from ebpo_jax.trainer import config as config_lib
+  from ebpo_jax import cli
 
-  with config_lib.entry_point():
+  with cli.entry_point():
     mesh = Mesh(np.array(jax.devices()), ("d",))
 
     @jax.jit

@@ -19,7 +19,7 @@ def test_in_process_flags_are_checked_as_on_the_command_line(capsys):
   def error(parse, argv) -> str:
     with pytest.raises(SystemExit) as exit_info:
       parse(argv)
-    assert exit_info.value.code == cli.BAD_FLAG_STATUS
+    assert exit_info.value.code == cli.BAD_INPUT_STATUS
     return capsys.readouterr().err
 
   assert error(simulate.parse_args, ["--num_prompts=1"]) == (

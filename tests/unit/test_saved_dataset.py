@@ -10,7 +10,7 @@ import sys
 import datasets
 import pytest
 
-from ebpo_jax import files
+from ebpo_jax import errors, files
 from ebpo_jax.data import (
   Columns,
   DataError,
@@ -261,7 +261,7 @@ def test_the_trainer_reads_data_path_by_its_column_keys(arith_config, tmp_path):
   ],
 )
 def test_bad_data_keys_are_one_line(arith_config, overrides, message):
-  with pytest.raises(config_lib.ConfigError) as error:
+  with pytest.raises(errors.ConfigError) as error:
     config_lib.check_config(arith_config(overrides), num_devices=8)
   assert str(error.value).startswith(message) and "\n" not in str(error.value)
 

@@ -8,12 +8,11 @@ import pickle
 import numpy as np
 import pytest
 
-from ebpo_jax import tasks
+from ebpo_jax import cli, tasks
 from ebpo_jax.tasks import extract_final_answer, get_task
 from ebpo_jax.tasks.arithmetic import CharTokenizer, score_arithmetic
 from ebpo_jax.tasks.base import answers_match, split_of
 from ebpo_jax.tasks.tokenizers import ByteTokenizer
-from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import workdir as workdir_lib
 from tests.helpers import ROOT
 
@@ -252,7 +251,7 @@ def test_the_registry_names_every_task_class():
 def test_common_declares_every_option_of_every_task():
   # Each constructor keyword of each registered task is a key of config.task.options (so it is
   # settable from the command line), and each key there is some task's keyword.
-  common = config_lib.load_module(ROOT / "configs" / "common.py").get_config()
+  common = cli.load_module(ROOT / "configs" / "common.py").get_config()
   declared = set(common.task.options)
   taken = set()
   for path in tasks.TASKS.values():

@@ -1,0 +1,15 @@
+"""The errors an entry point reports as one line: bad input that the user can fix.
+
+They live in the base layer so that every layer that reads a config, a data file or a checkpoint
+(the model building in `models.build`, the data rows, the trainer's checks) raises the same types;
+`cli.entry_point` turns a BadInput into `error: <message>` and exit status 2.
+"""
+
+
+class BadInput(ValueError):
+  """Input a user can fix (a config value, a data row, a policy or a checkpoint to load); the
+  message says what is wrong and where."""
+
+
+class ConfigError(BadInput):
+  """An invalid config value; the message names the key and the value."""
