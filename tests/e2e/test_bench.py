@@ -3,13 +3,12 @@ needs tunix, installed apart: its test is marked `peers` and runs with `-m peers
 
 import json
 import math
-import pathlib
 import subprocess
 import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
 
 SMOKE_RUNS = {
   "advantages": ["--batch_sizes=64", "--group_sizes=4", "--repeats=1", "--loop_iters=2"],
@@ -66,17 +65,3 @@ def test_peers_quick_run_ends_with_every_ratio(cpu_process_env):
   assert set(summary["sampler"]["tiny"]) == {"sampler_over_tunix", "sampler_over_transformers"}
   ratios = [*summary["sampler"]["tiny"].values(), *(summary[k] for k in PEERS_RL_KEYS)]
   assert all(math.isfinite(r) and r > 0 for r in ratios), summary
-
-
-def test_the_gpu_benchmarks_full_run_names_a_train_step_shape():
-  """bench/gpu.py's full run (on a GPU: not run here) times bench/train_step.py's step at its
-  TRAIN_SHAPE: the name must be one of train_step's SHAPES (it once was not: a KeyError after the
-  decode benchmarks)."""
-  sys.path.insert(0, str(ROOT / "bench"))
-  try:
-    import gpu
-    import train_step
-  finally:
-    sys.path.remove(str(ROOT / "bench"))
-  assert gpu.TRAIN_SHAPE in train_step.SHAPES
-  assert train_step.SHAPES[gpu.TRAIN_SHAPE]["num_layers"] == gpu.MODELS["qwen3-0.6b"].num_layers

@@ -1,0 +1,58 @@
+"""The trainer's config and data errors, checked in process before anything compiles; its banner
+(the trainer as a process: e2e/test_train.py)."""
+
+import numpy as np
+import pytest
+
+from ebpo_jax import data, errors
+from ebpo_jax.trainer import banner as banner_lib
+from ebpo_jax.trainer import config as config_lib
+from ebpo_jax.trainer import task_rows
+
+# ----------------------------------------------------------------------------- in process
+
+CONFIG_ERRORS = [
+  ({"rl.group_size": 1}, "config.rl.group_size=1: must be >= 2"),
+  ({"rl.advantage": "ppo"}, "config.rl.advantage='ppo': unknown advantage estimator"),
+  ({"rl.ebpo.decay": 1.5}, "config.rl.ebpo.decay=1.5: must lie in (0, 1]"),
+  ({"train.batch_size": 12}, "must be divisible by the mesh's data x fsdp = 8"),
+  ({"data.order": "random"}, "config.data.order='random'"),
+]
+
+
+@pytest.mark.parametrize("overrides, message", CONFIG_ERRORS)
+def test_invalid_config_is_one_error_naming_the_key(arith_config, overrides, message):
+  with pytest.raises(errors.ConfigError) as error:
+    config_lib.check_config(arith_config(overrides), num_devices=8)
+  assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_malformed_data_row_names_file_and_line(arith_config, tmp_path):
+  rows = tmp_path / "rows.jsonl"
+  rows.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": \n')
+  with pytest.raises(data.DataError, match=f"{rows}:2:"):
+    task_rows.load_task_and_rows(arith_config({"data.path": str(rows)}))
+
+
+# ----------------------------------------------------------------------------- the CLI
+
+
+def test_banner_says_how_many_parameters_lora_trains():
+  assert banner_lib.parameters_line(134_515_008) == "parameters: 134,515,008 (134.5M)"
+  # SmolLM2-135M with rank-8 adapters on its 7 projections: 30 layers x 8 x (1152 + 768 x 2 +
+  # 1152 + 2112 x 3) = 2,442,240 adapter scalars beside the 134,515,008 of the base.
+  assert banner_lib.parameters_line(136_957_248, lora_rank=8, trained_params=2_442_240) == (
+    "parameters: 136,957,248 (137.0M), LoRA rank 8: 2,442,240 trained (2.4M, 1.8%), "
+    "134,515,008 frozen"
+  )
+  stacked = {  # a scanned layer stack of 3 layers: kernel [3, 4, 6], adapters at rank 2
+    "q_proj": {
+      "kernel": np.zeros((3, 4, 6)),
+      "lora_a": np.zeros((3, 4, 2)),
+      "lora_b": np.zeros((3, 2, 6)),
+    },
+    "norm": {"scale": np.zeros(4)},
+  }
+  assert banner_lib.count_params(stacked) == 72 + 24 + 36 + 4
+  assert banner_lib.count_adapters(stacked) == 24 + 36
+  assert banner_lib.count_adapters({"q_proj": {"kernel": np.zeros((4, 6))}}) == 0
