@@ -11,8 +11,8 @@ Everything is `ebpo_jax.aot`'s (`python -m ebpo_jax.aot` compiles one config): t
 train step and one sampler call, compiled by the TPU compiler (libtpu) for `--topology` (default
 v5p-64, the paper configs' slice) with abstract sharded inputs; see that module's docstring for
 what is counted. This script adds the sweep: the sampler program depends on the model, G and
-`sampling.*`, not on the method (`rollouts.generate_options`), so it is compiled once per model x G
-and each method adds its own waiting state and rollouts; and the largest
+`sampling.*`, not on the method (`rollout_options.SamplingOptions`), so it is compiled once per
+model x G and each method adds its own waiting state and rollouts; and the largest
 `sampling.prompts_per_call` that fits each model x G for every method: a first guess scales the
 configured call's bytes (all but the params and the code) with the prompts; one more sampler
 compile there gives a second point, and the line through the two compiled points the answer.

@@ -180,7 +180,7 @@ class OurRL:
     return {"rollout": t1 - t0, "train": t2 - t1, "step": t2 - t0}
 
   def close(self) -> None:
-    self.sampler.pool.close()
+    self.sampler.scorer.pool.close()
 
 
 # ----------------------------------------------------------------------------- tunix

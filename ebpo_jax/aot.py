@@ -12,7 +12,7 @@ compiled from abstract sharded inputs (`jax.ShapeDtypeStruct`; nothing is alloca
   donated) on a batch at the prompt bucket `--prompt_len` (default: for a task's own rows, the
   bucket of the longest training prompt; for a rows file, the largest bucket: the worst case);
 - one sampler call (`sampling.prompts_per_call` prompts x G rows: prefill, then the decode loop)
-  with the Sampler's own static options (`rollouts.generate_options`).
+  with the Sampler's own static options (`rollout_options.SamplingOptions.generate_options`).
 
 Memory per chip is the compiler's `memory_analysis()`: arguments + outputs - aliased (the donated
 state is updated in place) + temporaries + generated code. While the sampler runs, the rest of the
@@ -68,9 +68,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from ebpo_jax import advantages, files, models, sampling, sharding
 from ebpo_jax.tpu import GIB, Chip, NoTpuCompiler, Slice, parse_slice, topology_devices
 from ebpo_jax.trainer import config as config_lib
-from ebpo_jax.trainer import rollouts as rollouts_lib
+from ebpo_jax.trainer import prompts as prompts_lib
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer import task_rows
+from ebpo_jax.trainer.rollout_options import SamplingOptions
 from ebpo_jax.trainer.step import abstract_batch, jit_train_step
 
 # ----------------------------------------------------------------------------- loop correction
@@ -192,8 +193,8 @@ def make_target(config: ml_collections.ConfigDict, tpu: Slice, prompt_len: int =
     tokenizer = state_lib.load_tokenizer(config, task)
     model, num_clusters = state_lib.make_model(config, tokenizer.vocab_size), len(cluster_names)
     # The bucket of the longest training prompt: the widest batch the run will compile.
-    sampler = rollouts_lib.Sampler(model, task, tokenizer, config, None, mesh)
-    prompt_len = prompt_len or sampler.prompts(rows)[0].shape[1]
+    encoder = prompts_lib.PromptEncoder.from_config(config, task, tokenizer)
+    prompt_len = prompt_len or encoder.prompts(rows)[0].shape[1]
   stop_ids, pad_id = (tokenizer.stop_ids, tokenizer.pad_id) if tokenizer else ((1,), 0)
   params = state_lib.abstract_params(model, mesh)
   prompt_len = prompt_len or max(config.sampling.prompt_buckets)
@@ -311,8 +312,8 @@ def sampler_program(target: Target) -> Program:
   replicated = NamedSharding(mesh, PartitionSpec())
   scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
   tokenizer = _Ids(target.stop_ids, target.pad_id)
-  options = rollouts_lib.generate_options(
-    config, tokenizer, group_size=config.rl.group_size, greedy=False
+  options = SamplingOptions.from_config(config).generate_options(
+    tokenizer, group_size=config.rl.group_size, greedy=False
   )
   traced = sampling.trace_generate(
     target.model,

@@ -223,7 +223,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, name: str = "") -> d
   # ---- The end: wait for the last save, print the summary, draw the plots.
   ckpt.close()
   writer.close()
-  sampler.pool.close()
+  sampler.scorer.pool.close()
   if is_main:
     finish(workdir, cluster_names)
   return last_eval

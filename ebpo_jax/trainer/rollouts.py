@@ -1,9 +1,11 @@
 """Host rollouts: prompts in, scored groups of completions out.
 
-`Sampler` tokenizes prompts, places them on the mesh once, runs the jitted sampler, fetches the
-completions to the host in one transfer per sampler call, decodes and scores them. What it returns,
-a `Rollout`, says where each field lives: texts, rewards, lengths and rows on the host; tokens,
-masks and the sampler's log-probs stay on the devices and go to `train_step` from there.
+`Sampler` encodes prompts (`prompts.PromptEncoder`), places them on the mesh once, runs the jitted
+sampler, fetches the completions to the host in one transfer per sampler call, decodes them and has
+its `scoring.Scorer` score them; it reads its settings from frozen `rollout_options.RolloutOptions`,
+built from the config once (`make_sampler`). What it returns, a `Rollout`, says where each field
+lives: texts, rewards, lengths and rows on the host; tokens, masks and the sampler's log-probs stay
+on the devices and go to `train_step` from there.
 `collect_batch` makes one RL step's batch (with DAPO's dynamic sampling: a gather of the kept
 groups); `evaluate_accuracy` is the in-training evaluation; `sample_and_score_batches` serves
 `evaluate` and `difficulty`.
@@ -19,13 +21,15 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
-from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from ebpo_jax import losses, models, sampling, sharding, tasks
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.tasks import reward_fns as reward_fns_lib
 from ebpo_jax.tasks import rewards as rewards_lib
+from ebpo_jax.trainer import prompts as prompts_lib
+from ebpo_jax.trainer import scoring
+from ebpo_jax.trainer.rollout_options import BatchOptions, RolloutOptions
 from ebpo_jax.trainer.state import StepKeys
 
 
@@ -113,48 +117,22 @@ def _split_keys(key: jax.Array, n: int) -> tuple[jax.Array, ...]:
   return tuple(jax.random.split(key, n))
 
 
-def generate_options(config, tokenizer, *, group_size: int, greedy: bool) -> dict:
-  """The Sampler's static `sampling.generate` options (one compile per set; aot's too)."""
-  sc = config.sampling
-  return {
-    "group_size": group_size,
-    "max_new_tokens": sc.max_new_tokens,
-    "top_k": sc.top_k,
-    "greedy": greedy,
-    "stop_ids": tokenizer.stop_ids,
-    "pad_id": tokenizer.pad_id,
-    "compact": sc.compact,
-  }
-
-
 class Sampler:
-  """Samples and scores completions of data rows with the policy's jitted sampler. Training
-  rollouts are scored with `reward_fns` when there are any (config.rewards.fns), every other
-  rollout (evaluation) with the task's verifier. Under LoRA the adapters are applied on the fly
-  (merging them once per step was no faster, and holds a second base: bench/RESULTS.md)."""
+  """Samples completions of data rows with the policy's jitted sampler and has `scorer` score
+  them. Under LoRA the adapters are applied on the fly (merging them once per step was no faster,
+  and holds a second base: bench/RESULTS.md)."""
 
   def __init__(
     self,
     model: models.Decoder,
-    task: tasks.Task,
-    tokenizer,
-    config,
-    pool,
+    encoder: prompts_lib.PromptEncoder,
+    scorer: scoring.Scorer,
+    options: RolloutOptions,
     mesh: Mesh,
-    reward_fns: Sequence[reward_fns_lib.RewardFn] = (),
   ):
-    self.model, self.task, self.tokenizer = model, task, tokenizer
-    self.config, self.pool, self.mesh = config, pool, mesh
-    self.reward_fns = tuple(reward_fns)
+    self.model, self.encoder, self.scorer = model, encoder, scorer
+    self.options, self.mesh = options, mesh
     self._shapes_seen = set()  # the sampler calls' shapes: a new one compiles (one line says so)
-
-  def prompts(self, rows: Sequence[dict]) -> tuple[np.ndarray, np.ndarray]:
-    """Host `(ids, mask)` [N, P] of the rows' prompts, left-padded to a length bucket."""
-    system = self.task.system_prompt
-    token_lists = [self.tokenizer.prompt_ids(self.task.format_prompt(row), system) for row in rows]
-    return sampling.pad_prompts(
-      token_lists, self.tokenizer.pad_id, tuple(self.config.sampling.prompt_buckets)
-    )
 
   def rollout(
     self,
@@ -172,7 +150,7 @@ class Sampler:
     `training`: scored with the reward functions (when configured), else with the task's verifier.
     """
     rows = list(rows)
-    prompt_ids, prompt_mask = self.prompts(rows)
+    prompt_ids, prompt_mask = self.encoder.prompts(rows)
     params, chunk, calls = self.call_plan(params, len(rows), key)
     parts = []
     for start, call_key in calls:
@@ -189,7 +167,7 @@ class Sampler:
     """`(params, chunk, [(start, key)])` of `num_rows` rows sampled `sampling.prompts_per_call`
     (0: all) at a time: over several calls the weights are put in the sampler's layout once
     (`sampling.decode_params`), and call i samples rows `[start, start + chunk)` with its key."""
-    chunk = self.config.sampling.prompts_per_call or num_rows
+    chunk = self.options.sampling.prompts_per_call or num_rows
     starts = range(0, num_rows, chunk)
     if len(starts) == 1:
       return params, chunk, [(0, key)]
@@ -201,10 +179,10 @@ class Sampler:
   ) -> Rollout:
     """One sampler call over (possibly padded) prompts: they are placed on the mesh once, the
     completions fetched in one transfer, and those of the first len(rows) prompts scored."""
-    sc = self.config.sampling
+    so, tokenizer = self.options.sampling, self.encoder.tokenizer
     spec = sharding.row_sharding(ids.shape, self.mesh)
     ids, mask = sharding.place_from_host(ids, spec), sharding.place_from_host(mask, spec)
-    options = generate_options(self.config, self.tokenizer, group_size=group_size, greedy=greedy)
+    options = so.generate_options(tokenizer, group_size=group_size, greedy=greedy)
     if (ids.shape, group_size, greedy) not in self._shapes_seen:
       self._shapes_seen.add((ids.shape, group_size, greedy))
       logging.info(
@@ -219,8 +197,8 @@ class Sampler:
       ids,
       mask,
       key,
-      temperature=sc.temperature,
-      top_p=sc.top_p,
+      temperature=so.temperature,
+      top_p=so.top_p,
       mesh=self.mesh,
       **options,
     )
@@ -231,9 +209,10 @@ class Sampler:
       out = _first_rows(out, n * group_size)
       tokens, lengths = tokens[: n * group_size], lengths[: n * group_size]
     lengths = lengths.astype(np.int32)
-    texts = [self.tokenizer.decode(t[:k].tolist()) for t, k in zip(tokens, lengths, strict=True)]
-    fns = self.reward_fns if training else ()
-    rewards, reward_parts, errors = self._score(texts, rows, lengths, group_size, fns)
+    texts = [tokenizer.decode(t[:k].tolist()) for t, k in zip(tokens, lengths, strict=True)]
+    rewards, reward_parts, errors = self.scorer.score(
+      texts, rows, lengths, group_size, training=training
+    )
     return Rollout(
       rows=rows,
       texts=texts,
@@ -249,38 +228,6 @@ class Sampler:
       nonfinite=out.nonfinite,
       reward_parts=reward_parts,
     )
-
-  def _score(self, texts: list[str], rows: list[dict], lengths: np.ndarray, group_size: int, fns):
-    """(rewards [N, G] float32, each reward function's values {name: [N, G]}, failed calls): the
-    weighted sum of `fns`, or without any the task's verifier. With several processes each scores
-    its own contiguous share of the completions and all receive every value."""
-    rows_g = [row for row in rows for _ in range(group_size)]
-    share = -(-len(texts) // jax.process_count())
-    mine = slice(jax.process_index() * share, (jax.process_index() + 1) * share)
-    if fns:
-      max_new_tokens = self.config.sampling.max_new_tokens
-      extras = [
-        {"lengths": [int(n)], "max_new_tokens": max_new_tokens, "task_score": self.task.score}
-        for n in lengths[mine]
-      ]
-      named = [(f.name, f.fn) for f in fns]
-      values, errors = self.pool.score_rewards(named, texts[mine], rows_g[mine], extras)
-    else:
-      rewards, errors = self.pool.score(self.task.score, texts[mine], rows_g[mine])
-      values = rewards[None]  # [1, n]
-    if jax.process_count() > 1:
-      padded = np.zeros((len(values), share), values.dtype)
-      padded[:, : values.shape[1]] = values
-      gathered = multihost_utils.process_allgather(np.concatenate([padded.reshape(-1), [errors]]))
-      by_process = gathered[:, :-1].reshape(len(gathered), len(values), share)
-      values = by_process.transpose(1, 0, 2).reshape(len(values), -1)[:, : len(texts)]
-      errors = int(gathered[:, -1].sum())
-    shape = (len(rows), group_size)
-    if not fns:
-      return np.asarray(values[0], np.float32).reshape(shape), {}, errors
-    total = reward_fns_lib.combine(values, [f.weight for f in fns])
-    parts = {f.name: v.reshape(shape) for f, v in zip(fns, values, strict=True)}
-    return total.reshape(shape), parts, errors
 
 
 # ----------------------------------------------------------------------------- training batches
@@ -307,7 +254,7 @@ def _select_groups(parts: Sequence[Rollout], picks: Sequence[np.ndarray], mesh) 
   prompts = np.concatenate([idx + off for idx, off in zip(picks, offsets, strict=False)])
   g = whole.group_size
   responses = (prompts[:, None] * g + np.arange(g)).reshape(-1)
-  replicated = NamedSharding(mesh, PartitionSpec())
+  replicated = sharding.replicated(mesh)
   place = lambda x: sharding.place_from_host(x.astype(np.int32), replicated)
   gathered = _take_rows(whole.device_fields(), place(prompts), place(responses))
   return Rollout(
@@ -338,15 +285,15 @@ def _dapo_select(parts: Sequence[Rollout], num_prompts: int, mesh) -> tuple[Roll
   return _select_groups(parts, picks, mesh), logs
 
 
-def _shaped_rewards(rollout: Rollout, config: ml_collections.ConfigDict) -> np.ndarray:
+def _shaped_rewards(rollout: Rollout, bo: BatchOptions, max_new_tokens: int) -> np.ndarray:
   """The task rewards plus DAPO's overlong penalty (when `rl.overlong_buffer` > 0)."""
-  if config.rl.overlong_buffer == 0:
+  if bo.overlong_buffer == 0:
     return rollout.rewards
   penalty = losses.overlong_penalty(
     rollout.lengths,
-    max_len=config.sampling.max_new_tokens,
-    buffer=config.rl.overlong_buffer,
-    penalty=config.rl.overlong_penalty,
+    max_len=max_new_tokens,
+    buffer=bo.overlong_buffer,
+    penalty=bo.overlong_penalty,
   )
   return rollout.rewards + penalty.reshape(rollout.rewards.shape)
 
@@ -361,23 +308,23 @@ def collect_batch(
   still short, the dropped groups of the first round fill it (counted in `dapo/filled_groups`).
   Round 0 samples with `keys.rollout`, refill round r with `keys.refill[r - 1]`.
   """
-  rl = sampler.config.rl
+  bo = sampler.options.batch
   sample = lambda key: sampler.rollout(
     params,
     [rows[i] for i in next(batches)],
     key,
-    group_size=rl.group_size,
+    group_size=bo.group_size,
     greedy=False,
     training=True,
   )
   parts = [sample(keys.rollout)]
   rollout, logs = parts[0], {}
-  if rl.dynamic_sampling:
+  if bo.dynamic_sampling:
     num_prompts = len(parts[0].rows)
-    while sum(_varied(p).sum() for p in parts) < num_prompts and len(parts) <= rl.max_refill_rounds:
+    while sum(_varied(p).sum() for p in parts) < num_prompts and len(parts) <= bo.max_refill_rounds:
       parts.append(sample(keys.refill[len(parts) - 1]))
     rollout, logs = _dapo_select(parts, num_prompts, sampler.mesh)
-  rewards = _shaped_rewards(rollout, sampler.config)
+  rewards = _shaped_rewards(rollout, bo, sampler.options.sampling.max_new_tokens)
   logs.update(
     {
       metrics_lib.REWARD_ERRORS: sum(p.errors for p in parts),
@@ -394,16 +341,16 @@ def collect_batch(
 
 
 def to_batch(rollout: Rollout, rewards: np.ndarray, mesh: Mesh) -> dict:
-  """The `train_step` batch: the rollout's device fields (resharded, explicitly, to the step's
-  batch sharding when a sampler call had another), the rewards and cluster ids placed."""
-  spec = sharding.batch_sharding(mesh)
+  """The `train_step` batch: the rollout's device fields, already in the step's layout (rows
+  over the mesh's batch axes, `sharding.row_sharding`), the rewards and cluster ids placed so."""
   cluster_ids = np.array([row["cluster"] for row in rollout.rows], np.int32)
   on_device = rollout.device_fields()
   on_device["completion_mask"] = on_device.pop("mask")  # the step's name for it
+  place = lambda x: sharding.place_from_host(x, sharding.row_sharding(x.shape, mesh))  # noqa: E731
   return {
-    **jax.device_put(on_device, spec),
-    "rewards": sharding.place_from_host(np.asarray(rewards, np.float32), spec),
-    "cluster_ids": sharding.place_from_host(cluster_ids, spec),
+    **on_device,
+    "rewards": place(np.asarray(rewards, np.float32)),
+    "cluster_ids": place(cluster_ids),
   }
 
 
@@ -433,19 +380,13 @@ def sample_rows(
 # ----------------------------------------------------------------------------- evaluation
 
 
-def eval_sampling(config: ml_collections.ConfigDict) -> tuple[int, bool]:
-  """(k, greedy): `eval.num_samples` responses per problem, greedy only when k == 1."""
-  k = config.eval.num_samples
-  return k, bool(config.eval.greedy and k == 1)
-
-
 def evaluate_accuracy(
   sampler: Sampler, params, eval_rows: Sequence[dict], cluster_names: Sequence[str], key
 ) -> dict[str, float]:
-  """avg@k on held-out prompts (the share of responses with the full reward; `eval_sampling`),
+  """avg@k on held-out prompts (the share of responses with the full reward; `EvalOptions`),
   overall and per cluster, and the number of failed verifier calls (each scored 0)."""
-  k, greedy = eval_sampling(sampler.config)
-  rollout = sampler.rollout(params, eval_rows, key, group_size=k, greedy=greedy)
+  eo = sampler.options.eval
+  rollout = sampler.rollout(params, eval_rows, key, group_size=eo.num_samples, greedy=eo.greedy)
   correct = (np.asarray(rollout.rewards) >= tasks.base.FULL_REWARD).mean(axis=1)
   clusters = np.array([row["cluster"] for row in eval_rows])
   accuracy = metrics_lib.EVAL_ACCURACY
@@ -476,7 +417,7 @@ def sample_and_score_batches(
   rows; 0: all) at a time, so a caller shows progress and keeps what is done. The calls' keys are
   those of one `sampler.rollout` over all rows (the same results however they are taken); `skip`
   leaves out the first calls (done by an earlier, stopped run)."""
-  key = jax.random.PRNGKey(sampler.config.seed)
+  key = jax.random.PRNGKey(sampler.options.seed)
   params, chunk, calls = sampler.call_plan(params, len(rows), key)
   for start, call_key in calls[skip:]:
     part = rows[start : start + chunk]
@@ -493,7 +434,12 @@ def join_batches(batches: Sequence[ScoredBatch]) -> tuple[list[list[str]], np.nd
 
 
 def make_sampler(model, task, tokenizer, config: ml_collections.ConfigDict, mesh) -> Sampler:
-  """A Sampler with its own verifier pool (`sampler.pool.close()`) and `config.rewards.fns`."""
+  """The Sampler of `config` (the one place the rollouts read it): its options, the prompt encoder,
+  and a scorer with its own verifier pool (`sampler.scorer.pool.close()`) and `config.rewards.fns`.
+  """
+  options = RolloutOptions.from_config(config)
+  encoder = prompts_lib.PromptEncoder.from_config(config, task, tokenizer)
   fns = reward_fns_lib.load(config.rewards.fns)
   pool = rewards_lib.RewardPool(config.rewards.workers, config.rewards.timeout_s)
-  return Sampler(model, task, tokenizer, config, pool, mesh, fns)
+  scorer = scoring.Scorer(task, pool, fns, max_new_tokens=options.sampling.max_new_tokens)
+  return Sampler(model, encoder, scorer, options, mesh)

@@ -8,6 +8,7 @@ import jax
 import ml_collections
 
 from ebpo_jax import data, tasks
+from ebpo_jax.trainer import prompts
 from ebpo_jax.trainer.state import load_tokenizer
 
 
@@ -24,7 +25,7 @@ def load_task_and_rows(
   (`FILE:LINE:`), or with `data.skip_bad_rows` a dropped row, counted on stderr.
   """
   task = tasks.from_config(config.task)
-  check = row_checker(task, load_tokenizer(config, task), config.sampling.prompt_buckets)
+  check = prompts.PromptEncoder.from_config(config, task, load_tokenizer(config, task)).check
   skip = config.data.skip_bad_rows
   if config.data.path:
     rows, cluster_names, dropped = data.load_checked_rows(
@@ -41,30 +42,6 @@ def load_task_and_rows(
   eval_rows = task.rows("eval", config.task.num_eval * len(task.cluster_names), config.seed)
   eval_rows = _checked_task_rows(eval_rows, check, f"{config.task.name} eval", skip)
   return task, rows, list(cluster_names), eval_rows
-
-
-def row_checker(task: tasks.Task, tokenizer, buckets: Sequence[int]):
-  """`check(row) -> problem or None`: the row's prompt (as the sampler sees it) and answer (as the
-  warm start sees it) encode, and the prompt fits the largest prompt bucket."""
-  largest = max(buckets)
-
-  def check(row: dict) -> str | None:
-    try:
-      length = len(tokenizer.prompt_ids(task.format_prompt(row), task.system_prompt))
-    except (ValueError, KeyError) as e:
-      return f"prompt: {e}"
-    try:
-      tokenizer.encode(task.format_target(row))
-    except (ValueError, KeyError) as e:
-      return f"answer: {e}"
-    if length > largest:
-      return (
-        f"prompt: {length} tokens, longer than the largest prompt bucket {largest} "
-        "(sampling.prompt_buckets)"
-      )
-    return None
-
-  return check
 
 
 def _checked_task_rows(rows: list[dict], check, name: str, skip: bool) -> list[dict]:

@@ -1,9 +1,12 @@
 """The supervised warm start: a few steps of prompt -> answer before RL (`config.sft`).
 
-It keeps its own checkpoint (params and optimizer state, in `WORKDIR/warm_start/`): written when
-it finishes, so a run that dies before its first RL checkpoint does not redo it, and when SIGTERM
-arrives mid-way, so a restarted run continues from that step with the same batches. The trainer
-deletes it (`discard`) once the RL checkpoint of step 0, which holds the same params, is written.
+Its batches are `data.make_batches`' grain iterator in the `sampled` order (each a uniform draw
+with replacement of `sft.batch_size` training rows, by a generator seeded by `seed`). It keeps its
+own checkpoint (params, optimizer state and that iterator's state, in `WORKDIR/warm_start/`):
+written when it finishes, so a run that dies before its first RL checkpoint does not redo it, and
+when SIGTERM arrives mid-way, so a restarted run continues from that step with the same batches.
+The trainer deletes it (`discard`) once the RL checkpoint of step 0, which holds the same params,
+is written.
 """
 
 import functools
@@ -13,28 +16,14 @@ from typing import Any
 
 import jax
 import ml_collections
-import numpy as np
 import optax
 import tqdm
 
-from ebpo_jax import checkpoint, files, models, sequences
+from ebpo_jax import checkpoint, data, files, models, sequences
 from ebpo_jax.trainer import policy as policy_lib
 from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer.step import completion_logprobs
-
-
-def _targets(sampler: rollouts_lib.Sampler, rows: Sequence[dict], max_len: int):
-  """The rows' answers (the task's target format + EOS) as `(ids, mask)` [N, max_len]."""
-  tokenizer = sampler.tokenizer
-  targets = np.full((len(rows), max_len), tokenizer.pad_id, np.int32)
-  target_mask = np.zeros((len(rows), max_len), bool)  # pad may equal EOS: mask by length
-  for i, row in enumerate(rows):
-    ids = tokenizer.encode(sampler.task.format_target(row))[: max_len - 1] + [tokenizer.eos_id]
-    targets[i, : len(ids)] = ids
-    target_mask[i, : len(ids)] = True
-  return targets, target_mask
-
 
 WARM_START_DIR = "warm_start"
 
@@ -58,10 +47,19 @@ def _abstract_sft_state(optimizer, model: models.Decoder, mesh) -> dict:
   return {"params": params, "opt_state": opt_state}
 
 
-def _resume_or_start(config, model, mesh, optimizer, ckpt) -> tuple[int, Any, Any]:
-  """(steps done, params, opt_state): the warm start's own checkpoint, else the initial params."""
+def _batches(config, rows: Sequence[dict]):
+  """The warm start's batches of row indices, from the first."""
+  sc = config.sft
+  return data.make_batches(len(rows), batch_size=sc.batch_size, order="sampled", seed=config.seed)
+
+
+def _resume_or_start(config, model, mesh, optimizer, ckpt, rows) -> tuple[int, Any, Any, Any]:
+  """(steps done, params, opt_state, batches): the warm start's own checkpoint (its batches where
+  it stopped), else the initial params and the batches from the first."""
+  batches = _batches(config, rows)
   try:
-    done, state, _ = ckpt.restore_latest(_abstract_sft_state(optimizer, model, mesh))
+    abstract = _abstract_sft_state(optimizer, model, mesh)
+    done, state, _ = ckpt.restore_latest(abstract, data_iter=batches)
   except FileNotFoundError:  # none saved
     pass
   except checkpoint.CorruptCheckpointError as e:  # redoing the warm start is always safe
@@ -69,9 +67,10 @@ def _resume_or_start(config, model, mesh, optimizer, ckpt) -> tuple[int, Any, An
   else:
     if jax.process_index() == 0:
       print(f"warm start: resumed after step {done} of {config.sft.num_steps}", file=sys.stderr)
-    return done, state["params"], state["opt_state"]
+    return done, state["params"], state["opt_state"], batches
   params = policy_lib.initial_params(config, model, mesh)
-  return 0, params, state_lib.init_opt_state(optimizer, params)
+  # A fresh iterator: a checkpoint that failed may have set this one's position.
+  return 0, params, state_lib.init_opt_state(optimizer, params), _batches(config, rows)
 
 
 def warm_start(
@@ -109,10 +108,7 @@ def warm_start(
     return optax.apply_updates(params, updates), opt_state, loss
 
   ckpt = checkpoint.Checkpointer(files.join(workdir, WARM_START_DIR), max_to_keep=1)
-  done, params, opt_state = _resume_or_start(config, model, mesh, optimizer, ckpt)
-  rng = np.random.default_rng(config.seed)
-  for _ in range(min(done, sc.num_steps)):  # the batches of the steps already done
-    rng.integers(0, len(rows), sc.batch_size)
+  done, params, opt_state, batches = _resume_or_start(config, model, mesh, optimizer, ckpt, rows)
   quiet = jax.process_index() != 0
   bar = tqdm.trange(
     done, sc.num_steps, initial=done, total=sc.num_steps, desc="warm start", disable=quiet
@@ -120,12 +116,12 @@ def warm_start(
   for step in bar:
     if sigterm.requested_anywhere():
       if step > done:
-        ckpt.save(step, {"params": params, "opt_state": opt_state}, force=True)
+        ckpt.save(step, {"params": params, "opt_state": opt_state}, data_iter=batches, force=True)
       ckpt.close()
       return params
-    batch_rows = [rows[i] for i in rng.integers(0, len(rows), sc.batch_size)]
-    prompt_ids, prompt_mask = sampler.prompts(batch_rows)
-    targets, target_mask = _targets(sampler, batch_rows, config.sampling.max_new_tokens)
+    batch_rows = [rows[i] for i in next(batches)]
+    prompt_ids, prompt_mask = sampler.encoder.prompts(batch_rows)
+    targets, target_mask = sampler.encoder.targets(batch_rows, config.sampling.max_new_tokens)
     batch = {
       "prompt_ids": prompt_ids,
       "prompt_mask": prompt_mask,
@@ -134,7 +130,8 @@ def warm_start(
     }
     params, opt_state, loss = sft_step(params, opt_state, batch)
   if done < sc.num_steps:
-    ckpt.save(sc.num_steps, {"params": params, "opt_state": opt_state}, force=True)
+    state = {"params": params, "opt_state": opt_state}
+    ckpt.save(sc.num_steps, state, data_iter=batches, force=True)
     if not quiet:
       print(
         f"warm start: {sc.num_steps} supervised steps, final loss {float(loss):.4f}",

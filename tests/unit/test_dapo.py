@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from ebpo_jax import losses, sharding
-from ebpo_jax.trainer import rollouts
+from ebpo_jax.trainer import rollout_options, rollouts
 from ebpo_jax.trainer import state as state_lib
 
 
@@ -28,7 +28,20 @@ class FakeSampler:
   """A sampler whose tokens name (prompt id, sample) and whose rewards are given per round."""
 
   def __init__(self, config, rewards_per_round):
-    self.config, self._rewards = config, iter(rewards_per_round)
+    self._rewards = iter(rewards_per_round)
+    self.options = rollout_options.RolloutOptions(
+      seed=0,
+      sampling=rollout_options.SamplingOptions(
+        max_new_tokens=config.sampling.max_new_tokens,
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        compact=False,
+        prompts_per_call=0,
+      ),
+      batch=rollout_options.BatchOptions.from_config(config),
+      eval=rollout_options.EvalOptions(num_samples=1, greedy=True),
+    )
     self.mesh = sharding.make_mesh({"fsdp": -1}, jax.devices()[:1])
 
   def rollout(self, params, rows, key, *, group_size, greedy, training) -> rollouts.Rollout:
@@ -78,7 +91,7 @@ def batches():
 
 def collect(sampler):
   """(batch as NumPy, its rollout, logs) of `rollouts.collect_batch` on ROWS."""
-  keys = state_lib.step_keys(jax.random.PRNGKey(0), 0, sampler.config.rl.max_refill_rounds)
+  keys = state_lib.step_keys(jax.random.PRNGKey(0), 0, sampler.options.batch.max_refill_rounds)
   batch, rollout, logs = rollouts.collect_batch(sampler, None, keys, ROWS, batches())
   return jax.tree.map(np.asarray, batch), rollout, logs
 

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from ebpo_jax.data import DataError, load_rows, load_rows_and_clusters, make_batches
+from ebpo_jax.data import BatchIndexer, DataError, load_rows, load_rows_and_clusters, make_batches
 
 # ---------------------------------------------------------------------------------------------
 # Rows
@@ -135,7 +135,7 @@ def _take(iterator, k):
   return np.stack([next(iterator) for _ in range(k)])
 
 
-@pytest.mark.parametrize("order", ["shuffle", "clustered", "curriculum"])
+@pytest.mark.parametrize("order", ["shuffle", "clustered", "curriculum", "sampled"])
 def test_deterministic_and_exact_resume(order):
   rows = _rows()
   straight = _take(make_batches(rows, batch_size=4, order=order, seed=7), 12)
@@ -160,6 +160,27 @@ def test_shuffle_each_epoch_is_a_fresh_permutation():
   np.testing.assert_array_equal(np.sort(epoch0), np.arange(NUM_ROWS))
   np.testing.assert_array_equal(np.sort(epoch1), np.arange(NUM_ROWS))
   assert not np.array_equal(epoch0, epoch1)
+
+
+def test_sampled_batches_are_one_generators_draws_in_turn():
+  # The warm start's order: batch k is draw k of default_rng(seed) (its batches before the grain
+  # iterator took them over), read in order, after a resume, or going back.
+  rng = np.random.default_rng(3)
+  expected = np.stack([rng.integers(0, NUM_ROWS, 5) for _ in range(6)])
+  np.testing.assert_array_equal(
+    _take(make_batches(NUM_ROWS, batch_size=5, order="sampled", seed=3), 6), expected
+  )
+  indexer = BatchIndexer(
+    num_rows=NUM_ROWS,
+    cluster_ids=None,
+    difficulties=None,
+    batch_size=5,
+    order="sampled",
+    seed=3,
+    run_length=1,
+  )
+  for k in (4, 5, 1, 5, 0):
+    np.testing.assert_array_equal(indexer(k), expected[k])
 
 
 def test_clustered_batches_are_single_cluster_and_rotate():

@@ -15,6 +15,7 @@ from ebpo_jax import data
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import rollouts, task_rows
+from ebpo_jax.trainer.rollout_options import EvalOptions
 
 # (override, the start of the message); each failed late or with a traceback before the check.
 BAD_VALUES = [
@@ -173,8 +174,9 @@ def test_task_rows_too_long_for_the_buckets_are_named(arith_config):
 def test_in_training_evaluation_counts_verifier_errors():
   """The in-training evaluation logs its failed verifier calls (they scored 0 unseen)."""
   rollout = types.SimpleNamespace(rewards=np.array([[1.0], [0.0], [0.0]]), errors=2)
+  config = ml_collections.ConfigDict({"eval": {"greedy": True, "num_samples": 1}})
   sampler = types.SimpleNamespace(
-    config=ml_collections.ConfigDict({"eval": {"greedy": True, "num_samples": 1}}),
+    options=types.SimpleNamespace(eval=EvalOptions.from_config(config)),
     rollout=lambda *args, **kwargs: rollout,
   )
   rows = [{"cluster": 0}, {"cluster": 1}, {"cluster": 1}]
@@ -196,7 +198,8 @@ def test_in_training_evaluation_is_avg_at_k_of_full_rewards():
     return types.SimpleNamespace(rewards=rewards, errors=0)
 
   config = ml_collections.ConfigDict({"eval": {"greedy": False, "num_samples": 4}})
-  sampler = types.SimpleNamespace(config=config, rollout=rollout)
+  options = types.SimpleNamespace(eval=EvalOptions.from_config(config))
+  sampler = types.SimpleNamespace(options=options, rollout=rollout)
   rows = [{"cluster": 0}, {"cluster": 1}]
   result = rollouts.evaluate_accuracy(sampler, None, rows, ["a", "b"], key=None)
   assert calls == [(4, False)]

@@ -88,7 +88,7 @@ def test_the_step_loop_makes_no_implicit_transfer(tiny_steps):
     )
     with pytest.raises(Exception, match="[Dd]isallowed"):  # the guard is on: a NumPy operand
       _ = state.step + np.ones((), np.int32)
-  sampler.pool.close()
+  sampler.scorer.pool.close()
   assert len(rollout.rows) == config.train.batch_size
   assert np.isfinite(metrics["loss"]) and 0.0 <= accuracy["eval/accuracy"] <= 1.0
   assert logs["rollout/tokens"] > 0 and logs["dapo/rounds"] >= 1
@@ -110,7 +110,7 @@ def test_lora_sampler_logps_equal_the_trainers_on_the_first_ppo_iteration(tiny_s
   policy = state_lib.policy_params(state)
   keys = state_lib.step_keys(state.rng, state.step)
   batch, _, _ = rollouts_lib.collect_batch(sampler, policy, keys, rows, batches)
-  sampler.pool.close()
+  sampler.scorer.pool.close()
   mask = np.asarray(batch["completion_mask"])
   seqs = sequences.build_sequences(
     batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["completion_mask"], tiny.G

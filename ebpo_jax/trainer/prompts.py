@@ -1,0 +1,75 @@
+"""One prompt encoder: a task's rows as the policy reads them, for the rollouts (`Sampler`), the
+row checks before anything compiles (`task_rows`) and the supervised warm start's answers.
+
+A row's prompt is the task's prompt format under its system prompt, through the tokenizer's chat
+template, left-padded to the smallest of `sampling.prompt_buckets` that fits the longest prompt of
+a batch (`sampling.pad_prompts`); its answer is the task's target format, then EOS.
+"""
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import ml_collections
+import numpy as np
+
+from ebpo_jax import sampling, tasks
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PromptEncoder:
+  """Encodes rows of `task` with `tokenizer` (`tasks.tokenizers`' interface: `prompt_ids`,
+  `encode`, `pad_id`, `eos_id`) into prompt length buckets."""
+
+  task: tasks.Task
+  tokenizer: Any
+  buckets: tuple[int, ...]  # sampling.prompt_buckets
+
+  @classmethod
+  def from_config(
+    cls, config: ml_collections.ConfigDict, task: tasks.Task, tokenizer
+  ) -> "PromptEncoder":
+    return cls(task, tokenizer, tuple(config.sampling.prompt_buckets))
+
+  def prompt_ids(self, row: dict) -> list[int]:
+    """The row's prompt tokens, as the sampler sees them."""
+    return self.tokenizer.prompt_ids(self.task.format_prompt(row), self.task.system_prompt)
+
+  def target_ids(self, row: dict) -> list[int]:
+    """The row's answer tokens (the task's target format, no EOS), as the warm start sees them."""
+    return self.tokenizer.encode(self.task.format_target(row))
+
+  def prompts(self, rows: Sequence[dict]) -> tuple[np.ndarray, np.ndarray]:
+    """Host `(ids, mask)` [N, P] of the rows' prompts, left-padded to a length bucket."""
+    token_lists = [self.prompt_ids(row) for row in rows]
+    return sampling.pad_prompts(token_lists, self.tokenizer.pad_id, self.buckets)
+
+  def targets(self, rows: Sequence[dict], max_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rows' answers + EOS, cut to `max_len` tokens, as `(ids, mask)` [N, max_len]."""
+    tokenizer = self.tokenizer
+    targets = np.full((len(rows), max_len), tokenizer.pad_id, np.int32)
+    target_mask = np.zeros((len(rows), max_len), bool)  # pad may equal EOS: mask by length
+    for i, row in enumerate(rows):
+      ids = self.target_ids(row)[: max_len - 1] + [tokenizer.eos_id]
+      targets[i, : len(ids)] = ids
+      target_mask[i, : len(ids)] = True
+    return targets, target_mask
+
+  def check(self, row: dict) -> str | None:
+    """The row's problem, or None: its prompt and answer encode, and the prompt fits the largest
+    prompt bucket."""
+    largest = max(self.buckets)
+    try:
+      length = len(self.prompt_ids(row))
+    except (ValueError, KeyError) as e:
+      return f"prompt: {e}"
+    try:
+      self.target_ids(row)
+    except (ValueError, KeyError) as e:
+      return f"answer: {e}"
+    if length > largest:
+      return (
+        f"prompt: {length} tokens, longer than the largest prompt bucket {largest} "
+        "(sampling.prompt_buckets)"
+      )
+    return None

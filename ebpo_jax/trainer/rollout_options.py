@@ -1,0 +1,99 @@
+"""What the rollouts read of a run's config, frozen once (`RolloutOptions.from_config`, called by
+`rollouts.make_sampler`): how the sampler draws, how a training batch is collected (DAPO), and how
+the in-training evaluation samples."""
+
+import dataclasses
+
+import ml_collections
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingOptions:
+  """How the sampler draws (`config.sampling`); each set of the static ones compiles once."""
+
+  max_new_tokens: int
+  temperature: float  # > 0
+  top_p: float  # nucleus mass in (0, 1]; 1: off
+  top_k: int  # 0: off
+  compact: bool  # decode in halving batches of the running rows
+  prompts_per_call: int  # prompts per sampler call; 0: all at once
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict) -> "SamplingOptions":
+    sc = config.sampling
+    return cls(
+      max_new_tokens=sc.max_new_tokens,
+      temperature=sc.temperature,
+      top_p=sc.top_p,
+      top_k=sc.top_k,
+      compact=sc.compact,
+      prompts_per_call=sc.prompts_per_call,
+    )
+
+  def generate_options(self, tokenizer, *, group_size: int, greedy: bool) -> dict:
+    """The Sampler's static `sampling.generate` options (one compile per set; aot's too)."""
+    return {
+      "group_size": group_size,
+      "max_new_tokens": self.max_new_tokens,
+      "top_k": self.top_k,
+      "greedy": greedy,
+      "stop_ids": tokenizer.stop_ids,
+      "pad_id": tokenizer.pad_id,
+      "compact": self.compact,
+    }
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchOptions:
+  """How `collect_batch` makes a training batch (`config.rl`): G, DAPO's dynamic sampling and
+  soft overlong penalty."""
+
+  group_size: int  # G
+  dynamic_sampling: bool
+  max_refill_rounds: int
+  overlong_buffer: int  # 0: no overlong penalty
+  overlong_penalty: float
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict) -> "BatchOptions":
+    rl = config.rl
+    return cls(
+      group_size=rl.group_size,
+      dynamic_sampling=rl.dynamic_sampling,
+      max_refill_rounds=rl.max_refill_rounds,
+      overlong_buffer=rl.overlong_buffer,
+      overlong_penalty=rl.overlong_penalty,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalOptions:
+  """The in-training evaluation's sampling (`config.eval`)."""
+
+  num_samples: int  # k responses per problem
+  greedy: bool
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict) -> "EvalOptions":
+    """`eval.num_samples` responses per problem, greedy only when k == 1."""
+    k = config.eval.num_samples
+    return cls(num_samples=k, greedy=bool(config.eval.greedy and k == 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutOptions:
+  """All that the rollouts read of a run's config, read once (`from_config`)."""
+
+  seed: int  # the key of `sample_and_score_batches`
+  sampling: SamplingOptions
+  batch: BatchOptions
+  eval: EvalOptions
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict) -> "RolloutOptions":
+    return cls(
+      seed=config.seed,
+      sampling=SamplingOptions.from_config(config),
+      batch=BatchOptions.from_config(config),
+      eval=EvalOptions.from_config(config),
+    )
