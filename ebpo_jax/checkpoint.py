@@ -1,6 +1,8 @@
-"""Checkpoints of the training state, the data iterator and the config (orbax), and SIGTERM.
+"""Checkpoints of the training state, the data iterator and the config (orbax).
 
-One step directory per checkpoint under `directory`, with four items:
+One step directory per checkpoint under `directory`, with five items:
+  meta/       {"format": FORMAT}: the layout of the checkpoint; one of another format (an older
+              ebpo-jax's) is refused with one line (FormatError), never migrated
   state/      the TrainState pytree (any pytree of jax arrays: params, optax state, prior, typed
               PRNG keys, step), written sharded by every process (orbax OCDBT)
   checksums/  two uint32 sums per array of the state and the array's path (JSON), computed on the
@@ -17,11 +19,8 @@ falls back past checkpoints that do not restore or verify, moving them to `<dire
 through `ebpo_jax.files`.
 """
 
-import dataclasses
 import functools
-import json
 import os
-import signal
 import sys
 from collections.abc import Mapping
 from typing import Any, NoReturn
@@ -34,13 +33,20 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from ebpo_jax import files
+from ebpo_jax import errors, files, jsonable
 
-_STATE, _DATA_ITER, _CONFIG, _CHECKSUMS = "state", "data_iter", "config", "checksums"
+_STATE, _DATA_ITER, _CONFIG, _CHECKSUMS, _META = "state", "data_iter", "config", "checksums", "meta"
+# The checkpoint layout this code writes and reads (the items above, the checksums' form). Raise it
+# when the layout changes: a checkpoint of another format is refused, never migrated.
+FORMAT = 1
 
 
 class CorruptCheckpointError(Exception):
   """A checkpoint that does not restore, or whose arrays differ from their saved checksums."""
+
+
+class FormatError(errors.BadInput):
+  """A checkpoint of another FORMAT (an older ebpo-jax's); the message says what to do."""
 
 
 class Checkpointer:
@@ -109,11 +115,12 @@ class Checkpointer:
     items = {
       _STATE: ocp.args.StandardSave(state),
       _CHECKSUMS: ocp.args.JsonSave({"leaves": state_checksums(state), "paths": _paths(state)}),
+      _META: ocp.args.JsonSave({"format": FORMAT}),
     }
     if data_iter is not None:
       items[_DATA_ITER] = grain.checkpoint.CheckpointSave(data_iter)
     if config is not None:
-      items[_CONFIG] = ocp.args.JsonSave(_to_json_dict(config))
+      items[_CONFIG] = ocp.args.JsonSave(_config_json(config))
     return self._manager.save(step, args=ocp.args.Composite(**items), force=True)
 
   def restore(
@@ -136,54 +143,21 @@ class Checkpointer:
       raise FileNotFoundError(
         f"no checkpoint for step {step} in {self.directory}; steps: {self.all_steps()}"
       )
-    saved_items = self._saved_items(step)
+    saved_items = self._check_format(step)
     if data_iter is not None and _DATA_ITER not in saved_items:
       raise ValueError(f"checkpoint {step} in {self.directory} has no data iterator state")
-    try:
-      return self._restore_items(step, abstract_state, data_iter, saved_items, added=())
-    except ValueError:  # a tree that differs; only a counter added since is accepted
-      added = self._counters_added_since(step, abstract_state)
-      if not added:
-        raise
-      return self._restore_items(step, abstract_state, data_iter, saved_items, added=added)
-
-  def _restore_items(self, step, abstract_state, data_iter, saved_items, *, added) -> tuple:
-    """(state, config) of checkpoint `step`, verified; the fields `added` restore as 0."""
-    if added:
-      fields = [f.name for f in dataclasses.fields(abstract_state) if f.name not in added]
-      items = {_STATE: ocp.args.StandardRestore({n: getattr(abstract_state, n) for n in fields})}
-    else:
-      items = {_STATE: ocp.args.StandardRestore(abstract_state)}
+    items = {
+      _STATE: ocp.args.StandardRestore(abstract_state),
+      _CHECKSUMS: ocp.args.JsonRestore(),
+    }
     if data_iter is not None:
       items[_DATA_ITER] = grain.checkpoint.CheckpointRestore(data_iter)
     if _CONFIG in saved_items:
       items[_CONFIG] = ocp.args.JsonRestore()
-    if _CHECKSUMS in saved_items:  # checkpoints written before checksums are not verified
-      items[_CHECKSUMS] = ocp.args.JsonRestore()
     restored = self._manager.restore(step, args=ocp.args.Composite(**items))
     state = restored[_STATE]
-    if added:  # the saved fields in the state's order (as saved), then the counters
-      state = abstract_state.replace(**state, **dict.fromkeys(added))
-    if _CHECKSUMS in saved_items:
-      self._verify(step, state, restored[_CHECKSUMS]["leaves"])
-    if added:
-      state = state.replace(**{n: _zeros_like(getattr(abstract_state, n)) for n in added})
-    config = restored[_CONFIG] if _CONFIG in saved_items else None
-    return state, config
-
-  def _counters_added_since(self, step: int, abstract_state: Any) -> list[str]:
-    """The fields of a dataclass state (e.g. TrainState) that checkpoint `step` lacks, when each
-    is a scalar integer (a counter added later, like `bad_steps`); else []."""
-    if not dataclasses.is_dataclass(abstract_state):
-      return []
-    saved = self._manager.item_metadata(step)[_STATE]
-    saved = getattr(saved, "tree", saved)
-    if not isinstance(saved, Mapping):
-      return []
-    fields = [f.name for f in dataclasses.fields(abstract_state)]
-    missing = [n for n in fields if n not in saved and getattr(abstract_state, n) is not None]
-    counters = [n for n in missing if _is_scalar_int(getattr(abstract_state, n))]
-    return counters if counters == missing else []
+    self._verify(step, state, restored[_CHECKSUMS]["leaves"])
+    return state, restored[_CONFIG] if _CONFIG in saved_items else None
 
   def restore_latest(
     self, abstract_state: Any, *, data_iter: Any = None
@@ -199,6 +173,8 @@ class Checkpointer:
     for step in reversed(self.all_steps()):
       try:
         state, config = self.restore(step, abstract_state, data_iter=data_iter)
+      except FormatError:  # refused as it is: not unusable, of another ebpo-jax
+        raise
       except Exception as e:  # orbax and tensorstore raise many kinds; each means "unusable"
         failed.append(f"checkpoint {step} ({_first_line(e)})")
         continue
@@ -246,24 +222,24 @@ class Checkpointer:
   def restore_params(self, step: int, abstract_params: Any) -> Any:
     """Only the policy params of checkpoint `step` (`state.params`), restored into
     `abstract_params` (`jax.ShapeDtypeStruct`s with shardings) and verified against their saved
-    checksums (checkpoints since the checksums named their arrays); nothing else is read."""
+    checksums; nothing else is read."""
+    self._check_format(step)
     item = {"params": abstract_params}
     args = {
       _STATE: ocp.args.PyTreeRestore(
         item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
-      )
+      ),
+      _CHECKSUMS: ocp.args.JsonRestore(),
     }
-    if _CHECKSUMS in self._saved_items(step):
-      args[_CHECKSUMS] = ocp.args.JsonRestore()
     restored = self._manager.restore(step, args=ocp.args.Composite(**args))
     params = restored[_STATE]["params"]
-    saved = restored[_CHECKSUMS] if _CHECKSUMS in args else {}
-    if "paths" in saved:
-      by_path = dict(zip(saved["paths"], saved["leaves"], strict=True))
-      for path, sums in zip(_paths(params), state_checksums(params), strict=True):
-        expected = by_path.get(f".params{path}", by_path.get(f"['params']{path}"))
-        if expected != sums:
-          self._corrupt(step, f".params{path}")
+    saved = restored[_CHECKSUMS]
+    by_path = dict(zip(saved["paths"], saved["leaves"], strict=True))
+    for path, sums in zip(_paths(params), state_checksums(params), strict=True):
+      # The params of a dataclass state (`.params`, TrainState) or of a dict (`['params']`).
+      expected = by_path.get(f".params{path}", by_path.get(f"['params']{path}"))
+      if expected != sums:
+        self._corrupt(step, f".params{path}")
     return params
 
   def saved_arrays(self, step: int) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -276,11 +252,28 @@ class Checkpointer:
 
   def saved_config(self, step: int) -> dict[str, Any] | None:
     """The config saved with checkpoint `step`, or None when it has none."""
-    if _CONFIG not in self._saved_items(step):
+    if _CONFIG not in self._check_format(step):
       return None
     return self._manager.restore(
       step, args=ocp.args.Composite(**{_CONFIG: ocp.args.JsonRestore()})
     )[_CONFIG]
+
+  def _check_format(self, step: int) -> set[str]:
+    """The item names of checkpoint `step`; FormatError unless its meta holds this FORMAT."""
+    saved_items = self._saved_items(step)
+    found = None
+    if _META in saved_items:
+      meta = ocp.args.Composite(**{_META: ocp.args.JsonRestore()})
+      found = self._manager.restore(step, args=meta)[_META].get("format")
+    if found != FORMAT:
+      age = "a newer" if isinstance(found, int) and found > FORMAT else "an older"
+      shown = "absent" if found is None else found
+      raise FormatError(
+        f"checkpoint {step} in {self.directory}: written by {age} ebpo-jax (checkpoint format "
+        f"{shown}, this one reads {FORMAT}): start a fresh workdir (another --workdir), or "
+        "delete its checkpoints"
+      )
+    return saved_items
 
   def _saved_items(self, step: int) -> set[str]:
     """The item names checkpoint `step` holds: its directory's entries (orbax's item_metadata
@@ -301,15 +294,6 @@ class Checkpointer:
 
   def __exit__(self, *exc_info) -> None:
     self.close()
-
-
-def _is_scalar_int(x: Any) -> bool:
-  return getattr(x, "shape", None) == () and jnp.issubdtype(x.dtype, jnp.integer)
-
-
-def _zeros_like(abstract: jax.ShapeDtypeStruct) -> jax.Array:
-  """A zero of `abstract`'s shape and dtype, placed with its sharding."""
-  return jax.device_put(np.zeros(abstract.shape, abstract.dtype), abstract.sharding)
 
 
 def _first_line(error: Exception) -> str:
@@ -370,47 +354,10 @@ def _jit_checksums(out_sharding):
   )
 
 
-def _to_json_dict(config: Mapping[str, Any]) -> dict[str, Any]:
-  """A plain JSON-able dict from a dict or ConfigDict; fails here rather than in a save thread."""
-  if hasattr(config, "to_dict"):
-    config = config.to_dict()
-  if not isinstance(config, Mapping):
+def _config_json(config: Mapping[str, Any]) -> dict[str, Any]:
+  """The JSON data of a dict or ConfigDict (`jsonable.to_data`); fails here rather than in a save
+  thread."""
+  data = jsonable.to_data(config)
+  if not isinstance(data, dict):
     raise TypeError(f"config must be a mapping, got {type(config).__name__}")
-
-  def default(value):
-    if isinstance(value, np.generic | np.ndarray | jax.Array):
-      return np.asarray(value).tolist()
-    raise TypeError(f"config value {value!r} of type {type(value).__name__} is not JSON-able")
-
-  return json.loads(json.dumps(dict(config), default=default))
-
-
-class SigtermFlag:
-  """`.requested` becomes True when the process receives SIGTERM (preemption notice)."""
-
-  def __init__(self):
-    self.requested = False
-    self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-  def _handle(self, signum, frame) -> None:
-    del signum, frame
-    self.requested = True
-
-  def requested_anywhere(self) -> bool:
-    """True if any process got SIGTERM; a collective, so call it on every process at once."""
-    if jax.process_count() == 1:
-      return self.requested
-    from jax.experimental import multihost_utils
-
-    flags = multihost_utils.process_allgather(np.array(self.requested))
-    return bool(np.any(flags))
-
-  def uninstall(self) -> None:
-    """Puts back the SIGTERM handler that was there before."""
-    signal.signal(signal.SIGTERM, self._previous)
-
-
-def install_sigterm_flag() -> SigtermFlag:
-  """Installs a SIGTERM handler (main thread only) that sets a flag instead of exiting; the
-  trainer checks `flag.requested` each step, saves a checkpoint and exits cleanly."""
-  return SigtermFlag()
+  return data

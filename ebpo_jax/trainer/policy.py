@@ -102,6 +102,8 @@ def run_params(run_dir: str, step: int, abstract: Any) -> Any:
   shardings): no weights are loaded or initialised first."""
   try:
     return _checkpoints(run_dir).restore_params(step, abstract)
+  except checkpoint.FormatError:  # its own message says what to do
+    raise
   except ValueError as e:
     raise PolicyError(
       f"checkpoint {step} of {run_dir} does not fit the model its config builds (a random-init "

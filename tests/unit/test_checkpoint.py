@@ -2,6 +2,7 @@
 interrupted saves, SIGTERM flag."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ebpo_jax import checkpoint
+from ebpo_jax import checkpoint, process
 from tests.helpers import ROOT
 
 
@@ -169,7 +170,7 @@ _KILLED_SAVE = textwrap.dedent(
   """
   import os, signal, sys, time
   import jax, jax.numpy as jnp
-  from ebpo_jax import checkpoint
+  from ebpo_jax import checkpoint, process
   ckpt = checkpoint.Checkpointer(sys.argv[1])
   ckpt.save(1, {"w": jnp.full((4,), 1.0)})
   ckpt.wait()
@@ -233,7 +234,7 @@ def test_temporary_directory_is_ignored(tmp_path):
 
 
 def test_sigterm_sets_the_flag_instead_of_exiting():
-  flag = checkpoint.install_sigterm_flag()
+  flag = process.install_sigterm_flag()
   try:
     assert not flag.requested
     os.kill(os.getpid(), signal.SIGTERM)
@@ -348,29 +349,39 @@ def test_restore_params_verifies_the_params_it_reads(tmp_path):
     ckpt.restore_params(1, abstract)
 
 
-@flax.struct.dataclass
-class _OldState:
-  w: jax.Array
-  step: jax.Array
+def _refusal(read) -> str:
+  with pytest.raises(checkpoint.FormatError) as error:
+    read()
+  message = str(error.value)
+  assert "\n" not in message, message
+  return message
 
 
-@flax.struct.dataclass
-class _NewState:
-  w: jax.Array
-  step: jax.Array
-  bad_steps: jax.Array  # a counter added after _OldState's checkpoints were written
-
-
-def test_a_counter_added_to_the_state_later_restores_as_zero(tmp_path):
-  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  with checkpoint.Checkpointer(tmp_path / "ckpt") as ckpt:
-    ckpt.save(4, _OldState(jnp.arange(6.0), jnp.int32(4)))
-    ckpt.wait()
-    shapes = _NewState(jnp.zeros(6), jnp.int32(0), jnp.int32(0))
-    abstract = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), shapes
-    )
-    step, state, _ = ckpt.restore_latest(abstract)
-  assert step == 4 and int(state.step) == 4 and int(state.bad_steps) == 0
-  np.testing.assert_array_equal(state.w, np.arange(6.0))
-  assert state.bad_steps.sharding == device
+def test_a_checkpoint_of_another_format_is_refused_with_what_to_do(tmp_path, monkeypatch):
+  directory = tmp_path / "ckpt"
+  with checkpoint.Checkpointer(directory) as ckpt:
+    ckpt.save(1, _ParamsState(params=_weights(1.0), step=jnp.int32(1)), config={"seed": 0})
+  shutil.rmtree(directory / "1" / "meta")  # no format number: an ebpo-jax before them wrote it
+  params = _weights_abstract()
+  state = _ParamsState(params=params, step=jax.ShapeDtypeStruct((), jnp.int32))
+  with checkpoint.Checkpointer(directory) as ckpt:
+    for read in (
+      lambda: ckpt.restore_latest(state),
+      lambda: ckpt.restore(1, state),
+      lambda: ckpt.restore_params(1, params),
+      lambda: ckpt.saved_config(1),
+    ):
+      message = _refusal(read)
+      assert f"checkpoint 1 in {directory}: written by an older ebpo-jax" in message
+      assert "(checkpoint format absent, this one reads 1)" in message
+      assert "start a fresh workdir" in message
+    assert ckpt.all_steps() == [1]  # refused, not moved aside as unusable
+  monkeypatch.setattr(checkpoint, "FORMAT", checkpoint.FORMAT - 1)
+  with checkpoint.Checkpointer(directory) as ckpt:
+    ckpt.save(2, _ParamsState(params=_weights(2.0), step=jnp.int32(2)))
+  monkeypatch.undo()
+  with checkpoint.Checkpointer(directory, read_only=True) as ckpt:
+    message = _refusal(lambda: ckpt.restore(2, state))
+  assert f"(checkpoint format {checkpoint.FORMAT - 1}, this one reads {checkpoint.FORMAT})" in (
+    message
+  )
