@@ -39,6 +39,7 @@ import numpy as np  # noqa: E402
 import train_step as train_step_bench  # noqa: E402  (bench/train_step.py: shapes, config, batch)
 
 from ebpo_jax import advantages, checkpoint, models, sampling, sharding  # noqa: E402
+from ebpo_jax.trainer import optimizer as optimizer_lib
 from ebpo_jax.trainer import policy as policy_lib  # noqa: E402
 from ebpo_jax.trainer import state as state_lib  # noqa: E402
 from ebpo_jax.trainer import step as step_lib  # noqa: E402
@@ -61,23 +62,24 @@ def build_variant(shape_name: str, rank: int, args) -> dict:
   shape = train_step_bench.SHAPES[shape_name]
   config = variant_config(shape, rank, args)
   mesh = sharding.make_mesh(dict(config.mesh))
-  model = state_lib.make_model(config, shape["vocab_size"])
+  model = models.build.make_model(config, shape["vocab_size"])
   params = policy_lib.initial_params(config, model, mesh)  # base + fresh adapters under LoRA
-  optimizer = state_lib.make_optimizer(config)
+  optimizer = optimizer_lib.make_optimizer(config)
   estimator = advantages.from_config(config.rl)
   state_args = (config, optimizer, estimator, NUM_CLUSTERS)
   shardings = state_lib.state_shardings(*state_args, params)
   state = state_lib.create_state(*state_args, params)  # params are donated
-  step = step_lib.jit_train_step(config, model, optimizer, estimator, mesh, shardings)
+  options = step_lib.StepOptions.from_config(config, mesh)
+  step = step_lib.jit_train_step(model, optimizer, estimator, options, mesh, shardings)
   batch = train_step_bench.synthetic_batch(config, args.prompt_len, shape["vocab_size"])
   # Every group mixed (one reward 1, the rest 0): non-zero advantages, so the adapters and the
   # optimizer's moments move and the checkpoint holds real (incompressible) values, not zeros.
   batch["rewards"] = np.zeros_like(batch["rewards"])
   batch["rewards"][:, 0] = 1.0
-  batch = jax.device_put(batch, sharding.batch_sharding(mesh))
+  batch = jax.device_put(batch, step_lib.batch_shardings(options.layout, mesh))
   compiled = step.lower(state, batch).compile()
   traced = functools.partial(
-    step_lib.train_step, model=model, optimizer=optimizer, estimator=estimator, config=config
+    step_lib.train_step, model=model, optimizer=optimizer, estimator=estimator, options=options
   )
   flops = dot_flops(jax.make_jaxpr(traced)(state, batch).jaxpr)
   return {
@@ -134,7 +136,7 @@ def time_steps(runs: dict, repeats: int) -> dict[str, list[float]]:
   for repeat in range(repeats + 1):
     for name, run in runs.items():
       start = time.perf_counter()
-      state, metrics = run["fn"](run["state"], run["batch"])
+      state, metrics, _ = run["fn"](run["state"], run["batch"])
       jax.block_until_ready((state, metrics))
       run["state"] = state
       if repeat:

@@ -29,8 +29,7 @@ import numpy as np
 import optax
 import train_step as train_step_bench  # bench/train_step.py, beside this file
 
-from ebpo_jax import sharding
-from ebpo_jax.trainer import config as config_lib
+from ebpo_jax import cli, models, sharding
 from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import state as state_lib
 
@@ -126,7 +125,7 @@ def prompt_texts(rl: RLShape, vocab: int, seed: int) -> list[str]:
 
 
 def our_config(path: str, rl: RLShape, kl: bool):
-  config = config_lib.load_config(os.path.join(ROOT, "configs/arith_ebpo.py"))
+  config = cli.load_config(os.path.join(ROOT, "configs/arith_ebpo.py"))
   config.model.path = path
   config.rl.advantage = "grpo"
   config.rl.group_size = rl.group_size
@@ -154,7 +153,7 @@ class OurRL:
   def __init__(self, path: str, rl: RLShape, vocab: int, kl: bool, seed: int = 0):
     config = our_config(path, rl, kl)
     self.mesh = sharding.make_mesh(dict(config.mesh))
-    model = state_lib.make_model(config, vocab)
+    model = models.build.make_model(config, vocab)
     self.state, self.step_fn, _ = train_step_bench.fresh_state_and_step(
       config, model, self.mesh, num_clusters=1
     )
@@ -172,7 +171,7 @@ class OurRL:
       self.sampler, state_lib.policy_params(self.state), keys, self.rows, batches
     )
     t1 = time.perf_counter()
-    self.state, metrics = self.step_fn(self.state, batch)
+    self.state, metrics, _ = self.step_fn(self.state, batch)
     metrics = jax.device_get(metrics)
     t2 = time.perf_counter()
     if not np.isfinite(metrics["loss"]):

@@ -28,8 +28,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import op_profile  # noqa: E402
 
-from ebpo_jax import advantages, sharding  # noqa: E402
-from ebpo_jax.trainer import config as config_lib  # noqa: E402
+from ebpo_jax import advantages, cli, models, sharding  # noqa: E402
+from ebpo_jax.trainer import optimizer as optimizer_lib
 from ebpo_jax.trainer import state as state_lib  # noqa: E402
 from ebpo_jax.trainer import step as step_lib  # noqa: E402
 
@@ -74,7 +74,7 @@ SHAPES = {
 
 def load_config(shape: dict, advantage: str, args):
   """configs/arith_ebpo.py with `shape`'s model, `advantage`, and the benchmark's batch."""
-  config = config_lib.load_config(os.path.join(ROOT, "configs/arith_ebpo.py"))
+  config = cli.load_config(os.path.join(ROOT, "configs/arith_ebpo.py"))
   for key, value in shape.items():
     if key != "vocab_size":
       config.model[key] = value
@@ -102,7 +102,9 @@ def synthetic_batch(config, prompt_len: int, vocab: int, seed: int = 0) -> dict:
     "cluster_ids": lambda shape: (np.arange(shape[0]) % 3).astype(np.int32),
   }
   batch = {}
-  for key, spec in step_lib.abstract_batch(config, prompt_len).items():
+  layout = step_lib.StepLayout.from_config(config, None)
+  abstract = step_lib.abstract_batch(layout, prompt_len, config.sampling.max_new_tokens)
+  for key, spec in abstract.items():
     if key in fill:
       batch[key] = fill[key](spec.shape)
     else:  # the masks on, the per-row flags (truncated, nonfinite) off
@@ -113,14 +115,15 @@ def synthetic_batch(config, prompt_len: int, vocab: int, seed: int = 0) -> dict:
 def fresh_state_and_step(config, model, mesh, num_clusters: int):
   """A fresh train state of `model` (random init) and the trainer's jitted `train_step` for it,
   built as the trainer builds them; also the number of matmul weights (for FLOP counts)."""
-  params = state_lib.init_params(config, model, mesh)
-  optimizer = state_lib.make_optimizer(config)
+  params = models.build.init_params(config, model, mesh)
+  optimizer = optimizer_lib.make_optimizer(config)
   estimator = advantages.from_config(config.rl)
   state_args = (config, optimizer, estimator, num_clusters)
   state_sharding = state_lib.state_shardings(*state_args, params)
   num_params = sum(x.size for x in jax.tree.leaves(params) if x.ndim >= 2)
   state = state_lib.create_state(*state_args, params)  # params are donated
-  step = step_lib.jit_train_step(config, model, optimizer, estimator, mesh, state_sharding)
+  options = step_lib.StepOptions.from_config(config, mesh)
+  step = step_lib.jit_train_step(model, optimizer, estimator, options, mesh, state_sharding)
   return state, step, num_params
 
 
@@ -129,10 +132,10 @@ def compiled_step(shape_name: str, advantage: str, args):
   shape = SHAPES[shape_name]
   config = load_config(shape, advantage, args)
   mesh = sharding.make_mesh(dict(config.mesh))
-  model = state_lib.make_model(config, shape["vocab_size"])
+  model = models.build.make_model(config, shape["vocab_size"])
   state, step, num_params = fresh_state_and_step(config, model, mesh, num_clusters=3)
   batch = synthetic_batch(config, args.prompt_len, shape["vocab_size"])
-  shared = step_lib.uses_shared_prefix(config, mesh)
+  shared = step_lib.StepLayout.from_config(config, mesh).shared_prefix
   return step.lower(state, batch).compile(), state, batch, num_params, shared
 
 
@@ -147,7 +150,7 @@ def step_flops(weights: int, shape: dict, args, shared_prefix: bool) -> float:
   """Model FLOPs of one step: 6 per weight per token (forward + backward) plus attention, with the
   LM head counted only where a completion token is predicted (the step computes no other logits).
 
-  The tokens the layers run: with `shared_prefix` (step.uses_shared_prefix) each prompt once per
+  The tokens the layers run: with `shared_prefix` (step.StepLayout.shared_prefix) each prompt once per
   group, its completions' attention over the prompt's keys and their own; else each of the rows
   in full. Counted by hand because XLA's cost analysis counts a scanned layer body once, not L
   times. `weights`: the entries of every matrix, each a matmul weight (the tied embedding is the
@@ -203,7 +206,7 @@ def time_steps(shape_name: str, args) -> dict[str, float]:
     for adv, run in sorted(runs.items(), reverse=bool(repeat % 2)):
       fn, state, batch = run[:3]
       start = time.perf_counter()
-      state, metrics = fn(state, batch)
+      state, metrics, _ = fn(state, batch)
       jax.block_until_ready((state, metrics))
       run[1] = state
       if repeat:

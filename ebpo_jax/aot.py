@@ -63,16 +63,17 @@ import jax.numpy as jnp
 import ml_collections
 from absl import app, flags
 from jax.extend import core as jax_core
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
-from ebpo_jax import advantages, files, models, sampling, sharding
+from ebpo_jax import advantages, cli, errors, files, models, sampling, sharding
 from ebpo_jax.tpu import GIB, Chip, NoTpuCompiler, Slice, parse_slice, topology_devices
 from ebpo_jax.trainer import config as config_lib
+from ebpo_jax.trainer import optimizer as optimizer_lib
 from ebpo_jax.trainer import prompts as prompts_lib
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer import task_rows
 from ebpo_jax.trainer.rollout_options import SamplingOptions
-from ebpo_jax.trainer.step import abstract_batch, jit_train_step
+from ebpo_jax.trainer.step import StepOptions, abstract_batch, jit_train_step
 
 # ----------------------------------------------------------------------------- loop correction
 
@@ -177,26 +178,26 @@ def make_target(config: ml_collections.ConfigDict, tpu: Slice, prompt_len: int =
   mesh = sharding.make_mesh(dict(config.mesh), topology_devices(tpu))
   mc, num_clusters = config.model, 16
   if mc.path and _model_dir(mc.path):
-    tokenizer = state_lib.load_tokenizer(config, task=None)
-    model = state_lib.make_model(config, tokenizer.vocab_size)
+    tokenizer = task_rows.load_tokenizer(config, task=None)
+    model = models.build.make_model(config, tokenizer.vocab_size)
   elif mc.path:
     if mc.vocab_size < 1:
-      raise config_lib.ConfigError(
+      raise errors.ConfigError(
         f"config.model.path={mc.path!r} is not a model directory on this machine: set "
         f"config.model.vocab_size (with the shape keys) to compile its shape"
       )
-    model_config = state_lib.random_init_config(mc, mc.vocab_size)
-    model = models.Decoder(state_lib.with_lora(model_config, mc.lora))
+    model_config = models.build.random_init_config(mc, mc.vocab_size)
+    model = models.Decoder(models.build.with_lora(model_config, mc.lora))
     tokenizer = None
   else:
     task, rows, cluster_names, _ = task_rows.load_task_and_rows(config)
-    tokenizer = state_lib.load_tokenizer(config, task)
-    model, num_clusters = state_lib.make_model(config, tokenizer.vocab_size), len(cluster_names)
+    tokenizer = task_rows.load_tokenizer(config, task)
+    model, num_clusters = models.build.make_model(config, tokenizer.vocab_size), len(cluster_names)
     # The bucket of the longest training prompt: the widest batch the run will compile.
     encoder = prompts_lib.PromptEncoder.from_config(config, task, tokenizer)
     prompt_len = prompt_len or encoder.prompts(rows)[0].shape[1]
   stop_ids, pad_id = (tokenizer.stop_ids, tokenizer.pad_id) if tokenizer else ((1,), 0)
-  params = state_lib.abstract_params(model, mesh)
+  params = models.build.abstract_params(model, mesh)
   prompt_len = prompt_len or max(config.sampling.prompt_buckets)
   return Target(config, tpu, mesh, model, params, tuple(stop_ids), pad_id, num_clusters, prompt_len)
 
@@ -288,13 +289,14 @@ def train_step_program(target: Target) -> Program:
   """The trainer's jitted train step (state donated), lowered for a batch at the target's prompt
   bucket."""
   config, mesh, prompt_len = target.config, target.mesh, target.prompt_len
-  optimizer = state_lib.make_optimizer(config)
+  optimizer = optimizer_lib.make_optimizer(config)
   estimator = advantages.from_config(config.rl)
   state_args = (config, optimizer, estimator, target.num_clusters)
   state = state_lib.abstract_state(*state_args, target.params)
   shardings = state_lib.state_shardings(*state_args, target.params)
-  batch = abstract_batch(config, prompt_len, sharding.batch_sharding(mesh))
-  step = jit_train_step(config, target.model, optimizer, estimator, mesh, shardings)
+  options = StepOptions.from_config(config, mesh)
+  batch = abstract_batch(options.layout, prompt_len, config.sampling.max_new_tokens, mesh)
+  step = jit_train_step(target.model, optimizer, estimator, options, mesh, shardings)
   traced = step.trace(state, batch)
   parts = state_bytes(state)
   extra = {"state_bytes": parts.pop("total"), "batch_bytes": _shard_bytes(batch)}
@@ -309,7 +311,7 @@ def sampler_program(target: Target) -> Program:
   prompts = config.sampling.prompts_per_call or config.train.batch_size
   ids = jax.ShapeDtypeStruct((prompts, prompt_len), jnp.int32)
   rows = sharding.row_sharding(ids.shape, mesh)
-  replicated = NamedSharding(mesh, PartitionSpec())
+  replicated = sharding.replicated(mesh)
   scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
   tokenizer = _Ids(target.stop_ids, target.pad_id)
   options = SamplingOptions.from_config(config).generate_options(
@@ -453,28 +455,28 @@ def main(argv: Sequence[str]) -> None:
   del argv
   f = flags.FLAGS
   if f.print_config:
-    config_lib.print_config(f.config)
+    cli.print_config(f.config)
     return
   if f.topology is None:
     raise app.UsageError("--topology is required")
   if not os.environ.get("JAX_PLATFORMS"):
     jax.config.update("jax_platforms", "cpu")  # the TPU devices are compile-only
-  with config_lib.entry_point():
+  with cli.entry_point():
     try:
       tpu = parse_slice(f.topology or "")
       report = check(f.config, tpu, f.prompt_len)
     except (ValueError, NoTpuCompiler) as e:  # a bad slice name (ConfigError: entry_point's)
-      if isinstance(e, config_lib.USER_ERRORS):
+      if isinstance(e, errors.BadInput):
         raise
       print(f"error: {e}", file=sys.stderr, flush=True)
-      sys.exit(config_lib.BAD_INPUT_STATUS)
+      sys.exit(cli.BAD_INPUT_STATUS)
     print(describe(report), flush=True)
     print(json.dumps(report), flush=True)
 
 
 if __name__ == "__main__":
-  config_lib.define_config_flags()
-  flags.adopt_module_key_flags(config_lib)  # --help lists --config and --print_config
+  cli.define_config_flags()
+  flags.adopt_module_key_flags(cli)  # --help lists --config and --print_config
   flags.DEFINE_string("topology", None, "Slice (v5p-64, v5e-16) or topology (v5p:4x4x2).")
   flags.DEFINE_integer(
     "prompt_len",
@@ -482,4 +484,4 @@ if __name__ == "__main__":
     "Prompt bucket to compile; 0: the longest training prompt's bucket when the rows are "
     "the task's own, else the largest of sampling.prompt_buckets.",
   )
-  app.run(main, flags_parser=config_lib.parse_flags)  # a --config.KEY typo: one line
+  app.run(main, flags_parser=cli.parse_flags)  # a --config.KEY typo: one line

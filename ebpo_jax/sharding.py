@@ -8,9 +8,7 @@ replicated along that dimension rather than refused, so one rule set serves ever
 from __future__ import annotations
 
 import math
-import os
-import re
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -109,78 +107,14 @@ def logical_shardings(abstract_tree: Any, mesh: Mesh, rules: Rules = DEFAULT_RUL
   def leaf_sharding(leaf):
     if isinstance(leaf, nn.Partitioned):
       return NamedSharding(mesh, logical_to_spec(leaf.value.shape, leaf.names, mesh, rules))
-    return NamedSharding(mesh, PartitionSpec())
+    return replicated(mesh)
 
   return jax.tree.map(leaf_sharding, abstract_tree, is_leaf=lambda x: isinstance(x, nn.Partitioned))
 
 
-_FAKE_CPU_DEVICES_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
-
-
-def fake_cpu_devices_env(devices: int, base: Mapping[str, str] | None = None) -> dict[str, str]:
-  """`base` (default: os.environ) for a process on `devices` fake CPU devices: the device count in
-  XLA_FLAGS replaced, its other flags kept."""
-  env = dict(os.environ if base is None else base)
-  flags = _FAKE_CPU_DEVICES_FLAG.sub("", env.get("XLA_FLAGS", "")).split()
-  env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={devices}"])
-  return env
-
-
-def size_cpu_thread_pools(environ: MutableMapping[str, str] = os.environ) -> None:
-  """Room in XLA:CPU's thread pools for N > 1 CPU devices (`XLA_FLAGS=
-  --xla_force_host_platform_device_count=N` or `JAX_NUM_CPU_DEVICES=N`): sets `PJRT_NPROC` (the
-  pools' size; XLA's own is max(cores, N)) to max(cores, 2 N) unless it is set already. Call it
-  before anything touches a device; accelerators and a single CPU device are left alone.
-
-  Each device's part of a program holds a pool thread until the program ends, and a launch that
-  waits for a device's in-flight slot holds one too. With only N threads (N > cores), one
-  device's part can find none free: the other N - 1 wait at the program's first all-reduce and
-  XLA aborts the process after 40 s ("Expected 8 threads to join the rendezvous, but only 6 of
-  them arrived"), as the 8-device warm start did on 2 cores (issue 14 item 11).
-  """
-  counts = [int(n) for n in _FAKE_CPU_DEVICES_FLAG.findall(environ.get("XLA_FLAGS", ""))]
-  count = environ.get("JAX_NUM_CPU_DEVICES", "")
-  counts.append(int(count) if count.isdigit() else 0)  # not a number: jax's to report
-  devices = max(counts)
-  if devices > 1 and not environ.get("PJRT_NPROC"):
-    environ["PJRT_NPROC"] = str(max(os.cpu_count() or 1, 2 * devices))
-
-
-DISTRIBUTED_ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
-
-
-def init_distributed() -> bool:
-  """Joins a multi-process run (one process per host, the same command on every host).
-
-  With `JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID` set (as
-  launch/local_multiprocess.sh does, or a cluster script per host) they are passed on; with
-  `EBPO_JAX_DISTRIBUTED=auto` (launch/tpu_pod.sh) JAX detects the cluster (TPU pod, SLURM).
-  Otherwise this is a single-process run and nothing happens. Returns whether it initialised.
-  Call it before anything touches a device.
-  """
-  given = [name for name in DISTRIBUTED_ENV if os.environ.get(name)]
-  if 0 < len(given) < len(DISTRIBUTED_ENV):
-    missing = sorted(set(DISTRIBUTED_ENV) - set(given))
-    raise ValueError(f"multi-process run: {', '.join(given)} set but {', '.join(missing)} not")
-  if given or os.environ.get("EBPO_JAX_DISTRIBUTED") == "auto":
-    # Cross-process collectives on CPU (loopback runs) need gloo; GPU and TPU ignore the option.
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  if given:
-    jax.distributed.initialize(
-      coordinator_address=os.environ["JAX_COORDINATOR_ADDRESS"],
-      num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
-      process_id=int(os.environ["JAX_PROCESS_ID"]),
-    )
-    return True
-  if os.environ.get("EBPO_JAX_DISTRIBUTED") == "auto":
-    jax.distributed.initialize()
-    return True
-  return False
-
-
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Leading (batch) dimension over ('data', 'fsdp'), the rest replicated."""
-  return NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+def replicated(mesh: Mesh) -> NamedSharding:
+  """Every device of `mesh` holds the whole array."""
+  return NamedSharding(mesh, PartitionSpec())
 
 
 def row_sharding(shape: Sequence[int], mesh: Mesh) -> NamedSharding:

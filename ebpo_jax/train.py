@@ -11,9 +11,11 @@ function. The parts live in ebpo_jax/trainer/; this file is only the entry point
 """
 
 import collections
+import contextlib
+import dataclasses
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn
 
 import jax
@@ -23,20 +25,21 @@ import tqdm
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from ebpo_jax import advantages, checkpoint, data, files, sharding
+from ebpo_jax import advantages, checkpoint, cli, data, files, jsonable, models, process, sharding
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.trainer import banner as banner_lib
 from ebpo_jax.trainer import config as config_lib
+from ebpo_jax.trainer import optimizer as optimizer_lib
 from ebpo_jax.trainer import policy as policy_lib
 from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer import task_rows
 from ebpo_jax.trainer import warm_start as warm_start_lib
 from ebpo_jax.trainer import workdir as workdir_lib
-from ebpo_jax.trainer.step import ADVANTAGES, jit_train_step
+from ebpo_jax.trainer.step import StepOptions, jit_train_step
 
-_CONFIG, _PRINT_CONFIG = config_lib.define_config_flags()
-flags.adopt_module_key_flags(config_lib)  # --help lists --config and --print_config
+_CONFIG, _PRINT_CONFIG = cli.define_config_flags()
+flags.adopt_module_key_flags(cli)  # --help lists --config and --print_config
 _WORKDIR = flags.DEFINE_string(
   "workdir", None, "Directory for checkpoints, metrics and plots (local or gs://bucket/...)."
 )
@@ -46,14 +49,14 @@ def main(argv: Sequence[str]) -> None:
   del argv
   config, workdir = _CONFIG.value, _WORKDIR.value
   if _PRINT_CONFIG.value:
-    config_lib.print_config(config)
+    cli.print_config(config)
     return
   if workdir is None:
     raise app.UsageError("--workdir is required")
-  with config_lib.entry_point():
+  with cli.entry_point():
     config_lib.check_config(config, jax.device_count())
     config_lib.check_training(config)
-    config_lib.check_model_path(config)  # a missing or truncated model file: one line
+    models.check_model_path(config)  # a missing or truncated model file: one line
     with workdir_lib.claim(workdir, config):  # locked; config.json checked against this config
       name = banner_lib.config_name(
         config_flags.get_config_filename(flags.FLAGS["config"]),
@@ -65,166 +68,74 @@ def main(argv: Sequence[str]) -> None:
 def run(config: ml_collections.ConfigDict, workdir: str, *, name: str = "") -> dict:
   """Trains (or resumes) under `config` in `workdir`; returns the last evaluation. `name`: the
   config as the command line gave it, for the startup banner."""
-  is_main = jax.process_index() == 0
   started = time.perf_counter()
-  sigterm = checkpoint.install_sigterm_flag()  # the whole run, the warm start included
+  sigterm = process.install_sigterm_flag()  # the whole run, the warm start included
   mesh = sharding.make_mesh(dict(config.mesh))
 
   # ---- Task and data.
   task, rows, cluster_names, eval_rows = task_rows.load_task_and_rows(config)
-  tokenizer = state_lib.load_tokenizer(config, task)
+  tokenizer = task_rows.load_tokenizer(config, task)
   batches = data.make_batches(
     rows, batch_size=config.train.batch_size, order=config.data.order, seed=config.seed
   )
 
   # ---- Model, optimizer, estimator and the jitted step.
-  model = state_lib.make_model(config, tokenizer.vocab_size)
-  optimizer = state_lib.make_optimizer(config)
+  model = models.build.make_model(config, tokenizer.vocab_size)
+  optimizer = optimizer_lib.make_optimizer(config)
   estimator = advantages.from_config(config.rl)
-  abstract_params = state_lib.abstract_params(model, mesh)
+  abstract_params = models.build.abstract_params(model, mesh)
   state_args = (config, optimizer, estimator, len(cluster_names))
   shardings = state_lib.state_shardings(*state_args, abstract_params)
   traces = collections.Counter()  # jit traces of the train step: 1 means no recompile
+  options = StepOptions.from_config(config, mesh)
   step_fn = jit_train_step(
-    config, model, optimizer, estimator, mesh, shardings, on_trace=lambda: traces.update(["step"])
+    model, optimizer, estimator, options, mesh, shardings, on_trace=lambda: traces.update(["step"])
   )
-  sampler = rollouts_lib.make_sampler(model, task, tokenizer, config, mesh)
 
-  def evaluate(state: state_lib.TrainState) -> dict:
-    eval_key = state_lib.step_keys(state.rng, state.step).eval
-    params = state_lib.policy_params(state)
-    return rollouts_lib.evaluate_accuracy(sampler, params, eval_rows, cluster_names, eval_key)
+  # ---- The run's resources: every exit (the end, too many bad steps, SIGTERM, an error) closes
+  # the writer, then the checkpointer (waiting for a pending save), then the verifier pool.
+  with contextlib.ExitStack() as resources:
+    sampler = rollouts_lib.make_sampler(model, task, tokenizer, config, mesh)
+    resources.enter_context(sampler.scorer.pool)
+    ckpt = resources.enter_context(_checkpointer(config, workdir))
 
-  # ---- Resume first; else a fresh state (warm start, step-0 evaluation and checkpoint).
-  ckpt = checkpoint.Checkpointer(
-    files.join(workdir, "checkpoints"),
-    max_to_keep=config.checkpoint.max_to_keep,
-    save_every=config.checkpoint.every_steps,
-  )
-  latest = None
-  if ckpt.all_steps():  # the newest checkpoint that restores and verifies
-    abstract = state_lib.abstract_state(*state_args, abstract_params)
-    try:
-      latest, state, _ = ckpt.restore_latest(state_lib.checkpointed(abstract), data_iter=batches)
-    except checkpoint.CorruptCheckpointError as e:
-      sys.exit(f"error: {e}")
-    if abstract.base is not None:  # LoRA: the checkpoint holds the adapters, not the base
-      state = state.replace(base=policy_lib.lora_base(config, model, mesh))
-  banner_lib.log_startup(
-    mesh=mesh,
-    num_params=banner_lib.count_params(abstract_params),
-    lora_rank=config.model.lora.rank,
-    trained_params=banner_lib.count_adapters(abstract_params),
-    workdir=workdir,
-    config=name,
-    resume_step=latest,
-  )
-  # metrics.jsonl keeps only the lines of the steps restored (none on a fresh start), always.
-  resume_step = metrics_lib.FRESH_START if latest is None else latest
-  writer = metrics_lib.MetricsWriter(
-    workdir,
-    enabled=is_main,
-    resume_step=resume_step,
-    hparams=workdir_lib.config_json(config),  # TensorBoard's hparams, wandb's config
-    wandb=metrics_lib.wandb_options(config.logging),
-  )
-  last_eval = {}
-  if latest is None:
-    params = warm_start_lib.warm_start(
-      config, model, mesh, rows, sampler, workdir=workdir, sigterm=sigterm
+    # ---- Resume first; else a fresh state (warm start, step-0 evaluation and checkpoint).
+    latest, state = None, None
+    if ckpt.all_steps():  # the newest checkpoint that restores and verifies
+      abstract = state_lib.abstract_state(*state_args, abstract_params)
+      latest, state = _restore(ckpt, abstract, config, model, mesh, batches)
+    banner_lib.log_startup(
+      mesh=mesh,
+      num_params=banner_lib.count_params(abstract_params),
+      lora_rank=config.model.lora.rank,
+      trained_params=banner_lib.count_adapters(abstract_params),
+      workdir=workdir,
+      config=name,
+      resume_step=latest,
     )
-    if sigterm.requested_anywhere():
-      exit_on_sigterm(ckpt, writer, "the warm start saved its own checkpoint")
-    state = state_lib.create_state(*state_args, params)
-    last_eval = evaluate(state)
-    writer.write(0, {**last_eval, metrics_lib.TIME_ELAPSED_S: time.perf_counter() - started})
-    ckpt.save(
-      0, state_lib.checkpointed(state), data_iter=batches, config=config.to_dict(), force=True
+    writer = resources.enter_context(_metrics_writer(config, workdir, latest))
+    r = _Run(
+      config,
+      rows,
+      cluster_names,
+      eval_rows,
+      batches,
+      sampler,
+      step_fn,
+      traces,
+      ckpt,
+      writer,
+      sigterm,
+      started,
     )
-    writer.flush()
-    if sigterm.requested_anywhere():
-      exit_on_sigterm(ckpt, writer, "saved the checkpoint of step 0")
-    ckpt.wait()  # checkpoint 0 is written: the warm start's own one is no longer needed
-  warm_start_lib.discard(workdir)
+    last_eval = {}
+    if latest is None:
+      state, last_eval = _start(r, model, mesh, workdir, state_args)
+    warm_start_lib.discard(workdir)
+    last_eval = _loop(r, state, last_eval)
 
-  # ---- The loop. A step whose update was skipped (non-finite loss, grad norm or logits) is never
-  # checkpointed, so it cannot rotate the last good checkpoint out; its save, if one was due, is
-  # made at the next good step. The count of bad steps in a row lives in the state.
-  save_owed = False
-  start, num_steps = int(state.step), config.train.num_steps
-  bar = tqdm.trange(
-    start, num_steps, initial=start, total=num_steps, desc="rl", disable=not is_main
-  )
-  for step in bar:
-    # Every host<->device transfer in the loop is explicit (place_from_host, to_host, device_get):
-    # under train.transfer_guard="disallow" (the default) any other one is an error.
-    with jax.transfer_guard(config.train.transfer_guard):
-      t0 = time.perf_counter()
-      keys = state_lib.step_keys(state.rng, state.step, config.rl.max_refill_rounds)
-      batch, rollout, logged = rollouts_lib.collect_batch(
-        sampler, state_lib.policy_params(state), keys, rows, batches
-      )
-      t1 = time.perf_counter()
-      if step == start:
-        logging.info("compiling the train step (the first call; once per run) ...")
-      state, step_metrics = step_fn(state, batch)
-      step_metrics, bad_in_a_row = jax.device_get((step_metrics, state.bad_steps))
-      advantages_bg = step_metrics.pop(ADVANTAGES)
-      t2 = time.perf_counter()
-      if bad_in_a_row >= config.train.max_bad_steps:
-        ckpt.close()
-        writer.close()  # a remote writer uploads the lines it holds
-        sys.exit(
-          f"error: non-finite loss or grad norm in {bad_in_a_row} steps in a row "
-          f"(train.max_bad_steps={config.train.max_bad_steps}); last good checkpoint kept"
-        )
-      logged.update(host_metrics(step_metrics, rollout, cluster_names))
-      logged.update(
-        {
-          metrics_lib.TIME_STEP_S: t2 - t0,
-          metrics_lib.TIME_SAMPLE_S: t1 - t0,
-          metrics_lib.TIME_UPDATE_S: t2 - t1,
-          metrics_lib.TIME_TOKENS_PER_S: logged[metrics_lib.ROLLOUT_TOKENS] / (t2 - t0),
-          metrics_lib.COMPILES_TRAIN_STEP: traces["step"],
-        }
-      )
-      if (step + 1) % config.eval.every_steps == 0 or step + 1 == num_steps:
-        last_eval = evaluate(state)
-        logged.update(last_eval)
-      logged[metrics_lib.TIME_ELAPSED_S] = time.perf_counter() - started
-      if (step + 1) % config.train.log_every == 0 or metrics_lib.EVAL_ACCURACY in logged:
-        writer.write(step + 1, logged)
-      samples_every = config.logging.samples_every
-      if samples_every and (step + 1) % samples_every == 0:
-        num = config.logging.num_samples
-        writer.write_samples(
-          step + 1, rollouts_lib.sample_rows(rollout, advantages_bg, cluster_names, num)
-        )
-      bar.set_postfix(
-        reward=f"{logged[metrics_lib.REWARD_MEAN]:.3f}",
-        acc=f"{last_eval.get(metrics_lib.EVAL_ACCURACY, float('nan')):.3f}",
-      )
-      stop = sigterm.requested_anywhere()  # every process saves and stops at the same step
-      last = step + 1 == num_steps or stop
-      if bad_in_a_row > 0:
-        save_owed = True
-      elif ckpt.save(
-        step + 1,
-        state_lib.checkpointed(state),
-        data_iter=batches,
-        config=config.to_dict(),
-        force=last or save_owed,
-      ):
-        writer.flush()  # the metrics (remote: uploaded now and then) reach every checkpoint
-        save_owed = False
-      if stop:
-        exit_on_sigterm(ckpt, writer, f"the checkpoint of step {ckpt.latest_step()} is the latest")
-
-  # ---- The end: wait for the last save, print the summary, draw the plots.
-  ckpt.close()
-  writer.close()
-  sampler.scorer.pool.close()
-  if is_main:
+  # ---- The end (the last save waited for): the summary and the plots.
+  if jax.process_index() == 0:
     finish(workdir, cluster_names)
   return last_eval
 
@@ -232,11 +143,176 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, name: str = "") -> d
 # ----------------------------------------------------------------------------- helpers of run
 
 
-def exit_on_sigterm(ckpt: checkpoint.Checkpointer, writer, saved: str) -> NoReturn:
-  """Waits for the pending save, closes the metrics (a remote writer uploads its lines) and exits
-  with 143, the status of a process ended by SIGTERM."""
-  ckpt.close()
-  writer.close()
+@dataclasses.dataclass(frozen=True)
+class _Run:
+  """What the loop's helpers share: the run's config, rows, sampler, step and resources."""
+
+  config: ml_collections.ConfigDict
+  rows: list[dict]
+  cluster_names: list[str]
+  eval_rows: list[dict]
+  batches: Iterator
+  sampler: rollouts_lib.Sampler
+  step_fn: Callable
+  traces: collections.Counter
+  ckpt: checkpoint.Checkpointer
+  writer: metrics_lib.MetricsWriter
+  sigterm: process.SigtermFlag
+  started: float  # time.perf_counter() at the run's start
+
+
+def _restore(ckpt, abstract, config, model, mesh, batches) -> tuple[int, state_lib.TrainState]:
+  """(step, state) of the newest checkpoint that restores and verifies, the data iterator at its
+  position; one line and exit on a corrupt one."""
+  try:
+    latest, state, _ = ckpt.restore_latest(state_lib.checkpointed(abstract), data_iter=batches)
+  except checkpoint.CorruptCheckpointError as e:
+    sys.exit(f"error: {e}")
+  if abstract.base is not None:  # LoRA: the checkpoint holds the adapters, not the base
+    state = state.replace(base=policy_lib.lora_base(config, model, mesh))
+  return latest, state
+
+
+def _metrics_writer(config, workdir: str, latest: int | None) -> metrics_lib.MetricsWriter:
+  # metrics.jsonl keeps only the lines of the steps restored (none on a fresh start), always.
+  return metrics_lib.MetricsWriter(
+    workdir,
+    enabled=jax.process_index() == 0,
+    resume_step=metrics_lib.FRESH_START if latest is None else latest,
+    hparams=jsonable.to_data(config),  # TensorBoard's hparams, wandb's config
+    wandb=metrics_lib.wandb_options(config.logging),
+  )
+
+
+def _evaluate(r: _Run, state: state_lib.TrainState) -> dict:
+  eval_key = state_lib.step_keys(state.rng, state.step).eval
+  params = state_lib.policy_params(state)
+  return rollouts_lib.evaluate_accuracy(r.sampler, params, r.eval_rows, r.cluster_names, eval_key)
+
+
+def _checkpointer(config, workdir: str) -> checkpoint.Checkpointer:
+  return checkpoint.Checkpointer(
+    files.join(workdir, "checkpoints"),
+    max_to_keep=config.checkpoint.max_to_keep,
+    save_every=config.checkpoint.every_steps,
+  )
+
+
+def _start(r: _Run, model, mesh, workdir: str, state_args) -> tuple[state_lib.TrainState, dict]:
+  """A fresh state (the warm start's params), its step-0 evaluation and checkpoint: (state, the
+  evaluation)."""
+  params = warm_start_lib.warm_start(
+    r.config, model, mesh, r.rows, r.sampler, workdir=workdir, sigterm=r.sigterm
+  )
+  if r.sigterm.requested_anywhere():
+    _exit_on_sigterm("the warm start saved its own checkpoint")
+  state = state_lib.create_state(*state_args, params)
+  last_eval = _evaluate(r, state)
+  r.writer.write(0, {**last_eval, metrics_lib.TIME_ELAPSED_S: time.perf_counter() - r.started})
+  config = r.config
+  r.ckpt.save(
+    0, state_lib.checkpointed(state), data_iter=r.batches, config=config.to_dict(), force=True
+  )
+  r.writer.flush()
+  if r.sigterm.requested_anywhere():
+    _exit_on_sigterm("saved the checkpoint of step 0")
+  r.ckpt.wait()  # checkpoint 0 is written: the warm start's own one is no longer needed
+  return state, last_eval
+
+
+def _loop(r: _Run, state: state_lib.TrainState, last_eval: dict) -> dict:
+  """The RL steps from `state.step` to `train.num_steps`; returns the last evaluation. A step
+  whose update was skipped (non-finite loss, grad norm or logits) is never checkpointed, so it
+  cannot rotate the last good checkpoint out; its save, if one was due, is made at the next good
+  step. The count of bad steps in a row lives in the state."""
+  config, save_owed = r.config, False
+  start, num_steps = int(state.step), config.train.num_steps
+  bar = tqdm.trange(
+    start, num_steps, initial=start, total=num_steps, desc="rl", disable=jax.process_index() != 0
+  )
+  for step in bar:
+    # Every host<->device transfer in the loop is explicit (place_from_host, to_host, device_get):
+    # under train.transfer_guard="disallow" (the default) any other one is an error.
+    with jax.transfer_guard(config.train.transfer_guard):
+      state, logged, samples, bad_in_a_row = _rl_step(r, state, step, first=step == start)
+      if (step + 1) % config.eval.every_steps == 0 or step + 1 == num_steps:
+        last_eval = _evaluate(r, state)
+        logged.update(last_eval)
+      _log_step(r, step + 1, logged, samples)
+      bar.set_postfix(
+        reward=f"{logged[metrics_lib.REWARD_MEAN]:.3f}",
+        acc=f"{last_eval.get(metrics_lib.EVAL_ACCURACY, float('nan')):.3f}",
+      )
+      stop = r.sigterm.requested_anywhere()  # every process saves and stops at the same step
+      if bad_in_a_row > 0:
+        save_owed = True
+      elif r.ckpt.save(
+        step + 1,
+        state_lib.checkpointed(state),
+        data_iter=r.batches,
+        config=config.to_dict(),
+        force=step + 1 == num_steps or stop or save_owed,
+      ):
+        r.writer.flush()  # the metrics (remote: uploaded now and then) reach every checkpoint
+        save_owed = False
+      if stop:
+        _exit_on_sigterm(f"the checkpoint of step {r.ckpt.latest_step()} is the latest")
+  return last_eval
+
+
+def _rl_step(r: _Run, state, step: int, *, first: bool):
+  """One RL step: sample and score a batch, run the train step; (state, the step's logged
+  metrics, its sample completions table when due or None, bad steps in a row). Too many bad
+  steps in a row exit (the last good checkpoint kept)."""
+  config = r.config
+  t0 = time.perf_counter()
+  keys = state_lib.step_keys(state.rng, state.step, config.rl.max_refill_rounds)
+  batch, rollout, logged = rollouts_lib.collect_batch(
+    r.sampler, state_lib.policy_params(state), keys, r.rows, r.batches
+  )
+  t1 = time.perf_counter()
+  if first:
+    logging.info("compiling the train step (the first call; once per run) ...")
+  state, step_metrics, aux = r.step_fn(state, batch)
+  step_metrics, advantages_bg, bad_in_a_row = jax.device_get(
+    (step_metrics, aux.advantages, state.bad_steps)
+  )
+  t2 = time.perf_counter()
+  if bad_in_a_row >= config.train.max_bad_steps:
+    sys.exit(
+      f"error: non-finite loss or grad norm in {bad_in_a_row} steps in a row "
+      f"(train.max_bad_steps={config.train.max_bad_steps}); last good checkpoint kept"
+    )
+  logged.update(host_metrics(step_metrics, rollout, r.cluster_names))
+  logged.update(
+    {
+      metrics_lib.TIME_STEP_S: t2 - t0,
+      metrics_lib.TIME_SAMPLE_S: t1 - t0,
+      metrics_lib.TIME_UPDATE_S: t2 - t1,
+      metrics_lib.TIME_TOKENS_PER_S: logged[metrics_lib.ROLLOUT_TOKENS] / (t2 - t0),
+      metrics_lib.COMPILES_TRAIN_STEP: r.traces["step"],
+    }
+  )
+  samples, every = None, config.logging.samples_every
+  if every and (step + 1) % every == 0:
+    num = config.logging.num_samples
+    samples = rollouts_lib.sample_rows(rollout, advantages_bg, r.cluster_names, num)
+  return state, logged, samples, bad_in_a_row
+
+
+def _log_step(r: _Run, step: int, logged: dict, samples: list[dict] | None) -> None:
+  """The metrics line of step `step` (every `train.log_every` steps, and with each evaluation)
+  and its sample completions table."""
+  logged[metrics_lib.TIME_ELAPSED_S] = time.perf_counter() - r.started
+  if step % r.config.train.log_every == 0 or metrics_lib.EVAL_ACCURACY in logged:
+    r.writer.write(step, logged)
+  if samples is not None:
+    r.writer.write_samples(step, samples)
+
+
+def _exit_on_sigterm(saved: str) -> NoReturn:
+  """Exits with 143, the status of a process ended by SIGTERM (the run's ExitStack then waits for
+  the pending save and closes the metrics: a remote writer uploads its lines)."""
   print(f"SIGTERM: {saved}; exiting", file=sys.stderr)
   sys.exit(143)
 
@@ -278,4 +354,4 @@ def finish(workdir: str, cluster_names: Sequence[str]) -> None:
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=config_lib.parse_flags)  # a --config.KEY typo: one line
+  app.run(main, flags_parser=cli.parse_flags)  # a --config.KEY typo: one line

@@ -44,9 +44,9 @@ os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 # start inherit it.
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 
-from ebpo_jax import sharding  # noqa: E402  (imports jax: after the variables above)
+from ebpo_jax import cli, process  # noqa: E402  (imports jax: after the variables above)
 
-sharding.size_cpu_thread_pools()  # as the entry points do: 8 devices on 2 cores abort without it
+process.size_cpu_thread_pools()  # as the entry points do: 8 devices on 2 cores abort without it
 
 import atexit  # noqa: E402
 import dataclasses  # noqa: E402
@@ -71,8 +71,8 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from ebpo_jax import advantages, checkpoint, files, models, sharding, tasks  # noqa: E402
-from ebpo_jax.trainer import config as config_lib  # noqa: E402
-from ebpo_jax.trainer import policy  # noqa: E402
+from ebpo_jax.trainer import optimizer as optimizer_lib  # noqa: E402
+from ebpo_jax.trainer import policy, task_rows  # noqa: E402
 from ebpo_jax.trainer import state as state_lib  # noqa: E402
 from ebpo_jax.trainer import step as step_lib  # noqa: E402
 
@@ -100,7 +100,7 @@ TINY_OVERRIDES = {
 
 def _load(spec: str, overrides: Mapping[str, Any] | None = None) -> ml_collections.ConfigDict:
   path, colon, arg = spec.partition(":")
-  return config_lib.load_config(f"{ROOT / path}{colon}{arg}", overrides)
+  return cli.load_config(f"{ROOT / path}{colon}{arg}", overrides)
 
 
 @pytest.fixture(scope="session")
@@ -125,7 +125,8 @@ class TinyStep:
   optimizer: Any
   estimator: advantages.Estimator
   mesh: jax.sharding.Mesh
-  step: Callable  # jitted (state, batch) -> (state, metrics) as the trainer's; nothing donated
+  options: step_lib.StepOptions
+  step: Callable  # jitted (state, batch) -> (state, metrics, aux) as the trainer's; not donated
   _fresh: dict = dataclasses.field(default_factory=dict, repr=False)
   B, G, P, N, V = B, G, P, N, V
 
@@ -152,13 +153,13 @@ class TinyStep:
   def fresh_state(self) -> state_lib.TrainState:
     """The step-0 state (built once: the step does not donate it, so tests may share it)."""
     if not self._fresh:
-      params = state_lib.init_params(self.config, self.model, self.mesh)
+      params = models.build.init_params(self.config, self.model, self.mesh)
       args = (self.config, self.optimizer, self.estimator, NUM_CLUSTERS)
       self._fresh["state"] = state_lib.create_state(*args, params)
     return self._fresh["state"]
 
   def place(self, batch: dict) -> dict:
-    return jax.device_put(batch, sharding.batch_sharding(self.mesh))
+    return jax.device_put(batch, step_lib.batch_shardings(self.options.layout, self.mesh))
 
   def __call__(self, batch: dict, state: state_lib.TrainState | None = None):
     """One step on the host `batch` from `state` (default: a fresh state)."""
@@ -177,17 +178,18 @@ def tiny_steps() -> Callable[..., TinyStep]:
     if key not in cache:
       config = _load(ARITH, {**TINY_OVERRIDES, **dict(key[0])})
       mesh = sharding.make_mesh(dict(config.mesh), jax.devices()[:num_devices])
-      model = state_lib.make_model(config, V)
-      optimizer = state_lib.make_optimizer(config)
+      model = models.build.make_model(config, V)
+      optimizer = optimizer_lib.make_optimizer(config)
       estimator = advantages.from_config(config.rl)
       shardings = state_lib.state_shardings(
-        config, optimizer, estimator, NUM_CLUSTERS, state_lib.abstract_params(model, mesh)
+        config, optimizer, estimator, NUM_CLUSTERS, models.build.abstract_params(model, mesh)
       )
       # As the trainer jits it, but nothing donated: tests may share the fresh state.
+      options = step_lib.StepOptions.from_config(config, mesh)
       step = step_lib.jit_train_step(
-        config, model, optimizer, estimator, mesh, shardings, donate=False
+        model, optimizer, estimator, options, mesh, shardings, donate=False
       )
-      cache[key] = TinyStep(config, model, optimizer, estimator, mesh, step)
+      cache[key] = TinyStep(config, model, optimizer, estimator, mesh, options, step)
     return cache[key]
 
   return get
@@ -214,9 +216,9 @@ _SESSION_CACHE = os.environ[_CACHE_VARIABLE]
 
 
 def cpu_env(devices: int) -> dict[str, str]:
-  """This process's environment for a process on `devices` CPU devices (`sharding.
+  """This process's environment for a process on `devices` CPU devices (`process.
   fake_cpu_devices_env`: XLA_FLAGS's other flags, the fusion emitters above, kept)."""
-  return sharding.fake_cpu_devices_env(devices) | {"JAX_PLATFORMS": "cpu"}
+  return process.fake_cpu_devices_env(devices) | {"JAX_PLATFORMS": "cpu"}
 
 
 def run_module(module: str, *args: str, devices: int = 8, timeout: float = 300, wait: bool = True):
@@ -336,10 +338,10 @@ def restore_run_state(workdir, config, step: int) -> state_lib.TrainState:
   as the trainer restores it: into the abstract state, without the LoRA base."""
   mesh = sharding.make_mesh(dict(config.mesh))
   task = tasks.from_config(config.task)
-  model = state_lib.make_model(config, state_lib.load_tokenizer(config, task).vocab_size)
-  optimizer = state_lib.make_optimizer(config)
+  model = models.build.make_model(config, task_rows.load_tokenizer(config, task).vocab_size)
+  optimizer = optimizer_lib.make_optimizer(config)
   estimator = advantages.from_config(config.rl)
-  abstract_params = state_lib.abstract_params(model, mesh)
+  abstract_params = models.build.abstract_params(model, mesh)
   abstract = state_lib.abstract_state(
     config, optimizer, estimator, len(task.cluster_names), abstract_params
   )
@@ -389,19 +391,19 @@ def save_checkpoint(workdir: pathlib.Path, config, *, step: int = 0, perturb: fl
   differ from the model they started from). Returns (model, the policy's full params)."""
   mesh = sharding.make_mesh(dict(config.mesh))
   task = tasks.from_config(config.task)
-  model = state_lib.make_model(config, state_lib.load_tokenizer(config, task).vocab_size)
+  model = models.build.make_model(config, task_rows.load_tokenizer(config, task).vocab_size)
   params = policy.initial_params(config, model, mesh)
   if perturb:
     keys = iter(jax.random.split(jax.random.PRNGKey(1), len(jax.tree.leaves(params))))
     # Under LoRA the base is not checkpointed (a load rebuilds it): only the adapters move.
-    lora = state_lib.lora_enabled(config)
+    lora = models.build.lora_enabled(config)
     moves = models.lora.adapter_mask(params) if lora else jax.tree.map(lambda _: True, params)
     params = jax.tree.map(
       lambda x, m: x + perturb * jax.random.normal(next(keys), x.shape, x.dtype) if m else x,
       params,
       moves,
     )
-  optimizer = state_lib.make_optimizer(config)
+  optimizer = optimizer_lib.make_optimizer(config)
   estimator = advantages.from_config(config.rl)
   copy = jax.tree.map(jnp.copy, params)  # create_state donates its params
   state = state_lib.create_state(config, optimizer, estimator, NUM_CLUSTERS, copy)
@@ -463,7 +465,9 @@ def gcs_emulator() -> str:
   server = subprocess.Popen(
     [
       sys.executable,
-      str(ROOT / "tests" / "helpers" / "gcs_emulator.py"),  # the emulator with GCS's generation headers
+      str(
+        ROOT / "tests" / "helpers" / "gcs_emulator.py"
+      ),  # the emulator with GCS's generation headers
       "start",
       "--host=localhost",
       f"--port={port}",

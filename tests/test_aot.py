@@ -128,10 +128,10 @@ LAYER_SWEEP = textwrap.dedent(
   jax.config.update("jax_platforms", "cpu")
   from ebpo_jax import aot
   from ebpo_jax import tpu as tpu_lib
-  from ebpo_jax.trainer import config as config_lib
+  from ebpo_jax import cli
   out = {}
   for layers in (2, 4, 8):
-    config = config_lib.load_config(
+    config = cli.load_config(
       "configs/arith_ebpo.py",
       {"model.num_layers": layers, "model.remat": "full", "model.unroll_layers": False},
     )
@@ -166,13 +166,14 @@ LORA_STATE = textwrap.dedent(
   jax.config.update("jax_platforms", "cpu")
   from ebpo_jax import advantages, aot
   from ebpo_jax import tpu as tpu_lib
-  from ebpo_jax.trainer import config as config_lib
+  from ebpo_jax import cli
+  from ebpo_jax.trainer import optimizer as optimizer_lib
   from ebpo_jax.trainer import state as state_lib
   out = {}
   for arg in ("qwen3_8b,ebpo_topic,g4", "qwen3_8b,ebpo_topic,g4,lora32"):
-    config = config_lib.load_config("configs/paper.py:" + arg)
+    config = cli.load_config("configs/paper.py:" + arg)
     target = aot.make_target(config, tpu_lib.parse_slice("v5p:2x2x1"))  # no weights on disk
-    optimizer = state_lib.make_optimizer(config)
+    optimizer = optimizer_lib.make_optimizer(config)
     estimator = advantages.from_config(config.rl)
     state = state_lib.abstract_state(config, optimizer, estimator, 16, target.params)
     out[arg] = aot.state_bytes(state)
@@ -215,6 +216,6 @@ def test_lora_state_holds_float32_adapters_and_a_bfloat16_base():
 )
 def test_bad_input_exits_with_one_line(flags, message):
   result = _python(["-m", "ebpo_jax.aot", "--config=configs/arith_ebpo.py", *flags], timeout=120)
-  assert result.returncode == 2  # config_lib.BAD_INPUT_STATUS, as every entry point
+  assert result.returncode == 2  # cli.BAD_INPUT_STATUS, as every entry point
   assert result.stderr.strip().splitlines()[-1].startswith(message)
   assert "Traceback" not in result.stderr

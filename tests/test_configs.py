@@ -15,16 +15,18 @@ import re
 import jax
 import pytest
 
-from ebpo_jax import advantages, sharding, tasks
+from ebpo_jax import advantages, cli, models, sharding, tasks
 from ebpo_jax.trainer import config as config_lib
+from ebpo_jax.trainer import optimizer as optimizer_lib
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer import step as step_lib
+from ebpo_jax.trainer import task_rows
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def load_config_module(name: str):
-  return config_lib.load_module(ROOT / "configs" / f"{name}.py")
+  return cli.load_module(ROOT / "configs" / f"{name}.py")
 
 
 paper = load_config_module("paper")
@@ -49,7 +51,7 @@ E2E_ARGS = ["qwen3_8b,dapo", "llama31_8b,ebpo_topic"]
 def runlocal_model(config):
   """The runlocal config's model over its task's tokenizer, and its mesh."""
   task = tasks.from_config(config.task)
-  model = state_lib.make_model(config, state_lib.load_tokenizer(config, task).vocab_size)
+  model = models.build.make_model(config, task_rows.load_tokenizer(config, task).vocab_size)
   return model, sharding.make_mesh(dict(config.mesh))
 
 
@@ -61,21 +63,24 @@ def test_runlocal_variant_traces_the_train_step(arg):
   config = paper.get_config(f"{arg},runlocal")
   config_lib.check_config(config, jax.device_count())
   model, mesh = runlocal_model(config)
-  optimizer = state_lib.make_optimizer(config)
+  optimizer = optimizer_lib.make_optimizer(config)
   estimator = advantages.from_config(config.rl)
   num_clusters = 4
-  params = state_lib.abstract_params(model, mesh)
+  params = models.build.abstract_params(model, mesh)
   state = state_lib.abstract_state(config, optimizer, estimator, num_clusters, params)
-  batch = step_lib.abstract_batch(config, max(config.sampling.prompt_buckets))
+  options = step_lib.StepOptions.from_config(config, mesh)
+  prompt_len, max_new_tokens = max(config.sampling.prompt_buckets), config.sampling.max_new_tokens
+  batch = step_lib.abstract_batch(options.layout, prompt_len, max_new_tokens)
   step = functools.partial(
     step_lib.train_step,
     model=model,
     optimizer=optimizer,
     estimator=estimator,
-    config=config,
+    options=options,
     mesh=mesh,
   )
-  new_state, metrics = jax.eval_shape(step, state, batch)
+  new_state, metrics, aux = jax.eval_shape(step, state, batch)
+  assert aux.advantages.shape == (config.train.batch_size, config.rl.group_size)
   assert jax.tree.structure(new_state) == jax.tree.structure(state)
   for key in ("loss", "grad_norm", "entropy", "bad_updates", "reward/mean"):
     assert metrics[key].shape == (), key
@@ -115,7 +120,7 @@ def test_runlocal_variant_runs_one_rl_step(arg, trainer_cli, tmp_path):
 def test_runlocal_model_has_the_architecture_of_the_paper_model(model):
   config = paper.get_config(f"{model},grpo,runlocal")
   runlocal, mesh = runlocal_model(config)
-  params = state_lib.abstract_params(runlocal, mesh)  # shapes only: nothing is initialised
+  params = models.build.abstract_params(runlocal, mesh)  # shapes only: nothing is initialised
   spec = paper.MODELS[model]
   attention = params["layers"]["self_attn"]
   layers, hidden, heads, _ = attention["q_proj"]["kernel"].shape

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from ebpo_jax import data, difficulty, evaluate, sharding, tasks
+from ebpo_jax import data, difficulty, evaluate, models, sharding, tasks
 from ebpo_jax.evaluate import (
   majority_correct,
   majority_vote,
@@ -22,8 +22,7 @@ from ebpo_jax.evaluate import (
   sample_counts,
 )
 from ebpo_jax.models import lora
-from ebpo_jax.trainer import policy, rollouts
-from ebpo_jax.trainer import state as state_lib
+from ebpo_jax.trainer import policy, rollouts, task_rows
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONFIG = str(ROOT / "configs" / "arith_ebpo.py")
@@ -117,11 +116,11 @@ def test_a_runs_params_are_restored_from_its_checkpoint(arith_config, checkpoint
   assert step == 2 and config.model.num_layers == 3  # the run's model, from the saved config
   mesh = sharding.make_mesh(dict(config.mesh))
   task = tasks.from_config(config.task)
-  tokenizer = state_lib.load_tokenizer(config, task)
+  tokenizer = task_rows.load_tokenizer(config, task)
   restored_model, params, origin = policy.load_policy(config, tokenizer, mesh, str(run_dir), step)
   assert origin == {"kind": "checkpoint", "run_dir": str(run_dir), "step": 2}
   assert restored_model.config == model.config
-  abstract = state_lib.abstract_params(restored_model, mesh)
+  abstract = models.build.abstract_params(restored_model, mesh)
   leaves, saved_leaves = jax.tree.leaves(params), jax.tree.leaves(saved)
   assert len(leaves) == len(saved_leaves) == len(jax.tree.leaves(abstract))
   for ours, ref, want in zip(leaves, saved_leaves, jax.tree.leaves(abstract), strict=True):
@@ -209,7 +208,7 @@ def test_a_lora_runs_policy_is_its_adapters_on_the_base_it_trained(
   config, step = policy.policy_config(arith_config(), str(workdir), None)
   assert step == 4 and config.seed != lora_overrides["seed"]
   mesh = sharding.make_mesh(dict(config.mesh))
-  tokenizer = state_lib.load_tokenizer(config, tasks.from_config(config.task))
+  tokenizer = task_rows.load_tokenizer(config, tasks.from_config(config.task))
   model, params, _ = policy.load_policy(config, tokenizer, mesh, str(workdir), step)
   run_config = arith_config(lora_overrides)
   trained = run_state(workdir, run_config, 4).params

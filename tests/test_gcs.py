@@ -17,13 +17,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ebpo_jax import checkpoint, files, models, sharding, tasks
+from ebpo_jax import checkpoint, errors, files, models, sharding, tasks
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.data import DataError, cluster, load_rows_and_clusters, prepare
 from ebpo_jax.models import gguf_io, hf_io
 from ebpo_jax.tasks import tokenizers
-from ebpo_jax.trainer import config as config_lib
-from ebpo_jax.trainer import state as state_lib
+from ebpo_jax.trainer import task_rows
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ROWS = [
@@ -172,8 +171,8 @@ def test_missing_model_directory_names_it_on_the_bucket_as_on_disk(gcs_dir, tmp_
     gguf_io.convert_gguf(f"{missing}.gguf", files.join(gcs_dir, "converted"))
   for path in (missing, str(tmp_path / "no_model")):  # the trainer's one line, remote and local
     config = load_config("configs/arith_ebpo.py:runlocal", {"model.path": path})
-    with pytest.raises(config_lib.ConfigError) as error:
-      state_lib.load_tokenizer(config, None)
+    with pytest.raises(errors.ConfigError) as error:
+      task_rows.load_tokenizer(config, None)
     assert str(error.value) == (
       f"config.model.path='{path}': not a Hugging Face model directory "
       f"({files.join(path, 'config.json')} not found)"
@@ -310,10 +309,10 @@ def test_two_processes_train_into_a_bucket_resume_from_it_and_equal_one_process(
 
   # The 2-process checkpoint restores in this process (8 devices, another layout of processes).
   config = arith_config({"mesh.data": 1, "mesh.fsdp": 8, "mesh.tensor": 1})
-  model = state_lib.make_model(config, tasks.get_task("arithmetic").tokenizer.vocab_size)
+  model = models.build.make_model(config, tasks.get_task("arithmetic").tokenizer.vocab_size)
   mesh = sharding.make_mesh(dict(config.mesh))
   with checkpoint.Checkpointer(checkpoints) as ckpt:
-    at_2 = jax.tree.leaves(ckpt.restore_params(2, state_lib.abstract_params(model, mesh)))
-    at_3 = jax.tree.leaves(ckpt.restore_params(3, state_lib.abstract_params(model, mesh)))
+    at_2 = jax.tree.leaves(ckpt.restore_params(2, models.build.abstract_params(model, mesh)))
+    at_3 = jax.tree.leaves(ckpt.restore_params(3, models.build.abstract_params(model, mesh)))
   assert all(np.isfinite(np.asarray(x)).all() for x in at_3)
   assert any(not np.array_equal(a, b) for a, b in zip(at_2, at_3, strict=True))  # step 3 trained

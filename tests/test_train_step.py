@@ -13,6 +13,7 @@ import pytest
 
 from ebpo_jax import sequences
 from ebpo_jax.models import Decoder, ModelConfig, lora
+from ebpo_jax.trainer import optimizer as optimizer_lib
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer import step as step_lib
 
@@ -20,8 +21,8 @@ from ebpo_jax.trainer import step as step_lib
 def test_gradient_accumulation_does_not_change_the_update(tiny_step, tiny_steps):
   batch = tiny_step.batch()
   state = tiny_step.fresh_state()  # the same init for both: params are not donated
-  whole, m_whole = tiny_step(batch, state)
-  chunked, m_chunked = tiny_steps({"train.micro_batch_size": 8})(batch, state)
+  whole, m_whole, _ = tiny_step(batch, state)
+  chunked, m_chunked, _ = tiny_steps({"train.micro_batch_size": 8})(batch, state)
   # Adam's first step is scale-invariant, so the loss and the pre-clip gradient norm are what
   # expose a per-micro-batch normalisation (it would scale both by the number of chunks, 4).
   assert float(m_whole["loss"]) == pytest.approx(float(m_chunked["loss"]), rel=1e-5, abs=1e-7)
@@ -35,7 +36,7 @@ def test_prior_is_threaded_through_the_carry(tiny_step):
   batch = tiny_step.batch()
   batch["rewards"][0], batch["rewards"][5] = 1.0, 0.0  # two all-equal groups, one per cluster
   g = tiny_step.G
-  new_state, metrics = tiny_step(batch)
+  new_state, metrics, _ = tiny_step(batch)
   # Cluster 0 holds prompts 0-3: 4 * G rewards and 4 group means were merged (not 8 * G: a
   # prior that ignores cluster ids would count every reward in both clusters).
   np.testing.assert_array_equal(new_state.prior.rewards.count, [4 * g, 4 * g])
@@ -59,14 +60,14 @@ def test_non_finite_loss_skips_the_update_and_counts_it(tiny_step):
   batch["old_logps"][1, 0] = np.nan  # a valid token: the loss becomes NaN
   state = tiny_step.fresh_state()
   before = jax.tree.map(np.asarray, state.params)
-  new_state, metrics = tiny_step(batch, state)
+  new_state, metrics, _ = tiny_step(batch, state)
   assert float(metrics["bad_updates"]) == 1.0
   for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(new_state.params), strict=True):
     np.testing.assert_array_equal(a, b)
 
 
 def test_a_second_step_does_not_retrace(tiny_step):
-  state, _ = tiny_step(tiny_step.batch(0))
+  state, _, _ = tiny_step(tiny_step.batch(0))
   size = tiny_step.step._cache_size()
   tiny_step(tiny_step.batch(1), state)
   assert tiny_step.step._cache_size() == size
@@ -90,10 +91,10 @@ def test_bad_steps_in_a_row_are_counted_in_the_state(tiny_step):
   nan["old_logps"][1, 0] = np.nan
   state = tiny_step.fresh_state()
   assert int(state.bad_steps) == 0
-  state, _ = tiny_step(nan, state)
-  state, _ = tiny_step(nan, state)
+  state, _, _ = tiny_step(nan, state)
+  state, _, _ = tiny_step(nan, state)
   assert int(state.bad_steps) == 2
-  state, _ = tiny_step(good, state)
+  state, _, _ = tiny_step(good, state)
   assert int(state.bad_steps) == 0
 
 
@@ -103,7 +104,7 @@ def test_a_rollout_with_non_finite_logits_is_a_bad_step(tiny_step):
   batch = tiny_step.batch()
   batch["nonfinite"][5] = True
   state = tiny_step.fresh_state()
-  new_state, metrics = tiny_step(batch, state)
+  new_state, metrics, _ = tiny_step(batch, state)
   assert float(metrics["bad_updates"]) >= 1.0 and int(new_state.bad_steps) == 1
   for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(new_state.params), strict=True):
     np.testing.assert_array_equal(a, b)
@@ -129,7 +130,7 @@ def test_a_lora_step_trains_only_the_adapters(tiny_steps):
   mu = state.opt_state[1][0].mu
   assert jax.tree.structure(mu) == jax.tree.structure(state.params)
   base_before = jax.tree.map(np.asarray, state.base)
-  new_state, metrics = step(step.batch(), state)
+  new_state, metrics, _ = step(step.batch(), state)
   assert np.isfinite(float(metrics["loss"])) and int(new_state.bad_steps) == 0
   for a, b in zip(jax.tree.leaves(base_before), jax.tree.leaves(new_state.base), strict=True):
     np.testing.assert_array_equal(a, b)  # the base: bit-identical
@@ -141,7 +142,7 @@ def test_a_lora_step_trains_only_the_adapters(tiny_steps):
   # The KL is to the base (adapters off), not to the step's start: 0 on the first step (B = 0),
   # > 0 on the second, whose policy has moved.
   assert abs(float(metrics["kl"])) < 1e-7
-  _, metrics2 = step(step.batch(seed=1), new_state)
+  _, metrics2, _ = step(step.batch(seed=1), new_state)
   assert float(metrics2["kl"]) > 1e-9
 
 
@@ -158,9 +159,9 @@ def test_lora_optimizer_state_is_small_on_the_smollm2_shape(tiny_steps):
     state = jax.eval_shape(optimizer.init, nn.meta.unbox(trained))
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
 
-  full = opt_bytes(smollm2, state_lib.make_optimizer(tiny_steps().config))
+  full = opt_bytes(smollm2, optimizer_lib.make_optimizer(tiny_steps().config))
   rank8 = dataclasses.replace(smollm2, lora_rank=8)
-  adapters = opt_bytes(rank8, state_lib.make_optimizer(config))
+  adapters = opt_bytes(rank8, optimizer_lib.make_optimizer(config))
   assert full > 8 * 134e6  # Adam's two float32 moments of ~135M params
   assert adapters < 0.02 * full
 
@@ -188,8 +189,8 @@ def test_a_sharded_lora_step_on_8_devices_equals_1(tiny_steps):
   assert _spec(mu["layers"]["self_attn"]["q_proj"][lora.A_NAME]) == (None, "fsdp", None)
   # Two steps: the second has B != 0, so A's gradients and the KL to the base are not zero.
   for seed in (0, 1):
-    state8, metrics8 = eight(eight.batch(seed), state8)
-    state1, metrics1 = one(one.batch(seed), state1)
+    state8, metrics8, _ = eight(eight.batch(seed), state8)
+    state1, metrics1, _ = one(one.batch(seed), state1)
     for key in ("loss", "grad_norm", "kl", "entropy", "ratio_mean"):
       np.testing.assert_allclose(metrics8[key], metrics1[key], rtol=1e-5, atol=1e-8, err_msg=key)
   assert float(metrics8["kl"]) > 1e-9
@@ -210,7 +211,9 @@ def _on_policy(step, state, batch: dict) -> dict:
   seqs = sequences.build_sequences(
     batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["completion_mask"], step.G
   )
-  logprobs = jax.jit(functools.partial(step_lib.completion_logprobs, step.model))
+  logprobs = jax.jit(
+    functools.partial(step_lib.completion_logprobs, step.model, packed_group_size=None)
+  )
   logps = logprobs(state_lib.policy_params(state), seqs)
   return {**batch, "old_logps": np.asarray(logps)}
 
@@ -224,16 +227,16 @@ def test_lora_dropout_is_in_the_training_forward_only(tiny_steps, trained_lora):
   batch = _on_policy(plain, state, plain.batch(1))  # as the sampler (no dropout) computes
   # On-policy old_logps: the plain step's first PPO iteration has ratio 1; with dropout it does
   # not (the training forward drops adapter inputs), and its update differs.
-  _, m_plain = plain(batch, state)
-  new_dropped, m_dropped = dropped(batch, state)
+  _, m_plain, _ = plain(batch, state)
+  new_dropped, m_dropped, _ = dropped(batch, state)
   assert float(m_plain["approx_kl"]) < 1e-9
   assert float(m_dropped["approx_kl"]) > 1e-6
   assert float(m_dropped["loss"]) != float(m_plain["loss"])
   # The masks come from the step's own key (state.rng, state.step): the same step again, as a
   # resumed run would make it, is bit-identical.
-  again, m_again = dropped(batch, state)
+  again, m_again, _ = dropped(batch, state)
   for a, b in zip(jax.tree.leaves(new_dropped), jax.tree.leaves(again), strict=True):
     np.testing.assert_array_equal(a, b)
   assert float(m_again["loss"]) == float(m_dropped["loss"])
-  _, m_next = dropped(batch, state.replace(step=state.step + 1))  # the next step: other masks
+  _, m_next, _ = dropped(batch, state.replace(step=state.step + 1))  # the next step: other masks
   assert float(m_next["loss"]) != float(m_dropped["loss"])

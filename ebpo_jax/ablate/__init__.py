@@ -45,7 +45,7 @@ from typing import Any, TextIO
 import numpy as np
 import tqdm
 
-from ebpo_jax import files, sharding
+from ebpo_jax import files, process
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.ablate import advantage_mass
 from ebpo_jax.ablate.diagnostics import (  # noqa: F401  (panel_curves: for notebooks)
@@ -144,7 +144,7 @@ def _override_args(overrides: Mapping[str, Any]) -> list[str]:
 
 def child_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
   """The environment of a run: one CPU device (the mesh spans all devices a process sees)."""
-  return sharding.fake_cpu_devices_env(1, base)
+  return process.fake_cpu_devices_env(1, base)
 
 
 @contextlib.contextmanager

@@ -1,6 +1,8 @@
-"""The policy model: one config-driven decoder, its HF/GGUF weight I/O, and the packaged SmolLM2."""
+"""The policy model: one config-driven decoder, its HF/GGUF weight I/O, the packaged SmolLM2,
+building it from a config (`build`), and the model directory checked (`check_model_path`)."""
 
-from ebpo_jax.models import lora, shared_prefix
+from ebpo_jax.models import build, lora, shared_prefix
+from ebpo_jax.models.check import check_model_path
 from ebpo_jax.models.config import ModelConfig
 from ebpo_jax.models.decoder import Decoder, KVCache, init_cache
 from ebpo_jax.models.gguf_io import convert_gguf, resolve_model_path, smollm2_135m_instruct
@@ -12,6 +14,8 @@ __all__ = [
   "KVCache",
   "ModelConfig",
   "PrefixGroups",
+  "build",
+  "check_model_path",
   "convert_gguf",
   "from_pretrained",
   "init_cache",

@@ -74,18 +74,19 @@ _DEVICE_FIELDS = (
 )
 
 
-def _concat_rollouts(parts: Sequence[Rollout]) -> Rollout:
-  """Rollouts of disjoint prompts (same prompt width) as one."""
+def _concat_rollouts(parts: Sequence[Rollout], mesh: Mesh) -> Rollout:
+  """Rollouts of disjoint prompts (same prompt width) as one; the device rows in the step's
+  layout (`sharding.row_sharding`)."""
   if len(parts) == 1:
     return parts[0]
-  cat = lambda f: jnp.concatenate([getattr(p, f) for p in parts])
+  device = _concat_rows(tuple(p.device_fields() for p in parts), mesh)
   return Rollout(
     rows=[row for p in parts for row in p.rows],
     texts=[t for p in parts for t in p.texts],
     rewards=np.concatenate([p.rewards for p in parts]),
     lengths=np.concatenate([p.lengths for p in parts]),
     errors=sum(p.errors for p in parts),
-    **{f: cat(f) for f in _DEVICE_FIELDS},
+    **device,
     reward_parts={
       k: np.concatenate([p.reward_parts[k] for p in parts]) for k in parts[0].reward_parts
     },
@@ -96,10 +97,16 @@ def _concat_rollouts(parts: Sequence[Rollout]) -> Rollout:
 # `jax.transfer_guard("disallow")`: an eager op with a Python scalar would be a transfer).
 
 
-@jax.jit
-def _take_rows(tree: dict, prompts: jax.Array, responses: jax.Array) -> dict:
+@functools.partial(jax.jit, static_argnums=1)
+def _concat_rows(trees: tuple[dict, ...], mesh: Mesh) -> dict:
+  return sharding.constrain_rows(jax.tree.map(lambda *xs: jnp.concatenate(xs), *trees), mesh)
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _take_rows(tree: dict, prompts: jax.Array, responses: jax.Array, mesh: Mesh) -> dict:
   by_prompt = ("prompt_ids", "prompt_mask")
-  return {k: x[prompts] if k in by_prompt else x[responses] for k, x in tree.items()}
+  taken = {k: x[prompts] if k in by_prompt else x[responses] for k, x in tree.items()}
+  return sharding.constrain_rows(taken, mesh)  # the step's layout
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -161,7 +168,7 @@ class Sampler:
       parts.append(
         self._sample_call(params, ids, mask, call_key, call_rows, group_size, greedy, training)
       )
-    return _concat_rollouts(parts)
+    return _concat_rollouts(parts, self.mesh)
 
   def call_plan(self, params, num_rows: int, key: jax.Array):
     """`(params, chunk, [(start, key)])` of `num_rows` rows sampled `sampling.prompts_per_call`
@@ -249,14 +256,14 @@ def _select_groups(parts: Sequence[Rollout], picks: Sequence[np.ndarray], mesh) 
         p, prompt_ids=_left_pad(p.prompt_ids, width), prompt_mask=_left_pad(p.prompt_mask, width)
       )
     widened.append(p)
-  whole = _concat_rollouts(widened)
+  whole = _concat_rollouts(widened, mesh)
   offsets = np.cumsum([0] + [len(p.rows) for p in parts])
   prompts = np.concatenate([idx + off for idx, off in zip(picks, offsets, strict=False)])
   g = whole.group_size
   responses = (prompts[:, None] * g + np.arange(g)).reshape(-1)
   replicated = sharding.replicated(mesh)
   place = lambda x: sharding.place_from_host(x.astype(np.int32), replicated)
-  gathered = _take_rows(whole.device_fields(), place(prompts), place(responses))
+  gathered = _take_rows(whole.device_fields(), place(prompts), place(responses), mesh)
   return Rollout(
     rows=[whole.rows[i] for i in prompts],
     texts=[whole.texts[i] for i in responses],

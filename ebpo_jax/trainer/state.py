@@ -1,28 +1,24 @@
-"""The training state and what builds it: the model, its params, the optimizer, the PRNG streams.
+"""The training state: `TrainState`, its shardings, a fresh or an abstract one, the step's keys.
 
-A fresh run builds params (loaded or random-init), warm-starts them, then `create_state` adds the
-optimizer state, the prior, the key and the frozen reference, all under one jit in their
-shardings. A resumed run builds nothing real: `abstract_state` gives the same tree as
-`jax.ShapeDtypeStruct`s with shardings, and the checkpoint is restored straight into it.
+A fresh run builds params (loaded or random-init: `models.build`), warm-starts them, then
+`create_state` adds the optimizer state (`trainer.optimizer`), the prior, the key and the frozen
+reference, all under one jit in their shardings. A resumed run builds nothing real:
+`abstract_state` gives the same tree as `jax.ShapeDtypeStruct`s with shardings, and the
+checkpoint is restored straight into it.
 """
 
-import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import flax
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ebpo_jax import advantages, files, models, sharding, tasks
-from ebpo_jax.models import hf_io
-from ebpo_jax.tasks import tokenizers
-from ebpo_jax.trainer.config import ConfigError
+from ebpo_jax import advantages, models, sharding
+from ebpo_jax.trainer.optimizer import opt_state_shardings
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -80,194 +76,6 @@ def step_keys(rng: jax.Array, step: jax.Array, num_refill_rounds: int = 0) -> St
   return StepKeys(rollout, refill_keys, shuffle, eval_key, dropout)
 
 
-# ----------------------------------------------------------------------------- model
-
-_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-
-
-def random_init_config(mc: ml_collections.ConfigDict, vocab_size: int) -> models.ModelConfig:
-  """The ModelConfig of a random-init decoder from `config.model` (shape keys, `architecture`,
-  `tie_word_embeddings`, `rope_theta`, and how it computes: dtypes, remat, the unrolled loop)."""
-  arch = mc.architecture
-  if arch not in _ARCHITECTURES:
-    raise ConfigError(f"config.model.architecture={arch!r}: must be one of {_ARCHITECTURES}")
-  return models.ModelConfig(
-    vocab_size=vocab_size,
-    hidden_size=mc.hidden_size,
-    intermediate_size=mc.intermediate_size,
-    num_layers=mc.num_layers,
-    num_heads=mc.num_heads,
-    num_kv_heads=mc.num_kv_heads,
-    head_dim=mc.head_dim,
-    architecture=arch,
-    tie_word_embeddings=bool(mc.tie_word_embeddings),
-    rope_theta=float(mc.rope_theta),
-    dtype=mc.dtype,
-    param_dtype=mc.param_dtype,
-    remat=mc.remat,
-    unroll_layers=bool(mc.unroll_layers),
-  )
-
-
-def model_dir(config: ml_collections.ConfigDict) -> str:
-  """The Hugging Face directory of `config.model.path` (local or gs://; a `packaged:` model is
-  converted once); ConfigError naming the key when there is none."""
-  try:
-    path = models.resolve_model_path(config.model.path)
-  except ValueError as e:
-    raise ConfigError(f"config.model.path={config.model.path!r}: {e}") from e
-  if not files.isfile(files.join(path, hf_io.CONFIG_FILE)):
-    raise ConfigError(
-      f"config.model.path={config.model.path!r}: not a Hugging Face model directory "
-      f"({files.join(path, hf_io.CONFIG_FILE)} not found)"
-    )
-  return path
-
-
-def load_tokenizer(config: ml_collections.ConfigDict, task: tasks.Task):
-  """The model directory's tokenizer, or the task's own for a random-init model."""
-  if config.model.path:
-    return tokenizers.HFTokenizer(model_dir(config), chat_template=config.model.chat_template)
-  return task.tokenizer
-
-
-def make_model(config: ml_collections.ConfigDict, vocab_size: int) -> models.Decoder:
-  """The policy's module: the Hugging Face directory's architecture (no weights read), or a
-  random-init decoder of `config.model`'s shape over `vocab_size` tokens; with LoRA adapters
-  when `model.lora.rank > 0` (base weights in `model.lora.base_dtype` if set)."""
-  mc = config.model
-  if mc.path:
-    model_config = hf_io.pretrained_config(
-      model_dir(config),
-      mc.dtype,
-      param_dtype=mc.param_dtype,
-      remat=mc.remat,
-      unroll_layers=bool(mc.unroll_layers),
-    )
-  else:
-    model_config = random_init_config(mc, vocab_size)
-  return models.Decoder(with_lora(model_config, mc.lora))
-
-
-def with_lora(
-  model_config: models.ModelConfig, lc: ml_collections.ConfigDict
-) -> models.ModelConfig:
-  """`model_config` with `config.model.lora`'s adapters (`lc`), unchanged when the rank is 0."""
-  if lc.rank == 0:
-    return model_config
-  return dataclasses.replace(
-    model_config,
-    lora_rank=lc.rank,
-    lora_alpha=float(lc.alpha),
-    lora_targets=models.lora.parse_targets(lc.targets),
-    lora_dropout=float(lc.dropout),
-    param_dtype=lc.base_dtype or model_config.param_dtype,
-  )
-
-
-def lora_enabled(config: ml_collections.ConfigDict) -> bool:
-  """Whether the policy trains LoRA adapters only (`model.lora.rank > 0`)."""
-  return config.model.lora.rank > 0
-
-
-def abstract_params(model: models.Decoder, mesh: Mesh) -> Any:
-  """The params as `jax.ShapeDtypeStruct`s carrying their shardings on `mesh`."""
-  boxed = hf_io.abstract_params(model)
-  shardings = sharding.logical_shardings(boxed, mesh, sharding.DEFAULT_RULES)
-  return jax.tree.map(
-    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nn.unbox(boxed), shardings
-  )
-
-
-def init_params(config: ml_collections.ConfigDict, model: models.Decoder, mesh: Mesh) -> Any:
-  """Real params in their shardings: read from `config.model.path`, else random (`config.seed`).
-  Under LoRA use `policy.initial_params`, which builds the base and the adapters apart."""
-  if config.model.path:
-    return hf_io.load_params(model_dir(config), model, mesh)
-  shardings = jax.tree.map(lambda x: x.sharding, abstract_params(model, mesh))
-  init = lambda rng: nn.unbox(model.init(rng, jnp.zeros((1, 4), jnp.int32))["params"])
-  return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(config.seed))
-
-
-def fresh_adapters(config: ml_collections.ConfigDict, model: models.Decoder, mesh: Mesh) -> Any:
-  """A LoRA model's adapters at step 0 (A random from `config.seed`, B zero), in their
-  shardings; the base the same init would build is dead code under the jit."""
-  shardings = models.lora.split(jax.tree.map(lambda x: x.sharding, abstract_params(model, mesh)))[0]
-
-  def init(rng):
-    params = nn.unbox(model.init(rng, jnp.zeros((1, 4), jnp.int32))["params"])
-    return models.lora.split(params)[0]
-
-  return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(config.seed))
-
-
-# ----------------------------------------------------------------------------- optimizer
-
-
-def updates_per_step(config: ml_collections.ConfigDict) -> int:
-  """Optimizer updates in one RL step: PPO epochs x mini-batches."""
-  return config.rl.num_iterations * (config.train.batch_size // config.train.mini_batch_size)
-
-
-def learning_rate_schedule(config: ml_collections.ConfigDict) -> optax.Schedule:
-  """The learning rate by optimizer update count: linear warmup from 0 over `train.warmup_steps`
-  updates, then constant or cosine decay to 0 at the last update."""
-  tc = config.train
-  total_updates = tc.num_steps * updates_per_step(config)
-  warmup = max(tc.warmup_steps, 0)
-  if tc.schedule == "cosine":
-    return optax.warmup_cosine_decay_schedule(
-      0.0, tc.learning_rate, warmup, max(total_updates, warmup + 1)
-    )
-  return optax.join_schedules(
-    [
-      optax.linear_schedule(0.0, tc.learning_rate, warmup),
-      optax.constant_schedule(tc.learning_rate),
-    ],
-    [warmup],
-  )
-
-
-def make_optimizer(config: ml_collections.ConfigDict) -> optax.GradientTransformation:
-  """AdamW after global-norm clipping, at `learning_rate_schedule(config)`, over the trained
-  params (under LoRA the adapters only: the base has no optimizer state)."""
-  tc = config.train
-  return optax.chain(
-    optax.clip_by_global_norm(tc.grad_clip),
-    optax.adamw(learning_rate_schedule(config), weight_decay=tc.weight_decay),
-  )
-
-
-def learning_rate(schedule: optax.Schedule, opt_state: Any) -> jax.Array:
-  """The learning rate of the next update from `opt_state` (of `make_optimizer`): the schedule at
-  the state's update count, which counts applied updates only (a skipped one keeps the state)."""
-  is_schedule_count = lambda path, _: path[-1] == _SCHEDULE_COUNT
-  return schedule(optax.tree_utils.tree_get(opt_state, "count", filtering=is_schedule_count))
-
-
-# The update counter of the schedule's state in the optimizer state (Adam's has its own count).
-_SCHEDULE_COUNT = optax.tree_utils.NamedTupleKey("ScaleByScheduleState", "count")
-
-
-def opt_state_shardings(optimizer: optax.GradientTransformation, params: Any) -> Any:
-  """Shardings of the optimizer state: moments follow their parameters, counters are replicated.
-  `params` may be real or abstract (each leaf has `.sharding`)."""
-  param_shardings = jax.tree.map(lambda x: x.sharding, params)
-  replicated = NamedSharding(jax.tree.leaves(param_shardings)[0].mesh, PartitionSpec())
-  return optax.tree_map_params(
-    optimizer,
-    lambda _, s: s,
-    jax.eval_shape(optimizer.init, params),
-    param_shardings,
-    transform_non_params=lambda _: replicated,
-  )
-
-
-def init_opt_state(optimizer: optax.GradientTransformation, params: Any) -> Any:
-  """The optimizer state of `params`, built in its shardings."""
-  return jax.jit(optimizer.init, out_shardings=opt_state_shardings(optimizer, params))(params)
-
-
 # ----------------------------------------------------------------------------- the state
 
 
@@ -297,7 +105,7 @@ def _state_fn(
 def _trained_and_base(config: ml_collections.ConfigDict, params: Any) -> tuple[Any, Any]:
   """(trained, frozen base) of a full params tree: (adapters, base) under LoRA, else (params,
   None)."""
-  return models.lora.split(params) if lora_enabled(config) else (params, None)
+  return models.lora.split(params) if models.build.lora_enabled(config) else (params, None)
 
 
 def state_shardings(
@@ -305,7 +113,7 @@ def state_shardings(
 ) -> TrainState:
   """The TrainState's shardings; `params` may be real or abstract."""
   param_shardings = jax.tree.map(lambda x: x.sharding, params)
-  replicated = NamedSharding(jax.tree.leaves(param_shardings)[0].mesh, PartitionSpec())
+  replicated = sharding.replicated(jax.tree.leaves(param_shardings)[0].mesh)
   shapes = jax.eval_shape(_state_fn(config, optimizer, estimator, num_clusters), params)
   trained, base = _trained_and_base(config, param_shardings)
   return TrainState(
@@ -334,7 +142,7 @@ def abstract_state(
   config: ml_collections.ConfigDict, optimizer, estimator, num_clusters: int, params: Any
 ) -> TrainState:
   """The TrainState as `jax.ShapeDtypeStruct`s with shardings (to restore a checkpoint into);
-  `params` are abstract (`abstract_params`): nothing is loaded or allocated."""
+  `params` are abstract (`models.build.abstract_params`): nothing is loaded or allocated."""
   shapes = jax.eval_shape(_state_fn(config, optimizer, estimator, num_clusters), params)
   shardings = state_shardings(config, optimizer, estimator, num_clusters, params)
   return jax.tree.map(

@@ -1,39 +1,122 @@
-"""The RL step: one pure function `train_step(state, batch) -> (state, metrics)`, jitted once.
+"""The RL step: one pure function `train_step(state, batch) -> (state, metrics, aux)`, jitted once.
 
 It computes the advantages (threading the estimator's prior through the state), builds the
 sequences in the sampler's layout, and runs `rl.num_iterations` epochs of PPO-clip mini-batch
 updates with gradient accumulation over micro-batches. Where micro-batches hold whole groups
-(`uses_shared_prefix`) the forward runs each prompt once per group, not once per completion.
+(`StepLayout.shared_prefix`) the forward runs each prompt once per group, not once per completion.
+What the step reads of the config is in `StepOptions`, built once (`StepOptions.from_config`).
 Nothing here knows which estimator runs: the registry entry carries its hyperparameters and names
 its own metrics.
 """
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
 
+import flax
 import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from ebpo_jax import advantages, losses, models, sequences, sharding
 from ebpo_jax import metrics as metrics_lib
-from ebpo_jax.trainer.state import TrainState, learning_rate, learning_rate_schedule, step_keys
+from ebpo_jax.trainer.optimizer import learning_rate, learning_rate_schedule
+from ebpo_jax.trainer.state import TrainState, step_keys
 
-# The step's advantages [B, G] among its outputs: not a metric (the host pops it for the sample
-# completions table, logging.samples_every).
-ADVANTAGES = "advantages"
+# ----------------------------------------------------------------------------- static options
+
+
+@dataclasses.dataclass(frozen=True)
+class LossOptions:
+  """The policy loss's options (`config.rl.loss`; `losses.policy_loss`)."""
+
+  clip_low: float
+  clip_high: float
+  dual_clip: float | None
+  aggregation: str
+  kl_coef: float
+  kl_kind: str
+  entropy_coef: float
+
+  @classmethod
+  def from_config(cls, loss: ml_collections.ConfigDict) -> "LossOptions":
+    return cls(**{f.name: loss[f.name] for f in dataclasses.fields(cls)})
+
+
+@dataclasses.dataclass(frozen=True)
+class StepLayout:
+  """How the step cuts its batch: B prompts x G completions (rows r = b * G + g), `mini_rows`
+  rows per optimizer update, `micro_rows` per gradient-accumulation chunk, `epochs` PPO epochs,
+  and whether the forward runs each prompt once per group (`shared_prefix`)."""
+
+  num_prompts: int
+  group_size: int
+  mini_rows: int
+  micro_rows: int
+  epochs: int
+  shared_prefix: bool
+
+  @property
+  def num_rows(self) -> int:
+    return self.num_prompts * self.group_size
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict, mesh: Mesh | None) -> "StepLayout":
+    """The layout of `config.train` / `config.rl` on `mesh`. The shared prefix runs when every
+    micro-batch holds whole groups of G > 1: one PPO epoch (`rl.num_iterations == 1`: rows are
+    taken in order, unshuffled), micro-batch rows a multiple of G, and, with a mesh, a
+    micro-batch's prompts split over the same devices as its rows. Otherwise each row runs its
+    prompt and completion in full (the same math, more work)."""
+    rl, tc = config.rl, config.train
+    g = rl.group_size
+    mini_rows = tc.mini_batch_size * g
+    micro_rows = tc.micro_batch_size or mini_rows
+    shared = rl.num_iterations == 1 and g > 1 and micro_rows % g == 0
+    if shared and mesh is not None:
+      spec = lambda num: sharding.row_sharding((num,), mesh).spec  # noqa: E731
+      shared = spec(micro_rows // g) == spec(micro_rows)
+    return cls(tc.batch_size, g, mini_rows, micro_rows, rl.num_iterations, shared)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+  """Everything `train_step` reads of the config, as static values (one compile per set)."""
+
+  loss: LossOptions
+  layout: StepLayout
+  schedule: optax.Schedule  # the learning rate by update count (`optimizer.learning_rate`)
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict, mesh: Mesh | None) -> "StepOptions":
+    return cls(
+      loss=LossOptions.from_config(config.rl.loss),
+      layout=StepLayout.from_config(config, mesh),
+      schedule=learning_rate_schedule(config),
+    )
+
+
+class StepAux(flax.struct.PyTreeNode):
+  """What the step hands the host beside its metrics."""
+
+  advantages: jax.Array  # [B, G] float32: the sample completions table's (logging.samples_every)
+  layout: StepLayout = flax.struct.field(pytree_node=False)  # the layout the step ran
+
+
+# ----------------------------------------------------------------------------- the batch
 
 
 def abstract_batch(
-  config: ml_collections.ConfigDict, prompt_len: int, sharding: Any = None
+  layout: StepLayout, prompt_len: int, max_new_tokens: int, mesh: Mesh | None = None
 ) -> dict[str, jax.ShapeDtypeStruct]:
   """The batch `train_step` takes, as shapes (the one statement of its layout; rows r = b * G + g):
   prompt_ids, prompt_mask [B, P]; tokens, completion_mask, old_logps [B*G, N]; truncated,
-  nonfinite (the sampler met non-finite logits) [B*G]; rewards [B, G]; cluster_ids [B]."""
-  b, g, n = config.train.batch_size, config.rl.group_size, config.sampling.max_new_tokens
+  nonfinite (the sampler met non-finite logits) [B*G]; rewards [B, G]; cluster_ids [B]. With
+  `mesh`, each carries its sharding: rows over the mesh's batch axes (`sharding.row_sharding`,
+  as the sampler places them, so the rollout reaches the step in this layout)."""
+  b, g, n = layout.num_prompts, layout.group_size, max_new_tokens
   shapes = {
     "prompt_ids": ((b, prompt_len), jnp.int32),
     "prompt_mask": ((b, prompt_len), jnp.bool_),
@@ -45,25 +128,41 @@ def abstract_batch(
     "rewards": ((b, g), jnp.float32),
     "cluster_ids": ((b,), jnp.int32),
   }
-  return {k: jax.ShapeDtypeStruct(s, t, sharding=sharding) for k, (s, t) in shapes.items()}
+  placed = lambda shape: None if mesh is None else sharding.row_sharding(shape, mesh)  # noqa: E731
+  return {k: jax.ShapeDtypeStruct(s, t, sharding=placed(s)) for k, (s, t) in shapes.items()}
+
+
+def batch_shardings(layout: StepLayout, mesh: Mesh) -> dict[str, NamedSharding]:
+  """The batch's shardings in the step, by field (`abstract_batch`'s; the same for every prompt
+  and completion length: only the rows are split)."""
+  return {k: x.sharding for k, x in abstract_batch(layout, 1, 1, mesh).items()}
+
+
+# ----------------------------------------------------------------------------- the forward
 
 
 def completion_logits(
-  model: models.Decoder, params: Any, seqs: dict, dropout_key: jax.Array | None = None
+  model: models.Decoder,
+  params: Any,
+  seqs: dict,
+  *,
+  packed_group_size: int | None,
+  dropout_key: jax.Array | None = None,
 ) -> jax.Array:
   """Logits [R, N, V] that predict the N completion tokens (the LM head runs at those positions
   only); with `dropout_key`, the LoRA adapters' inputs are dropped out (`model.lora.dropout`: the
   training forward only).
 
-  `seqs` in either layout of `sequences`: one row per completion (`build_sequences`), or one per
-  prompt with its G completions packed after it (`build_packed_sequences`: the shared-prefix
-  forward, each prompt run once), told apart by G = rows of `targets` / rows of `input_ids`."""
-  (rows, n), (seq_rows, seq_len) = seqs["targets"].shape, seqs["input_ids"].shape
-  group_size = rows // seq_rows
-  if group_size > 1:
-    layout = {"prefix_groups": models.PrefixGroups(seq_len - group_size * n, group_size)}
-  else:
+  `seqs` in the layout the caller built: one row per completion (`sequences.build_sequences`;
+  `packed_group_size=None`), or one per prompt with its G completions packed after it
+  (`sequences.build_packed_sequences`; `packed_group_size=G`: the shared-prefix forward, each
+  prompt run once)."""
+  n, seq_len = seqs["targets"].shape[1], seqs["input_ids"].shape[1]
+  if packed_group_size is None:
     layout = {"logits_slice": (seq_len - n - 1, seq_len - 1)}
+  else:
+    prefix_len = seq_len - packed_group_size * n
+    layout = {"prefix_groups": models.PrefixGroups(prefix_len, packed_group_size)}
   return model.apply(
     {"params": params},
     seqs["input_ids"],
@@ -74,47 +173,59 @@ def completion_logits(
   )
 
 
-def completion_logprobs(model: models.Decoder, params: Any, seqs: dict) -> jax.Array:
-  """log pi(completion token) [R, N] under `params` (`seqs` in either layout)."""
-  return losses.token_logprobs(completion_logits(model, params, seqs), seqs["targets"])
+def completion_logprobs(
+  model: models.Decoder, params: Any, seqs: dict, *, packed_group_size: int | None
+) -> jax.Array:
+  """log pi(completion token) [R, N] under `params` (`seqs` in the layout `packed_group_size`
+  names, as for `completion_logits`)."""
+  logits = completion_logits(model, params, seqs, packed_group_size=packed_group_size)
+  return losses.token_logprobs(logits, seqs["targets"])
 
 
-def _reference_logps(model, ref_params, seqs: dict, micro_rows: int, mesh) -> jax.Array:
+def _packed_group_size(layout: StepLayout) -> int | None:
+  return layout.group_size if layout.shared_prefix else None
+
+
+def _reference_logps(model, ref_params, seqs: dict, layout: StepLayout, mesh) -> jax.Array:
   """log pi_ref of the completions [R, N], one micro-batch at a time (bounded memory); `seqs` in
-  either layout (a packed micro-batch holds micro_rows / G prompts)."""
+  the step's layout (a packed micro-batch holds micro_rows / G prompts)."""
   keys = ("input_ids", "positions", "attention_mask", "targets")
-  num_chunks = seqs["targets"].shape[0] // micro_rows
+  num_chunks = seqs["targets"].shape[0] // layout.micro_rows
   chunks = {k: seqs[k].reshape(num_chunks, -1, *seqs[k].shape[1:]) for k in keys}
+  packed = _packed_group_size(layout)
 
   def one(mb):
-    return completion_logprobs(model, ref_params, sharding.constrain_rows(mb, mesh))
+    mb = sharding.constrain_rows(mb, mesh)
+    return completion_logprobs(model, ref_params, mb, packed_group_size=packed)
 
   return jax.lax.map(one, chunks).reshape(seqs["targets"].shape)
 
 
 def _loss_fn(
-  params, mb, dropout_key, *, model, loss_cfg, num_tokens, num_seqs, base=None, mesh=None
+  params, mb, dropout_key, *, model, options, num_tokens, num_seqs, base=None, mesh=None
 ):
   """The policy loss of a micro-batch as a function of the trained params only: under LoRA
   (`base` given) the adapters, so no weight gradient of the frozen base is ever computed.
   `dropout_key`: the micro-batch's LoRA dropout key, or None (no dropout)."""
+  loss = options.loss
   mb = sharding.constrain_rows(mb, mesh)
   full = params if base is None else models.lora.combine(params, base)
-  logits = completion_logits(model, full, mb, dropout_key)
+  packed = _packed_group_size(options.layout)
+  logits = completion_logits(model, full, mb, packed_group_size=packed, dropout_key=dropout_key)
   return losses.policy_loss(
     losses.token_logprobs(logits, mb["targets"]),
     mb["old_logps"],
     mb["adv"],
     mb["loss_mask"],
-    clip_low=loss_cfg.clip_low,
-    clip_high=loss_cfg.clip_high,
-    dual_clip=loss_cfg.dual_clip,
-    agg=loss_cfg.aggregation,
+    clip_low=loss.clip_low,
+    clip_high=loss.clip_high,
+    dual_clip=loss.dual_clip,
+    agg=loss.aggregation,
     ref_logps_bt=mb.get("ref_logps"),
-    kl_coef=loss_cfg.kl_coef,
-    kl_kind=loss_cfg.kl_kind,
+    kl_coef=loss.kl_coef,
+    kl_kind=loss.kl_kind,
     entropy_bt=losses.entropy(logits),
-    entropy_coef=loss_cfg.entropy_coef,
+    entropy_coef=loss.entropy_coef,
     num_tokens=num_tokens,
     num_seqs=num_seqs,
     max_len=mb["targets"].shape[1],
@@ -150,37 +261,23 @@ def _update_order(shuffle_key: jax.Array, num_rows: int, mini_rows: int, epochs:
   return jnp.concatenate([jax.random.permutation(k, num_rows) for k in keys]).reshape(-1, mini_rows)
 
 
-def uses_shared_prefix(config: ml_collections.ConfigDict, mesh: Mesh | None) -> bool:
-  """Whether `train_step` runs each prompt once per group (the shared-prefix forward,
-  `models.shared_prefix`) rather than once per completion: when every micro-batch holds whole
-  groups of G > 1, which is when there is one PPO epoch (`rl.num_iterations == 1`: rows are
-  taken in order, unshuffled), the micro-batch rows are a multiple of G, and, with a mesh, a
-  micro-batch's prompts split over the same devices as its rows. Otherwise each row runs its
-  prompt and completion in full (the same math, more work)."""
-  rl, tc = config.rl, config.train
-  g = rl.group_size
-  micro_rows = tc.micro_batch_size or tc.mini_batch_size * g
-  if rl.num_iterations != 1 or g == 1 or micro_rows % g:
-    return False
-  if mesh is None:
-    return True
-  spec = lambda num: sharding.row_sharding((num,), mesh).spec  # noqa: E731
-  return spec(micro_rows // g) == spec(micro_rows)
-
-
-def _sequences(batch: dict, group_size: int, shared: bool) -> tuple[dict, dict]:
+def _sequences(batch: dict, layout: StepLayout) -> tuple[dict, dict]:
   """The batch's sequences as (per-row arrays [R, ...], per-prompt arrays [B, ...]): in the
-  shared-prefix layout (`shared`) the model's inputs are per prompt, else all is per row."""
+  shared-prefix layout the model's inputs are per prompt, else all is per row."""
+  shared = layout.shared_prefix
   build = sequences.build_packed_sequences if shared else sequences.build_sequences
   seqs = build(
     batch["prompt_ids"],
     batch["prompt_mask"],
     batch["tokens"],
     batch["completion_mask"],
-    group_size,
+    layout.group_size,
   )
   prompt_keys = ("input_ids", "positions", "attention_mask") if shared else ()
   return seqs, {k: seqs.pop(k) for k in prompt_keys}
+
+
+# ----------------------------------------------------------------------------- the step
 
 
 def train_step(
@@ -190,48 +287,73 @@ def train_step(
   model: models.Decoder,
   optimizer: optax.GradientTransformation,
   estimator: advantages.Estimator,
-  config: ml_collections.ConfigDict,
+  options: StepOptions,
   mesh: Mesh | None = None,
-) -> tuple[TrainState, dict]:
+) -> tuple[TrainState, dict, StepAux]:
   """One RL step on a scored rollout batch (`abstract_batch`): advantages, then PPO-clip updates.
 
-  The forward runs each prompt once for its G completions where `uses_shared_prefix` (one PPO
-  epoch, micro-batches of whole groups, their prompts split over the devices as their rows), else
-  every row's prompt and completion in full; the same math either way.
+  The forward runs each prompt once for its G completions where `options.layout.shared_prefix`
+  (one PPO epoch, micro-batches of whole groups, their prompts split over the devices as their
+  rows), else every row's prompt and completion in full; the same math either way.
 
   With `mesh`, micro-batch rows are kept sharded over its batch axes. Metrics are scalars, or
-  per-cluster vectors [K] that the host splits by cluster name, and ADVANTAGES [B, G].
+  per-cluster vectors [K] that the host splits by cluster name; the aux holds the advantages.
 
   The non-finite policy: an update whose loss or grad norm is not finite is skipped (params and
   optimizer state kept); a batch whose sampling met non-finite logits skips every update and the
   prior's. A step with any skipped update is bad: `bad_updates` counts them, `state.bad_steps`
   counts bad steps in a row (reset by a good step).
   """
-  rl, tc = config.rl, config.train
+  layout = options.layout
   rollout_finite = ~batch["nonfinite"].any()
   adv_bg, prior, adv_metrics = estimator(batch["rewards"], None, batch["cluster_ids"], state.prior)
   prior = jax.tree.map(lambda new, old: jnp.where(rollout_finite, new, old), prior, state.prior)
-  shared = uses_shared_prefix(config, mesh)
-  seqs, prompts = _sequences(batch, rl.group_size, shared)
+  seqs, prompts = _sequences(batch, layout)
   seqs["old_logps"] = batch["old_logps"]
   seqs["adv"] = adv_bg.reshape(-1)
-  mini_rows = tc.mini_batch_size * rl.group_size
-  micro_rows = tc.micro_batch_size or mini_rows
   if state.ref_params is not None:
-    seqs["ref_logps"] = _reference_logps(model, state.ref_params, seqs | prompts, micro_rows, mesh)
-  elif state.base is not None and rl.loss.kl_coef > 0:  # LoRA: the base, without the adapters
+    seqs["ref_logps"] = _reference_logps(model, state.ref_params, seqs | prompts, layout, mesh)
+  elif state.base is not None and options.loss.kl_coef > 0:  # LoRA: the base, no adapters
     base_model = models.lora.base_model(model)
-    seqs["ref_logps"] = _reference_logps(base_model, state.base, seqs | prompts, micro_rows, mesh)
+    seqs["ref_logps"] = _reference_logps(base_model, state.base, seqs | prompts, layout, mesh)
   keys = step_keys(state.rng, state.step)
-  order = _update_order(keys.shuffle, seqs["adv"].shape[0], mini_rows, rl.num_iterations)
-  prompt_order = order[:, :: rl.group_size] // rl.group_size if shared else None  # whole groups
+  order = _update_order(keys.shuffle, seqs["adv"].shape[0], layout.mini_rows, layout.epochs)
+  g = layout.group_size
+  prompt_order = order[:, ::g] // g if layout.shared_prefix else None  # whole groups
   # LoRA dropout: one key per update (each split per micro-batch), from the step's own stream, so
   # a resumed run drops the same inputs; none at all when off (the step is then exactly as before).
   dropout_keys = None
   if model.config.lora_dropout > 0:
     dropout_keys = jax.random.split(keys.lora_dropout, order.shape[0])
-  loss_fn = functools.partial(_loss_fn, model=model, loss_cfg=rl.loss, base=state.base, mesh=mesh)
-  schedule = learning_rate_schedule(config)
+  loss_fn = functools.partial(_loss_fn, model=model, options=options, base=state.base, mesh=mesh)
+  scanned = (order, prompt_order, dropout_keys)
+  (params, opt_state), upd = _updates(
+    state,
+    seqs,
+    prompts,
+    scanned,
+    rollout_finite,
+    optimizer=optimizer,
+    options=options,
+    loss_fn=loss_fn,
+  )
+  bad = upd.pop("bad")
+  metrics = {k: v.mean() for k, v in upd.items()}
+  metrics[metrics_lib.BAD_UPDATES] = bad.sum()
+  bad_steps = jnp.where(bad.sum() > 0, state.bad_steps + 1, 0)
+  metrics.update(_rollout_metrics(batch, adv_bg))
+  metrics.update(adv_metrics)
+  new_state = state.replace(
+    step=state.step + 1, params=params, opt_state=opt_state, prior=prior, bad_steps=bad_steps
+  )
+  return new_state, metrics, StepAux(advantages=adv_bg, layout=layout)
+
+
+def _updates(state, seqs, prompts, scanned, rollout_finite, *, optimizer, options, loss_fn):
+  """The step's optimizer updates from `state`'s params and optimizer state, one per (row
+  indices, prompt indices, dropout key) of `scanned`: `((params, opt_state), per-update
+  metrics)`. An update is applied only when its loss, its grad norm and the rollout are finite."""
+  layout = options.layout
 
   def apply_update(params, opt_state, grads):
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
@@ -243,7 +365,7 @@ def train_step(
     take = lambda tree, i: jax.tree.map(lambda x: jnp.take(x, i, axis=0), tree)  # noqa: E731
     mini = take(seqs, idx) | take(prompts, prompt_idx)
     loss, grads, aux = _accumulated_grads(
-      params, mini, dropout_key, num_micro=mini_rows // micro_rows, loss_fn=loss_fn
+      params, mini, dropout_key, num_micro=layout.mini_rows // layout.micro_rows, loss_fn=loss_fn
     )
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & rollout_finite
@@ -253,31 +375,19 @@ def train_step(
     return carry, {
       metrics_lib.LOSS: loss,
       metrics_lib.GRAD_NORM: grad_norm,
-      metrics_lib.LEARNING_RATE: learning_rate(schedule, opt_state),  # what this update used
+      metrics_lib.LEARNING_RATE: learning_rate(options.schedule, opt_state),  # this update's
       "bad": 1.0 - finite,
       **aux,
     }
 
-  carry = (state.params, state.opt_state)
-  (params, opt_state), upd = jax.lax.scan(update, carry, (order, prompt_order, dropout_keys))
-  bad = upd.pop("bad")
-  metrics = {k: v.mean() for k, v in upd.items()}
-  metrics[metrics_lib.BAD_UPDATES] = bad.sum()
-  bad_steps = jnp.where(bad.sum() > 0, state.bad_steps + 1, 0)
-  metrics.update(_rollout_metrics(batch, adv_bg))
-  metrics.update(adv_metrics)
-  metrics[ADVANTAGES] = adv_bg
-  new_state = state.replace(
-    step=state.step + 1, params=params, opt_state=opt_state, prior=prior, bad_steps=bad_steps
-  )
-  return new_state, metrics
+  return jax.lax.scan(update, (state.params, state.opt_state), scanned)
 
 
 def jit_train_step(
-  config: ml_collections.ConfigDict,
   model: models.Decoder,
   optimizer: optax.GradientTransformation,
   estimator: advantages.Estimator,
+  options: StepOptions,
   mesh: Mesh,
   state_shardings: Any,
   *,
@@ -285,10 +395,10 @@ def jit_train_step(
   on_trace: Callable[[], None] | None = None,
 ):
   """`train_step` jitted as the trainer runs it: explicit state and batch shardings (so a second
-  step hits the compile cache), metrics replicated, the state donated. `on_trace` is called each
-  time jit traces the step (a retrace counter)."""
+  step hits the compile cache), metrics and aux replicated, the state donated. `on_trace` is
+  called each time jit traces the step (a retrace counter)."""
   fn = functools.partial(
-    train_step, model=model, optimizer=optimizer, estimator=estimator, config=config, mesh=mesh
+    train_step, model=model, optimizer=optimizer, estimator=estimator, options=options, mesh=mesh
   )
   if on_trace is not None:
     traced_fn = fn
@@ -297,10 +407,11 @@ def jit_train_step(
       on_trace()
       return traced_fn(state, batch)
 
+  replicated = sharding.replicated(mesh)
   return jax.jit(
     fn,
-    in_shardings=(state_shardings, sharding.batch_sharding(mesh)),
-    out_shardings=(state_shardings, NamedSharding(mesh, PartitionSpec())),
+    in_shardings=(state_shardings, batch_shardings(options.layout, mesh)),
+    out_shardings=(state_shardings, replicated, replicated),
     donate_argnums=(0,) if donate else (),
   )
 

@@ -1,5 +1,6 @@
-"""The task and its rows for a run: training rows (from `data.path` or the task), evaluation rows,
-every one tokenized and length-checked before anything compiles (`load_task_and_rows`)."""
+"""The task, its tokenizer and its rows for a run: training rows (from `data.path` or the task),
+evaluation rows, every one tokenized and length-checked before anything compiles
+(`load_task_and_rows`)."""
 
 import sys
 from collections.abc import Sequence
@@ -7,9 +8,18 @@ from collections.abc import Sequence
 import jax
 import ml_collections
 
-from ebpo_jax import data, tasks
+from ebpo_jax import data, models, tasks
+from ebpo_jax.tasks import tokenizers
 from ebpo_jax.trainer import prompts
-from ebpo_jax.trainer.state import load_tokenizer
+
+
+def load_tokenizer(config: ml_collections.ConfigDict, task: tasks.Task | None):
+  """The model directory's tokenizer, or the task's own for a random-init model."""
+  if config.model.path:
+    return tokenizers.HFTokenizer(
+      models.build.model_dir(config), chat_template=config.model.chat_template
+    )
+  return task.tokenizer
 
 
 def load_task_and_rows(

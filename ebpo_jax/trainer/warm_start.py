@@ -19,10 +19,10 @@ import ml_collections
 import optax
 import tqdm
 
-from ebpo_jax import checkpoint, data, files, models, sequences
+from ebpo_jax import checkpoint, data, files, models, process, sequences
+from ebpo_jax.trainer import optimizer as optimizer_lib
 from ebpo_jax.trainer import policy as policy_lib
 from ebpo_jax.trainer import rollouts as rollouts_lib
-from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer.step import completion_logprobs
 
 WARM_START_DIR = "warm_start"
@@ -37,8 +37,8 @@ def discard(workdir: str) -> None:
 
 def _abstract_sft_state(optimizer, model: models.Decoder, mesh) -> dict:
   """{"params", "opt_state"} of the warm start as `jax.ShapeDtypeStruct`s with shardings."""
-  params = state_lib.abstract_params(model, mesh)
-  shardings = state_lib.opt_state_shardings(optimizer, params)
+  params = models.build.abstract_params(model, mesh)
+  shardings = optimizer_lib.opt_state_shardings(optimizer, params)
   opt_state = jax.tree.map(
     lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
     jax.eval_shape(optimizer.init, params),
@@ -70,7 +70,7 @@ def _resume_or_start(config, model, mesh, optimizer, ckpt, rows) -> tuple[int, A
     return done, state["params"], state["opt_state"], batches
   params = policy_lib.initial_params(config, model, mesh)
   # A fresh iterator: a checkpoint that failed may have set this one's position.
-  return 0, params, state_lib.init_opt_state(optimizer, params), _batches(config, rows)
+  return 0, params, optimizer_lib.init_opt_state(optimizer, params), _batches(config, rows)
 
 
 def warm_start(
@@ -81,7 +81,7 @@ def warm_start(
   sampler: rollouts_lib.Sampler,
   *,
   workdir: str,
-  sigterm: checkpoint.SigtermFlag,
+  sigterm: process.SigtermFlag,
 ) -> Any:
   """The initial params (`policy.initial_params`) after `config.sft.num_steps` supervised steps
   (AdamW) on the rows' answers, resumed from the warm start's checkpoint in `workdir` if any.
@@ -100,7 +100,7 @@ def warm_start(
       seqs = sequences.build_sequences(
         batch["prompt_ids"], batch["prompt_mask"], batch["targets"], batch["target_mask"], 1
       )
-      logps = completion_logprobs(model, p, seqs)
+      logps = completion_logprobs(model, p, seqs, packed_group_size=None)
       return -(logps * seqs["loss_mask"]).sum() / seqs["loss_mask"].sum()
 
     loss, grads = jax.value_and_grad(loss_fn)(params)

@@ -1,11 +1,11 @@
-"""`sharding.size_cpu_thread_pools`: the XLA:CPU pool sizes it sets (the reason for them:
+"""`process.size_cpu_thread_pools`: the XLA:CPU pool sizes it sets (the reason for them:
 e2e/test_cpu_collectives.py)."""
 
 import os
 
 import pytest
 
-from ebpo_jax import sharding
+from ebpo_jax import process
 
 
 @pytest.mark.parametrize(
@@ -22,12 +22,12 @@ from ebpo_jax import sharding
 def test_size_cpu_thread_pools(env, expected, monkeypatch):
   monkeypatch.setattr(os, "cpu_count", lambda: 2)
   env = dict(env)
-  sharding.size_cpu_thread_pools(env)
+  process.size_cpu_thread_pools(env)
   assert env.get("PJRT_NPROC") == expected
 
 
 def test_size_cpu_thread_pools_keeps_more_cores(monkeypatch):
   monkeypatch.setattr(os, "cpu_count", lambda: 64)
   env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-  sharding.size_cpu_thread_pools(env)
+  process.size_cpu_thread_pools(env)
   assert env["PJRT_NPROC"] == "64"

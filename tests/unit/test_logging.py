@@ -14,11 +14,10 @@ import optax
 import pytest
 from tensorboardX.proto import plugin_hparams_pb2
 
-from ebpo_jax import metrics
+from ebpo_jax import errors, jsonable, metrics
 from ebpo_jax.trainer import config as config_lib
+from ebpo_jax.trainer import optimizer as optimizer_lib
 from ebpo_jax.trainer import rollouts as rollouts_lib
-from ebpo_jax.trainer import state as state_lib
-from ebpo_jax.trainer import workdir as workdir_lib
 
 
 def _tb_texts(events_per_file) -> dict[tuple[str, int], str]:
@@ -78,7 +77,7 @@ def test_no_samples_no_file(tmp_path):
 def test_the_config_goes_to_tensorboard_as_hparams_and_as_text(
   arith_config, tmp_path, tensorboard_events
 ):
-  hparams = workdir_lib.config_json(arith_config())
+  hparams = jsonable.to_data(arith_config())
   with metrics.MetricsWriter(tmp_path, hparams=hparams) as writer:
     writer.write(1, {"reward/mean": 0.5})
   events = [e for f in tensorboard_events(tmp_path / "tensorboard") for e in f]
@@ -131,13 +130,13 @@ def test_sample_rows_are_whole_groups_with_their_advantages():
 
 def test_learning_rate_is_the_schedule_at_the_applied_updates(arith_config):
   config = arith_config({"train.warmup_steps": 4, "train.learning_rate": 1e-3})
-  optimizer = state_lib.make_optimizer(config)
-  schedule = state_lib.learning_rate_schedule(config)
+  optimizer = optimizer_lib.make_optimizer(config)
+  schedule = optimizer_lib.learning_rate_schedule(config)
   params = {"w": jnp.zeros(3)}
   opt_state = optimizer.init(params)
   seen = []
   for _ in range(5):
-    seen.append(float(state_lib.learning_rate(schedule, opt_state)))
+    seen.append(float(optimizer_lib.learning_rate(schedule, opt_state)))
     updates, opt_state = optimizer.update({"w": jnp.ones(3)}, opt_state, params)
     params = optax.apply_updates(params, updates)
   # Linear warmup from 0 over 4 updates, then constant: 0, 1/4, 2/4, 3/4, 1 x 1e-3 (reading
@@ -154,10 +153,10 @@ def test_wandb_options_and_checks(arith_config, monkeypatch):
   options = metrics.wandb_options(config.logging)
   assert options == metrics.WandbOptions(project="ebpo-jax", tags=("ebpo", "g4"))
   bad = arith_config({"logging.wandb_mode": "offlien"})
-  with pytest.raises(config_lib.ConfigError, match=r"^config\.logging\.wandb_mode='offlien'"):
+  with pytest.raises(errors.ConfigError, match=r"^config\.logging\.wandb_mode='offlien'"):
     config_lib.check_config(bad, 8)
   monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
-  with pytest.raises(config_lib.ConfigError) as error:
+  with pytest.raises(errors.ConfigError) as error:
     config_lib.check_config(config, 8)
   assert str(error.value) == (
     "config.logging.wandb=True: the wandb package is not installed "

@@ -139,7 +139,7 @@ def test_sharded_load_on_8_devices(hf_models, input_ids):
   assert len(q_kernel.addressable_shards) == 8
   assert q_kernel.addressable_shards[0].data.shape == (2, 16, 2, 8)
   ids = np.concatenate([input_ids, input_ids[:, ::-1]])  # batch 4 over data x fsdp
-  sharded_ids = jax.device_put(jnp.asarray(ids), sharding.batch_sharding(mesh))
+  sharded_ids = jax.device_put(jnp.asarray(ids), sharding.row_sharding(ids.shape, mesh))
   sharded_logits = jax.jit(sharded_model.apply)({"params": sharded}, sharded_ids)
   logits = model.apply({"params": params}, jnp.asarray(ids))
   np.testing.assert_allclose(np.asarray(sharded_logits), np.asarray(logits), rtol=1e-5, atol=1e-5)

@@ -69,7 +69,9 @@ def test_logical_shardings_of_model_params():
   assert params["lm_head"].sharding.spec == P("fsdp", "tensor")
 
 
-def test_batch_sharding_splits_rows_over_data_and_fsdp():
+def test_row_sharding_splits_rows_over_data_and_fsdp():
   mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-  x = jax.device_put(jnp.zeros((8, 3)), sharding.batch_sharding(mesh))
+  x = jax.device_put(jnp.zeros((8, 3)), sharding.row_sharding((8, 3), mesh))
   assert {s.data.shape for s in x.addressable_shards} == {(2, 3)}
+  y = jax.device_put(jnp.zeros((8, 3)), sharding.replicated(mesh))
+  assert {s.data.shape for s in y.addressable_shards} == {(8, 3)}

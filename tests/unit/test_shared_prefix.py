@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ebpo_jax import losses, sequences, sharding
+from ebpo_jax import losses, models, sequences, sharding
 from ebpo_jax.models import Decoder, ModelConfig, PrefixGroups
 from ebpo_jax.models.decoder import unstack_layers
 from ebpo_jax.trainer import state as state_lib
@@ -67,12 +67,12 @@ def test_packed_sequences_hold_each_prompt_once_then_its_completions():
   np.testing.assert_array_equal(seqs["targets"], tokens)
 
 
-def _logps_and_grads(model: Decoder, params, seqs: dict):
+def _logps_and_grads(model: Decoder, params, seqs: dict, packed_group_size: int | None):
   """(logits [R, N, V], grads of the completions' total log-prob) through the trainer's
-  `completion_logits`, which takes either layout."""
+  `completion_logits`, which takes either layout (the caller names it)."""
 
   def total_logp(p):
-    logits = step_lib.completion_logits(model, p, seqs)
+    logits = step_lib.completion_logits(model, p, seqs, packed_group_size=packed_group_size)
     logps = losses.token_logprobs(logits, seqs["targets"])
     return jnp.where(seqs["loss_mask"], logps, 0.0).sum(), logits
 
@@ -85,8 +85,8 @@ def test_shared_prefix_logits_and_grads_equal_the_full_layout(name):
   model, params = Decoder(config), _params(config)
   full, packed = _layouts(_batch())
   assert packed["input_ids"].shape == (B, P + G * N)
-  grads_full, logits_full = _logps_and_grads(model, params, full)
-  grads_shared, logits_shared = _logps_and_grads(model, params, packed)
+  grads_full, logits_full = _logps_and_grads(model, params, full, None)
+  grads_shared, logits_shared = _logps_and_grads(model, params, packed, G)
   assert logits_shared.shape == logits_full.shape == (B * G, N, config.vocab_size)
   assert logits_shared.dtype == np.float32
   # Compared where a completion token is predicted (a masked position predicts nothing).
@@ -108,16 +108,22 @@ def test_shared_prefix_on_the_per_layer_decoder_and_with_lora_dropout():
   params = _params(config)
   full, packed = _layouts(_batch(seed=1))
   valid = np.asarray(full["loss_mask"])
-  logits = jax.jit(step_lib.completion_logits, static_argnums=0)  # the decoder is static
+  # The decoder and the layout are static.
+  logits = jax.jit(
+    step_lib.completion_logits, static_argnums=0, static_argnames="packed_group_size"
+  )
   # The per-layer decoder (scan_layers=False), as the scanned one.
   per_layer = Decoder(config, scan_layers=False)
-  want = logits(Decoder(config), params, full)
-  got = logits(per_layer, jax.jit(unstack_layers)(params), packed)
+  want = logits(Decoder(config), params, full, packed_group_size=None)
+  got = logits(per_layer, jax.jit(unstack_layers)(params), packed, packed_group_size=G)
   np.testing.assert_allclose(got[valid], want[valid], rtol=1e-5, atol=1e-5)
   # Dropout: each prompt token is dropped once for its G completions (not G times), so the
   # logits are not the full layout's; they are finite, change with the key, and differ from the
   # forward without dropout.
-  dropped = [logits(Decoder(config), params, packed, jax.random.key(s)) for s in (0, 1)]
+  dropped = [
+    logits(Decoder(config), params, packed, packed_group_size=G, dropout_key=jax.random.key(s))
+    for s in (0, 1)
+  ]
   assert np.isfinite(np.asarray(dropped[0])).all()
   assert np.abs(np.asarray(dropped[0] - dropped[1]))[valid].max() > 1e-3
   assert np.abs(np.asarray(dropped[0] - want))[valid].max() > 1e-3
@@ -142,7 +148,7 @@ def test_the_shared_prefix_runs_when_micro_batches_hold_whole_groups(arith_confi
 
   def uses(overrides, mesh):
     config = arith_config({"rl.group_size": 4, "train.batch_size": 8, **overrides})
-    return step_lib.uses_shared_prefix(config, mesh)
+    return step_lib.StepLayout.from_config(config, mesh).shared_prefix
 
   whole = {"train.mini_batch_size": 8, "train.micro_batch_size": 0}
   assert uses(whole, None) and uses(whole, one)
@@ -155,12 +161,13 @@ def test_the_shared_prefix_runs_when_micro_batches_hold_whole_groups(arith_confi
   assert not uses({**whole, "train.micro_batch_size": 8}, eight)
 
 
-def _jitted_step(tiny):
+def _jitted_step(tiny, options):
+  abstract_params = models.build.abstract_params(tiny.model, tiny.mesh)
   shardings = state_lib.state_shardings(
-    tiny.config, tiny.optimizer, tiny.estimator, 2, state_lib.abstract_params(tiny.model, tiny.mesh)
+    tiny.config, tiny.optimizer, tiny.estimator, 2, abstract_params
   )
   return step_lib.jit_train_step(
-    tiny.config, tiny.model, tiny.optimizer, tiny.estimator, tiny.mesh, shardings, donate=False
+    tiny.model, tiny.optimizer, tiny.estimator, options, tiny.mesh, shardings, donate=False
   )
 
 
@@ -174,7 +181,7 @@ def test_a_train_step_through_the_shared_prefix_equals_the_full_layout(
   if lora:
     overrides["model.lora.rank"] = 4
   tiny = tiny_steps(overrides, num_devices=1)
-  assert step_lib.uses_shared_prefix(tiny.config, tiny.mesh)
+  assert tiny.options.layout.shared_prefix
   packed_calls = []
   build_packed = sequences.build_packed_sequences
   monkeypatch.setattr(
@@ -187,11 +194,12 @@ def test_a_train_step_through_the_shared_prefix_equals_the_full_layout(
   moved = trained_lora(state.params) if lora else jax.tree.map(lambda x: 1.1 * x, state.params)
   state = state.replace(params=moved)
   batch = tiny.place(tiny.batch(seed=3))
-  shared_state, shared_metrics = _jitted_step(tiny)(state, batch)
-  assert packed_calls  # traced through the shared prefix
-  monkeypatch.setattr(step_lib, "uses_shared_prefix", lambda config, mesh: False)
-  full_state, full_metrics = _jitted_step(tiny)(state, batch)
-  assert len(packed_calls) == 1  # the second step ran the full layout
+  shared_state, shared_metrics, shared_aux = _jitted_step(tiny, tiny.options)(state, batch)
+  assert packed_calls and shared_aux.layout.shared_prefix  # traced through the shared prefix
+  full_layout = dataclasses.replace(tiny.options.layout, shared_prefix=False)
+  full_options = dataclasses.replace(tiny.options, layout=full_layout)
+  full_state, full_metrics, full_aux = _jitted_step(tiny, full_options)(state, batch)
+  assert len(packed_calls) == 1 and not full_aux.layout.shared_prefix  # the full layout ran
   for key, value in full_metrics.items():
     np.testing.assert_allclose(shared_metrics[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
   assert float(full_metrics["grad_norm"]) > 0 and float(full_metrics["kl"]) > 1e-6

@@ -55,7 +55,7 @@ def _rollout_parts(tiny):
   trainer builds them."""
   config = tiny.config
   task, rows, cluster_names, eval_rows = task_rows.load_task_and_rows(config)
-  tokenizer = state_lib.load_tokenizer(config, task)
+  tokenizer = task_rows.load_tokenizer(config, task)
   sampler = rollouts_lib.make_sampler(tiny.model, task, tokenizer, config, tiny.mesh)
   batches = data.make_batches(rows, batch_size=config.train.batch_size, order="shuffle", seed=0)
   return rows, cluster_names, eval_rows, sampler, batches
@@ -80,8 +80,8 @@ def test_the_step_loop_makes_no_implicit_transfer(tiny_steps):
   with jax.transfer_guard("disallow"):
     keys = state_lib.step_keys(state.rng, state.step, config.rl.max_refill_rounds)
     batch, rollout, logs = rollouts_lib.collect_batch(sampler, state.params, keys, rows, batches)
-    state, metrics = tiny.step(state, batch)
-    metrics = jax.device_get(metrics)
+    state, metrics, aux = tiny.step(state, batch)
+    metrics, advantages_bg = jax.device_get((metrics, aux.advantages))
     eval_key = state_lib.step_keys(state.rng, state.step).eval
     accuracy = rollouts_lib.evaluate_accuracy(
       sampler, state.params, eval_rows, cluster_names, eval_key
@@ -94,9 +94,9 @@ def test_the_step_loop_makes_no_implicit_transfer(tiny_steps):
   assert logs["rollout/tokens"] > 0 and logs["dapo/rounds"] >= 1
   assert metrics["lr"] == pytest.approx(1e-4)  # constant: the learning rate of every update
   # The step's advantages [B, G] beside the rollout: the sample completions table of the step.
-  samples = rollouts_lib.sample_rows(rollout, metrics["advantages"], cluster_names, 6)
+  samples = rollouts_lib.sample_rows(rollout, advantages_bg, cluster_names, 6)
   assert [s["completion"] for s in samples] == rollout.texts[:6]
-  assert [s["advantage"] for s in samples] == pytest.approx(metrics["advantages"].reshape(-1)[:6])
+  assert [s["advantage"] for s in samples] == pytest.approx(advantages_bg.reshape(-1)[:6])
 
 
 def test_lora_sampler_logps_equal_the_trainers_on_the_first_ppo_iteration(tiny_steps, trained_lora):
@@ -115,12 +115,16 @@ def test_lora_sampler_logps_equal_the_trainers_on_the_first_ppo_iteration(tiny_s
   seqs = sequences.build_sequences(
     batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["completion_mask"], tiny.G
   )
-  trainer = np.asarray(step_lib.completion_logprobs(tiny.model, policy, seqs))
+  trainer = np.asarray(
+    step_lib.completion_logprobs(tiny.model, policy, seqs, packed_group_size=None)
+  )
   old = np.asarray(batch["old_logps"])
   np.testing.assert_allclose(np.where(mask, old, 0), np.where(mask, trainer, 0), atol=1e-4)
   # The adapters act: the base alone gives other log-probs (a sampler without them would fail).
-  base = step_lib.completion_logprobs(lora.base_model(tiny.model), state.base, seqs)
+  base = step_lib.completion_logprobs(
+    lora.base_model(tiny.model), state.base, seqs, packed_group_size=None
+  )
   assert np.abs(np.where(mask, np.asarray(base) - old, 0)).max() > 1e-2
-  _, metrics = tiny.step(state, batch)  # the first (only) PPO iteration on these old_logps
+  _, metrics, _ = tiny.step(state, batch)  # the first (only) PPO iteration on these old_logps
   assert float(metrics["ratio_mean"]) == pytest.approx(1.0, abs=1e-4)
   assert float(metrics["clipfrac"]) == 0.0

@@ -1,0 +1,131 @@
+"""Building the policy model from a config: its module, abstract params and real params.
+
+`make_model` reads `config.model`: a Hugging Face directory's architecture (`model.path`) or a
+random-init decoder of the config's shape keys, with LoRA adapters when `model.lora.rank > 0`.
+`abstract_params` gives the params as shapes with shardings (nothing allocated); `init_params`
+and `fresh_adapters` build real ones in those shardings, under one jit.
+"""
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+from jax.sharding import Mesh
+
+from ebpo_jax import files, sharding
+from ebpo_jax.errors import ConfigError
+from ebpo_jax.models import gguf_io, hf_io, lora
+from ebpo_jax.models.config import ModelConfig
+from ebpo_jax.models.decoder import Decoder
+
+_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+
+def random_init_config(mc: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
+  """The ModelConfig of a random-init decoder from `config.model` (shape keys, `architecture`,
+  `tie_word_embeddings`, `rope_theta`, and how it computes: dtypes, remat, the unrolled loop)."""
+  arch = mc.architecture
+  if arch not in _ARCHITECTURES:
+    raise ConfigError(f"config.model.architecture={arch!r}: must be one of {_ARCHITECTURES}")
+  return ModelConfig(
+    vocab_size=vocab_size,
+    hidden_size=mc.hidden_size,
+    intermediate_size=mc.intermediate_size,
+    num_layers=mc.num_layers,
+    num_heads=mc.num_heads,
+    num_kv_heads=mc.num_kv_heads,
+    head_dim=mc.head_dim,
+    architecture=arch,
+    tie_word_embeddings=bool(mc.tie_word_embeddings),
+    rope_theta=float(mc.rope_theta),
+    dtype=mc.dtype,
+    param_dtype=mc.param_dtype,
+    remat=mc.remat,
+    unroll_layers=bool(mc.unroll_layers),
+  )
+
+
+def model_dir(config: ml_collections.ConfigDict) -> str:
+  """The Hugging Face directory of `config.model.path` (local or gs://; a `packaged:` model is
+  converted once); ConfigError naming the key when there is none."""
+  try:
+    path = gguf_io.resolve_model_path(config.model.path)
+  except ValueError as e:
+    raise ConfigError(f"config.model.path={config.model.path!r}: {e}") from e
+  if not files.isfile(files.join(path, hf_io.CONFIG_FILE)):
+    raise ConfigError(
+      f"config.model.path={config.model.path!r}: not a Hugging Face model directory "
+      f"({files.join(path, hf_io.CONFIG_FILE)} not found)"
+    )
+  return path
+
+
+def make_model(config: ml_collections.ConfigDict, vocab_size: int) -> Decoder:
+  """The policy's module: the Hugging Face directory's architecture (no weights read), or a
+  random-init decoder of `config.model`'s shape over `vocab_size` tokens; with LoRA adapters
+  when `model.lora.rank > 0` (base weights in `model.lora.base_dtype` if set)."""
+  mc = config.model
+  if mc.path:
+    model_config = hf_io.pretrained_config(
+      model_dir(config),
+      mc.dtype,
+      param_dtype=mc.param_dtype,
+      remat=mc.remat,
+      unroll_layers=bool(mc.unroll_layers),
+    )
+  else:
+    model_config = random_init_config(mc, vocab_size)
+  return Decoder(with_lora(model_config, mc.lora))
+
+
+def with_lora(model_config: ModelConfig, lc: ml_collections.ConfigDict) -> ModelConfig:
+  """`model_config` with `config.model.lora`'s adapters (`lc`), unchanged when the rank is 0."""
+  if lc.rank == 0:
+    return model_config
+  return dataclasses.replace(
+    model_config,
+    lora_rank=lc.rank,
+    lora_alpha=float(lc.alpha),
+    lora_targets=lora.parse_targets(lc.targets),
+    lora_dropout=float(lc.dropout),
+    param_dtype=lc.base_dtype or model_config.param_dtype,
+  )
+
+
+def lora_enabled(config: ml_collections.ConfigDict) -> bool:
+  """Whether the policy trains LoRA adapters only (`model.lora.rank > 0`)."""
+  return config.model.lora.rank > 0
+
+
+def abstract_params(model: Decoder, mesh: Mesh) -> Any:
+  """The params as `jax.ShapeDtypeStruct`s carrying their shardings on `mesh`."""
+  boxed = hf_io.abstract_params(model)
+  shardings = sharding.logical_shardings(boxed, mesh, sharding.DEFAULT_RULES)
+  return jax.tree.map(
+    lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), nn.unbox(boxed), shardings
+  )
+
+
+def init_params(config: ml_collections.ConfigDict, model: Decoder, mesh: Mesh) -> Any:
+  """Real params in their shardings: read from `config.model.path`, else random (`config.seed`).
+  Under LoRA use `trainer.policy.initial_params`, which builds the base and the adapters apart."""
+  if config.model.path:
+    return hf_io.load_params(model_dir(config), model, mesh)
+  shardings = jax.tree.map(lambda x: x.sharding, abstract_params(model, mesh))
+  init = lambda rng: nn.unbox(model.init(rng, jnp.zeros((1, 4), jnp.int32))["params"])
+  return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(config.seed))
+
+
+def fresh_adapters(config: ml_collections.ConfigDict, model: Decoder, mesh: Mesh) -> Any:
+  """A LoRA model's adapters at step 0 (A random from `config.seed`, B zero), in their
+  shardings; the base the same init would build is dead code under the jit."""
+  shardings = lora.split(jax.tree.map(lambda x: x.sharding, abstract_params(model, mesh)))[0]
+
+  def init(rng):
+    params = nn.unbox(model.init(rng, jnp.zeros((1, 4), jnp.int32))["params"])
+    return lora.split(params)[0]
+
+  return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(config.seed))
