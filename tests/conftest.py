@@ -457,8 +457,8 @@ def _free_port() -> int:
 @pytest.fixture(scope="session")
 def gcs_emulator() -> str:
   """A Google Cloud Storage API on loopback (`gcp-storage-emulator`, started by
-  tests/helpers/gcs_emulator.py, in memory, one per xdist worker) with the bucket GCS_BUCKET; this process
-  and its children use it (gcsfs and google-cloud-storage follow STORAGE_EMULATOR_HOST,
+  tests/helpers/gcs_emulator.py, in memory, one per xdist worker) with the bucket GCS_BUCKET; this
+  process and its children use it (gcsfs and google-cloud-storage follow STORAGE_EMULATOR_HOST,
   tensorstore TENSORSTORE_GCS_HTTP_URL). Returns its URL."""
   port = _free_port()
   url = f"http://localhost:{port}"
