@@ -245,7 +245,7 @@ def _run_one(config, workdir, run: Run, base_args, env, warm_locks) -> dict:
   result_path = files.join(run_dir, RESULT_FILE)
   if _ran_with(run_dir, config, args):
     if files.exists(result_path):
-      return read_result(run_dir, run.group_size)
+      return read_result(run_dir)
   else:
     files.remove_tree(run_dir)
   start = time.perf_counter()
@@ -355,15 +355,9 @@ def summarize_run(run_dir: str | os.PathLike, run: Run) -> dict:
   }
 
 
-def read_result(run_dir: str | os.PathLike, group_size: int | None = None) -> dict:
-  """A finished run's summary (its result.json; `group_size` defaults to the one it names). One
-  written before the advantages by cluster and outcome were summarized gets them from the run's
-  samples.jsonl now (result.json is left as is)."""
-  result = json.loads(files.read_text(files.join(run_dir, RESULT_FILE)))
-  if advantage_mass.KEY not in result:
-    g = result["group_size"] if group_size is None else group_size
-    result[advantage_mass.KEY] = advantage_mass.summarize(run_dir, g, result.get("clusters", ()))
-  return result
+def read_result(run_dir: str | os.PathLike) -> dict:
+  """A finished run's summary (its result.json)."""
+  return json.loads(files.read_text(files.join(run_dir, RESULT_FILE)))
 
 
 def load_results(workdir: str | os.PathLike) -> list[dict]:

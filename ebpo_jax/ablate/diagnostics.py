@@ -3,8 +3,7 @@ training reward, the share of groups without signal, EBPO's shrinkage S and prio
 norm and the entropy, one colour per estimator, the mean over seeds with their range as a band.
 
 Read from each run's metrics.jsonl (WORKDIR/runs/NAME/). A panel is drawn only when some run logs
-its keys: GRPO-only ablations have no shrinkage panel, and runs from before the per-cluster prior
-std and shrinkage were logged draw what they have.
+its keys: GRPO-only ablations have no shrinkage panel.
 """
 
 import dataclasses
@@ -16,7 +15,6 @@ import numpy as np
 from ebpo_jax import files
 from ebpo_jax import metrics as metrics_lib
 
-# Not in the metrics.jsonl of runs from before these were logged: drawn when present.
 ALL_EQUAL_FRAC = metrics_lib.ADV_ALL_EQUAL_FRAC
 PRIOR_STD = metrics_lib.EBPO_PRIOR_STD
 SHRINKAGE = metrics_lib.EBPO_SHRINKAGE
@@ -44,7 +42,6 @@ class Panel:
   keys: tuple[str, ...]  # each a metric name; drawn when logged, per cluster when logged so
   band_key: str | None = None  # a std to draw as mean ± std around the line instead of seeds
   dashed: tuple[str, ...] = ()
-  fallback: str | None = None  # drawn only when no key of `keys` is logged by a run
 
 
 PANELS = (
@@ -55,12 +52,7 @@ PANELS = (
     (metrics_lib.ADV_ZERO_FRAC, ALL_EQUAL_FRAC),
     dashed=(ALL_EQUAL_FRAC,),
   ),
-  Panel(
-    "EBPO shrinkage S (weight on the prior mean)",
-    "S",
-    (SHRINKAGE,),
-    fallback=metrics_lib.EBPO_SHRINKAGE_MEAN,
-  ),
+  Panel("EBPO shrinkage S (weight on the prior mean)", "S", (SHRINKAGE,)),
   Panel(
     "EBPO prior mean per cluster",
     "prior mean reward",
@@ -124,8 +116,6 @@ def panel_curves(
         continue
       logs = [lines[r["name"]] for r in runs]
       keys = [k for k in panel.keys if _series_keys(logs[0], k)]
-      if not keys and panel.fallback and _series_keys(logs[0], panel.fallback):
-        keys = [panel.fallback]
       for key in keys:
         for metric, cluster in _series_keys(logs[0], key):
           curve = _seed_curve([_values(log, metric) for log in logs])

@@ -71,9 +71,9 @@ def _row(variant: str, g: int, runs: Sequence[dict], hard: str | None, target_ga
     "per_cluster": {
       c: float(np.mean([r["curve"][c][-1] for r in runs])) for c in runs[0]["clusters"]
     },
-    "all_equal_frac": _mean([r.get("all_equal_frac") for r in runs]),  # older runs: None
+    "all_equal_frac": _mean([r["all_equal_frac"] for r in runs]),
     "zero_frac": _mean([r["zero_frac"] for r in runs]),
-    "grad_norm": _mean([r.get("grad_norm") for r in runs]),
+    "grad_norm": _mean([r["grad_norm"] for r in runs]),
     "entropy": _mean([r["entropy_final"] for r in runs]),
     "shrinkage": _mean([r["shrinkage"] for r in runs]),
   }
@@ -96,7 +96,7 @@ def _row(variant: str, g: int, runs: Sequence[dict], hard: str | None, target_ga
 
 
 REFERENCE = "grpo"  # the estimator every variant is compared with, seed by seed
-_PAIRED_KEYS = ("vs_grpo_seeds", "vs_grpo_mean", "vs_grpo_std", "vs_grpo_low", "vs_grpo_high",
+_PAIRED_KEYS = ("vs_grpo_seeds", "vs_grpo_mean", "vs_grpo_low", "vs_grpo_high",
                 "vs_grpo_gain_diffs", "vs_grpo_acc_mean", "vs_grpo_acc_low", "vs_grpo_acc_high",
                 "vs_grpo_acc_diffs")  # fmt: skip
 
@@ -125,7 +125,6 @@ def _versus_reference(groups: dict, variant: str, g: int, hard: str | None) -> d
     diffs = list(stats.paired_differences(_by_seed(ours, gain), _by_seed(reference, gain)).values())
     mean, low, high = stats.mean_ci(diffs)
     paired.update(vs_grpo_mean=mean, vs_grpo_low=low, vs_grpo_high=high, vs_grpo_gain_diffs=diffs)
-    paired["vs_grpo_std"] = float(np.std(diffs))  # population std, kept for older readers
   return paired
 
 

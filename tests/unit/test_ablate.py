@@ -18,6 +18,7 @@ def fake_result(variant, seed, hard_curve, easy_curve, *, zero_frac=0.5, g=8):
     "name": f"{variant}_G{g}_s{seed}",
     "clusters": ["easy", "hard"],
     "curve": {"step": steps, "all": overall, "easy": easy_curve, "hard": hard_curve},
+    "all_equal_frac": None,  # as summarize_run gives a run that logged none
     "zero_frac": zero_frac,
     "entropy_final": 0.3,
     "grad_norm": 1.0,
@@ -102,7 +103,8 @@ def test_report_arithmetic():
   assert ebpo["per_cluster"]["easy"] == pytest.approx(0.9)
   assert ebpo["zero_frac"] == 0.0 and grpo["zero_frac"] == 0.5
   # Paired by seed: ebpo minus grpo gains, seed 0: 0.4 - 0.2 = 0.2, seed 1: 0.2 - 0 = 0.2.
-  assert ebpo["vs_grpo_mean"] == pytest.approx(0.2) and ebpo["vs_grpo_std"] == pytest.approx(0.0)
+  assert ebpo["vs_grpo_mean"] == pytest.approx(0.2)
+  assert ebpo["vs_grpo_gain_diffs"] == pytest.approx([0.2, 0.2])  # their spread: 0
   assert any("ebpo_running +0.200 [+0.200, +0.200] (n=2)" in x for x in report["summary"])
   markdown = ablate.render_markdown(report, {"config": "c.py", "date": "2026-11-30"})
   assert "| ebpo_running | 8 | 2 |" in markdown

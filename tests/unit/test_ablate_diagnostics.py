@@ -29,10 +29,12 @@ def common(reward, zero_frac):
 
 @pytest.fixture
 def workdir(tmp_path):
-  # GRPO, two seeds, an older trainer's keys only (no all-equal share).
-  write_run(tmp_path, "grpo_G4_s0", [common(0.2, 0.5), common(0.4, 0.25)])
-  write_run(tmp_path, "grpo_G4_s1", [common(0.4, 0.5), common(0.6, 0.75)])
-  # EBPO with the newer per-cluster prior std and shrinkage, and the all-equal share.
+  # GRPO, two seeds: the all-equal share equals the zero-advantage share (GRPO zeroes those groups).
+  grpo = [(0.2, 0.5), (0.4, 0.25)], [(0.4, 0.5), (0.6, 0.75)]
+  for seed, lines in enumerate(grpo):
+    lines = [{**common(r, z), "adv/all_equal_frac": z} for r, z in lines]
+    write_run(tmp_path, f"grpo_G4_s{seed}", lines)
+  # EBPO with a prior per cluster: the prior's mean, std and shrinkage per cluster.
   ebpo = [
     {**common(0.3, 0.0), "adv/all_equal_frac": 0.5, "ebpo/shrinkage_mean": 0.4,
      "ebpo/prior_mean/add_1": 0.5, "ebpo/prior_std/add_1": 0.1, "ebpo/shrinkage/add_1": 0.3},
@@ -40,9 +42,10 @@ def workdir(tmp_path):
      "ebpo/prior_mean/add_1": 0.6, "ebpo/prior_std/add_1": 0.2, "ebpo/shrinkage/add_1": 0.2},
   ]  # fmt: skip
   write_run(tmp_path, "ebpo_running_G4_s0", ebpo)
-  # An EBPO run of an older trainer: the mean shrinkage only, one global prior without a std.
-  old = [{**common(0.1, 0.0), "ebpo/shrinkage_mean": 0.7, "ebpo/prior_mean": 0.2}] * 2
-  write_run(tmp_path, "ebpo_global_G4_s0", old)
+  # EBPO with one global prior: its keys bare, without a cluster.
+  ebpo_global = {"ebpo/shrinkage_mean": 0.7, "ebpo/prior_mean": 0.2, "ebpo/prior_std": 0.1}
+  line = {**common(0.1, 0.0), "adv/all_equal_frac": 0.0, **ebpo_global, "ebpo/shrinkage": 0.7}
+  write_run(tmp_path, "ebpo_global_G4_s0", [line] * 2)
   return tmp_path
 
 
@@ -69,16 +72,17 @@ def test_curves_average_seeds_and_band_their_range(workdir):
   np.testing.assert_array_equal(reward["ebpo_running"].low, reward["ebpo_running"].high)  # 1 seed
 
 
-def test_newer_keys_are_drawn_when_logged_and_older_runs_fall_back(workdir):
+def test_keys_are_drawn_per_cluster_when_logged_so(workdir):
   panels = ablate.panel_curves(workdir, RESULTS, 4)
   signal = by_label(panels["groups without signal (lower: more prompts teach)"])
-  # The all-equal share is dashed, beside the zero-advantage share; older GRPO runs lack it.
+  # The all-equal share is dashed, beside the zero-advantage share.
   assert signal["ebpo_running: all-equal groups (GRPO zeroes them)"].dashed
   np.testing.assert_allclose(signal["ebpo_running: zero advantages"].mean, [0.0, 0.0])
   np.testing.assert_allclose(signal["grpo: zero advantages"].mean, [0.5, 0.5])
-  assert "grpo: all-equal groups (GRPO zeroes them)" not in signal
+  assert not signal["grpo: zero advantages"].dashed
+  np.testing.assert_allclose(signal["grpo: all-equal groups (GRPO zeroes them)"].mean, [0.5, 0.5])
   shrinkage = by_label(panels["EBPO shrinkage S (weight on the prior mean)"])
-  # Per cluster where logged; the older run's mean shrinkage otherwise; GRPO has none.
+  # Per cluster where logged so; the global prior's bare key; GRPO has none.
   assert set(shrinkage) == {"ebpo_running add_1", "ebpo_global"}
   np.testing.assert_allclose(shrinkage["ebpo_running add_1"].mean, [0.3, 0.2])
   np.testing.assert_allclose(shrinkage["ebpo_global"].mean, [0.7, 0.7])
@@ -86,7 +90,9 @@ def test_newer_keys_are_drawn_when_logged_and_older_runs_fall_back(workdir):
   # The band is the prior's std: 0.5 ± 0.1, 0.6 ± 0.2 (a seed band would be empty here).
   np.testing.assert_allclose(prior["ebpo_running add_1 ± prior std"].low, [0.4, 0.4])
   np.testing.assert_allclose(prior["ebpo_running add_1 ± prior std"].high, [0.6, 0.8])
-  np.testing.assert_allclose(prior["ebpo_global"].mean, [0.2, 0.2])  # the global prior's bare key
+  # The global prior's bare keys: 0.2 ± 0.1.
+  np.testing.assert_allclose(prior["ebpo_global ± prior std"].mean, [0.2, 0.2])
+  np.testing.assert_allclose(prior["ebpo_global ± prior std"].low, [0.1, 0.1])
 
 
 def test_grpo_only_ablation_has_no_ebpo_panels_and_plots_one_png_per_g(workdir):

@@ -268,13 +268,3 @@ def test_advantage_mass_is_pooled_over_the_seeds_by_completion(tmp_path):
   assert head + "easy all_success | hard mixed | hard all_success |" in table
   row_line = "| ebpo_running | 2 | 2/3 | 0.33 (+0.00, n=6) | 0.30 (+0.30, n=2) | "
   assert row_line + "0.60 (+0.60, n=2) | 0.80 (+0.00, n=2) | 0.30 (+0.30, n=2) |" in table
-
-
-def test_an_old_result_gets_its_advantage_mass_from_samples_when_read(tmp_path):
-  run_dir = tmp_path / "runs" / "grpo_G2_s0"
-  write_run(run_dir)
-  old = summary("grpo", 0, gain=0.1, acc=0.5, g=2)  # from before the field existed
-  (run_dir / ablate.RESULT_FILE).write_text(json.dumps(old))
-  (loaded,) = ablate.load_results(tmp_path)
-  assert loaded[advantage_mass.KEY][0] == cell("easy", "all_fail", 2, 4, -0.25, 0.25)
-  assert json.loads((run_dir / ablate.RESULT_FILE).read_text()) == old  # left as it was
