@@ -3,7 +3,6 @@ code, taken from the page, runs here with the registries patched as the recipes'
 would patch them (the trainer runs of the recipes are the e2e test of rewards.fns and
 `:runlocal`)."""
 
-import pathlib
 import shlex
 import sys
 import textwrap
@@ -15,8 +14,8 @@ from ebpo_jax import advantages, tasks
 from ebpo_jax.advantages import estimators, registry
 from ebpo_jax.tasks import reward_fns
 from ebpo_jax.tasks.arithmetic import score_arithmetic
+from tests.helpers import ROOT
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 PAGE = (ROOT / "docs" / "extending.md").read_text()
 
 
