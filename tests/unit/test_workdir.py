@@ -1,10 +1,9 @@
 """The workdir of a run (ebpo_jax.trainer.workdir): its lock, local and on a bucket; its
 config.json, compared on resume; metrics.jsonl cut back to what a restart restores; an ablation
-reruns a variant whose config changed. In process, except one trainer test with two processes."""
+reruns a variant whose config changed. In process (two trainer processes: e2e/test_workdir.py)."""
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -15,6 +14,8 @@ import pytest
 from ebpo_jax import ablate, files
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.trainer import workdir as workdir_lib
+from tests.helpers import ROOT
+from tests.helpers.runs import logged_steps
 
 # ----------------------------------------------------------------------------- the lock
 
@@ -167,13 +168,6 @@ def test_config_check_on_a_bucket(arith_config, gcs_dir):
     workdir_lib.check_and_save_config(gcs_dir, arith_config({"rl.advantage": "grpo"}))
 
 
-# ----------------------------------------------------------------------------- metrics.jsonl
-
-
-def steps_in(workdir) -> list[int]:
-  return [r["step"] for r in metrics_lib.read_metrics(workdir)]
-
-
 def test_a_fresh_start_empties_metrics_and_a_resume_cuts_them(tmp_path):
   # A kill between the step-0 evaluation line and checkpoint 0: nothing to restore on restart.
   with metrics_lib.MetricsWriter(tmp_path, resume_step=metrics_lib.FRESH_START) as writer:
@@ -181,46 +175,10 @@ def test_a_fresh_start_empties_metrics_and_a_resume_cuts_them(tmp_path):
   with metrics_lib.MetricsWriter(tmp_path, resume_step=metrics_lib.FRESH_START) as writer:
     writer.write(0, {"eval/accuracy": 0.5})
     writer.write(1, {"loss": 1.0})
-  assert steps_in(tmp_path) == [0, 1]
+  assert logged_steps(tmp_path) == [0, 1]
   with metrics_lib.MetricsWriter(tmp_path, resume_step=0) as writer:
     writer.write(1, {"loss": 1.0})
-  assert steps_in(tmp_path) == [0, 1]
-
-
-# ----------------------------------------------------------------------------- the trainer
-
-
-@pytest.mark.e2e
-def test_two_trainers_a_changed_config_and_a_restart_with_nothing_to_restore(trainer_cli, tmp_path):
-  # num_steps=0: the warm start, the step-0 evaluation and checkpoint (the lock is held meanwhile).
-  first = trainer_cli(tmp_path, "--config.train.num_steps=0", wait=False)
-  try:
-    lock_path = tmp_path / workdir_lib.LOCK_FILE
-    deadline = time.monotonic() + 120
-    while not (lock_path.exists() and f'"pid": {first.pid}' in lock_path.read_text()):
-      assert first.poll() is None and time.monotonic() < deadline, first.stderr.read()
-      time.sleep(0.2)
-    second = trainer_cli(tmp_path, "--config.train.num_steps=0", timeout=60)
-    assert second.returncode != 0
-    errors = second.stderr.strip().splitlines()
-    assert len(errors) == 1 and f"pid {first.pid}" in errors[0], second.stderr[-2000:]
-    assert first.wait(timeout=300) == 0, first.stderr.read()[-3000:]
-  finally:
-    first.kill()
-  assert steps_in(tmp_path) == [0]  # written once: the second run wrote nothing
-  changed = trainer_cli(tmp_path, "--config.train.num_steps=0", "--config.rl.group_size=2")
-  assert changed.returncode != 0
-  assert changed.stderr.strip().splitlines() == [
-    f"error: {tmp_path}/config.json: the run used another config: rl.group_size (4 -> 2); "
-    "resume with the same values, use another --workdir, or accept the change with "
-    "--config.workdir.accept_changes=rl.group_size"
-  ]
-  # Nothing to restore (checkpoints deleted, or a kill before checkpoint 0): a fresh start, and
-  # metrics.jsonl holds its lines only.
-  shutil.rmtree(tmp_path / "checkpoints")
-  again = trainer_cli(tmp_path, "--config.train.num_steps=0")
-  assert again.returncode == 0, again.stderr[-3000:]
-  assert steps_in(tmp_path) == [0]
+  assert logged_steps(tmp_path) == [0, 1]
 
 
 # ----------------------------------------------------------------------------- ablations
@@ -238,7 +196,7 @@ def test_an_ablation_reruns_a_variant_whose_config_changed(tmp_path, monkeypatch
 
   monkeypatch.setattr(ablate, "_train", fake_train)
   monkeypatch.setattr(ablate, "summarize_run", lambda run_dir, run: {"name": run.name})
-  config = os.path.join(os.path.dirname(__file__), "..", "configs", "arith_ebpo.py:runlocal")
+  config = f"{ROOT}/configs/arith_ebpo.py:runlocal"
   run = ablate.Run("grpo", 4, 0)
   args = ["--config.train.num_steps=2"]
   ablate._run_one(config, str(tmp_path), run, args, {}, {0: ablate.threading.Lock()})

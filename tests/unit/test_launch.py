@@ -3,38 +3,21 @@ handling, tpu_pod.sh against a fake gcloud (precheck, --stop, quoting). The mult
 (2 processes x 4 CPU devices equal 1 process x 8 devices) runs on a bucket, in test_gcs.py."""
 
 import contextlib
-import json
 import os
 import pathlib
 import shlex
 import signal
-import stat
 import subprocess
 import sys
 import time
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-LAUNCH = REPO / "launch"
-# Variables the scripts read; the tests' own environment must not leak into them.
-SCRIPT_VARS = frozenset(
-  {"TPU_NAME", "ZONE", "PROJECT", "ACCELERATOR_TYPE", "RUNTIME_VERSION", "SPOT", "CODE"}
-  | {"REPO_URL", "BRANCH", "REPO_DIR", "INSTALL", "JAX_PIP_SPEC", "CONFIG", "WORKDIR"}
-  | {"EXTRA_ARGS", "LOG", "DRY_RUN", "DRY_RUN_TPU_EXISTS", "NUM_GPUS", "CUDA_VISIBLE_DEVICES"}
-  | {"MEM_FRACTION", "PREALLOCATE", "PYTHON", "GRACE_S", "JAX_COORDINATOR_ADDRESS"}
-  | {"JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "XLA_FLAGS", "PRECHECK"}
-)
-TPU_VARS = {
-  "TPU_NAME": "ebpo-test",
-  "ZONE": "us-east5-a",
-  "PROJECT": "my-proj",
-  "ACCELERATOR_TYPE": "v5p-64",
-  "WORKDIR": "gs://bucket/runs/arith",
-  "CONFIG": "configs/arith_ebpo.py:runlocal",
-  "EXTRA_ARGS": "--config.train.num_steps=7 --config.seed=3",
-}
+from tests.helpers import ROOT
+from tests.helpers.launch import LAUNCH, SCRIPT_VARS, TPU_VARS, make_executable, run_script
+
 TRAIN_ARGS = "--config=configs/arith_ebpo.py:runlocal --workdir=gs://bucket/runs/arith"
+
 # The fit check tpu_pod.sh runs first, here: the config and EXTRA_ARGS' --config.* flags.
 PRECHECK_CMD = (
   "+ python3 -m ebpo_jax.aot --config=configs/arith_ebpo.py:runlocal --topology=v5p-64 "
@@ -42,34 +25,16 @@ PRECHECK_CMD = (
 )
 
 
-def _run(argv: list[str], timeout: float = 60, **env: str) -> subprocess.CompletedProcess:
-  clean = {k: v for k, v in os.environ.items() if k not in SCRIPT_VARS}
-  return subprocess.run(
-    [str(a) for a in argv],
-    cwd=REPO,
-    env={**clean, **env},
-    capture_output=True,
-    text=True,
-    timeout=timeout,
-  )
-
-
 def _commands(stdout: str) -> list[str]:
   """The printed commands ("+ ..." lines; a quoted word may span lines)."""
   return ["+" + c for c in ("\n" + stdout.rstrip("\n")).split("\n+")[1:]]
-
-
-def _executable(path: pathlib.Path, text: str) -> pathlib.Path:
-  path.write_text(text)
-  path.chmod(path.stat().st_mode | stat.S_IEXEC)
-  return path
 
 
 # ----------------------------------------------------------------------------- tpu_pod.sh
 
 
 def test_tpu_pod_dry_run_creates_copies_installs_and_runs_on_all_workers():
-  result = _run([LAUNCH / "tpu_pod.sh", "--dry-run"], **TPU_VARS)
+  result = run_script([LAUNCH / "tpu_pod.sh", "--dry-run"], **TPU_VARS)
   assert result.returncode == 0, result.stderr
   precheck, *cmds = _commands(result.stdout)
   assert precheck == PRECHECK_CMD  # printed, not run, in a dry run
@@ -96,7 +61,7 @@ def test_tpu_pod_dry_run_creates_copies_installs_and_runs_on_all_workers():
 
 
 def test_tpu_pod_dry_run_reuses_an_existing_slice_and_clones_with_git():
-  result = _run(
+  result = run_script(
     [LAUNCH / "tpu_pod.sh"],
     **TPU_VARS,
     DRY_RUN="1",
@@ -120,11 +85,11 @@ def test_tpu_pod_runs_gcloud_and_ships_this_checkout(tmp_path):
   """The real (not dry) path, against a fake gcloud that logs its calls and the tarball's files,
   after the fit check (a fake python that logs its words and reports a fit)."""
   log = tmp_path / "gcloud.log"
-  _executable(
+  make_executable(
     tmp_path / "python3",
     '#!/usr/bin/env bash\necho "python3 $*" >> "$FAKE_GCLOUD_LOG"\necho \'{"fits": true}\'\n',
   )
-  _executable(
+  make_executable(
     tmp_path / "gcloud",
     "#!/usr/bin/env bash\n"
     'echo "gcloud $*" >> "$FAKE_GCLOUD_LOG"\n'
@@ -134,7 +99,7 @@ def test_tpu_pod_runs_gcloud_and_ships_this_checkout(tmp_path):
     "esac\n",
   )
   path = f"{tmp_path}:{os.environ['PATH']}"
-  result = _run([LAUNCH / "tpu_pod.sh"], **TPU_VARS, PATH=path, FAKE_GCLOUD_LOG=str(log))
+  result = run_script([LAUNCH / "tpu_pod.sh"], **TPU_VARS, PATH=path, FAKE_GCLOUD_LOG=str(log))
   assert result.returncode == 0, result.stderr
   precheck, *calls = log.read_text().splitlines()
   assert precheck == PRECHECK_CMD.removeprefix("+ ")  # on this machine, before any gcloud call
@@ -154,7 +119,7 @@ def fake_pod(tmp_path) -> tuple[pathlib.Path, pathlib.Path, dict[str, str]]:
   home, bin_dir = tmp_path / "home", tmp_path / "bin"
   home.mkdir()
   bin_dir.mkdir()
-  _executable(
+  make_executable(
     bin_dir / "gcloud",
     "#!/usr/bin/env bash\n"
     'case "$4" in\n'
@@ -171,7 +136,7 @@ def test_tpu_pod_runs_the_trainer_detached_with_its_words_intact(fake_pod):
   """Words with quotes, spaces and `$` reach the trainer as given, and the script streams its log
   and exits with its status."""
   home, bin_dir, env = fake_pod
-  _executable(
+  make_executable(
     bin_dir / "python3",
     "#!/usr/bin/env bash\n"
     'printf "%s\\n" "$EBPO_JAX_DISTRIBUTED" "$PWD" "$@" > "$HOME/trainer_args"\n'
@@ -185,7 +150,7 @@ def test_tpu_pod_runs_the_trainer_detached_with_its_words_intact(fake_pod):
     "INSTALL": "0",
     "PRECHECK": "0",  # the python3 here is the workers' stand-in trainer
   }
-  result = _run([LAUNCH / "tpu_pod.sh"], **variables, **env)
+  result = run_script([LAUNCH / "tpu_pod.sh"], **variables, **env)
   assert result.returncode == 7, result.stderr
   assert "ebpo_jax.aot" not in result.stdout  # PRECHECK=0: no fit check
   assert "trainer says hi" in result.stdout
@@ -218,12 +183,12 @@ def test_tpu_pod_passes_its_values_to_the_workers_literally(fake_pod, tmp_path, 
   calls = home / "calls"
   log_calls = f'{{ printf "%s\\n" "$PWD" "$@"; echo ---; }} >> "{calls}"\n'
   if code == "git":  # CODE=copy runs the real git here, to list the files it ships
-    _executable(
+    make_executable(
       bin_dir / "git",
       f"#!/usr/bin/env bash\n{log_calls}"
       'if [[ $1 == clone ]]; then mkdir -p "${@: -1}/.git"; fi\n',
     )
-  _executable(bin_dir / "python3", f"#!/usr/bin/env bash\n{log_calls}echo trainer says hi\n")
+  make_executable(bin_dir / "python3", f"#!/usr/bin/env bash\n{log_calls}echo trainer says hi\n")
   repo_dir, log, branch, url, spec = map(_nasty, ["dir", "log", "branch", "url", "spec"])
   variables = {
     **TPU_VARS,
@@ -236,7 +201,7 @@ def test_tpu_pod_passes_its_values_to_the_workers_literally(fake_pod, tmp_path, 
     "PRECHECK": "0",
   }
   for _ in range(2 if code == "git" else 1):
-    result = _run([LAUNCH / "tpu_pod.sh"], **variables, **env)
+    result = run_script([LAUNCH / "tpu_pod.sh"], **variables, **env)
     assert result.returncode == 0, result.stdout + result.stderr
   repo = home / repo_dir
   pip = [str(repo), "-m", "pip", "install", "-q", "-e", ".", spec]
@@ -254,14 +219,14 @@ def test_tpu_pod_passes_its_values_to_the_workers_literally(fake_pod, tmp_path, 
     assert (repo / "launch" / "tpu_pod.sh").exists()
   assert "trainer says hi" in (home / log).read_text()
   assert (home / f"{log}.rc").read_text() == "0\n"
-  assert not list(tmp_path.rglob("PWNED")) and not (REPO / "PWNED").exists()
+  assert not list(tmp_path.rglob("PWNED")) and not (ROOT / "PWNED").exists()
 
 
 def test_tpu_pod_stop_terminates_the_trainer_and_attach_reports_143(fake_pod):
   """--stop sends SIGTERM to the trainer itself (LOG.pid is its pid), which saves and exits with
   143; the launch's stream and a later --attach both end with that status."""
   home, bin_dir, env = fake_pod
-  _executable(
+  make_executable(
     bin_dir / "python3",
     "#!/usr/bin/env bash\n"
     "trap 'echo SIGTERM: saved; echo TERM > \"$HOME/trainer_got\"; exit 143' TERM\n"
@@ -272,7 +237,7 @@ def test_tpu_pod_stop_terminates_the_trainer_and_attach_reports_143(fake_pod):
   variables = {**TPU_VARS, "INSTALL": "0", "PRECHECK": "0"}
   launch = subprocess.Popen(
     [LAUNCH / "tpu_pod.sh"],
-    cwd=REPO,
+    cwd=ROOT,
     env={**{k: v for k, v in os.environ.items() if k not in SCRIPT_VARS}, **variables, **env},
     stdout=subprocess.PIPE,
     stderr=subprocess.PIPE,
@@ -286,7 +251,7 @@ def test_tpu_pod_stop_terminates_the_trainer_and_attach_reports_143(fake_pod):
       assert time.monotonic() < deadline, "the trainer did not start"
       time.sleep(0.1)
     assert all(f.exists() for f in started), launch.communicate(timeout=10)
-    stop = _run([LAUNCH / "tpu_pod.sh", "--stop"], **variables, **env)
+    stop = run_script([LAUNCH / "tpu_pod.sh", "--stop"], **variables, **env)
     assert stop.returncode == 0, stop.stdout + stop.stderr
     assert "stopping on" in stop.stdout
     out, err = launch.communicate(timeout=30)
@@ -295,10 +260,12 @@ def test_tpu_pod_stop_terminates_the_trainer_and_attach_reports_143(fake_pod):
     assert (home / "ebpo_train.log.rc").read_text() == "143\n"
     assert launch.returncode == 143, out + err
     assert "trainer started" in out and "SIGTERM: saved" in out
-    attach = _run([LAUNCH / "tpu_pod.sh", "--attach"], **variables, **env)
+    attach = run_script([LAUNCH / "tpu_pod.sh", "--attach"], **variables, **env)
     assert attach.returncode == 143, attach.stdout + attach.stderr
     assert "SIGTERM: saved" in attach.stdout
-    again = _run([LAUNCH / "tpu_pod.sh", "--stop"], **variables, **env)  # no stale pid is signalled
+    again = run_script(
+      [LAUNCH / "tpu_pod.sh", "--stop"], **variables, **env
+    )  # no stale pid is signalled
     assert again.returncode == 0 and "the trainer has exited (status 143)" in again.stdout
   finally:
     if launch.poll() is None:
@@ -320,49 +287,24 @@ def test_tpu_pod_stop_terminates_the_trainer_and_attach_reports_143(fake_pod):
 )
 def test_tpu_pod_stops_before_gcloud_when_the_check_says_no(tmp_path, report, message):
   log = tmp_path / "gcloud.log"
-  _executable(tmp_path / "gcloud", f'#!/usr/bin/env bash\necho "gcloud $*" >> "{log}"\n')
-  _executable(tmp_path / "python3", f"#!/usr/bin/env bash\n{report}\n")
-  result = _run([LAUNCH / "tpu_pod.sh"], **TPU_VARS, PATH=f"{tmp_path}:{os.environ['PATH']}")
+  make_executable(tmp_path / "gcloud", f'#!/usr/bin/env bash\necho "gcloud $*" >> "{log}"\n')
+  make_executable(tmp_path / "python3", f"#!/usr/bin/env bash\n{report}\n")
+  result = run_script([LAUNCH / "tpu_pod.sh"], **TPU_VARS, PATH=f"{tmp_path}:{os.environ['PATH']}")
   assert result.returncode == 2
   assert message in result.stderr and "PRECHECK=0" in result.stderr
   assert not log.exists()
 
 
-@pytest.mark.e2e  # the TPU compiler, for real, on the default job (~30 s)
-def test_tpu_pod_stops_when_the_tpu_compiler_says_the_config_does_not_fit(tmp_path):
-  """A million prompts per sampler call: the sampler's KV cache exceeds a v5e chip's HBM. The
-  check reports fits false (the compiler's own out-of-memory verdict) and no gcloud runs."""
-  log = tmp_path / "gcloud.log"
-  _executable(tmp_path / "gcloud", f'#!/usr/bin/env bash\necho "gcloud $*" >> "{log}"\n')
-  variables = {
-    **TPU_VARS,
-    "ACCELERATOR_TYPE": "v5litepod-4",
-    "CONFIG": "configs/arith_ebpo.py",
-    "EXTRA_ARGS": "--config.sampling.prompts_per_call=1000000 --config.train.num_steps=3",
-  }
-  env = {"PATH": f"{tmp_path}:{os.environ['PATH']}", "PYTHON": sys.executable}
-  result = _run([LAUNCH / "tpu_pod.sh"], timeout=300, **variables, **env, JAX_PLATFORMS="cpu")
-  assert result.returncode == 2, result.stderr[-3000:]
-  assert "does not fit v5litepod-4's HBM" in result.stderr
-  assert not log.exists()
-  (line,) = [ln for ln in result.stderr.splitlines() if ln.startswith('{"topology"')]
-  report = json.loads(line)
-  assert (report["topology"], report["chips"], report["fits"]) == ("v5e:2x2", 4, False)
-  assert report["train_step"]["bytes_per_chip"] < report["hbm_bytes_per_chip"]
-  assert report["sampler"]["bytes_per_chip"] > report["hbm_bytes_per_chip"]
-  assert "RESOURCE_EXHAUSTED" in report["sampler"]["compile_error"]
-
-
 def test_the_docs_dry_run_line_works_as_printed():
   (line,) = [
     ln.strip()
-    for ln in (REPO / "docs" / "hosts.md").read_text().splitlines()
+    for ln in (ROOT / "docs" / "hosts.md").read_text().splitlines()
     if "DRY_RUN=1" in ln and "launch/tpu_pod.sh" in ln
   ]
   words = shlex.split(line, comments=True)
   env = dict(w.split("=", 1) for w in words[:-1])
   assert words[-1] == "launch/tpu_pod.sh" and all(k.isupper() for k in env)
-  result = _run([REPO / words[-1]], **env)
+  result = run_script([ROOT / words[-1]], **env)
   assert result.returncode == 0, result.stderr
   precheck, describe, *_ = _commands(result.stdout)
   assert f"--topology={env['ACCELERATOR_TYPE']}" in precheck
@@ -380,7 +322,7 @@ def test_the_docs_dry_run_line_works_as_printed():
 )
 def test_tpu_pod_usage_errors(drop, args, message):
   variables = {k: v for k, v in TPU_VARS.items() if k != drop}
-  result = _run([LAUNCH / "tpu_pod.sh", *args], **variables)
+  result = run_script([LAUNCH / "tpu_pod.sh", *args], **variables)
   assert result.returncode == 2
   assert message in result.stderr
   assert "gcloud" not in result.stdout
@@ -390,7 +332,7 @@ def test_tpu_pod_usage_errors(drop, args, message):
 
 
 def test_gpu_dry_run_one_process_for_all_gpus():
-  result = _run(
+  result = run_script(
     [LAUNCH / "gpu.sh", "--dry-run"],
     NUM_GPUS="4",
     WORKDIR="/tmp/gpu_run",
@@ -409,7 +351,7 @@ def test_gpu_dry_run_one_process_for_all_gpus():
 
 
 def test_gpu_dry_run_takes_the_count_from_cuda_visible_devices_and_installs():
-  result = _run(
+  result = run_script(
     [LAUNCH / "gpu.sh", "--dry-run"],
     CUDA_VISIBLE_DEVICES="2,5",
     WORKDIR="w",
@@ -418,32 +360,32 @@ def test_gpu_dry_run_takes_the_count_from_cuda_visible_devices_and_installs():
   )
   assert result.returncode == 0, result.stderr
   install, check, train_cmd = _commands(result.stdout)
-  assert install == f"+ python -m pip install -e {REPO} 'jax[cuda12]'"
+  assert install == f"+ python -m pip install -e {ROOT} 'jax[cuda12]'"
   assert check.endswith(" 2 'jax[cuda12]'")
   assert "CUDA_VISIBLE_DEVICES=2,5 " in train_cmd
   assert "XLA_FLAGS=--xla_gpu_enable_latency_hiding_scheduler=true " in train_cmd
 
 
 def test_gpu_errors():
-  mismatch = _run(
+  mismatch = run_script(
     [LAUNCH / "gpu.sh", "--dry-run"], CUDA_VISIBLE_DEVICES="0,1", NUM_GPUS="3", WORKDIR="w"
   )
   assert mismatch.returncode == 2
   assert "NUM_GPUS=3 but CUDA_VISIBLE_DEVICES=0,1 lists 2" in mismatch.stderr
-  assert "WORKDIR is not set" in _run([LAUNCH / "gpu.sh", "--dry-run"], NUM_GPUS="1").stderr
-  bogus = _run([LAUNCH / "gpu.sh", "--attach"], NUM_GPUS="1", WORKDIR="w")
+  assert "WORKDIR is not set" in run_script([LAUNCH / "gpu.sh", "--dry-run"], NUM_GPUS="1").stderr
+  bogus = run_script([LAUNCH / "gpu.sh", "--attach"], NUM_GPUS="1", WORKDIR="w")
   assert bogus.returncode == 2
   assert "unknown argument --attach (known: --dry-run, --help)" in bogus.stderr
   # Not a dry run, on this CPU-only machine: the GPU check stops it before the trainer starts.
-  no_gpu = _run([LAUNCH / "gpu.sh"], NUM_GPUS="1", WORKDIR="w", PYTHON=sys.executable)
+  no_gpu = run_script([LAUNCH / "gpu.sh"], NUM_GPUS="1", WORKDIR="w", PYTHON=sys.executable)
   assert no_gpu.returncode == 1
   assert "error: JAX has no GPU backend" in no_gpu.stderr
-  assert not (REPO / "w").exists()
+  assert not (ROOT / "w").exists()
 
 
 @pytest.mark.parametrize("script", ["gpu.sh", "tpu_pod.sh"])
 def test_help_prints_the_documented_variables(script):
-  result = _run([LAUNCH / script, "--help"])
+  result = run_script([LAUNCH / script, "--help"])
   assert result.returncode == 2
   assert "WORKDIR*" in result.stderr and "DRY_RUN" in result.stderr
   assert "set -euo" not in result.stderr and result.stdout == ""
@@ -463,14 +405,14 @@ def test_help_prints_the_documented_variables(script):
   ],
 )
 def test_local_multiprocess_usage_errors(args, message):
-  result = _run([LAUNCH / "local_multiprocess.sh", *args])
+  result = run_script([LAUNCH / "local_multiprocess.sh", *args])
   assert result.returncode == 2
   assert message in result.stderr and "usage:" in result.stderr
 
 
 def test_local_multiprocess_environment_and_stopping_the_others_on_a_failure(tmp_path):
   """A stand-in for python: rank 1 fails at once, the others would run for a minute."""
-  stub = _executable(
+  stub = make_executable(
     tmp_path / "python",
     "#!/usr/bin/env bash\n"
     f'if [[ $1 == -c ]]; then exec {sys.executable} "$@"; fi\n'
@@ -481,7 +423,7 @@ def test_local_multiprocess_environment_and_stopping_the_others_on_a_failure(tmp
     "exec sleep 60\n",
   )
   start = time.monotonic()
-  result = _run(
+  result = run_script(
     [LAUNCH / "local_multiprocess.sh", "4", "--config=c.py", "--workdir=w"],
     PYTHON=str(stub),
     XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_dump_to=/tmp/x",

@@ -1,0 +1,113 @@
+"""ebpo_jax.aot: the TPU compiler's verdict on the default job (libtpu compiles for a TPU topology
+on this CPU machine), layers counted once per layer, the LoRA state's dtypes on TPU chips.
+The oversized case, and launch/tpu_pod.sh stopping on it, is in e2e/test_launch.py."""
+
+import json
+import textwrap
+
+import pytest
+
+from ebpo_jax import tpu as tpu_lib
+from tests.helpers.processes import run_python
+
+# ----------------------------------------------------------------------------- the TPU compiler
+
+
+@pytest.mark.e2e  # the TPU compiler in a process of its own (~20 s)
+def test_default_job_fits_a_v5e_2x2_slice():
+  result = run_python(
+    ["-m", "ebpo_jax.aot", "--config=configs/arith_ebpo.py", "--topology=v5e:2x2"]
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  report = json.loads(result.stdout.strip().splitlines()[-1])
+  assert (report["topology"], report["chips"], report["fits"]) == ("v5e:2x2", 4, True)
+  assert report["hbm_bytes_per_chip"] == tpu_lib.CHIPS["v5e"].usable_hbm_bytes
+  for phase in ("train_step", "sampler"):
+    assert report[phase]["bytes_per_chip"] > 0 and report[phase]["flops"] > 0
+  # Donated: the state's buffers are reused for the new state, so they are not counted twice.
+  assert report["train_step"]["alias_bytes"] > 0
+  assert "fits: headroom" in result.stdout
+
+
+LAYER_SWEEP = textwrap.dedent(
+  """
+  import json, jax
+  jax.config.update("jax_platforms", "cpu")
+  from ebpo_jax import aot
+  from ebpo_jax import tpu as tpu_lib
+  from ebpo_jax import cli
+  out = {}
+  for layers in (2, 4, 8):
+    config = cli.load_config(
+      "configs/arith_ebpo.py",
+      {"model.num_layers": layers, "model.remat": "full", "model.unroll_layers": False},
+    )
+    step = aot.compile_train_step(aot.make_target(config, tpu_lib.parse_slice("v5e:2x2")))
+    out[layers] = (step["flops"], step["flops_counted_once"])
+  print(json.dumps(out))
+  """
+)
+
+
+@pytest.mark.e2e  # three train-step compiles in a process of its own (~30 s)
+def test_scanned_layers_are_counted_once_per_layer():
+  """The compiler counts the scanned layers once: its FLOPs barely move from 2 to 8 layers. The
+  corrected FLOPs grow by the same amount per layer (4 -> 8 is twice 2 -> 4), and that amount
+  is about 2 x a layer's params x the tokens x 4 passes (forward, remat, backward twice)."""
+  result = run_python(["-c", LAYER_SWEEP])
+  assert result.returncode == 0, result.stderr[-3000:]
+  flops = {int(k): v for k, v in json.loads(result.stdout.strip().splitlines()[-1]).items()}
+  per_layer = (flops[4][0] - flops[2][0]) / 2
+  assert (flops[8][0] - flops[4][0]) / 4 == pytest.approx(per_layer, rel=0.05)
+  assert flops[8][1] - flops[2][1] < 0.1 * (flops[8][0] - flops[2][0])  # uncorrected: ~flat
+  # arith_ebpo: hidden 64, 2 + 2 heads of 32, MLP 192; 32 prompts of 8 tokens (prompt bucket 8),
+  # each run once for its G = 8 completions of 4 tokens (the shared-prefix step), over 4 chips.
+  layer_params = 64 * 64 * 2 + 64 * 64 * 2 + 3 * 64 * 192
+  tokens = 32 * 8 + 32 * 8 * 4
+  assert per_layer == pytest.approx(2 * layer_params * tokens * 4 / 4, rel=0.35)
+
+
+LORA_STATE = textwrap.dedent(
+  """
+  import json, jax
+  jax.config.update("jax_platforms", "cpu")
+  from ebpo_jax import advantages, aot
+  from ebpo_jax import tpu as tpu_lib
+  from ebpo_jax import cli
+  from ebpo_jax.trainer import optimizer as optimizer_lib
+  from ebpo_jax.trainer import state as state_lib
+  out = {}
+  for arg in ("qwen3_8b,ebpo_topic,g4", "qwen3_8b,ebpo_topic,g4,lora32"):
+    config = cli.load_config("configs/paper.py:" + arg)
+    target = aot.make_target(config, tpu_lib.parse_slice("v5p:2x2x1"))  # no weights on disk
+    optimizer = optimizer_lib.make_optimizer(config)
+    estimator = advantages.from_config(config.rl)
+    state = state_lib.abstract_state(config, optimizer, estimator, 16, target.params)
+    out[arg] = aot.state_bytes(state)
+  print(json.dumps(out))
+  """
+)
+
+
+@pytest.mark.e2e  # the 8B paper config's abstract state on 4 TPU chips, no compile (~10 s)
+def test_lora_state_holds_float32_adapters_and_a_bfloat16_base():
+  # configs/paper.py with lora32 has no model directory here: make_target builds its decoder from
+  # the shape keys, and must still add the adapters (it once built the plain decoder).
+  result = run_python(["-c", LORA_STATE])
+  assert result.returncode == 0, result.stderr[-3000:]
+  full, lora = json.loads(result.stdout.strip().splitlines()[-1]).values()
+  # Qwen3-8B over 4 chips (fsdp 1 x tensor 4): 8.19e9 params in float32 with Adam m and v, and a
+  # float32 KL reference; under LoRA the base (the same weights) in bfloat16, no reference.
+  weights = 8.19e9 / 4
+  assert full["params"] == pytest.approx(4 * weights, rel=0.01)
+  assert full["opt_state"] == pytest.approx(2 * full["params"], rel=0.01)
+  assert full["ref_params"] == full["params"] and full["base"] == 0
+  assert lora["base"] == pytest.approx(2 * weights, rel=0.01)
+  assert lora["ref_params"] == 0
+  # rank-32 adapters on q, k, v, o, gate, up, down of 36 layers: 32 x (in + out) float32 each
+  # (4096 + 4096, 4096 + 1024 twice, 4096 + 4096, 4096 + 12288 twice, 12288 + 4096), A over the
+  # chips' input axis or B over the output axis: the per-chip bytes lie between /4 and /1.
+  adapters = 36 * 32 * (8192 + 5120 * 2 + 8192 + 16384 * 3) * 4
+  assert adapters / 4 < lora["params"] < adapters
+  assert lora["opt_state"] == pytest.approx(2 * lora["params"], rel=0.01)
+  assert lora["total"] < 0.25 * full["total"]
