@@ -45,7 +45,7 @@ bench/RESULTS.md, "configs/paper.py"; the compiled numbers are in bench/MEMORY.m
 
 Runlocal: 8 fake CPU devices as fsdp x tensor = 4 x 2.
 
-LORA (`loraR`; README "LoRA"): everything else is the paper's recipe. alpha is fixed at 32 as in
+LORA (`loraR`; docs/lora.md): everything else is the paper's recipe. alpha is fixed at 32 as in
 "LoRA Without Regret" (Schulman et al., Thinking Machines 2025), whose 1/r-scaled adapters then
 want about the same learning rate at every rank, about 10x full fine-tuning's: 1e-5 for the
 paper's 1e-6. It found ranks 1-64 match full fine-tuning in policy-gradient RL (little information

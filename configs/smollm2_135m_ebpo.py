@@ -22,7 +22,7 @@ of 32 prompts, 512 new tokens, lr 2e-6 (a 135M model takes larger steps than the
   # competition math (CHAMP, offline) scored by math-verify: the untrained model, then RL
   python -m ebpo_jax.evaluate --config=configs/smollm2_135m_ebpo.py:math --workdir=/tmp/smol_champ
   python -m ebpo_jax.train --config=configs/smollm2_135m_ebpo.py:math --workdir=/tmp/smol_math
-  # LoRA (README "LoRA"): rank-8 adapters only are trained; on a CPU: runlocal,lora
+  # LoRA (docs/lora.md): rank-8 adapters only are trained; on a CPU: runlocal,lora
   python -m ebpo_jax.train --config=configs/smollm2_135m_ebpo.py:lora --workdir=/tmp/smollm2_lora
 
 Variant "lora" (combines with the others: "math,lora", "runlocal,lora"): adapters of rank 8 on all

@@ -1,6 +1,6 @@
 """`configs/smollm2_135m_cpu.py:runlocal` (the laptop run's config: LoRA, reasoning-gym's datasets
-at set difficulties, the held-out avg@k) for 1 RL step on a CPU and its evaluation, as the README
-documents them."""
+at set difficulties, the held-out avg@k) for 1 RL step on a CPU and its evaluation, as
+docs/models.md documents them."""
 
 import json
 import math
@@ -11,7 +11,7 @@ import pytest
 @pytest.mark.e2e
 def test_runlocal_trains_a_step_and_evaluates_from_the_readme_commands(tmp_path, module_cli):
   def run_module(module: str, *args: str) -> None:
-    """`python -m module` on one CPU device, as the README runs it; fails with its stderr. The
+    """`python -m module` on one CPU device, as docs/models.md runs it; fails with its stderr. The
     evaluation reuses the trainer's compiled sampler (the session's compilation cache)."""
     config = "--config=configs/smollm2_135m_cpu.py:runlocal"
     result = module_cli(module, config, *args, devices=1, timeout=900)

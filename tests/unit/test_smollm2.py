@@ -1,7 +1,7 @@
 """SmolLM2-135M-Instruct (the packaged model) in the trainer: its chat template and tokenizer, and
 `configs/smollm2_135m_cpu.py:runlocal` (the laptop run's config: LoRA, reasoning-gym's datasets
-at set difficulties, the held-out avg@k) for 1 RL step on a CPU and its evaluation, as the README
-documents them."""
+at set difficulties, the held-out avg@k) for 1 RL step on a CPU and its evaluation, as
+docs/models.md documents them."""
 
 import os
 
