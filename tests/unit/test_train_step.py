@@ -1,6 +1,6 @@
 """train_step in process: gradient accumulation, the prior in the carry, the non-finite policy;
-LoRA: only adapters train; 8 sharded devices equal 1; adapter dropout in the training forward only.
-"""
+LoRA: only adapters train; adapter dropout in the training forward only (8 sharded devices equal
+1: e2e/test_train_step.py)."""
 
 import dataclasses
 import functools
@@ -16,6 +16,7 @@ from ebpo_jax.models import Decoder, ModelConfig, lora
 from ebpo_jax.trainer import optimizer as optimizer_lib
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer import step as step_lib
+from tests.helpers.configs import TINY_LORA
 
 
 def test_gradient_accumulation_does_not_change_the_update(tiny_step, tiny_steps):
@@ -112,14 +113,8 @@ def test_a_rollout_with_non_finite_logits_is_a_bad_step(tiny_step):
   assert int(new_state.step) == 1
 
 
-# ----------------------------------------------------------------------------- LoRA
-
-
-LORA = {"model.lora.rank": 4, "rl.loss.kl_coef": 0.1}  # one compile shared by the LoRA tests
-
-
 def test_a_lora_step_trains_only_the_adapters(tiny_steps):
-  step = tiny_steps(LORA)
+  step = tiny_steps(TINY_LORA)
   state = step.fresh_state()
   assert state.ref_params is None  # the reference is the base: no second copy
   # The trained params are the adapters (A and B of q, k, v, o, gate, up, down; one scanned
@@ -166,46 +161,6 @@ def test_lora_optimizer_state_is_small_on_the_smollm2_shape(tiny_steps):
   assert adapters < 0.02 * full
 
 
-def _spec(x) -> tuple:
-  return tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
-
-
-@pytest.mark.e2e  # in process, but two compiles of the step (8 devices, 1)
-def test_a_sharded_lora_step_on_8_devices_equals_1(tiny_steps):
-  # fsdp=4 x tensor=2, so that both adapter halves are split: A on the kernel's input axis, B on
-  # its output axis, the rank dim replicated (models/lora.py); the base as a full run's kernels.
-  eight = tiny_steps({**LORA, "mesh.fsdp": 4, "mesh.tensor": 2})
-  one = tiny_steps(LORA, num_devices=1)
-  state8, state1 = eight.fresh_state(), one.fresh_state()
-  attn, mlp = state8.params["layers"]["self_attn"], state8.params["layers"]["mlp"]
-  assert _spec(attn["q_proj"][lora.A_NAME]) == (None, "fsdp", None)  # [layers, embed, r]
-  assert _spec(attn["q_proj"][lora.B_NAME]) == (None, None, "tensor")  # [layers, r, heads*dim]
-  assert _spec(attn["o_proj"][lora.A_NAME]) == (None, "tensor", None)  # [layers, heads*dim, r]
-  assert _spec(attn["o_proj"][lora.B_NAME]) == (None, None, "fsdp")  # [layers, r, embed]
-  assert _spec(mlp["down_proj"][lora.A_NAME]) == (None, "tensor", None)  # [layers, mlp, r]
-  q_kernel = state8.base["layers"]["self_attn"]["q_proj"]["kernel"]
-  assert _spec(q_kernel) == (None, "fsdp", "tensor", None)  # [layers, embed, heads, head_dim]
-  mu = state8.opt_state[1][0].mu  # Adam's moments lie as their adapters
-  assert _spec(mu["layers"]["self_attn"]["q_proj"][lora.A_NAME]) == (None, "fsdp", None)
-  # Two steps: the second has B != 0, so A's gradients and the KL to the base are not zero.
-  for seed in (0, 1):
-    state8, metrics8, _ = eight(eight.batch(seed), state8)
-    state1, metrics1, _ = one(one.batch(seed), state1)
-    for key in ("loss", "grad_norm", "kl", "entropy", "ratio_mean"):
-      np.testing.assert_allclose(metrics8[key], metrics1[key], rtol=1e-5, atol=1e-8, err_msg=key)
-  assert float(metrics8["kl"]) > 1e-9
-  for name in ("params", "opt_state", "prior"):
-    got, want = getattr(state8, name), getattr(state1, name)
-    assert jax.tree.structure(got) == jax.tree.structure(want)
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-      np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7, err_msg=name)
-  assert _spec(state8.params["layers"]["self_attn"]["q_proj"][lora.B_NAME]) == (
-    None,
-    None,
-    "tensor",
-  )
-
-
 def _on_policy(step, state, batch: dict) -> dict:
   """`batch` with old_logps the policy's own (as the sampler computes them: no dropout)."""
   seqs = sequences.build_sequences(
@@ -219,8 +174,8 @@ def _on_policy(step, state, batch: dict) -> dict:
 
 
 def test_lora_dropout_is_in_the_training_forward_only(tiny_steps, trained_lora):
-  plain = tiny_steps(LORA)
-  dropped = tiny_steps({**LORA, "model.lora.dropout": 0.5})
+  plain = tiny_steps(TINY_LORA)
+  dropped = tiny_steps({**TINY_LORA, "model.lora.dropout": 0.5})
   state = plain.fresh_state()
   # B = 0.1 noise, as after training: the adapters act, so dropping their inputs shows.
   state = state.replace(params=trained_lora(state.params, seed=2))

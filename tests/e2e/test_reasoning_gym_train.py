@@ -4,21 +4,12 @@ import json
 
 import pytest
 
-from ebpo_jax.trainer import config as config_lib
-
-CONFIG = "configs/rg_tiny.py"
-
-
-def test_both_variants_of_the_config_pass_the_trainer_checks(load_config):
-  for arg in ("", ":runlocal"):
-    config_lib.check_config(load_config(CONFIG + arg), num_devices=8)
-  with pytest.raises(ValueError, match="unknown argument 'big'"):
-    load_config(CONFIG + ":big")
+from tests.helpers.configs import RG_TINY
 
 
 @pytest.mark.e2e
 def test_one_rl_step_on_chain_sum(trainer_cli, tmp_path):
-  result = trainer_cli(tmp_path, config=f"{CONFIG}:runlocal")
+  result = trainer_cli(tmp_path, config=f"{RG_TINY}:runlocal")
   assert result.returncode == 0, result.stderr[-3000:]
   lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   train_lines = [m for m in lines if "reward/mean" in m]

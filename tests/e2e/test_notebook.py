@@ -1,0 +1,66 @@
+"""notebooks/ablation_small_models.ipynb runs top to bottom with the smoke preset without a failing
+cell, shows the ablation table, the accuracy and the diagnostics plots inline, and learns something
+(a result that is not all zeros)."""
+
+import base64
+import json
+import os
+import time
+
+import nbclient
+import nbformat
+import pytest
+
+from tests.helpers import ROOT
+from tests.helpers.notebooks import NOTEBOOK
+
+
+def execute(notebook, cwd, **kwargs):
+  client = nbclient.NotebookClient(
+    notebook, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
+  )
+  return client.execute(**kwargs)
+
+
+@pytest.mark.e2e
+def test_notebook_smoke_preset_shows_table_plots_and_a_nonzero_result(tmp_path, monkeypatch):
+  workdir = tmp_path / "ablation"
+  monkeypatch.setenv("EBPO_NOTEBOOK_PRESET", "smoke")
+  monkeypatch.setenv("EBPO_NOTEBOOK_WORKDIR", str(workdir))
+  monkeypatch.setenv("EBPO_NOTEBOOK_INSTALL", "0")  # a test never pip installs
+  # The notebook's runs compile into the session's compilation cache (conftest's) instead of one
+  # of their own: the RL steps and rollouts of :runlocal's grpo and ebpo_running at G=4 are
+  # test_ablate's programs too. (The notebook only sets its own cache where none is set.)
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", os.environ["EBPO_JAX_TEST_XLA_CACHE"])
+  notebook = nbformat.read(NOTEBOOK, as_version=4)
+  start = time.perf_counter()
+  execute(notebook, ROOT / "notebooks")  # raises CellExecutionError naming the failing cell
+  print(f"notebook smoke preset: {time.perf_counter() - start:.0f} s")
+
+  outputs = [out for cell in notebook.cells if cell.cell_type == "code" for out in cell.outputs]
+  assert not [out for out in outputs if out.output_type == "error"]
+  text = "".join(out.get("text", "") for out in outputs if out.output_type == "stream")
+  assert "runtime: cpu" in text and "requirements: present" in text  # nothing installed here
+  markdown = [
+    out.data["text/markdown"] for out in outputs if "text/markdown" in out.get("data", {})
+  ]
+  assert any("| grpo | 4 | 1 |" in md and "| ebpo_running | 4 | 1 |" in md for md in markdown)
+  # Both plots are shown inline: the accuracy and the diagnostics PNGs the ablation wrote.
+  shown = [
+    base64.b64decode(out.data["image/png"]) for out in outputs if "image/png" in out.get("data", {})
+  ]
+  for name in ("ablation_accuracy_G4.png", "ablation_diagnostics_G4.png"):
+    assert (workdir / "plots" / name).read_bytes() in shown, name
+
+  # Not all zeros: the warm start solves some held-out problems, some groups carry signal, and
+  # EBPO's shrinkage is strictly between the prior (1) and the group mean (0).
+  rows = {r["variant"]: r for r in json.loads((workdir / "ablation.json").read_text())["rows"]}
+  assert rows["grpo"]["acc_before"] > 0 and rows["ebpo_running"]["acc_mean"] > 0
+  assert rows["grpo"]["zero_frac"] < 1
+  assert 0 < rows["ebpo_running"]["shrinkage"] < 1
+  train = [
+    json.loads(line)
+    for line in (workdir / "runs" / "ebpo_running_G4_s0" / "metrics.jsonl").open()
+    if "reward/mean" in line
+  ]
+  assert len(train) == 4 and max(r["reward/mean"] for r in train) > 0
