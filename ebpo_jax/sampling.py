@@ -4,9 +4,10 @@
 prefill), and decodes up to `max_new_tokens` tokens per row until every row has drawn a stop token
 (`sampling_loop`: by default in halving batches of the rows still running, as RL's long tails
 leave most rows of a batch done early).
-Rows are prompt-major: row `b * G + g` is sample g of prompt b. One compiled program per (model,
-batch, prompt length, static settings); `pad_prompts` rounds prompt lengths up to buckets so a
-training run compiles a handful of times, and `compile_count` lets a test check that. The KV cache
+Rows are prompt-major: row `b * G + g` is sample g of prompt b, at the positions of the layout the
+trainer reads back (`ebpo_jax.sequences`). One compiled program per (model, batch, prompt length,
+static settings); `pad_prompts` rounds prompt lengths up to buckets so a training run compiles a
+handful of times, and `compile_count` lets a test check that. The KV cache
 never crosses the jit boundary: it is built by the prefill and then carried by the while loop, which
 XLA updates in place, so there is no cache buffer for a caller to donate.
 

@@ -20,15 +20,7 @@ class SamplingOptions:
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> "SamplingOptions":
-    sc = config.sampling
-    return cls(
-      max_new_tokens=sc.max_new_tokens,
-      temperature=sc.temperature,
-      top_p=sc.top_p,
-      top_k=sc.top_k,
-      compact=sc.compact,
-      prompts_per_call=sc.prompts_per_call,
-    )
+    return _from_keys(cls, config.sampling)
 
   def generate_options(self, tokenizer, *, group_size: int, greedy: bool) -> dict:
     """The Sampler's static `sampling.generate` options (one compile per set; aot's too)."""
@@ -56,14 +48,7 @@ class BatchOptions:
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> "BatchOptions":
-    rl = config.rl
-    return cls(
-      group_size=rl.group_size,
-      dynamic_sampling=rl.dynamic_sampling,
-      max_refill_rounds=rl.max_refill_rounds,
-      overlong_buffer=rl.overlong_buffer,
-      overlong_penalty=rl.overlong_penalty,
-    )
+    return _from_keys(cls, config.rl)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,3 +82,8 @@ class RolloutOptions:
       batch=BatchOptions.from_config(config),
       eval=EvalOptions.from_config(config),
     )
+
+
+def _from_keys(cls, section: ml_collections.ConfigDict):
+  """`cls` from the keys of a config section named as its fields (`sampling.top_k` -> `top_k`)."""
+  return cls(**{f.name: section[f.name] for f in dataclasses.fields(cls)})
