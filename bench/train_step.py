@@ -150,11 +150,11 @@ def step_flops(weights: int, shape: dict, args, shared_prefix: bool) -> float:
   """Model FLOPs of one step: 6 per weight per token (forward + backward) plus attention, with the
   LM head counted only where a completion token is predicted (the step computes no other logits).
 
-  The tokens the layers run: with `shared_prefix` (step.StepLayout.shared_prefix) each prompt once per
-  group, its completions' attention over the prompt's keys and their own; else each of the rows
-  in full. Counted by hand because XLA's cost analysis counts a scanned layer body once, not L
-  times. `weights`: the entries of every matrix, each a matmul weight (the tied embedding is the
-  LM head; its lookup is free).
+  The tokens the layers run: with `shared_prefix` (step.StepLayout.shared_prefix) each prompt
+  once per group, its completions' attention over the prompt's keys and their own; else each of
+  the rows in full. Counted by hand because XLA's cost analysis counts a scanned layer body once,
+  not L times. `weights`: the entries of every matrix, each a matmul weight (the tied embedding
+  is the LM head; its lookup is free).
   """
   p, n, rows = args.prompt_len, args.new_tokens, args.rows
   prompts = rows // args.group_size if shared_prefix else rows  # prompt copies the layers run
