@@ -33,8 +33,13 @@ def test_a_sharded_lora_step_on_8_devices_equals_1(tiny_steps):
   for seed in (0, 1):
     state8, metrics8, _ = eight(eight.batch(seed), state8)
     state1, metrics1, _ = one(one.batch(seed), state1)
+    # float32 sums split across devices: the loss is a mean of B*G*N = 160 terms of O(1) whose
+    # advantages cancel to about 0, so its error is absolute: a few ulps of 1 (eps 1.2e-7) times
+    # log2(8) = 3 more levels of partial sums, ~4e-7, hence atol 1e-6. The others do not cancel
+    # (the KL, ~1e-9 here, stays relative: a looser atol would let any KL pass).
     for key in ("loss", "grad_norm", "kl", "entropy", "ratio_mean"):
-      np.testing.assert_allclose(metrics8[key], metrics1[key], rtol=1e-5, atol=1e-8, err_msg=key)
+      atol = 1e-6 if key == "loss" else 1e-8
+      np.testing.assert_allclose(metrics8[key], metrics1[key], rtol=1e-5, atol=atol, err_msg=key)
   assert float(metrics8["kl"]) > 1e-9
   for name in ("params", "opt_state", "prior"):
     got, want = getattr(state8, name), getattr(state1, name)

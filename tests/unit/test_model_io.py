@@ -142,7 +142,10 @@ def test_sharded_load_on_8_devices(hf_models, input_ids):
   sharded_ids = jax.device_put(jnp.asarray(ids), sharding.row_sharding(ids.shape, mesh))
   sharded_logits = jax.jit(sharded_model.apply)({"params": sharded}, sharded_ids)
   logits = model.apply({"params": params}, jnp.asarray(ids))
-  np.testing.assert_allclose(np.asarray(sharded_logits), np.asarray(logits), rtol=1e-5, atol=1e-5)
+  # Equal to float32 sums split across devices: the fsdp- and tensor-sharded contractions add their
+  # partial sums in another order, and the layers carry the difference on (an absolute error of the
+  # logits, as the sampler's in test_sampling.py: SHARDED_ATOL there, measured 2e-5, bound 1e-4).
+  np.testing.assert_allclose(np.asarray(sharded_logits), np.asarray(logits), rtol=1e-5, atol=1e-4)
 
 
 def test_bfloat16_compute_returns_float32_logits(hf_models, input_ids):
