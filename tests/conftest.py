@@ -443,6 +443,27 @@ def tiny_llama_dir(tmp_path_factory) -> pathlib.Path:
   return path
 
 
+@pytest.fixture(scope="session")
+def run_from_a_model_directory(arith_config, checkpoint_writer, tiny_llama_dir, tmp_path_factory):
+  """A run's checkpoint (params perturbed) of a model that started from `tiny_llama_dir`."""
+  run_dir = tmp_path_factory.mktemp("run_from_hf")
+  config = arith_config({"model.path": str(tiny_llama_dir)})
+  model, params = checkpoint_writer(run_dir, config, perturb=0.05)
+  return run_dir, model, params
+
+
+@pytest.fixture(scope="session")
+def lora_run_from_a_model_directory(
+  arith_config, checkpoint_writer, tiny_llama_dir, tmp_path_factory
+):
+  """(run_dir, model, full params) of a LoRA run's checkpoint (adapters perturbed) on the base
+  `tiny_llama_dir`."""
+  run_dir = tmp_path_factory.mktemp("lora_run")
+  config = arith_config({"model.path": str(tiny_llama_dir), "model.lora.rank": 4})
+  model, params = checkpoint_writer(run_dir, config, perturb=0.5)
+  return run_dir, model, params
+
+
 # ----------------------------------------------------------------------------- a storage bucket
 
 GCS_BUCKET = "ebpo-test"

@@ -1,32 +1,13 @@
 """Export of a run's policy as a Hugging Face directory: transformers loads it with our logits,
 and a run that started from a model directory carries its tokenizer and chat template along."""
 
-import pathlib
-
 import numpy as np
 import pytest
-import torch
 import transformers
 
 from ebpo_jax import export
 from ebpo_jax.trainer import policy
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-MAX_REL_ERR = 1e-4
-
-
-def our_logits(model, params, ids: np.ndarray) -> np.ndarray:
-  return np.asarray(model.apply({"params": params}, ids))
-
-
-def torch_logits(path, ids: np.ndarray) -> np.ndarray:
-  hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-  with torch.no_grad():
-    return hf(torch.from_numpy(ids.astype(np.int64))).logits.numpy()
-
-
-def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
-  return float(np.max(np.abs(ours - ref)) / np.max(np.abs(ref)))
+from tests.helpers.exports import MAX_REL_ERR, our_logits, rel_err, torch_logits
 
 
 def test_export_of_a_random_init_run_loads_in_transformers_with_our_logits(
@@ -42,15 +23,6 @@ def test_export_of_a_random_init_run_loads_in_transformers_with_our_logits(
 
 
 TOKENIZER_NAMES = ["chat_template.jinja", "tokenizer.json", "tokenizer_config.json"]
-
-
-@pytest.fixture(scope="module")
-def run_from_a_model_directory(arith_config, checkpoint_writer, tiny_llama_dir, tmp_path_factory):
-  """A run's checkpoint (params perturbed) of a model that started from `tiny_llama_dir`."""
-  run_dir = tmp_path_factory.mktemp("run_from_hf")
-  config = arith_config({"model.path": str(tiny_llama_dir)})
-  model, params = checkpoint_writer(run_dir, config, perturb=0.05)
-  return run_dir, model, params
 
 
 def test_export_of_a_run_from_a_model_directory_keeps_its_tokenizer(
@@ -77,20 +49,6 @@ def test_export_of_a_run_from_a_model_directory_keeps_its_tokenizer(
   ours = our_logits(model, params, ids)
   assert rel_err(ours, torch_logits(out, ids)) < MAX_REL_ERR
   assert rel_err(ours, torch_logits(source, ids)) > 1e-2
-
-
-@pytest.mark.e2e
-def test_export_cli_writes_the_directory_and_names_the_tokenizer_source(
-  run_from_a_model_directory, tiny_llama_dir, module_cli, tmp_path
-):
-  run_dir, model, params = run_from_a_model_directory
-  out = tmp_path / "hf"
-  result = module_cli("ebpo_jax.export", f"--run_dir={run_dir}", f"--out={out}", devices=1)
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert f"step 0 of {run_dir} -> {out}; tokenizer files from {tiny_llama_dir}" in result.stdout
-  assert export.tokenizer_files(str(out)) == export.tokenizer_files(str(tiny_llama_dir))
-  ids = np.random.default_rng(0).integers(3, model.config.vocab_size, (1, 12))
-  assert rel_err(our_logits(model, params, ids), torch_logits(out, ids)) < MAX_REL_ERR
 
 
 def test_peft_export_of_a_full_run_is_one_clear_error(run_from_a_model_directory, tmp_path):

@@ -9,7 +9,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import peft
 import pytest
 import torch
 import transformers
@@ -17,9 +16,15 @@ import transformers
 from ebpo_jax import export, models
 from ebpo_jax.models import hf_io, lora, peft_io
 from ebpo_jax.trainer import policy
+from tests.helpers.exports import (
+  MAX_ABS_DIFF,
+  jitted_logits,
+  load_peft_model,
+  max_abs_diff,
+  random_ids,
+  torch_model_logits,
+)
 
-# fp32 on both sides: the logits of our decoder and of torch agree to ~1e-6 (O(1) logits).
-MAX_ABS_DIFF = 1e-4
 SHAPE = dict(
   vocab_size=96,
   hidden_size=32,
@@ -31,6 +36,7 @@ SHAPE = dict(
   head_dim=16,
   max_position_embeddings=64,
 )
+
 CASES = {  # case: (architecture, LoRA targets)
   "llama_all": ("Llama", lora.TARGETS),
   "llama_q_v": ("Llama", ("q", "v")),
@@ -68,24 +74,6 @@ def _trained_lora(base_dir, targets, seed=0):
   return model, lora.combine(jax.tree_util.tree_map_with_path(draw, shapes), base)
 
 
-def _ids(vocab_size: int, shape=(2, 12)) -> np.ndarray:
-  return np.random.default_rng(0).integers(3, vocab_size, shape)
-
-
-def _ours(model, params, ids) -> np.ndarray:
-  return np.asarray(jax.jit(model.apply)({"params": params}, jnp.asarray(ids, jnp.int32)))
-
-
-def _torch_logits(hf_model, ids) -> np.ndarray:
-  with torch.no_grad():
-    return hf_model(torch.from_numpy(ids.astype(np.int64))).logits.numpy()
-
-
-def _peft_model(base_dir, adapter_dir):
-  base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-  return peft.PeftModel.from_pretrained(base, adapter_dir).eval()
-
-
 def _hf_model(path):
   return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
@@ -99,10 +87,6 @@ def _adapted_modules(peft_model) -> list[str]:
   )
 
 
-def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
-  return float(np.max(np.abs(a - b)))
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_peft_adapter_and_merged_model_load_in_transformers_with_our_logits(
   case, hf_dirs, tmp_path
@@ -110,27 +94,27 @@ def test_peft_adapter_and_merged_model_load_in_transformers_with_our_logits(
   arch, targets = CASES[case]
   base_dir = hf_dirs[arch]
   model, params = _trained_lora(base_dir, targets)
-  ids = _ids(model.config.vocab_size)
-  ours = _ours(model, params, ids)
-  base_logits = _ours(lora.base_model(model), lora.split(params)[1], ids)
-  assert _max_diff(ours, base_logits) > 0.1  # the adapters do act
+  ids = random_ids(model.config.vocab_size)
+  ours = jitted_logits(model, params, ids)
+  base_logits = jitted_logits(lora.base_model(model), lora.split(params)[1], ids)
+  assert max_abs_diff(ours, base_logits) > 0.1  # the adapters do act
 
   peft_io.save_adapter(str(tmp_path / "adapter"), model.config, params, base_model=str(base_dir))
   adapter_config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
   assert adapter_config["r"] == 4 and adapter_config["lora_alpha"] == 8.0
   assert adapter_config["base_model_name_or_path"] == str(base_dir)
-  peft_model = _peft_model(base_dir, tmp_path / "adapter")
+  peft_model = load_peft_model(base_dir, tmp_path / "adapter")
   names = [f"{t}_proj" for t in targets]
   assert _adapted_modules(peft_model) == sorted(names * model.config.num_layers)
-  peft_logits = _torch_logits(peft_model, ids)
-  assert _max_diff(ours, peft_logits) < MAX_ABS_DIFF
+  peft_logits = torch_model_logits(peft_model, ids)
+  assert max_abs_diff(ours, peft_logits) < MAX_ABS_DIFF
 
   merged_model = lora.base_model(model)
   models.save_pretrained(str(tmp_path / "merged"), merged_model, lora.merge(params, model.config))
   assert "lora" not in (tmp_path / "merged" / "config.json").read_text().lower()
-  merged_logits = _torch_logits(_hf_model(tmp_path / "merged"), ids)
-  assert _max_diff(ours, merged_logits) < MAX_ABS_DIFF
-  assert _max_diff(peft_logits, merged_logits) < MAX_ABS_DIFF
+  merged_logits = torch_model_logits(_hf_model(tmp_path / "merged"), ids)
+  assert max_abs_diff(ours, merged_logits) < MAX_ABS_DIFF
+  assert max_abs_diff(peft_logits, merged_logits) < MAX_ABS_DIFF
 
 
 def test_peft_tensors_are_torch_linear_layout_per_layer(hf_dirs):
@@ -150,38 +134,30 @@ def test_peft_tensors_are_torch_linear_layout_per_layer(hf_dirs):
 # ----------------------------------------------------------------------------- export of a run
 
 
-@pytest.fixture(scope="module")
-def lora_run(arith_config, checkpoint_writer, tiny_llama_dir, tmp_path_factory):
-  """(run_dir, model, full params) of a LoRA run's checkpoint (adapters perturbed) on the base
-  `tiny_llama_dir`."""
-  run_dir = tmp_path_factory.mktemp("lora_run")
-  config = arith_config({"model.path": str(tiny_llama_dir), "model.lora.rank": 4})
-  model, params = checkpoint_writer(run_dir, config, perturb=0.5)
-  return run_dir, model, params
-
-
-def test_export_of_a_lora_run_as_peft_and_merged(lora_run, tiny_llama_dir, tmp_path):
-  run_dir, model, params = lora_run
-  ids = _ids(model.config.vocab_size, (1, 12))
-  ours = _ours(model, params, ids)
-  base_logits = _torch_logits(_hf_model(tiny_llama_dir), ids)
+def test_export_of_a_lora_run_as_peft_and_merged(
+  lora_run_from_a_model_directory, tiny_llama_dir, tmp_path
+):
+  run_dir, model, params = lora_run_from_a_model_directory
+  ids = random_ids(model.config.vocab_size, (1, 12))
+  ours = jitted_logits(model, params, ids)
+  base_logits = torch_model_logits(_hf_model(tiny_llama_dir), ids)
   scale = float(np.max(np.abs(ours)))
-  assert _max_diff(ours, base_logits) > 0.1 * scale  # the adapters do act
+  assert max_abs_diff(ours, base_logits) > 0.1 * scale  # the adapters do act
 
   summary = export.export(str(run_dir), str(tmp_path / "peft"), format="peft")
   assert summary["source_model"] == str(tiny_llama_dir)
   out_files = {p.name for p in (tmp_path / "peft").iterdir()}
   assert out_files == {"adapter_config.json", "adapter_model.safetensors", *summary["copied"]}
   assert "tokenizer.json" in summary["copied"]
-  peft_logits = _torch_logits(_peft_model(tiny_llama_dir, tmp_path / "peft"), ids)
-  assert _max_diff(ours, peft_logits) < MAX_ABS_DIFF
+  peft_logits = torch_model_logits(load_peft_model(tiny_llama_dir, tmp_path / "peft"), ids)
+  assert max_abs_diff(ours, peft_logits) < MAX_ABS_DIFF
 
   summary = export.export(str(run_dir), str(tmp_path / "merged"))  # merged is the default
   assert "lora" not in (tmp_path / "merged" / "config.json").read_text().lower()
   assert "tokenizer.json" in summary["copied"]
-  merged_logits = _torch_logits(_hf_model(tmp_path / "merged"), ids)
-  assert _max_diff(ours, merged_logits) < MAX_ABS_DIFF
-  assert _max_diff(peft_logits, merged_logits) < MAX_ABS_DIFF
+  merged_logits = torch_model_logits(_hf_model(tmp_path / "merged"), ids)
+  assert max_abs_diff(ours, merged_logits) < MAX_ABS_DIFF
+  assert max_abs_diff(peft_logits, merged_logits) < MAX_ABS_DIFF
 
 
 @pytest.mark.parametrize(
@@ -195,21 +171,6 @@ def test_export_of_a_lora_run_as_peft_and_merged(lora_run, tiny_llama_dir, tmp_p
 def test_peft_export_needs_a_lora_run_on_a_model_directory(arith_config, overrides, error):
   with pytest.raises(policy.PolicyError, match=f"--format=peft: .*{error}.*--format=merged"):
     export.check_peft_base(arith_config(overrides), "RUN")
-
-
-@pytest.mark.e2e
-def test_export_cli_writes_a_peft_adapter(lora_run, tiny_llama_dir, module_cli, tmp_path):
-  run_dir, model, params = lora_run
-  out = tmp_path / "peft"
-  result = module_cli(
-    "ebpo_jax.export", f"--run_dir={run_dir}", f"--out={out}", "--format=peft", devices=1
-  )
-  assert result.returncode == 0, result.stderr[-3000:]
-  assert f"step 0 of {run_dir} -> {out}; tokenizer files from {tiny_llama_dir}" in result.stdout
-  assert f"a PEFT adapter for the base {tiny_llama_dir}" in result.stdout
-  ids = _ids(model.config.vocab_size, (1, 12))
-  peft_logits = _torch_logits(_peft_model(tiny_llama_dir, out), ids)
-  assert _max_diff(_ours(model, params, ids), peft_logits) < MAX_ABS_DIFF
 
 
 def test_peft_export_says_how_to_load_a_reduced_precision_base(arith_config):
