@@ -265,14 +265,12 @@ class Checkpointer:
     if _META in saved_items:
       meta = ocp.args.Composite(**{_META: ocp.args.JsonRestore()})
       found = self._manager.restore(step, args=meta)[_META].get("format")
-    if found != FORMAT:
-      age = "a newer" if isinstance(found, int) and found > FORMAT else "an older"
-      shown = "absent" if found is None else found
-      raise FormatError(
-        f"checkpoint {step} in {self.directory}: written by {age} ebpo-jax (checkpoint format "
-        f"{shown}, this one reads {FORMAT}): start a fresh workdir (another --workdir), or "
-        "delete its checkpoints"
-      )
+    where = f"checkpoint {step} in {self.directory}"
+    problem = errors.format_mismatch(
+      found, FORMAT, where=where, kind="checkpoint", remedy="delete its checkpoints"
+    )
+    if problem:
+      raise FormatError(problem)
     return saved_items
 
   def _saved_items(self, step: int) -> set[str]:

@@ -13,3 +13,16 @@ class BadInput(ValueError):
 
 class ConfigError(BadInput):
   """An invalid config value; the message names the key and the value."""
+
+
+def format_mismatch(found: object, expected: int, *, where: str, kind: str, remedy: str) -> str:
+  """The one line that refuses a file of another format number (a checkpoint's, a workdir's),
+  or "" when `found` is `expected`: who wrote it and what to do. Nothing is ever migrated."""
+  if found == expected:
+    return ""
+  age = "a newer" if isinstance(found, int) and found > expected else "an older"
+  shown = "absent" if found is None else found
+  return (
+    f"{where}: written by {age} ebpo-jax ({kind} format {shown}, this one reads {expected}): "
+    f"start a fresh workdir (another --workdir), or {remedy}"
+  )

@@ -38,8 +38,7 @@ import numpy as np
 from absl import flags
 from ml_collections import config_flags
 
-from ebpo_jax import cli, files, jsonable
-from ebpo_jax.errors import ConfigError
+from ebpo_jax import cli, errors, files, jsonable
 from ebpo_jax.metrics.log import flatten
 
 CONFIG_FILE = "config.json"
@@ -76,7 +75,7 @@ SAFE_PREFIXES = ("logging.",)
 SESSION_PREFIX = "workdir."
 
 
-class WorkdirError(ConfigError):
+class WorkdirError(errors.ConfigError):
   """The workdir is in use, or holds a run of another config; the message says what to do."""
 
 
@@ -195,13 +194,11 @@ def saved_config(workdir: str) -> dict[str, Any] | None:
     return None
   format_path = files.join(workdir, FORMAT_FILE)
   found = json.loads(files.read_text(format_path))["format"] if files.exists(format_path) else None
-  if found != FORMAT:
-    age = "a newer" if isinstance(found, int) and found > FORMAT else "an older"
-    shown = "absent" if found is None else found
-    raise WorkdirError(
-      f"{workdir}: written by {age} ebpo-jax (workdir format {shown}, this one reads "
-      f"{FORMAT}): start a fresh workdir (another --workdir), or delete this one"
-    )
+  problem = errors.format_mismatch(
+    found, FORMAT, where=workdir, kind="workdir", remedy="delete this one"
+  )
+  if problem:
+    raise WorkdirError(problem)
   return json.loads(files.read_text(path))
 
 
