@@ -327,16 +327,8 @@ def train_step(
     dropout_keys = jax.random.split(keys.lora_dropout, order.shape[0])
   loss_fn = functools.partial(_loss_fn, model=model, options=options, base=state.base, mesh=mesh)
   scanned = (order, prompt_order, dropout_keys)
-  (params, opt_state), upd = _updates(
-    state,
-    seqs,
-    prompts,
-    scanned,
-    rollout_finite,
-    optimizer=optimizer,
-    options=options,
-    loss_fn=loss_fn,
-  )
+  update = functools.partial(_updates, optimizer=optimizer, options=options, loss_fn=loss_fn)
+  (params, opt_state), upd = update(state, seqs, prompts, scanned, rollout_finite)
   bad = upd.pop("bad")
   metrics = {k: v.mean() for k, v in upd.items()}
   metrics[metrics_lib.BAD_UPDATES] = bad.sum()
