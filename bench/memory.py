@@ -32,9 +32,8 @@ sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 
-from ebpo_jax import aot  # noqa: E402
+from ebpo_jax import aot, cli  # noqa: E402
 from ebpo_jax import tpu as tpu_lib  # noqa: E402
-from ebpo_jax.trainer import config as config_lib  # noqa: E402
 
 GB = 1e9
 PAPER = os.path.join(ROOT, "configs", "paper.py")
@@ -42,7 +41,7 @@ GROUP_SIZES = (4, 32)
 
 
 def load_paper():
-  return config_lib.load_module(PAPER)
+  return cli.load_module(PAPER)
 
 
 def default_configs() -> list[str]:
@@ -72,7 +71,7 @@ def _log(message: str) -> None:
 
 def sampler_row(arg: str, tpu: tpu_lib.Slice, prompts_per_call: int = 0) -> dict:
   """The sampler call of `arg`'s model x G (optionally at another `prompts_per_call`)."""
-  config = config_lib.load_config(f"{PAPER}:{arg}")
+  config = cli.load_config(f"{PAPER}:{arg}")
   if prompts_per_call:
     config.sampling.prompts_per_call = prompts_per_call
   return aot.compile_sampler(aot.make_target(config, tpu))
@@ -80,7 +79,7 @@ def sampler_row(arg: str, tpu: tpu_lib.Slice, prompts_per_call: int = 0) -> dict
 
 def train_row(arg: str, tpu: tpu_lib.Slice, sampler: dict) -> dict:
   """The train step of `arg`, and the sampler's bytes with this method's waiting state."""
-  config = config_lib.load_config(f"{PAPER}:{arg}")
+  config = cli.load_config(f"{PAPER}:{arg}")
   target = aot.make_target(config, tpu)
   train = aot.compile_train_step(target)
   sampler = dict(sampler)

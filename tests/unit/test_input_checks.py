@@ -11,7 +11,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from ebpo_jax import data
+from ebpo_jax import cli, data, errors, models
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import rollouts, task_rows
@@ -58,7 +58,7 @@ BAD_VALUES = [
 
 @pytest.mark.parametrize("overrides, message", BAD_VALUES, ids=lambda v: str(v)[:40])
 def test_bad_config_value_is_one_line_naming_the_key(arith_config, overrides, message):
-  with pytest.raises(config_lib.ConfigError) as error:
+  with pytest.raises(errors.ConfigError) as error:
     config_lib.check_config(arith_config(overrides), num_devices=8)
   assert str(error.value).startswith(message) and "\n" not in str(error.value)
 
@@ -68,14 +68,14 @@ def test_lora_refuses_a_warm_start_in_training_only(arith_config):
   # own config (whose SFT steps it ignores), so only the trainer's check refuses the pair.
   config = arith_config({"model.lora.rank": 4, "sft.num_steps": 5})
   config_lib.check_config(config, num_devices=8)
-  with pytest.raises(config_lib.ConfigError, match=r"^config.sft.num_steps=5: must be 0 with LoRA"):
+  with pytest.raises(errors.ConfigError, match=r"^config.sft.num_steps=5: must be 0 with LoRA"):
     config_lib.check_training(config)
   config_lib.check_training(arith_config({"model.lora.rank": 4, "sft.num_steps": 0}))
 
 
 def test_bad_input_exits_with_status_2_and_one_line(capsys):
-  with pytest.raises(SystemExit) as exit_info, config_lib.entry_point():
-    raise config_lib.ConfigError("config.train.log_every=0: must be >= 1")
+  with pytest.raises(SystemExit) as exit_info, cli.entry_point():
+    raise errors.ConfigError("config.train.log_every=0: must be >= 1")
   assert exit_info.value.code == 2
   assert capsys.readouterr().err == "error: config.train.log_every=0: must be >= 1\n"
 
@@ -95,22 +95,22 @@ def _model_dir(tmp_path, *, truncate: int = 0):
 )
 def test_truncated_weights_file_is_named(arith_config, tmp_path, truncate, message):
   model_dir = _model_dir(tmp_path, truncate=truncate)
-  with pytest.raises(config_lib.ConfigError) as error:
-    config_lib.check_model_path(arith_config({"model.path": str(model_dir)}))
+  with pytest.raises(errors.ConfigError) as error:
+    models.check_model_path(arith_config({"model.path": str(model_dir)}))
   text = str(error.value)
   assert f"{model_dir / 'model.safetensors'}: {message}" in text and "\n" not in text
 
 
 def test_missing_model_directory_is_named(arith_config, tmp_path):
-  with pytest.raises(config_lib.ConfigError, match="^config.model.path='/nonexistent': no such"):
-    config_lib.check_model_path(arith_config({"model.path": "/nonexistent"}))
+  with pytest.raises(errors.ConfigError, match="^config.model.path='/nonexistent': no such"):
+    models.check_model_path(arith_config({"model.path": "/nonexistent"}))
   (tmp_path / "config.json").write_text("{")
-  with pytest.raises(config_lib.ConfigError, match="config.json: not JSON"):
-    config_lib.check_model_path(arith_config({"model.path": str(tmp_path)}))
+  with pytest.raises(errors.ConfigError, match="config.json: not JSON"):
+    models.check_model_path(arith_config({"model.path": str(tmp_path)}))
 
 
 def test_intact_model_directory_passes_the_file_check(arith_config, tmp_path):
-  config_lib.check_model_path(arith_config({"model.path": str(_model_dir(tmp_path))}))
+  models.check_model_path(arith_config({"model.path": str(_model_dir(tmp_path))}))
 
 
 # ----------------------------------------------------------------------------- data rows
@@ -229,8 +229,8 @@ def test_truncated_packaged_gguf_file_is_named(arith_config, tmp_path, monkeypat
   monkeypatch.setattr(gguf_io, "packaged_smollm2_gguf", lambda: str(gguf_file))
   monkeypatch.setenv("EBPO_JAX_CACHE", str(tmp_path / "cache"))  # nothing converted yet
   config = arith_config({"model.path": "packaged:smollm2-135m-instruct"})
-  with pytest.raises(config_lib.ConfigError) as error:
-    config_lib.check_model_path(config)
+  with pytest.raises(errors.ConfigError) as error:
+    models.check_model_path(config)
   text = str(error.value)
   assert text.startswith("config.model.path='packaged:smollm2-135m-instruct': ")
   assert f"{gguf_file}: not a readable GGUF file" in text and "\n" not in text
@@ -244,7 +244,7 @@ def test_truncated_packaged_gguf_file_is_named(arith_config, tmp_path, monkeypat
   ],
 )
 def test_a_typo_in_an_override_key_is_found_in_either_flag_form(argv):
-  problem = config_lib._unknown_override(argv)
+  problem = cli._unknown_override(argv)
   assert problem is not None and "no config key trian.num_steps; did you mean train.num_steps?" in (
     problem
   )
@@ -253,7 +253,7 @@ def test_a_typo_in_an_override_key_is_found_in_either_flag_form(argv):
 def test_prompts_per_call_must_split_over_the_data_devices(arith_config):
   # 206 prompts on data x fsdp = 8 chips: every chip would hold every prompt's prefill.
   config = arith_config({"sampling.prompts_per_call": 206})
-  with pytest.raises(config_lib.ConfigError, match="multiple of the mesh's data x fsdp = 8"):
+  with pytest.raises(errors.ConfigError, match="multiple of the mesh's data x fsdp = 8"):
     config_lib.check_config(config, num_devices=8)
   config_lib.check_config(arith_config({"sampling.prompts_per_call": 208}), num_devices=8)
   config_lib.check_config(config, num_devices=2)  # data x fsdp = 2
