@@ -49,12 +49,12 @@ PEERS_REQUIRES = [
 TEST_REQUIRES = [
   "pytest>=8",
   "pytest-xdist>=3.5",  # `-n 2`: test files in parallel processes
-  "import-linter>=2.2",  # the layer contracts of pyproject.toml (tests/test_layers.py)
+  "import-linter>=2.2",  # the layer contracts of pyproject.toml (tests/unit/test_layers.py)
   "hypothesis>=6.100",
   "ruff>=0.6",
   # PyTorch reference models for logit parity; 2.13.0 is the CPU wheel (any other pulls CUDA).
   "torch==2.13.0",
-  # Loads the adapters of `export --format=peft` (tests/test_lora_export.py); tested: 0.21.2.
+  # Loads the adapters of `export --format=peft` (tests/unit/test_lora_export.py); tested: 0.21.2.
   "peft>=0.21.2,<1",
   "nbclient>=0.10",
   "nbformat>=5.10",
@@ -63,8 +63,8 @@ TEST_REQUIRES = [
   "gcp-storage-emulator>=2024.8",
   # Writes the save_to_disk fixtures that ebpo_jax.data reads with pyarrow alone (tested: 5.2).
   "datasets>=3.0,<6",
-  *AOT_REQUIRES,  # tests/test_aot.py, tests/test_launch.py (tpu_pod.sh's fit check)
-  *WANDB_REQUIRES,  # tests/test_logging.py: a run with wandb offline
+  *AOT_REQUIRES,  # tests/{unit,e2e}/test_aot.py, tests/e2e/test_launch.py (tpu_pod.sh's fit check)
+  *WANDB_REQUIRES,  # tests/e2e/test_logging.py: a run with wandb offline
 ]
 
 setuptools.setup(

@@ -263,7 +263,7 @@ def trainer_cli() -> Callable[..., Any]:
   return run_trainer
 
 
-# The logging options of arith_run: tests/test_logging.py reads its wandb run and sample tables.
+# The logging options of arith_run: tests/e2e/test_logging.py reads its wandb run and sample tables.
 ARITH_LOGGING = (
   "--config.logging.wandb=True",
   "--config.logging.wandb_mode=offline",

@@ -253,7 +253,7 @@ def test_arith_hard_variant_shortens_the_warm_start_and_widens_the_evaluation():
   assert hard.to_dict() == default  # nothing else changed
   config_lib.check_config(module.get_config("hard"), 1)
   # runlocal's sizes override the regime's: "hard,runlocal" is the runlocal smoke run (trained by
-  # the tests of configs/arith_ebpo.py:runlocal, e.g. tests/test_train.py).
+  # the tests of configs/arith_ebpo.py:runlocal, e.g. tests/e2e/test_train.py).
   assert module.get_config("hard,runlocal").to_dict() == module.get_config("runlocal").to_dict()
 
 

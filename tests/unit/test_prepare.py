@@ -330,7 +330,7 @@ def test_bad_source_or_path(tmp_path):
     "amc23",
     "olympiadbench",
     "champ",
-    "generic",  # any data set by its column names (tests/test_saved_dataset.py)
+    "generic",  # any data set by its column names (tests/unit/test_saved_dataset.py)
   )
 
 
