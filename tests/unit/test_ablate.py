@@ -60,7 +60,7 @@ def test_global_prior_switch_of_the_trainer(tiny_steps, per_cluster, counts):
   assert (step.B, step.G) == (8, 4)
   batch = step.batch()
   batch["cluster_ids"] = np.array([0, 0, 0, 1, 1, 1, 1, 1], np.int32)
-  new_state, _ = step(batch)
+  new_state, _, _ = step(batch)  # (state, metrics, aux)
   count = np.asarray(new_state.prior.rewards.count)
   np.testing.assert_array_equal(count[: len(counts)], counts)
   assert count.sum() == 32
