@@ -235,7 +235,8 @@ README_METHODS = ("ebpo_topic", "dapo")  # the two memory classes: with a KL ref
 
 
 def readme_table(rows: list[dict]) -> str:
-  """The README's compact table for README_METHODS: GB per chip of both phases, fit, roofline."""
+  """docs/will-it-fit.md's compact table for README_METHODS: GB per chip of both phases, fit,
+  roofline."""
   lines = [
     "| config | train step GB/chip | sampling GB/chip (sampler call + waiting) | fits "
     "| train / sampler TFLOP per chip | roofline RL step |",
