@@ -10,6 +10,7 @@ import pytest
 from ebpo_jax import ablate
 from ebpo_jax import metrics as metrics_lib
 from tests.helpers import ROOT
+from tests.helpers.environment import CACHE_VARIABLE
 
 CONFIG = f"{ROOT / 'configs' / 'arith_ebpo.py'}:runlocal"
 
@@ -19,8 +20,8 @@ def small_ablation(tmp_path_factory):
   """grpo and ebpo_running, G=4, one seed, 2 RL steps each on :runlocal (about 30 s)."""
   workdir = tmp_path_factory.mktemp("ablation")
   env = ablate.child_env()
-  # the runs share compiles with each other and with the session's other trainer runs (conftest)
-  env["JAX_COMPILATION_CACHE_DIR"] = os.environ["EBPO_JAX_TEST_XLA_CACHE"]
+  # the runs share compiles with each other and with the session's other trainer runs
+  env["JAX_COMPILATION_CACHE_DIR"] = os.environ[CACHE_VARIABLE]
   env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
   kwargs = dict(
     variants=["grpo", "ebpo_running"],
@@ -35,7 +36,6 @@ def small_ablation(tmp_path_factory):
   return workdir, report, kwargs
 
 
-@pytest.mark.e2e
 def test_ablation_writes_report_plots_and_runs(small_ablation):
   workdir, report, _ = small_ablation
   markdown = (workdir / "ablation.md").read_text()
@@ -47,7 +47,6 @@ def test_ablation_writes_report_plots_and_runs(small_ablation):
   assert len(report["runs"]) == 2
 
 
-@pytest.mark.e2e
 def test_variants_share_the_warm_start_and_differ_in_estimator(small_ablation):
   workdir, _, _ = small_ablation
   runs = {name: workdir / "runs" / f"{name}_G4_s0" for name in ("grpo", "ebpo_running")}
@@ -68,7 +67,6 @@ def test_variants_share_the_warm_start_and_differ_in_estimator(small_ablation):
   assert train["grpo"][0]["reward/mean"] == train["ebpo_running"][0]["reward/mean"]
 
 
-@pytest.mark.e2e
 def test_a_second_call_skips_finished_runs(small_ablation):
   workdir, report, kwargs = small_ablation
   logs = {p: p.stat().st_mtime_ns for p in workdir.glob("**/log.txt")}
@@ -77,7 +75,6 @@ def test_a_second_call_skips_finished_runs(small_ablation):
   assert again["rows"] == report["rows"]
 
 
-@pytest.mark.e2e
 def test_cli_rejects_an_unknown_variant(tmp_path):
   result = subprocess.run(
     [

@@ -13,7 +13,7 @@ from tests.helpers.processes import run_python
 # ----------------------------------------------------------------------------- the TPU compiler
 
 
-@pytest.mark.e2e  # the TPU compiler in a process of its own (~20 s)
+# e2e: the TPU compiler in a process of its own (~20 s)
 def test_default_job_fits_a_v5e_2x2_slice():
   result = run_python(
     ["-m", "ebpo_jax.aot", "--config=configs/arith_ebpo.py", "--topology=v5e:2x2"]
@@ -49,7 +49,7 @@ LAYER_SWEEP = textwrap.dedent(
 )
 
 
-@pytest.mark.e2e  # three train-step compiles in a process of its own (~30 s)
+# e2e: three train-step compiles in a process of its own (~30 s)
 def test_scanned_layers_are_counted_once_per_layer():
   """The compiler counts the scanned layers once: its FLOPs barely move from 2 to 8 layers. The
   corrected FLOPs grow by the same amount per layer (4 -> 8 is twice 2 -> 4), and that amount
@@ -89,7 +89,7 @@ LORA_STATE = textwrap.dedent(
 )
 
 
-@pytest.mark.e2e  # the 8B paper config's abstract state on 4 TPU chips, no compile (~10 s)
+# e2e: the 8B paper config's abstract state on 4 TPU chips, no compile (~10 s)
 def test_lora_state_holds_float32_adapters_and_a_bfloat16_base():
   # configs/paper.py with lora32 has no model directory here: make_target builds its decoder from
   # the shape keys, and must still add the adapters (it once built the plain decoder).

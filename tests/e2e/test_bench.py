@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from tests.helpers import ROOT
+from tests.helpers.processes import cpu_env
 
 SMOKE_RUNS = {
   "advantages": ["--batch_sizes=64", "--group_sizes=4", "--repeats=1", "--loop_iters=2"],
@@ -23,7 +24,7 @@ SMOKE_RUNS = {
 
 
 def _run_bench(name: str, args: list[str], env: dict, timeout: int = 600):
-  """bench/NAME.py run as its own process in `env` (conftest's `cpu_process_env`, one CPU device);
+  """bench/NAME.py run as its own process in `env` (processes.cpu_env, one CPU device);
   it must exit 0."""
   env = env | {"PYTHONPATH": str(ROOT)}
   result = subprocess.run(
@@ -34,10 +35,10 @@ def _run_bench(name: str, args: list[str], env: dict, timeout: int = 600):
   return result
 
 
-@pytest.mark.e2e  # each benchmark is a script run as its own process (6-40 s)
+# e2e: each benchmark is a script run as its own process (6-40 s)
 @pytest.mark.parametrize("name", sorted(SMOKE_RUNS))
-def test_benchmark_runs_and_ends_with_json(name, cpu_process_env):
-  result = _run_bench(name, SMOKE_RUNS[name], cpu_process_env(1))
+def test_benchmark_runs_and_ends_with_json(name):
+  result = _run_bench(name, SMOKE_RUNS[name], cpu_env(1))
   if name == "gpu":  # a markdown table for bench/RESULTS.md
     assert "| tiny | 2 |" in result.stdout, result.stdout[-2000:]
     return
@@ -56,9 +57,9 @@ PEERS_RL_KEYS = [
 
 
 @pytest.mark.peers  # needs tunix, installed apart (setup.py's PEERS_REQUIRES): -m peers runs it
-@pytest.mark.e2e  # a script run as its own process (about 100 s on 2 shared cores)
-def test_peers_quick_run_ends_with_every_ratio(cpu_process_env):
-  result = _run_bench("peers", ["--quick"], cpu_process_env(1), timeout=900)
+# e2e: a script run as its own process (about 100 s on 2 shared cores)
+def test_peers_quick_run_ends_with_every_ratio():
+  result = _run_bench("peers", ["--quick"], cpu_env(1), timeout=900)
   summary = json.loads(result.stdout.strip().splitlines()[-1])
   assert set(summary) == {"sampler", *PEERS_RL_KEYS}, summary
   assert set(summary["sampler"]) == {"tiny"}, summary

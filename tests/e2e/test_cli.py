@@ -4,7 +4,7 @@ lists its own flags; `--print_config` prints the config and writes nothing."""
 import json
 import re
 
-import pytest
+from tests.helpers.processes import run_module
 
 # Each CLI's own flags: its --help must list them under the module's own section (absl shows
 # flags defined elsewhere, e.g. in ebpo_jax.trainer, only under --helpfull unless adopted).
@@ -29,10 +29,9 @@ def own_section(help_text: str, module: str) -> set[str]:
   return set(re.findall(r"^  --(?:\[no\])?(\w+)", section, re.MULTILINE))
 
 
-@pytest.mark.e2e
-def test_every_cli_help_names_the_module_and_lists_its_own_flags(module_cli):
+def test_every_cli_help_names_the_module_and_lists_its_own_flags():
   # All at once: each is mostly imports (about 2 s alone).
-  procs = {m: module_cli(m, "--help", devices=1, wait=False) for m in OWN_FLAGS}
+  procs = {m: run_module(m, "--help", devices=1, wait=False) for m in OWN_FLAGS}
   for module, proc in procs.items():
     out, err = proc.communicate(timeout=120)
     assert "Traceback" not in err, err
@@ -41,10 +40,7 @@ def test_every_cli_help_names_the_module_and_lists_its_own_flags(module_cli):
     assert not missing, (module, missing)
 
 
-@pytest.mark.e2e
-def test_print_config_of_evaluate_difficulty_and_aot_prints_the_config_and_writes_nothing(
-  module_cli, tmp_path
-):
+def test_print_config_of_evaluate_difficulty_and_aot_prints_the_config_and_writes_nothing(tmp_path):
   workdir = tmp_path / "eval"
   extra = {
     "ebpo_jax.evaluate": [f"--workdir={workdir}"],
@@ -52,7 +48,7 @@ def test_print_config_of_evaluate_difficulty_and_aot_prints_the_config_and_write
     "ebpo_jax.aot": ["--topology=v5p-8"],
   }
   args = ["--config=configs/arith_ebpo.py:runlocal", "--config.seed=3", "--print_config"]
-  procs = {m: module_cli(m, *args, *more, devices=1, wait=False) for m, more in extra.items()}
+  procs = {m: run_module(m, *args, *more, devices=1, wait=False) for m, more in extra.items()}
   for module, proc in procs.items():
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, (module, err[-2000:])

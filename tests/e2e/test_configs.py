@@ -7,18 +7,18 @@ import math
 import pytest
 
 from tests.helpers.configs import config_module
+from tests.helpers.processes import run_trainer
 
 # Two run for real (e2e): Qwen3 (q/k norms) with DAPO's dynamic sampling, Llama (an untied head)
 # with EBPO and its KL reference. Every other model x method traces its train step above.
 E2E_ARGS = ["qwen3_8b,dapo", "llama31_8b,ebpo_topic"]
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("arg", E2E_ARGS)
-def test_runlocal_variant_runs_one_rl_step(arg, trainer_cli, tmp_path):
+def test_runlocal_variant_runs_one_rl_step(arg, tmp_path):
   method = arg.split(",")[1]
   config = config_module("paper").get_config(f"{arg},runlocal")
-  result = trainer_cli(tmp_path, config=f"configs/paper.py:{arg},runlocal")
+  result = run_trainer(tmp_path, config=f"configs/paper.py:{arg},runlocal")
   assert result.returncode == 0, result.stderr[-3000:]
   lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   steps = [m for m in lines if "reward/mean" in m]

@@ -7,7 +7,7 @@ The cause: XLA:CPU sizes its client thread pool (and its intra-op pool) to max(c
 until the program ends, and a launch of the next program holds one while it waits for a device's
 in-flight slot; then a device's part of the running program finds no free thread and the other 7
 wait at the all-reduce until XLA aborts the process. `process.size_cpu_thread_pools` (called by
-every entry point and by conftest.py) gives the pools room for two programs' parts.
+every entry point and by the tests' environment.setup) gives the pools room for two programs' parts.
 """
 
 import os
@@ -15,7 +15,7 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
+from tests.helpers.processes import run_trainer
 
 # Many small data-parallel steps (scan + gradient all-reduce) dispatched back to back, as the
 # warm start does, inside the entry points' frame. Before the fix it aborted in 1 of 2 runs of 400
@@ -48,13 +48,12 @@ _BACK_TO_BACK = textwrap.dedent(
 
 
 def _env_without_thread_settings() -> dict[str, str]:
-  """This process's environment with 8 CPU devices and no thread-pool size of conftest's own."""
+  """This process's environment with 8 CPU devices and no thread-pool size of the tests' own."""
   env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
   env.update(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
   return env
 
 
-@pytest.mark.e2e
 def test_back_to_back_collectives_on_8_cpu_devices_do_not_abort():
   result = subprocess.run(
     [sys.executable, "-c", _BACK_TO_BACK],
@@ -67,15 +66,14 @@ def test_back_to_back_collectives_on_8_cpu_devices_do_not_abort():
   assert result.stdout.startswith("done 8 "), result.stdout
 
 
-@pytest.mark.e2e
-def test_trainer_on_8_cpu_devices_warm_start_and_20_rl_steps(trainer_cli, tmp_path, monkeypatch):
+def test_trainer_on_8_cpu_devices_warm_start_and_20_rl_steps(tmp_path, monkeypatch):
   # The smallest trainer run that aborted before the fix: the tiny config's model with a 300-step
   # warm start (it aborted at warm-start step 48 and 91, in each of the runs watched); the default
   # config's 450 steps of a larger batch took 6 minutes a run on 2 busy cores and aborted at the
   # same place. One run: this checks that the trainer sizes its pools (the test above checks the
   # sizing against the abort, with ten times the steps).
   monkeypatch.delenv("PJRT_NPROC", raising=False)  # the trainer sizes its own pools
-  result = trainer_cli(
+  result = run_trainer(
     tmp_path,
     "--config.sft.num_steps=300",
     "--config.train.num_steps=20",

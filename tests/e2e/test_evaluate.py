@@ -15,17 +15,20 @@ from ebpo_jax.evaluate import (
 from ebpo_jax.models import lora
 from ebpo_jax.trainer import policy, rollouts, task_rows
 from tests.helpers import ROOT
+from tests.helpers.checkpoints import restore_run_state, save_checkpoint
+from tests.helpers.configs import arith_config
 from tests.helpers.evaluation import brute_pass_at_k
+from tests.helpers.processes import run_module
+from tests.helpers.runs import LORA_RUN
 
 CONFIG = str(ROOT / "configs" / "arith_ebpo.py")
 
 
-@pytest.mark.e2e
-def test_evaluate_cli_on_a_trainer_workdir_writes_eval_json(arith_run, module_cli, tmp_path):
+def test_evaluate_cli_on_a_trainer_workdir_writes_eval_json(arith_run, tmp_path):
   workdir, _ = arith_run  # checkpoints every 2 steps, the latest at step 4
   run_dir = tmp_path / "run"
   shutil.copytree(workdir / "checkpoints", run_dir / "checkpoints")
-  result = module_cli(
+  result = run_module(
     "ebpo_jax.evaluate",
     f"--config={CONFIG}:runlocal",
     f"--workdir={run_dir}",  # evaluates the workdir's own checkpoints
@@ -62,14 +65,11 @@ def test_evaluate_cli_on_a_trainer_workdir_writes_eval_json(arith_run, module_cl
   assert metrics["overall"]["maj@4"] == pytest.approx(np.mean(votes))
 
 
-@pytest.mark.e2e
-def test_evaluate_cli_on_a_lora_run_gives_the_accuracy_the_trainer_logged(
-  lora_run, module_cli, tmp_path
-):
+def test_evaluate_cli_on_a_lora_run_gives_the_accuracy_the_trainer_logged(lora_run, tmp_path):
   # The experiment's own config (runlocal: an SFT warm start, which a LoRA run refuses; the tool
   # evaluates the run's adapters and warm-starts nothing) and the run's seed (the same eval rows).
   workdir, _ = lora_run
-  result = module_cli(
+  result = run_module(
     "ebpo_jax.evaluate",
     f"--config={CONFIG}:runlocal",
     f"--workdir={tmp_path}",
@@ -90,20 +90,18 @@ def test_evaluate_cli_on_a_lora_run_gives_the_accuracy_the_trainer_logged(
     assert got == pytest.approx(logged[f"eval/accuracy/{cluster}"]), cluster
 
 
-@pytest.mark.e2e  # reads lora_run's checkpoints (in process)
-def test_a_lora_runs_policy_is_its_adapters_on_the_base_it_trained(
-  lora_run, lora_overrides, arith_config, run_state
-):
+# e2e: reads lora_run's checkpoints (in process)
+def test_a_lora_runs_policy_is_its_adapters_on_the_base_it_trained(lora_run):
   # evaluate's and export's path (policy.load_policy) under a config whose seed is not the run's:
   # the base of a random-init LoRA run comes from the run's seed, as the resumed trainer builds it.
   workdir, _ = lora_run
   config, step = policy.policy_config(arith_config(), str(workdir), None)
-  assert step == 4 and config.seed != lora_overrides["seed"]
+  assert step == 4 and config.seed != LORA_RUN["seed"]
   mesh = sharding.make_mesh(dict(config.mesh))
   tokenizer = task_rows.load_tokenizer(config, tasks.from_config(config.task))
   model, params, _ = policy.load_policy(config, tokenizer, mesh, str(workdir), step)
-  run_config = arith_config(lora_overrides)
-  trained = run_state(workdir, run_config, 4).params
+  run_config = arith_config(LORA_RUN)
+  trained = restore_run_state(workdir, run_config, 4).params
   want = lora.combine(trained, policy.lora_base(run_config, model, mesh))
   assert jax.tree.structure(params) == jax.tree.structure(want)
   for got, ref in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):
@@ -115,8 +113,7 @@ def test_a_lora_runs_policy_is_its_adapters_on_the_base_it_trained(
 # ----------------------------------------------------------------------------- difficulty
 
 
-@pytest.mark.e2e
-def test_difficulty_cli_round_trip(arith_run, module_cli, tmp_path):
+def test_difficulty_cli_round_trip(arith_run, tmp_path):
   workdir, _ = arith_run
   rows = [
     {"prompt": "1+1=", "answer": "2", "cluster": "easy", "id": "a"},
@@ -126,7 +123,7 @@ def test_difficulty_cli_round_trip(arith_run, module_cli, tmp_path):
   source = tmp_path / "rows.jsonl"
   source.write_text("".join(json.dumps(r) + "\n" for r in rows))
   out = tmp_path / "rows_difficulty.jsonl"
-  result = module_cli(
+  result = run_module(
     "ebpo_jax.difficulty",
     f"--config={CONFIG}:runlocal",
     f"--input={source}",
@@ -149,12 +146,10 @@ def test_difficulty_cli_round_trip(arith_run, module_cli, tmp_path):
   assert first == sorted(first)  # easy to hard
 
 
-@pytest.mark.e2e  # in process, but about 20 s: one sampler compile
-def test_difficulty_writes_as_it_goes_and_a_rerun_takes_up_after_it(
-  arith_config, checkpoint_writer, tmp_path, monkeypatch
-):
+# e2e: in process, but about 20 s: one sampler compile
+def test_difficulty_writes_as_it_goes_and_a_rerun_takes_up_after_it(tmp_path, monkeypatch):
   run_dir = tmp_path / "run"
-  checkpoint_writer(run_dir, arith_config({"model.num_layers": 1}), step=0)  # compiles faster
+  save_checkpoint(run_dir, arith_config({"model.num_layers": 1}), step=0)  # compiles faster
   source = tmp_path / "rows.jsonl"
   rows = [{"prompt": f"{i}+{i}=", "answer": str(2 * i), "cluster": i % 2} for i in range(20)]
   source.write_text("".join(json.dumps(r) + "\n" for r in rows))

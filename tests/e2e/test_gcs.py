@@ -14,7 +14,10 @@ import pytest
 from ebpo_jax import checkpoint, files, models, sharding, tasks
 from ebpo_jax import metrics as metrics_lib
 from tests.helpers import ROOT
+from tests.helpers.configs import arith_config
+from tests.helpers.environment import CACHE_VARIABLE
 from tests.helpers.gcs import upload
+from tests.helpers.processes import cpu_env, run_trainer
 
 # ----------------------------------------------------------------------------- the trainer
 
@@ -26,9 +29,8 @@ def _metrics(workdir) -> list[dict]:
   return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in records]
 
 
-@pytest.mark.e2e
 def test_a_run_on_bucket_data_and_model_matches_the_run_on_local_copies(
-  trainer_cli, tiny_llama_dir, gcs_dir, tmp_path, monkeypatch
+  tiny_llama_dir, gcs_dir, tmp_path, monkeypatch
 ):
   monkeypatch.setenv(files.CACHE_ENV, str(tmp_path / "cache"))  # the trainer's mirrors
   task = tasks.get_task("arithmetic", ops=("add",), digits=(1, 2))
@@ -43,7 +45,7 @@ def test_a_run_on_bucket_data_and_model_matches_the_run_on_local_copies(
     "bucket": (upload(data, f"{gcs_dir}/rows.jsonl"), upload(tiny_llama_dir, f"{gcs_dir}/llama")),
   }
   for name, (data_path, model_path) in sources.items():
-    result = trainer_cli(
+    result = run_trainer(
       tmp_path / name,
       f"--config.data.path={data_path}",
       f"--config.model.path={model_path}",
@@ -80,14 +82,14 @@ TWO_PROCESS_RUN = (
 
 
 def _train(processes: int, workdir, num_steps: int, cwd, env: dict) -> subprocess.CompletedProcess:
-  """TWO_PROCESS_RUN for `num_steps` from `cwd` in `env` (8 CPU devices: conftest's
-  `cpu_process_env`): 2 processes x 4 devices by launch/local_multiprocess.sh (the emulator's
-  variables pass through it), or one process on the 8. Their compiled programs go to the session's
-  compilation cache (conftest's), which the session's other trainer runs share: the one-process
+  """TWO_PROCESS_RUN for `num_steps` from `cwd` in `env` (8 CPU devices: processes.cpu_env): 2
+  processes x 4 devices by launch/local_multiprocess.sh (the emulator's variables pass through it),
+  or one process on the 8. Their compiled programs go to the session's compilation cache
+  (environment.CACHE_VARIABLE), which the session's other trainer runs share: the one-process
   run's sampler programs are those of every default-job run on 8 devices (arith_run's, say)."""
   env = env | {
     "PYTHONPATH": str(ROOT),  # cwd may be elsewhere
-    "JAX_COMPILATION_CACHE_DIR": os.environ["EBPO_JAX_TEST_XLA_CACHE"],
+    "JAX_COMPILATION_CACHE_DIR": os.environ[CACHE_VARIABLE],
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
   }
   if processes == 1:
@@ -112,16 +114,13 @@ def _same_metrics(got: list[dict], expected: list[dict]) -> None:
     )
 
 
-@pytest.mark.e2e
-def test_two_processes_train_into_a_bucket_resume_from_it_and_equal_one_process(
-  gcs_dir, tmp_path, arith_config, cpu_process_env
-):
+def test_two_processes_train_into_a_bucket_resume_from_it_and_equal_one_process(gcs_dir, tmp_path):
   """launch/local_multiprocess.sh 2 into a gs:// workdir, stopped after step 2 and resumed from
   the bucket to step 3: process 0 writes metrics.jsonl (each line once), both processes write
   their shards of every checkpoint, and the metrics equal one process's on local disk."""
   workdir, cwd = files.join(gcs_dir, "run"), tmp_path / "cwd"
   cwd.mkdir()
-  env = cpu_process_env(8)
+  env = cpu_env(8)
   single = _train(1, tmp_path / "one", 3, ROOT, env)
   assert single.returncode == 0, single.stderr[-3000:]
   for num_steps in (2, 3):

@@ -13,7 +13,9 @@ from tensorboardX.proto import event_pb2
 from ebpo_jax import ablate, export, files
 from ebpo_jax import metrics as metrics_lib
 from tests.helpers import ROOT
+from tests.helpers.processes import run_module, run_trainer
 from tests.helpers.runs import PNG
+from tests.helpers.tensorboard import read_event_files
 
 
 def comparable(lines: list[dict]) -> list[dict]:
@@ -23,7 +25,7 @@ def comparable(lines: list[dict]) -> list[dict]:
 
 def tensorboard_scalars(events_per_file: list[list]) -> dict[tuple[str, int], list[float]]:
   """{(tag, step): values} of the scalars as TensorBoard reads the event files (oldest first, as
-  `tensorboard_events` gives them): a SessionLog START at step s (tensorboardX's purge_step) drops
+  `read_event_files` gives them): a SessionLog START at step s (tensorboardX's purge_step) drops
   the earlier events with step >= s. A (tag, step) with two values: the resume did not purge."""
   scalars: dict[tuple[str, int], list[float]] = {}
   for event in (event for events in events_per_file for event in events):
@@ -39,7 +41,6 @@ def tensorboard_scalars(events_per_file: list[list]) -> dict[tuple[str, int], li
 # ----------------------------------------------------------------------------- processes
 
 
-@pytest.mark.e2e
 def test_a_listing_sees_what_another_process_wrote_since(gcs_dir):
   files.write_atomic(files.join(gcs_dir, "a"), "a")
   path = files.join(gcs_dir, "sub", "b")
@@ -49,12 +50,11 @@ def test_a_listing_sees_what_another_process_wrote_since(gcs_dir):
   assert files.listdir(gcs_dir) == ["a", "sub"] and files.exists(path)
 
 
-@pytest.mark.e2e
 def test_a_run_on_a_bucket_resumes_exactly_then_evaluates_and_exports_from_it(
-  arith_run, trainer_cli, module_cli, gcs_dir, tmp_path, tensorboard_events
+  arith_run, gcs_dir, tmp_path
 ):
   reference, _ = arith_run  # the same 4 steps, uninterrupted, in a local workdir
-  first = trainer_cli(gcs_dir, "--config.train.num_steps=4")
+  first = run_trainer(gcs_dir, "--config.train.num_steps=4")
   assert first.returncode == 0, first.stderr[-3000:]
   written = files.walk_files(gcs_dir)
   assert {"metrics.jsonl", "checkpoints/4/commit_success.txt", "plots/reward.png"} <= set(written)
@@ -63,15 +63,13 @@ def test_a_run_on_a_bucket_resumes_exactly_then_evaluates_and_exports_from_it(
   # Died before checkpoint 4 completed: its lines of steps 3 and 4 are on the bucket, the
   # checkpoint is not. The run resumes from checkpoint 2 and writes steps 3 and 4 again.
   files.remove_tree(files.join(gcs_dir, "checkpoints", "4"))
-  second = trainer_cli(gcs_dir, "--config.train.num_steps=4")
+  second = run_trainer(gcs_dir, "--config.train.num_steps=4")
   assert second.returncode == 0, second.stderr[-3000:]
   lines = metrics_lib.read_metrics(gcs_dir)
   assert comparable(lines) == comparable(metrics_lib.read_metrics(reference))
   # TensorBoard: a second event file purges steps >= 3 of the first; one value per (tag, step),
   # the metrics.jsonl one.
-  scalars = tensorboard_scalars(
-    tensorboard_events(files.join(gcs_dir, metrics_lib.TENSORBOARD_DIR))
-  )
+  scalars = tensorboard_scalars(read_event_files(files.join(gcs_dir, metrics_lib.TENSORBOARD_DIR)))
   logged = {(k, m["step"]): v for m in lines for k, v in m.items() if k != "step" and v is not None}
   assert scalars.keys() == logged.keys()
   wrong = {key: (v, logged[key]) for key, v in scalars.items() if v != pytest.approx([logged[key]])}
@@ -80,14 +78,14 @@ def test_a_run_on_a_bucket_resumes_exactly_then_evaluates_and_exports_from_it(
 
   # evaluate and export read the run from the bucket and write there.
   config = "--config=configs/arith_ebpo.py:runlocal"
-  evaluated = module_cli("ebpo_jax.evaluate", config, f"--workdir={gcs_dir}")
+  evaluated = run_module("ebpo_jax.evaluate", config, f"--workdir={gcs_dir}")
   assert evaluated.returncode == 0, evaluated.stderr[-3000:]
   saved = json.loads(files.read_text(files.join(gcs_dir, "eval.json")))
   assert saved["params"] == {"kind": "checkpoint", "run_dir": gcs_dir, "step": 4}
   samples = files.read_text(files.join(gcs_dir, "eval_samples.jsonl")).splitlines()
   assert len(samples) == saved["num_problems"] > 0
   out = files.join(gcs_dir, "hf")
-  exported = module_cli("ebpo_jax.export", f"--run_dir={gcs_dir}", f"--out={out}")
+  exported = run_module("ebpo_jax.export", f"--run_dir={gcs_dir}", f"--out={out}")
   assert exported.returncode == 0, exported.stderr[-3000:]
   assert f"step 4 of {gcs_dir} -> {out};" in exported.stdout
   local = export.export(gcs_dir, str(tmp_path / "hf"))  # the same export, to local disk
@@ -110,7 +108,6 @@ def test_a_run_on_a_bucket_resumes_exactly_then_evaluates_and_exports_from_it(
   assert not (ROOT / "gs:").exists()  # nothing went to a local folder named after the scheme
 
 
-@pytest.mark.e2e
 def test_a_failed_ablation_run_on_a_bucket_uploads_its_log(gcs_dir):
   warm = files.join(gcs_dir, "warm_start", "s0")
   with pytest.raises(ablate.AblationError, match=f"log: {warm}/log.txt") as error:

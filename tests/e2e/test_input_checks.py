@@ -5,28 +5,27 @@ import json
 
 import pytest
 
+from tests.helpers.processes import run_module, run_trainer
 
-@pytest.mark.e2e
-def test_cli_typo_in_a_config_key_is_one_line_with_the_suggestion(trainer_cli, tmp_path):
-  result = trainer_cli(tmp_path, "--config.train.num_step=3", timeout=120)
+
+def test_cli_typo_in_a_config_key_is_one_line_with_the_suggestion(tmp_path):
+  result = run_trainer(tmp_path, "--config.train.num_step=3", timeout=120)
   assert result.returncode == 2, result.stderr[-3000:]
   assert result.stderr.strip() == (
     "error: --config.train.num_step=3: no config key train.num_step; did you mean train.num_steps?"
   )
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("module", ["ebpo_jax.evaluate", "ebpo_jax.difficulty", "ebpo_jax.ablate"])
-def test_every_config_entry_point_reports_a_key_typo_in_one_line(module_cli, module):
+def test_every_config_entry_point_reports_a_key_typo_in_one_line(module):
   args = ["--config=configs/arith_ebpo.py:runlocal", "--config.sed=1"]
-  result = module_cli(module, *args, devices=1, timeout=120)
+  result = run_module(module, *args, devices=1, timeout=120)
   assert result.returncode == 2, result.stderr[-3000:]
   assert result.stderr.strip() == "error: --config.sed=1: no config key sed; did you mean seed?"
 
 
-@pytest.mark.e2e
-def test_print_config_prints_the_resolved_config_and_exits(trainer_cli, tmp_path):
-  result = trainer_cli(
+def test_print_config_prints_the_resolved_config_and_exits(tmp_path):
+  result = run_trainer(
     tmp_path / "run", "--config.rl.group_size=8", "--config.seed=3", "--print_config", timeout=120
   )
   assert result.returncode == 0, result.stderr[-2000:]

@@ -5,12 +5,10 @@ import json
 import os
 import sys
 
-import pytest
-
 from tests.helpers.launch import LAUNCH, TPU_VARS, make_executable, run_script
 
 
-@pytest.mark.e2e  # the TPU compiler, for real, on the default job (~30 s)
+# e2e: the TPU compiler, for real, on the default job (~30 s)
 def test_tpu_pod_stops_when_the_tpu_compiler_says_the_config_does_not_fit(tmp_path):
   """A million prompts per sampler call: the sampler's KV cache exceeds a v5e chip's HBM. The
   check reports fits false (the compiler's own out-of-memory verdict) and no gcloud runs."""

@@ -33,7 +33,6 @@ def _wandb_records(path: str):
       payload = b""
 
 
-@pytest.mark.e2e
 def test_a_run_with_wandb_offline_logs_the_scalars_config_and_samples(arith_run):
   # arith_run: 4 RL steps with wandb offline and a samples table every 2 steps (ARITH_LOGGING).
   workdir, _ = arith_run

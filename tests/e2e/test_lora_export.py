@@ -1,8 +1,6 @@
 """`python -m ebpo_jax.export --format=peft` as a process on a LoRA run: PEFT loads the adapter it
 writes with our logits."""
 
-import pytest
-
 from tests.helpers.exports import (
   MAX_ABS_DIFF,
   jitted_logits,
@@ -11,15 +9,15 @@ from tests.helpers.exports import (
   random_ids,
   torch_model_logits,
 )
+from tests.helpers.processes import run_module
 
 
-@pytest.mark.e2e
 def test_export_cli_writes_a_peft_adapter(
-  lora_run_from_a_model_directory, tiny_llama_dir, module_cli, tmp_path
+  lora_run_from_a_model_directory, tiny_llama_dir, tmp_path
 ):
   run_dir, model, params = lora_run_from_a_model_directory
   out = tmp_path / "peft"
-  result = module_cli(
+  result = run_module(
     "ebpo_jax.export", f"--run_dir={run_dir}", f"--out={out}", "--format=peft", devices=1
   )
   assert result.returncode == 0, result.stderr[-3000:]

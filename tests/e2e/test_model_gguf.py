@@ -46,7 +46,7 @@ def reference(converted, gguf_path):
   return model, parsed
 
 
-@pytest.mark.e2e  # the real model
+# e2e: the real model
 def test_converted_weights_and_config_equal_transformers_gguf_loader(converted, reference):
   _, parsed = reference
   ours = load_file(os.path.join(converted, "model.safetensors"))
@@ -63,7 +63,7 @@ def test_converted_weights_and_config_equal_transformers_gguf_loader(converted, 
   assert config["tie_word_embeddings"] is True
 
 
-@pytest.mark.e2e  # the real model
+# e2e: the real model
 def test_tokenizer_and_chat_template(converted, reference):
   _, parsed = reference
   tokenizer = HFTokenizer(str(converted)).hf_tokenizer  # the one loader of a directory's tokenizer
@@ -116,7 +116,7 @@ def _our_greedy(path: str, ids: np.ndarray, steps: int) -> tuple[np.ndarray, lis
   return np.asarray(prompt_logits), tokens
 
 
-@pytest.mark.e2e  # the real model
+# e2e: the real model
 def test_greedy_continuation_matches_transformers(converted, reference):
   model, _ = reference
   tokenizer = HFTokenizer(str(converted)).hf_tokenizer  # the one loader of a directory's tokenizer

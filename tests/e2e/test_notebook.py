@@ -9,9 +9,9 @@ import time
 
 import nbclient
 import nbformat
-import pytest
 
 from tests.helpers import ROOT
+from tests.helpers.environment import CACHE_VARIABLE
 from tests.helpers.notebooks import NOTEBOOK
 
 
@@ -22,16 +22,15 @@ def execute(notebook, cwd, **kwargs):
   return client.execute(**kwargs)
 
 
-@pytest.mark.e2e
 def test_notebook_smoke_preset_shows_table_plots_and_a_nonzero_result(tmp_path, monkeypatch):
   workdir = tmp_path / "ablation"
   monkeypatch.setenv("EBPO_NOTEBOOK_PRESET", "smoke")
   monkeypatch.setenv("EBPO_NOTEBOOK_WORKDIR", str(workdir))
   monkeypatch.setenv("EBPO_NOTEBOOK_INSTALL", "0")  # a test never pip installs
-  # The notebook's runs compile into the session's compilation cache (conftest's) instead of one
-  # of their own: the RL steps and rollouts of :runlocal's grpo and ebpo_running at G=4 are
-  # test_ablate's programs too. (The notebook only sets its own cache where none is set.)
-  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", os.environ["EBPO_JAX_TEST_XLA_CACHE"])
+  # The notebook's runs compile into the session's compilation cache (environment.CACHE_VARIABLE)
+  # instead of one of their own: the RL steps and rollouts of :runlocal's grpo and ebpo_running at
+  # G=4 are test_ablate's programs too. (The notebook only sets its own cache where none is set.)
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", os.environ[CACHE_VARIABLE])
   notebook = nbformat.read(NOTEBOOK, as_version=4)
   start = time.perf_counter()
   execute(notebook, ROOT / "notebooks")  # raises CellExecutionError naming the failing cell

@@ -2,14 +2,12 @@
 
 import json
 
-import pytest
-
 from tests.helpers.configs import RG_TINY
+from tests.helpers.processes import run_trainer
 
 
-@pytest.mark.e2e
-def test_one_rl_step_on_chain_sum(trainer_cli, tmp_path):
-  result = trainer_cli(tmp_path, config=f"{RG_TINY}:runlocal")
+def test_one_rl_step_on_chain_sum(tmp_path):
+  result = run_trainer(tmp_path, config=f"{RG_TINY}:runlocal")
   assert result.returncode == 0, result.stderr[-3000:]
   lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   train_lines = [m for m in lines if "reward/mean" in m]

@@ -5,6 +5,7 @@ import os
 import pytest
 
 from ebpo_jax import metrics
+from tests.helpers.processes import run_trainer
 
 # ------------------------------------------------------------------------------ in the trainer
 
@@ -15,15 +16,14 @@ def short(completions, rows, **extras):
 '''
 
 
-@pytest.mark.e2e
-def test_trainer_logs_a_reward_function_beside_math_verify(trainer_cli, tmp_path, monkeypatch):
+def test_trainer_logs_a_reward_function_beside_math_verify(tmp_path, monkeypatch):
   # A reward module that only the trainer's PYTHONPATH finds, weight 0.5 beside the built-in
   # math_verify (in worker processes: it times out with signals).
   (tmp_path / "my_rewards.py").write_text(REWARD_MODULE)
   monkeypatch.setenv(
     "PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
   )
-  result = trainer_cli(
+  result = run_trainer(
     tmp_path / "run",
     "--config.rewards.fns=math_verify, 0.5*my_rewards:short",
     "--config.rewards.workers=1",

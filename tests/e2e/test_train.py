@@ -17,6 +17,10 @@ import pytest
 from ebpo_jax import checkpoint
 from ebpo_jax import metrics as metrics_lib
 from tests.helpers import ROOT
+from tests.helpers.checkpoints import restore_run_state
+from tests.helpers.configs import arith_config
+from tests.helpers.processes import run_module, run_trainer
+from tests.helpers.runs import LORA_RUN
 
 REQUIRED_KEYS = {
   "step",
@@ -43,7 +47,6 @@ def comparable(lines: list[dict]) -> list[dict]:
   return [{k: v for k, v in m.items() if k not in metrics_lib.TIMING_KEYS} for m in lines]
 
 
-@pytest.mark.e2e
 def test_cli_run_writes_metrics_checkpoints_and_summary(arith_run):
   workdir, result = arith_run
   lines = read(workdir)
@@ -85,10 +88,7 @@ def test_cli_run_writes_metrics_checkpoints_and_summary(arith_run):
   assert any(line.startswith("compiling the sampler for ") for line in lines), lines
 
 
-@pytest.mark.e2e
-def test_kill_9_and_sigterm_at_four_moments_then_resume_equals_a_straight_run(
-  arith_run, module_cli, trainer_cli, tmp_path
-):
+def test_kill_9_and_sigterm_at_four_moments_then_resume_equals_a_straight_run(arith_run, tmp_path):
   # One workdir, stopped four times, each restart going further: SIGKILL after the step-0
   # evaluation line (no checkpoint yet: the warm start's own one is all there is), SIGKILL while
   # checkpoint 2 is being written, SIGTERM after the training line of step 3 (it saves checkpoint
@@ -99,7 +99,7 @@ def test_kill_9_and_sigterm_at_four_moments_then_resume_equals_a_straight_run(
 
   def stopped_at(moment: str, status: int):
     args = ("--config=configs/arith_ebpo.py:runlocal", f"--workdir={tmp_path}")
-    result = module_cli(
+    result = run_module(
       "tests/helpers/killed_trainer.py", moment, *args, "--config.train.num_steps=4"
     )
     assert result.returncode == status, result.stderr[-3000:]
@@ -113,33 +113,30 @@ def test_kill_9_and_sigterm_at_four_moments_then_resume_equals_a_straight_run(
   assert not (tmp_path / "warm_start").exists()  # once checkpoint 0 was written
   assert stopped_at("term:3", 143) == [(0, True), (1, False), (2, True), (3, False)]
   assert checkpoint.Checkpointer(checkpoints).all_steps()[-2:] == [2, 3]
-  finished = trainer_cli(tmp_path, "--config.train.num_steps=4")
+  finished = run_trainer(tmp_path, "--config.train.num_steps=4")
   assert finished.returncode == 0, finished.stderr[-3000:]
   assert "] resuming from step 3\n" in finished.stderr  # the banner says so
   assert comparable(read(tmp_path)) == comparable(read(reference))
 
 
-@pytest.mark.e2e
-def test_a_lora_run_stopped_and_resumed_equals_a_straight_run(
-  lora_run, lora_overrides, arith_config, run_state, module_cli, trainer_cli, tmp_path
-):
+def test_a_lora_run_stopped_and_resumed_equals_a_straight_run(lora_run, tmp_path):
   # lora_run's LoRA run (a KL term to the base, adapter dropout) stopped by SIGTERM after the
   # training line of step 2 (it saves checkpoint 2 and exits 143), then resumed to step 4 with the
   # base rebuilt from the seed: its metrics equal the straight run's, line for line, and its last
   # checkpoint (adapters, their Adam moments, prior, rng) the straight run's, bit for bit.
   reference, _ = lora_run
-  overrides = [f"--config.{k}={v}" for k, v in lora_overrides.items()]
+  overrides = [f"--config.{k}={v}" for k, v in LORA_RUN.items()]
   overrides.append("--config.train.num_steps=4")
   args = ("--config=configs/arith_ebpo.py:runlocal", f"--workdir={tmp_path}", *overrides)
-  stopped = module_cli("tests/helpers/killed_trainer.py", "term:2", *args)
+  stopped = run_module("tests/helpers/killed_trainer.py", "term:2", *args)
   assert stopped.returncode == 143, stopped.stderr[-3000:]
   assert [m["step"] for m in read(tmp_path)] == [0, 1, 2]
-  finished = trainer_cli(tmp_path, *overrides)
+  finished = run_trainer(tmp_path, *overrides)
   assert finished.returncode == 0, finished.stderr[-3000:]
   assert "] resuming from step 2\n" in finished.stderr
   assert comparable(read(tmp_path)) == comparable(read(reference))
-  config = arith_config(lora_overrides)
-  ours, straight = run_state(tmp_path, config, 4), run_state(reference, config, 4)
+  config = arith_config(LORA_RUN)
+  ours, straight = restore_run_state(tmp_path, config, 4), restore_run_state(reference, config, 4)
   assert ours.base is None and ours.ref_params is None  # neither is in a checkpoint
   for name in ("step", "params", "opt_state", "prior", "rng", "bad_steps"):
     a, b = getattr(ours, name), getattr(straight, name)
@@ -156,10 +153,9 @@ def test_a_lora_run_stopped_and_resumed_equals_a_straight_run(
   assert not any("kernel" in path or "embed" in path or "norm" in path for path in saved)
 
 
-@pytest.mark.e2e
-def test_one_device_matches_eight(arith_run, trainer_cli, tmp_path):
+def test_one_device_matches_eight(arith_run, tmp_path):
   reference, _ = arith_run
-  result = trainer_cli(tmp_path, "--config.train.num_steps=4", devices=1)
+  result = run_trainer(tmp_path, "--config.train.num_steps=4", devices=1)
   assert result.returncode == 0, result.stderr[-3000:]
   ours, ref = comparable(read(tmp_path)), comparable(read(reference))
   assert [m["step"] for m in ours] == [m["step"] for m in ref]
@@ -170,7 +166,6 @@ def test_one_device_matches_eight(arith_run, trainer_cli, tmp_path):
         assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-4), key
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize(
   "override, message",
   [
@@ -178,22 +173,21 @@ def test_one_device_matches_eight(arith_run, trainer_cli, tmp_path):
     ("--config.data.path={tmp}/rows.jsonl", "{tmp}/rows.jsonl:2:"),
   ],
 )
-def test_bad_input_stops_the_cli_with_one_line(trainer_cli, tmp_path, override, message):
+def test_bad_input_stops_the_cli_with_one_line(tmp_path, override, message):
   (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n')
-  result = trainer_cli(tmp_path / "run", override.format(tmp=tmp_path), timeout=120)
+  result = run_trainer(tmp_path / "run", override.format(tmp=tmp_path), timeout=120)
   assert result.returncode != 0
   assert message.format(tmp=tmp_path) in result.stderr.strip().splitlines()[-1]
   assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-@pytest.mark.e2e
-def test_non_finite_steps_in_a_row_abort_with_a_clear_message(trainer_cli, tmp_path):
+def test_non_finite_steps_in_a_row_abort_with_a_clear_message(tmp_path):
   # An infinite overlong penalty over the whole completion (buffer = max_new_tokens): every reward
   # is -inf, so every advantage, loss and update is non-finite and skipped (the params stay
   # finite). The run stops after max_bad_steps = 3 steps in a row with one line, keeping the last
   # good checkpoint: with a save due every step and only one kept, the bad steps 1 and 2 were
   # saved and rotated step 0 out; a skipped update is never checkpointed.
-  result = trainer_cli(
+  result = run_trainer(
     tmp_path,
     "--config.rl.overlong_buffer=4",
     "--config.rl.overlong_penalty=inf",
@@ -222,12 +216,11 @@ def _wait_for_warm_start_progress(proc, timeout: float = 240) -> str:
   return seen
 
 
-@pytest.mark.e2e
-def test_sigterm_in_the_warm_start_saves_it_and_the_restart_continues_it(trainer_cli, tmp_path):
+def test_sigterm_in_the_warm_start_saves_it_and_the_restart_continues_it(tmp_path):
   # One device: no cross-device rendezvous that a loaded 2-core machine can time out (item 11);
   # no RL step: the warm start, the step-0 evaluation and checkpoint are what is tested.
   args = ("--config.sft.num_steps=300", "--config.train.num_steps=0")
-  proc = trainer_cli(tmp_path, *args, devices=1, wait=False)
+  proc = run_trainer(tmp_path, *args, devices=1, wait=False)
   _wait_for_warm_start_progress(proc)
   proc.send_signal(signal.SIGTERM)
   _, err = proc.communicate(timeout=120)
@@ -235,7 +228,7 @@ def test_sigterm_in_the_warm_start_saves_it_and_the_restart_continues_it(trainer
   assert "SIGTERM" in err
   (done,) = checkpoint.Checkpointer(tmp_path / "warm_start").all_steps()
   assert 0 < done < 300
-  resumed = trainer_cli(tmp_path, *args, devices=1)
+  resumed = run_trainer(tmp_path, *args, devices=1)
   assert resumed.returncode == 0, resumed.stderr[-3000:]
   assert f"warm start: resumed after step {done} of 300" in resumed.stderr
   assert checkpoint.Checkpointer(tmp_path / "checkpoints").all_steps() == [0]

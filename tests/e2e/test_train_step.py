@@ -2,18 +2,18 @@
 
 import jax
 import numpy as np
-import pytest
 
 from ebpo_jax.models import lora
 from tests.helpers.configs import TINY_LORA
+from tests.helpers.tiny_step import tiny_steps
 
 
 def _spec(x) -> tuple:
   return tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
 
 
-@pytest.mark.e2e  # in process, but two compiles of the step (8 devices, 1)
-def test_a_sharded_lora_step_on_8_devices_equals_1(tiny_steps):
+# e2e: in process, but two compiles of the step (8 devices, 1)
+def test_a_sharded_lora_step_on_8_devices_equals_1():
   # fsdp=4 x tensor=2, so that both adapter halves are split: A on the kernel's input axis, B on
   # its output axis, the rank dim replicated (models/lora.py); the base as a full run's kernels.
   eight = tiny_steps({**TINY_LORA, "mesh.fsdp": 4, "mesh.tensor": 2})

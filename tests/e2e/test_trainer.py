@@ -4,15 +4,13 @@ import json
 import os
 import shutil
 
-import pytest
-
 from ebpo_jax import metrics
+from tests.helpers.processes import run_trainer
 
 # ----------------------------------------------------------------------------- resume first
 
 
-@pytest.mark.e2e
-def test_resume_restores_without_reading_the_model_weights(trainer_cli, tiny_llama_dir, tmp_path):
+def test_resume_restores_without_reading_the_model_weights(tiny_llama_dir, tmp_path):
   """Resume first: with a checkpoint in the workdir the state is restored into abstract shapes;
   the model directory's weights are never read (here they are deleted before resuming)."""
   model_dir = tmp_path / "model"
@@ -27,7 +25,7 @@ def test_resume_restores_without_reading_the_model_weights(trainer_cli, tiny_lla
     "--config.eval.every_steps=100",
   ]
   for num_steps in (1, 2):
-    result = trainer_cli(workdir, *args, f"--config.train.num_steps={num_steps}", devices=1)
+    result = run_trainer(workdir, *args, f"--config.train.num_steps={num_steps}", devices=1)
     assert result.returncode == 0, result.stderr[-3000:]
     for weights in model_dir.glob("*.safetensors"):  # the resumed run must not read them
       weights.unlink()
@@ -40,7 +38,6 @@ def test_resume_restores_without_reading_the_model_weights(trainer_cli, tiny_lla
 # ----------------------------------------------------------------------------- metric names
 
 
-@pytest.mark.e2e
 def test_every_default_plot_panel_reads_a_logged_key(arith_run):
   """The default plots and the trainer name their metrics from one list (ebpo_jax.metrics): every
   panel pattern matches a key the runlocal EBPO run logged. (The old panels tokens_per_sec,

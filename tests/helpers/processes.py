@@ -4,7 +4,10 @@ import os
 import subprocess
 import sys
 
+from ebpo_jax import process
 from tests.helpers import ROOT
+from tests.helpers.configs import ARITH
+from tests.helpers.environment import CACHE_VARIABLE
 
 
 def run_python(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
@@ -14,4 +17,36 @@ def run_python(args: list[str], timeout: float = 300) -> subprocess.CompletedPro
   env["JAX_PLATFORMS"] = "cpu"
   return subprocess.run(
     [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+  )
+
+
+def cpu_env(devices: int) -> dict[str, str]:
+  """This process's environment for a process on `devices` CPU devices (`process.
+  fake_cpu_devices_env`: XLA_FLAGS's other flags, the tests' fusion emitters, kept)."""
+  return process.fake_cpu_devices_env(devices) | {"JAX_PLATFORMS": "cpu"}
+
+
+def run_module(module: str, *args: str, devices: int = 8, timeout: float = 300, wait: bool = True):
+  """`python -m MODULE ARGS` (`python MODULE ARGS` for a `.py` path) on `devices` CPU devices
+  from the repository root: the CompletedProcess (output captured), or with `wait=False` the
+  running Popen. The processes of a session share a persistent compilation cache (their sampler,
+  evaluation and train-step programs mostly repeat; environment.CACHE_VARIABLE): about 3x
+  faster."""
+  env = cpu_env(devices) | {
+    "JAX_COMPILATION_CACHE_DIR": os.environ[CACHE_VARIABLE],
+    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+  }
+  cmd = [sys.executable, *([module] if module.endswith(".py") else ["-m", module]), *args]
+  if not wait:
+    return subprocess.Popen(
+      cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+  return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def run_trainer(workdir, *overrides: str, config: str = ARITH, **kwargs):
+  """`python -m ebpo_jax.train --config=CONFIG --workdir=WORKDIR OVERRIDES` by `run_module`: the
+  trainer as a process (tests never import ebpo_jax.train)."""
+  return run_module(
+    "ebpo_jax.train", f"--config={config}", f"--workdir={workdir}", *overrides, **kwargs
   )

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from ebpo_jax import ablate
+from tests.helpers.tiny_step import tiny_steps
 
 
 def fake_result(variant, seed, hard_curve, easy_curve, *, zero_frac=0.5, g=8):
@@ -52,7 +53,7 @@ def test_every_variant_sets_a_known_estimator():
 
 
 @pytest.mark.parametrize("per_cluster, counts", [(True, [12.0, 20.0]), (False, [32.0])])
-def test_global_prior_switch_of_the_trainer(tiny_steps, per_cluster, counts):
+def test_global_prior_switch_of_the_trainer(per_cluster, counts):
   # ebpo_batch / ebpo_global set rl.ebpo.per_cluster=False: train_step then reads and updates one
   # prior in slot 0. 8 prompts x G=4, clusters 0,0,0,1,1,1,1,1: per cluster 3*4 = 12 and 5*4 = 20
   # rewards enter the reward accumulator; pooled, all 32 go to slot 0 (any other slot stays empty).

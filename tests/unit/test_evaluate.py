@@ -19,6 +19,8 @@ from ebpo_jax.evaluate import (
   sample_counts,
 )
 from ebpo_jax.trainer import policy, task_rows
+from tests.helpers.checkpoints import save_checkpoint
+from tests.helpers.configs import arith_config
 from tests.helpers.evaluation import brute_pass_at_k
 
 
@@ -93,10 +95,10 @@ def test_grouped_metrics_split_by_dataset_and_cluster():
 # ----------------------------------------------------------------------------- on a trained run
 
 
-def test_a_runs_params_are_restored_from_its_checkpoint(arith_config, checkpoint_writer, tmp_path):
+def test_a_runs_params_are_restored_from_its_checkpoint(tmp_path):
   run_dir = tmp_path / "run"
   # Perturbed params: a restore that fell back to a fresh init (seed 0) would not match them.
-  model, saved = checkpoint_writer(run_dir, arith_config(), step=2, perturb=0.05)
+  model, saved = save_checkpoint(run_dir, arith_config(), step=2, perturb=0.05)
   config, step = policy.policy_config(arith_config({"model.num_layers": 1}), str(run_dir), None)
   assert step == 2 and config.model.num_layers == 3  # the run's model, from the saved config
   mesh = sharding.make_mesh(dict(config.mesh))
@@ -113,7 +115,7 @@ def test_a_runs_params_are_restored_from_its_checkpoint(arith_config, checkpoint
     assert ours.sharding == want.sharding  # placed as the model's rules say
 
 
-def test_nothing_to_evaluate_is_one_clear_error(arith_config, tmp_path):
+def test_nothing_to_evaluate_is_one_clear_error(tmp_path):
   with pytest.raises(
     policy.PolicyError, match="nothing to evaluate: .* config.model.path is empty"
   ):
@@ -126,7 +128,7 @@ def test_nothing_to_evaluate_is_one_clear_error(arith_config, tmp_path):
 # ----------------------------------------------------------------------------- a model directory
 
 
-def test_evaluate_a_hugging_face_directory(arith_config, tiny_llama_dir, tmp_path):
+def test_evaluate_a_hugging_face_directory(tiny_llama_dir, tmp_path):
   tiny_hf_dir = tiny_llama_dir
   config = arith_config(
     {

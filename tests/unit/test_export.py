@@ -7,13 +7,13 @@ import transformers
 
 from ebpo_jax import export
 from ebpo_jax.trainer import policy
+from tests.helpers.checkpoints import save_checkpoint
+from tests.helpers.configs import arith_config
 from tests.helpers.exports import MAX_REL_ERR, our_logits, rel_err, torch_logits
 
 
-def test_export_of_a_random_init_run_loads_in_transformers_with_our_logits(
-  arith_config, checkpoint_writer, tmp_path
-):
-  model, params = checkpoint_writer(tmp_path / "run", arith_config())
+def test_export_of_a_random_init_run_loads_in_transformers_with_our_logits(tmp_path):
+  model, params = save_checkpoint(tmp_path / "run", arith_config())
   out = tmp_path / "hf"
   summary = export.export(str(tmp_path / "run"), str(out))
   assert summary["step"] == 0 and summary["source_model"] is None

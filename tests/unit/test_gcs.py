@@ -16,6 +16,7 @@ from ebpo_jax.data import DataError, cluster, load_rows_and_clusters, prepare
 from ebpo_jax.models import gguf_io, hf_io
 from ebpo_jax.tasks import tokenizers
 from ebpo_jax.trainer import task_rows
+from tests.helpers.configs import load_config
 from tests.helpers.gcs import upload
 
 ROWS = [
@@ -144,7 +145,7 @@ def test_save_pretrained_to_the_bucket_round_trips(tiny_llama_dir, gcs_dir, tmp_
   ).encode("12+30=")
 
 
-def test_missing_model_directory_names_it_on_the_bucket_as_on_disk(gcs_dir, tmp_path, load_config):
+def test_missing_model_directory_names_it_on_the_bucket_as_on_disk(gcs_dir, tmp_path):
   missing = files.join(gcs_dir, "no_model")
   with pytest.raises(FileNotFoundError, match=f"{missing}/config.json not found"):
     hf_io.read_hf_config(missing)

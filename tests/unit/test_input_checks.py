@@ -16,6 +16,7 @@ from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import rollouts, task_rows
 from ebpo_jax.trainer.rollout_options import EvalOptions
+from tests.helpers.configs import arith_config
 
 # (override, the start of the message); each failed late or with a traceback before the check.
 BAD_VALUES = [
@@ -57,13 +58,13 @@ BAD_VALUES = [
 
 
 @pytest.mark.parametrize("overrides, message", BAD_VALUES, ids=lambda v: str(v)[:40])
-def test_bad_config_value_is_one_line_naming_the_key(arith_config, overrides, message):
+def test_bad_config_value_is_one_line_naming_the_key(overrides, message):
   with pytest.raises(errors.ConfigError) as error:
     config_lib.check_config(arith_config(overrides), num_devices=8)
   assert str(error.value).startswith(message) and "\n" not in str(error.value)
 
 
-def test_lora_refuses_a_warm_start_in_training_only(arith_config):
+def test_lora_refuses_a_warm_start_in_training_only():
   # A LoRA run warm-starts nothing; evaluate reads a LoRA run's adapters under the experiment's
   # own config (whose SFT steps it ignores), so only the trainer's check refuses the pair.
   config = arith_config({"model.lora.rank": 4, "sft.num_steps": 5})
@@ -93,7 +94,7 @@ def _model_dir(tmp_path, *, truncate: int = 0):
 @pytest.mark.parametrize(
   "truncate, message", [(4, "truncated"), (40, "truncated"), (200, "not a safetensors file")]
 )
-def test_truncated_weights_file_is_named(arith_config, tmp_path, truncate, message):
+def test_truncated_weights_file_is_named(tmp_path, truncate, message):
   model_dir = _model_dir(tmp_path, truncate=truncate)
   with pytest.raises(errors.ConfigError) as error:
     models.check_model_path(arith_config({"model.path": str(model_dir)}))
@@ -101,7 +102,7 @@ def test_truncated_weights_file_is_named(arith_config, tmp_path, truncate, messa
   assert f"{model_dir / 'model.safetensors'}: {message}" in text and "\n" not in text
 
 
-def test_missing_model_directory_is_named(arith_config, tmp_path):
+def test_missing_model_directory_is_named(tmp_path):
   with pytest.raises(errors.ConfigError, match="^config.model.path='/nonexistent': no such"):
     models.check_model_path(arith_config({"model.path": "/nonexistent"}))
   (tmp_path / "config.json").write_text("{")
@@ -109,7 +110,7 @@ def test_missing_model_directory_is_named(arith_config, tmp_path):
     models.check_model_path(arith_config({"model.path": str(tmp_path)}))
 
 
-def test_intact_model_directory_passes_the_file_check(arith_config, tmp_path):
+def test_intact_model_directory_passes_the_file_check(tmp_path):
   models.check_model_path(arith_config({"model.path": str(_model_dir(tmp_path))}))
 
 
@@ -138,7 +139,7 @@ def _bad_rows(tmp_path):
   )
 
 
-def test_every_bad_row_is_one_line_before_compiling(arith_config, tmp_path):
+def test_every_bad_row_is_one_line_before_compiling(tmp_path):
   path = _bad_rows(tmp_path)
   config = arith_config({"data.path": str(path), "sampling.prompt_buckets": (6, 8)})
   with pytest.raises(data.DataError) as error:
@@ -150,7 +151,7 @@ def test_every_bad_row_is_one_line_before_compiling(arith_config, tmp_path):
   assert lines[2].startswith(f"{path}:5: not UTF-8 text")
 
 
-def test_skip_bad_rows_drops_and_counts_them(arith_config, tmp_path, capsys):
+def test_skip_bad_rows_drops_and_counts_them(tmp_path, capsys):
   path = _bad_rows(tmp_path)
   config = arith_config(
     {"data.path": str(path), "sampling.prompt_buckets": (6, 8), "data.skip_bad_rows": True}
@@ -162,7 +163,7 @@ def test_skip_bad_rows_drops_and_counts_them(arith_config, tmp_path, capsys):
   )
 
 
-def test_task_rows_too_long_for_the_buckets_are_named(arith_config):
+def test_task_rows_too_long_for_the_buckets_are_named():
   config = arith_config({"sampling.prompt_buckets": (4,)})
   with pytest.raises(data.DataError, match=r"arithmetic train row 0: prompt: \d+ tokens, longer"):
     task_rows.load_task_and_rows(config)
@@ -208,7 +209,7 @@ def test_in_training_evaluation_is_avg_at_k_of_full_rewards():
   assert result[metrics_lib.per_cluster(metrics_lib.EVAL_ACCURACY, "b")] == 0.0
 
 
-def test_evaluate_checks_its_rows_file_too(arith_config, tmp_path):
+def test_evaluate_checks_its_rows_file_too(tmp_path):
   from ebpo_jax import evaluate, tasks
 
   path = _bad_rows(tmp_path)
@@ -221,7 +222,7 @@ def test_evaluate_checks_its_rows_file_too(arith_config, tmp_path):
   ]
 
 
-def test_truncated_packaged_gguf_file_is_named(arith_config, tmp_path, monkeypatch):
+def test_truncated_packaged_gguf_file_is_named(tmp_path, monkeypatch):
   from ebpo_jax.models import gguf_io
 
   gguf_file = tmp_path / "model.gguf"
@@ -250,7 +251,7 @@ def test_a_typo_in_an_override_key_is_found_in_either_flag_form(argv):
   )
 
 
-def test_prompts_per_call_must_split_over_the_data_devices(arith_config):
+def test_prompts_per_call_must_split_over_the_data_devices():
   # 206 prompts on data x fsdp = 8 chips: every chip would hold every prompt's prefill.
   config = arith_config({"sampling.prompts_per_call": 206})
   with pytest.raises(errors.ConfigError, match="multiple of the mesh's data x fsdp = 8"):

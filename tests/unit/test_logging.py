@@ -18,10 +18,12 @@ from ebpo_jax import errors, jsonable, metrics
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import optimizer as optimizer_lib
 from ebpo_jax.trainer import rollouts as rollouts_lib
+from tests.helpers.configs import arith_config
+from tests.helpers.tensorboard import read_event_files
 
 
 def _tb_texts(events_per_file) -> dict[tuple[str, int], str]:
-  """{(tag, step): text} of the text summaries of `tensorboard_events(logdir)`."""
+  """{(tag, step): text} of the text summaries of `read_event_files(logdir)`."""
   return {
     (v.tag, e.step): v.tensor.string_val[0].decode()
     for events in events_per_file
@@ -38,9 +40,7 @@ ROWS = [
 ]  # fmt: skip
 
 
-def test_samples_go_to_jsonl_and_tensorboard_text_and_a_resume_cuts_them(
-  tmp_path, tensorboard_events
-):
+def test_samples_go_to_jsonl_and_tensorboard_text_and_a_resume_cuts_them(tmp_path):
   with metrics.MetricsWriter(tmp_path) as writer:
     for step in (1, 2, 3):
       writer.write_samples(step, ROWS)
@@ -51,7 +51,7 @@ def test_samples_go_to_jsonl_and_tensorboard_text_and_a_resume_cuts_them(
     "step": 1, "prompt": "1+2=", "completion": "4|5\nx", "answer": "3", "reward": 0.0,
     "advantage": None,
   }  # fmt: skip
-  table = _tb_texts(tensorboard_events(tmp_path / "tensorboard"))[("samples/text_summary", 2)]
+  table = _tb_texts(read_event_files(tmp_path / "tensorboard"))[("samples/text_summary", 2)]
   assert table.splitlines() == [
     "| step | prompt | completion | answer | reward | advantage |",
     "|---|---|---|---|---|---|",
@@ -74,13 +74,11 @@ def test_no_samples_no_file(tmp_path):
   assert not (tmp_path / metrics.SAMPLES_FILE).exists()
 
 
-def test_the_config_goes_to_tensorboard_as_hparams_and_as_text(
-  arith_config, tmp_path, tensorboard_events
-):
+def test_the_config_goes_to_tensorboard_as_hparams_and_as_text(tmp_path):
   hparams = jsonable.to_data(arith_config())
   with metrics.MetricsWriter(tmp_path, hparams=hparams) as writer:
     writer.write(1, {"reward/mean": 0.5})
-  events = [e for f in tensorboard_events(tmp_path / "tensorboard") for e in f]
+  events = [e for f in read_event_files(tmp_path / "tensorboard") for e in f]
   by_tag = {v.tag: v for e in events for v in e.summary.value}
   # One event file (not add_hparams' extra run directory): the HPARAMS tab's session ...
   assert glob.glob(str(tmp_path / "tensorboard" / "*" / "events*")) == []
@@ -96,7 +94,7 @@ def test_the_config_goes_to_tensorboard_as_hparams_and_as_text(
   ).experiment
   assert {m.name.tag for m in experiment.metric_infos} == {"reward/mean", "eval/accuracy"}
   # ... and the whole config in the TEXT tab, a code block of JSON.
-  text = _tb_texts(tensorboard_events(tmp_path / "tensorboard"))[("config/text_summary", 0)]
+  text = _tb_texts(read_event_files(tmp_path / "tensorboard"))[("config/text_summary", 0)]
   assert json.loads(text) == hparams
 
 
@@ -128,7 +126,7 @@ def test_sample_rows_are_whole_groups_with_their_advantages():
   assert len(rollouts_lib.sample_rows(rollout, advantages_bg, ["easy", "hard"], 99)) == 2 * g
 
 
-def test_learning_rate_is_the_schedule_at_the_applied_updates(arith_config):
+def test_learning_rate_is_the_schedule_at_the_applied_updates():
   config = arith_config({"train.warmup_steps": 4, "train.learning_rate": 1e-3})
   optimizer = optimizer_lib.make_optimizer(config)
   schedule = optimizer_lib.learning_rate_schedule(config)
@@ -147,7 +145,7 @@ def test_learning_rate_is_the_schedule_at_the_applied_updates(arith_config):
 # ----------------------------------------------------------------------------- wandb
 
 
-def test_wandb_options_and_checks(arith_config, monkeypatch):
+def test_wandb_options_and_checks(monkeypatch):
   assert metrics.wandb_options(arith_config().logging) is None  # off by default
   config = arith_config({"logging.wandb": True, "logging.wandb_tags": " ebpo, g4 ,"})
   options = metrics.wandb_options(config.logging)

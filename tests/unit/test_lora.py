@@ -10,6 +10,7 @@ import pytest
 
 from ebpo_jax.models import Decoder, init_cache, lora
 from ebpo_jax.models.decoder import unstack_layers
+from tests.helpers.lora import trained_lora
 from tests.helpers.tiny_decoder import BASE, init_params
 
 LORA = dataclasses.replace(BASE, lora_rank=4, lora_alpha=8.0)
@@ -27,7 +28,7 @@ def _inputs():
 
 
 @pytest.mark.parametrize("targets", [lora.TARGETS, ("v", "o", "down")], ids=["all", "v_o_down"])
-def test_fresh_adapters_and_adapters_off_equal_the_base_on_both_paths(targets, trained_lora):
+def test_fresh_adapters_and_adapters_off_equal_the_base_on_both_paths(targets):
   config = dataclasses.replace(LORA, lora_targets=targets)
   params = _params(config)
   adapters, base = lora.split(params)
@@ -54,7 +55,7 @@ def test_fresh_adapters_and_adapters_off_equal_the_base_on_both_paths(targets, t
     np.testing.assert_allclose(merged, changed, rtol=1e-5, atol=1e-5)
 
 
-def test_trained_adapters_scanned_equals_cached_prefill_and_decode(trained_lora):
+def test_trained_adapters_scanned_equals_cached_prefill_and_decode():
   config = dataclasses.replace(LORA, architecture="qwen2")
   params = trained_lora(_params(config))
   ids, positions, mask = _inputs()
@@ -93,7 +94,7 @@ def test_bad_lora_settings_are_rejected():
   assert lora.parse_targets(" q, down ") == ("q", "down")
 
 
-def test_dropout_acts_only_in_an_apply_given_its_rng(trained_lora):
+def test_dropout_acts_only_in_an_apply_given_its_rng():
   # The trainer passes the dropout stream to the policy-gradient loss's forward alone: without it
   # (sampling, evaluation) a dropout model is the plain adapted model, bit for bit; with it, rate 0
   # changes nothing and rate 0.5 changes the logits, the same for the same key (exact resume).

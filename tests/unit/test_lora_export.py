@@ -16,6 +16,7 @@ import transformers
 from ebpo_jax import export, models
 from ebpo_jax.models import hf_io, lora, peft_io
 from ebpo_jax.trainer import policy
+from tests.helpers.configs import arith_config
 from tests.helpers.exports import (
   MAX_ABS_DIFF,
   jitted_logits,
@@ -24,6 +25,7 @@ from tests.helpers.exports import (
   random_ids,
   torch_model_logits,
 )
+from tests.helpers.torch_models import randomize_torch_weights
 
 SHAPE = dict(
   vocab_size=96,
@@ -45,7 +47,7 @@ CASES = {  # case: (architecture, LoRA targets)
 
 
 @pytest.fixture(scope="module")
-def hf_dirs(tmp_path_factory, randomize_torch_weights):
+def hf_dirs(tmp_path_factory):
   """{architecture: tiny random HF directory} written by transformers."""
   dirs = {}
   for i, arch in enumerate(("Llama", "Qwen2")):
@@ -168,12 +170,12 @@ def test_export_of_a_lora_run_as_peft_and_merged(
     ({"model.lora.rank": 4, "model.init_from": "/runs/warm"}, "checkpoint of run /runs/warm"),
   ],
 )
-def test_peft_export_needs_a_lora_run_on_a_model_directory(arith_config, overrides, error):
+def test_peft_export_needs_a_lora_run_on_a_model_directory(overrides, error):
   with pytest.raises(policy.PolicyError, match=f"--format=peft: .*{error}.*--format=merged"):
     export.check_peft_base(arith_config(overrides), "RUN")
 
 
-def test_peft_export_says_how_to_load_a_reduced_precision_base(arith_config):
+def test_peft_export_says_how_to_load_a_reduced_precision_base():
   # A run on a bfloat16 base (model.lora.base_dtype) trained on the rounded base: PEFT users must
   # load BASE in bfloat16 too (SmolLM2: the float32 base's logits differ by up to 0.27).
   lora_cfg = {"model.lora.rank": 4, "sft.num_steps": 0}

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from ebpo_jax import losses, metrics
+from tests.helpers.tensorboard import read_event_files
 
 
-def test_write_jsonl_lines_and_tensorboard(tmp_path, tensorboard_events):
+def test_write_jsonl_lines_and_tensorboard(tmp_path):
   with metrics.MetricsWriter(tmp_path) as writer:
     writer.write(1, {"reward/mean": jnp.float32(0.25), "loss": np.float64(1.5), "kl": 2})
     writer.write(
@@ -35,7 +36,7 @@ def test_write_jsonl_lines_and_tensorboard(tmp_path, tensorboard_events):
   assert all(type(v) is float for k, v in first.items() if k != "step")
   scalars = {
     (value.tag, event.step): value.simple_value
-    for events in tensorboard_events(tmp_path / "tensorboard")
+    for events in read_event_files(tmp_path / "tensorboard")
     for event in events
     for value in event.summary.value
   }

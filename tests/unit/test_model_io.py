@@ -13,6 +13,7 @@ import transformers
 
 from ebpo_jax import sharding
 from ebpo_jax.models import from_pretrained, save_pretrained
+from tests.helpers.torch_models import randomize_torch_weights
 
 MAX_REL_ERR = 1e-4
 SEQ_LEN = 40  # past original_max_position_embeddings=16 of the llama3 case
@@ -54,7 +55,7 @@ def _rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
 
 
 @pytest.fixture(scope="module")
-def hf_models(tmp_path_factory, randomize_torch_weights):
+def hf_models(tmp_path_factory):
   """{case: (torch model, directory)} written with transformers' save_pretrained."""
   models = {}
   for i, (case, (arch, kwargs)) in enumerate(CASES.items()):

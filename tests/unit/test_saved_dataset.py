@@ -21,6 +21,7 @@ from ebpo_jax.data import (
 )
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import task_rows
+from tests.helpers.configs import arith_config
 
 datasets.disable_progress_bars()
 
@@ -224,7 +225,7 @@ def _run_cli(*args):
 # ----------------------------------------------------------------------------- the trainer's keys
 
 
-def test_the_trainer_reads_data_path_by_its_column_keys(arith_config, tmp_path):
+def test_the_trainer_reads_data_path_by_its_column_keys(tmp_path):
   path = tmp_path / "arith"
   datasets.DatasetDict(
     {
@@ -260,13 +261,13 @@ def test_the_trainer_reads_data_path_by_its_column_keys(arith_config, tmp_path):
     ({"data.answer_regex": "(#"}, "config.data.answer_regex='(#': not a regular expression"),
   ],
 )
-def test_bad_data_keys_are_one_line(arith_config, overrides, message):
+def test_bad_data_keys_are_one_line(overrides, message):
   with pytest.raises(errors.ConfigError) as error:
     config_lib.check_config(arith_config(overrides), num_devices=8)
   assert str(error.value).startswith(message) and "\n" not in str(error.value)
 
 
-def test_evaluate_reads_one_split_folder(arith_config, gsm8k_dir):
+def test_evaluate_reads_one_split_folder(gsm8k_dir):
   from ebpo_jax import evaluate, tasks
 
   config = arith_config({"eval.path": gsm8k_dir})

@@ -14,7 +14,10 @@ from ebpo_jax.models import Decoder, ModelConfig, PrefixGroups
 from ebpo_jax.models.decoder import unstack_layers
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer import step as step_lib
+from tests.helpers.configs import arith_config
+from tests.helpers.lora import trained_lora
 from tests.helpers.tiny_decoder import BASE, init_params
+from tests.helpers.tiny_step import tiny_steps
 
 B, G, P, N = 3, 2, 6, 5
 VARIANTS = {
@@ -143,7 +146,7 @@ def test_a_kv_cache_is_refused_with_the_packed_layout():
 # ----------------------------------------------------------------------------- the train step
 
 
-def test_the_shared_prefix_runs_when_micro_batches_hold_whole_groups(arith_config):
+def test_the_shared_prefix_runs_when_micro_batches_hold_whole_groups():
   one, eight = (sharding.make_mesh({"data": 1, "fsdp": -1}, jax.devices()[:n]) for n in (1, 8))
 
   def uses(overrides, mesh):
@@ -172,9 +175,7 @@ def _jitted_step(tiny, options):
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full_params", "lora"])
-def test_a_train_step_through_the_shared_prefix_equals_the_full_layout(
-  lora, tiny_steps, trained_lora, monkeypatch
-):
+def test_a_train_step_through_the_shared_prefix_equals_the_full_layout(lora, monkeypatch):
   # Two mini-batches of 4 prompts, each in two micro-batches of 2 prompts (8 rows), a KL to the
   # reference: the prompts must follow their rows through every split.
   overrides = {"train.mini_batch_size": 4, "train.micro_batch_size": 8, "rl.loss.kl_coef": 0.1}

@@ -8,6 +8,7 @@ from ebpo_jax import data, errors
 from ebpo_jax.trainer import banner as banner_lib
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import task_rows
+from tests.helpers.configs import arith_config
 
 # ----------------------------------------------------------------------------- in process
 
@@ -21,13 +22,13 @@ CONFIG_ERRORS = [
 
 
 @pytest.mark.parametrize("overrides, message", CONFIG_ERRORS)
-def test_invalid_config_is_one_error_naming_the_key(arith_config, overrides, message):
+def test_invalid_config_is_one_error_naming_the_key(overrides, message):
   with pytest.raises(errors.ConfigError) as error:
     config_lib.check_config(arith_config(overrides), num_devices=8)
   assert message in str(error.value) and "\n" not in str(error.value)
 
 
-def test_malformed_data_row_names_file_and_line(arith_config, tmp_path):
+def test_malformed_data_row_names_file_and_line(tmp_path):
   rows = tmp_path / "rows.jsonl"
   rows.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": \n')
   with pytest.raises(data.DataError, match=f"{rows}:2:"):

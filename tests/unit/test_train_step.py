@@ -17,9 +17,12 @@ from ebpo_jax.trainer import optimizer as optimizer_lib
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer import step as step_lib
 from tests.helpers.configs import TINY_LORA
+from tests.helpers.lora import trained_lora
+from tests.helpers.tiny_step import tiny_steps
 
 
-def test_gradient_accumulation_does_not_change_the_update(tiny_step, tiny_steps):
+def test_gradient_accumulation_does_not_change_the_update():
+  tiny_step = tiny_steps()
   batch = tiny_step.batch()
   state = tiny_step.fresh_state()  # the same init for both: params are not donated
   whole, m_whole, _ = tiny_step(batch, state)
@@ -33,7 +36,8 @@ def test_gradient_accumulation_does_not_change_the_update(tiny_step, tiny_steps)
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)  # updates are ~lr = 1e-4
 
 
-def test_prior_is_threaded_through_the_carry(tiny_step):
+def test_prior_is_threaded_through_the_carry():
+  tiny_step = tiny_steps()
   batch = tiny_step.batch()
   batch["rewards"][0], batch["rewards"][5] = 1.0, 0.0  # two all-equal groups, one per cluster
   g = tiny_step.G
@@ -56,7 +60,8 @@ def test_prior_is_threaded_through_the_carry(tiny_step):
   assert float(metrics["adv/all_equal_frac"]) == pytest.approx(2 / 8)  # the rest are mixed
 
 
-def test_non_finite_loss_skips_the_update_and_counts_it(tiny_step):
+def test_non_finite_loss_skips_the_update_and_counts_it():
+  tiny_step = tiny_steps()
   batch = tiny_step.batch()
   batch["old_logps"][1, 0] = np.nan  # a valid token: the loss becomes NaN
   state = tiny_step.fresh_state()
@@ -67,7 +72,8 @@ def test_non_finite_loss_skips_the_update_and_counts_it(tiny_step):
     np.testing.assert_array_equal(a, b)
 
 
-def test_a_second_step_does_not_retrace(tiny_step):
+def test_a_second_step_does_not_retrace():
+  tiny_step = tiny_steps()
   state, _, _ = tiny_step(tiny_step.batch(0))
   size = tiny_step.step._cache_size()
   tiny_step(tiny_step.batch(1), state)
@@ -85,9 +91,10 @@ def test_sequences_put_completions_after_left_padded_prompts():
   np.testing.assert_array_equal(seqs["input_ids"][1], [0, 0, 5, 6, 13, 2])
 
 
-def test_bad_steps_in_a_row_are_counted_in_the_state(tiny_step):
+def test_bad_steps_in_a_row_are_counted_in_the_state():
   # The counter of consecutive bad steps lives in the TrainState (so it is checkpointed and
   # survives a restart) and a good step resets it.
+  tiny_step = tiny_steps()
   good, nan = tiny_step.batch(0), tiny_step.batch(1)
   nan["old_logps"][1, 0] = np.nan
   state = tiny_step.fresh_state()
@@ -99,9 +106,10 @@ def test_bad_steps_in_a_row_are_counted_in_the_state(tiny_step):
   assert int(state.bad_steps) == 0
 
 
-def test_a_rollout_with_non_finite_logits_is_a_bad_step(tiny_step):
+def test_a_rollout_with_non_finite_logits_is_a_bad_step():
   # The sampler flags rows that met NaN/inf logits (their tokens are not the policy's): the step
   # skips its update and its prior update, and counts as bad.
+  tiny_step = tiny_steps()
   batch = tiny_step.batch()
   batch["nonfinite"][5] = True
   state = tiny_step.fresh_state()
@@ -113,7 +121,7 @@ def test_a_rollout_with_non_finite_logits_is_a_bad_step(tiny_step):
   assert int(new_state.step) == 1
 
 
-def test_a_lora_step_trains_only_the_adapters(tiny_steps):
+def test_a_lora_step_trains_only_the_adapters():
   step = tiny_steps(TINY_LORA)
   state = step.fresh_state()
   assert state.ref_params is None  # the reference is the base: no second copy
@@ -141,7 +149,7 @@ def test_a_lora_step_trains_only_the_adapters(tiny_steps):
   assert float(metrics2["kl"]) > 1e-9
 
 
-def test_lora_optimizer_state_is_small_on_the_smollm2_shape(tiny_steps):
+def test_lora_optimizer_state_is_small_on_the_smollm2_shape():
   config = tiny_steps({"model.lora.rank": 8}).config
   smollm2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
                         num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
@@ -173,7 +181,7 @@ def _on_policy(step, state, batch: dict) -> dict:
   return {**batch, "old_logps": np.asarray(logps)}
 
 
-def test_lora_dropout_is_in_the_training_forward_only(tiny_steps, trained_lora):
+def test_lora_dropout_is_in_the_training_forward_only():
   plain = tiny_steps(TINY_LORA)
   dropped = tiny_steps({**TINY_LORA, "model.lora.dropout": 0.5})
   state = plain.fresh_state()

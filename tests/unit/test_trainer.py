@@ -11,6 +11,8 @@ from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer import step as step_lib
 from ebpo_jax.trainer import task_rows
+from tests.helpers.lora import trained_lora
+from tests.helpers.tiny_step import tiny_steps
 
 # ----------------------------------------------------------------------------- PRNG streams
 
@@ -61,7 +63,7 @@ def _rollout_parts(tiny):
   return rows, cluster_names, eval_rows, sampler, batches
 
 
-def test_the_step_loop_makes_no_implicit_transfer(tiny_steps):
+def test_the_step_loop_makes_no_implicit_transfer():
   """Rollouts, the train step and the evaluation, as the trainer's loop runs them, under
   jax.transfer_guard("disallow"): an implicit host<->device transfer anywhere would raise. Every
   optional path at once (one compile): DAPO refill rounds and fill, the overlong penalty, chunked
@@ -99,7 +101,7 @@ def test_the_step_loop_makes_no_implicit_transfer(tiny_steps):
   assert [s["advantage"] for s in samples] == pytest.approx(advantages_bg.reshape(-1)[:6])
 
 
-def test_lora_sampler_logps_equal_the_trainers_on_the_first_ppo_iteration(tiny_steps, trained_lora):
+def test_lora_sampler_logps_equal_the_trainers_on_the_first_ppo_iteration():
   """Under LoRA the rollout's log-probs (old_logps: the sampler runs the adapted policy on the
   fly, `policy_params`) equal the train step's of the same tokens (adapters + base) to 1e-4 with
   trained adapters (B != 0): the first PPO iteration's ratio is 1 and nothing is clipped."""

@@ -15,6 +15,7 @@ from ebpo_jax import ablate, files
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.trainer import workdir as workdir_lib
 from tests.helpers import ROOT
+from tests.helpers.configs import arith_config
 from tests.helpers.runs import logged_steps
 
 # ----------------------------------------------------------------------------- the lock
@@ -101,7 +102,7 @@ def test_a_lock_of_a_dead_process_on_this_host_is_broken(gcs_dir):
 # ----------------------------------------------------------------------------- config.json
 
 
-def test_config_json_is_written_then_a_changed_key_stops_the_resume(arith_config, tmp_path):
+def test_config_json_is_written_then_a_changed_key_stops_the_resume(tmp_path):
   workdir = str(tmp_path)
   workdir_lib.check_and_save_config(workdir, arith_config())
   saved = json.loads((tmp_path / workdir_lib.CONFIG_FILE).read_text())
@@ -115,7 +116,7 @@ def test_config_json_is_written_then_a_changed_key_stops_the_resume(arith_config
   assert json.loads((tmp_path / workdir_lib.CONFIG_FILE).read_text()) == saved  # unchanged
 
 
-def test_safe_keys_and_accepted_changes_resume(arith_config, tmp_path):
+def test_safe_keys_and_accepted_changes_resume(tmp_path):
   workdir = str(tmp_path)
   workdir_lib.check_and_save_config(workdir, arith_config())
   cadence = {"train.num_steps": 9, "eval.every_steps": 3, "checkpoint.every_steps": 3}
@@ -135,7 +136,7 @@ def test_safe_keys_and_accepted_changes_resume(arith_config, tmp_path):
   assert json.loads((tmp_path / workdir_lib.CONFIG_FILE).read_text())["seed"] == 0
 
 
-def test_logging_keys_may_change(arith_config, tmp_path):
+def test_logging_keys_may_change(tmp_path):
   workdir = str(tmp_path)
   workdir_lib.check_and_save_config(workdir, arith_config())
   path = tmp_path / workdir_lib.CONFIG_FILE
@@ -145,7 +146,7 @@ def test_logging_keys_may_change(arith_config, tmp_path):
   assert json.loads(path.read_text())["logging"]["num_samples"] == 2
 
 
-def test_a_workdir_of_another_format_is_refused_with_what_to_do(arith_config, tmp_path):
+def test_a_workdir_of_another_format_is_refused_with_what_to_do(tmp_path):
   workdir = str(tmp_path)
   workdir_lib.check_and_save_config(workdir, arith_config())
   format_file = tmp_path / workdir_lib.FORMAT_FILE
@@ -162,7 +163,7 @@ def test_a_workdir_of_another_format_is_refused_with_what_to_do(arith_config, tm
   assert json.loads(format_file.read_text()) == {"format": workdir_lib.FORMAT - 1}  # untouched
 
 
-def test_config_check_on_a_bucket(arith_config, gcs_dir):
+def test_config_check_on_a_bucket(gcs_dir):
   workdir_lib.check_and_save_config(gcs_dir, arith_config())
   with pytest.raises(workdir_lib.WorkdirError, match=r"rl\.advantage \('ebpo' -> 'grpo'\)"):
     workdir_lib.check_and_save_config(gcs_dir, arith_config({"rl.advantage": "grpo"}))
