@@ -1,6 +1,6 @@
 """Setting up a process of an entry point: XLA:CPU's thread pools, `jax.distributed`, SIGTERM.
 
-The first two run before anything touches a device (`trainer.config.entry_point` calls them);
+The first two run before anything touches a device (`cli.entry_point` calls them);
 `install_sigterm_flag` turns a preemption notice into a flag the trainer checks each step.
 """
 

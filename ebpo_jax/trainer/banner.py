@@ -1,5 +1,5 @@
 """What a run says as it starts: devices and mesh, parameter count, workdir, config, and whether it
-resumes; logged at INFO (absl, stderr), which `config.entry_point` shows for the project's lines."""
+resumes; logged at INFO (absl, stderr), which `cli.entry_point` shows for the project's lines."""
 
 from collections.abc import Mapping
 from typing import Any
