@@ -141,6 +141,23 @@ def _check_hparams(clip_low, clip_high, dual_clip, agg, kl_coef, kl_kind, entrop
     raise ValueError(f"entropy_coef={entropy_coef} > 0 needs entropy_bt")
 
 
+def _clipped_surrogate(
+  adv_bt: Array, ratio_bt: Array, *, clip_low: float, clip_high: float, dual_clip: float | None
+) -> tuple[Array, Array, Array]:
+  """PPO's pessimistic surrogate per token, with clip-higher and the dual clip: (pg [B, T], where
+  the clip is active, where the dual clip is active)."""
+  unclipped_bt = -adv_bt * ratio_bt
+  clipped_bt = -adv_bt * jnp.clip(ratio_bt, 1.0 - clip_low, 1.0 + clip_high)
+  pg_bt = jnp.maximum(unclipped_bt, clipped_bt)
+  is_clipped_bt = clipped_bt > unclipped_bt
+  dual_clipped_bt = jnp.zeros_like(is_clipped_bt)
+  if dual_clip is not None:
+    dual_bound_bt = -adv_bt * dual_clip
+    dual_clipped_bt = (adv_bt < 0) & (pg_bt > dual_bound_bt)
+    pg_bt = jnp.where(dual_clipped_bt, dual_bound_bt, pg_bt)
+  return pg_bt, is_clipped_bt, dual_clipped_bt
+
+
 def policy_loss(
   logps_bt: Array,
   old_logps_bt: Array,
@@ -183,9 +200,7 @@ def policy_loss(
   )
   mask_bt = mask_bt.astype(bool)
   adv_bt = adv_b_or_bt.astype(jnp.float32)
-  if adv_bt.ndim == 1:
-    adv_bt = adv_bt[:, None]
-  adv_bt = jnp.broadcast_to(adv_bt, mask_bt.shape)
+  adv_bt = jnp.broadcast_to(adv_bt[:, None] if adv_bt.ndim == 1 else adv_bt, mask_bt.shape)
   agg_norm = _agg_norm(agg, mask_bt, num_tokens, num_seqs, max_len)
   tok_norm = _agg_norm("token-mean", mask_bt, num_tokens, num_seqs, max_len)
 
@@ -199,20 +214,12 @@ def policy_loss(
   logps_bt = _zero_padding(logps_bt, mask_bt)
   log_ratio_bt = logps_bt - _zero_padding(old_logps_bt, mask_bt)
   ratio_bt = jnp.exp(jnp.clip(log_ratio_bt, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-  unclipped_bt = -adv_bt * ratio_bt
-  clipped_bt = -adv_bt * jnp.clip(ratio_bt, 1.0 - clip_low, 1.0 + clip_high)
-  pg_bt = jnp.maximum(unclipped_bt, clipped_bt)
-  is_clipped_bt = clipped_bt > unclipped_bt
-  dual_clipped_bt = jnp.zeros_like(is_clipped_bt)
-  if dual_clip is not None:
-    dual_bound_bt = -adv_bt * dual_clip
-    dual_clipped_bt = (adv_bt < 0) & (pg_bt > dual_bound_bt)
-    pg_bt = jnp.where(dual_clipped_bt, dual_bound_bt, pg_bt)
-
-  pg_loss = agg_loss(pg_bt)
-  loss = pg_loss
+  pg_bt, is_clipped_bt, dual_clipped_bt = _clipped_surrogate(
+    adv_bt, ratio_bt, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip
+  )
+  loss = agg_loss(pg_bt)
   metrics = {
-    "pg_loss": pg_loss,
+    "pg_loss": loss,
     "clipfrac": tok_mean(is_clipped_bt),
     "clipfrac_low": tok_mean(is_clipped_bt & (ratio_bt < 1.0)),
     "clipfrac_high": tok_mean(is_clipped_bt & (ratio_bt > 1.0)),
@@ -220,18 +227,15 @@ def policy_loss(
     "ratio_mean": tok_mean(ratio_bt),
     "approx_kl": tok_mean(kl_penalty(jnp.zeros_like(log_ratio_bt), log_ratio_bt, "k3")),
   }
+  metrics["kl"] = jnp.zeros((), jnp.float32)
   if ref_logps_bt is not None:
-    kl = agg_loss(kl_penalty(logps_bt, _zero_padding(ref_logps_bt, mask_bt), kl_kind))
+    metrics["kl"] = agg_loss(kl_penalty(logps_bt, _zero_padding(ref_logps_bt, mask_bt), kl_kind))
     if kl_coef > 0.0:
-      loss = loss + kl_coef * kl
-    metrics["kl"] = kl
-  else:
-    metrics["kl"] = jnp.zeros((), jnp.float32)
+      loss = loss + kl_coef * metrics["kl"]
   if entropy_bt is not None:
-    ent = agg_loss(_zero_padding(entropy_bt, mask_bt))
+    metrics["entropy"] = agg_loss(_zero_padding(entropy_bt, mask_bt))
     if entropy_coef > 0.0:
-      loss = loss - entropy_coef * ent
-    metrics["entropy"] = ent
+      loss = loss - entropy_coef * metrics["entropy"]
   metrics["loss"] = loss
   return loss, metrics
 
