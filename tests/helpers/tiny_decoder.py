@@ -1,22 +1,17 @@
-"""The tiny decoder that tests/unit/test_lora.py and test_shared_prefix.py share, and its params
-built in one compiled program (imported by those tests, not collected: no test_ prefix)."""
+"""The tiny decoder (configs.TINY_MODEL, another RoPE base) that tests/unit/test_lora.py and
+test_shared_prefix.py share, and its params built in one compiled program (imported by those
+tests, not collected: no test_ prefix)."""
+
+import dataclasses
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 from ebpo_jax.models import Decoder, ModelConfig
+from tests.helpers.configs import TINY_MODEL
 
-BASE = ModelConfig(
-  vocab_size=64,
-  hidden_size=32,
-  intermediate_size=48,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=2,  # GQA: 2 query heads per key head
-  head_dim=8,
-  rope_theta=500.0,
-)
+BASE = dataclasses.replace(TINY_MODEL, rope_theta=500.0)
 
 
 def init_params(config: ModelConfig, seed: int = 0, noise: float = 0.0):

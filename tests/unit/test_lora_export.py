@@ -16,7 +16,7 @@ import transformers
 from ebpo_jax import export, models
 from ebpo_jax.models import hf_io, lora, peft_io
 from ebpo_jax.trainer import policy
-from tests.helpers.configs import arith_config
+from tests.helpers.configs import arith_config, hf_shape
 from tests.helpers.exports import (
   MAX_ABS_DIFF,
   jitted_logits,
@@ -27,17 +27,13 @@ from tests.helpers.exports import (
 )
 from tests.helpers.torch_models import randomize_torch_weights
 
-SHAPE = dict(
-  vocab_size=96,
-  hidden_size=32,
-  intermediate_size=48,
-  num_hidden_layers=2,
-  num_attention_heads=4,
-  num_key_value_heads=2,
+SHAPE = {
+  **hf_shape(),
+  "vocab_size": 96,
   # heads * head_dim = 64 != hidden 32: o_proj's flattened input differs from its output
-  head_dim=16,
-  max_position_embeddings=64,
-)
+  "head_dim": 16,
+  "max_position_embeddings": 64,
+}
 
 CASES = {  # case: (architecture, LoRA targets)
   "llama_all": ("Llama", lora.TARGETS),

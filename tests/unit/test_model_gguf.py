@@ -14,6 +14,7 @@ from safetensors.numpy import load_file
 
 from ebpo_jax.models import convert, from_pretrained, gguf_io
 from ebpo_jax.tasks.tokenizers import HFTokenizer
+from tests.helpers.configs import hf_shape
 
 
 def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
@@ -61,10 +62,10 @@ def test_convert_cli_reports_a_missing_file(tmp_path, capsys):
 
 _GGUF_LAYER_NAMES = {hf: gguf for gguf, hf in gguf_io._LAYER_TENSORS.items()}
 
-TINY_GGUF_CASES = {
-  "llama": dict(num_key_value_heads=2, tie_word_embeddings=False),
-  "qwen2": dict(num_key_value_heads=2, tie_word_embeddings=False),
-  "qwen3": dict(num_key_value_heads=2, head_dim=16, tie_word_embeddings=True),
+TINY_GGUF_CASES = {  # overrides of configs.hf_shape()
+  "llama": dict(tie_word_embeddings=False),
+  "qwen2": dict(tie_word_embeddings=False),
+  "qwen3": dict(head_dim=16, tie_word_embeddings=True),
 }
 
 
@@ -82,8 +83,7 @@ def _write_tiny_gguf(arch: str, path: str) -> tuple[torch.nn.Module, str]:
 
   tokens, merges = _byte_level_vocab()
   name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[arch]
-  kwargs = dict(vocab_size=len(tokens), hidden_size=32, intermediate_size=48, num_hidden_layers=2)
-  kwargs.update(num_attention_heads=4, rms_norm_eps=1e-5, **TINY_GGUF_CASES[arch])
+  kwargs = {**hf_shape(), "vocab_size": len(tokens), "rms_norm_eps": 1e-5, **TINY_GGUF_CASES[arch]}
   model = getattr(transformers, f"{name}ForCausalLM")(
     getattr(transformers, f"{name}Config")(**kwargs)
   )
@@ -93,13 +93,13 @@ def _write_tiny_gguf(arch: str, path: str) -> tuple[torch.nn.Module, str]:
       p.copy_((1.0 if "norm" in pname else 0.0) + 0.2 * torch.randn(p.shape, generator=gen))
   config = model.config
   writer = gguf.GGUFWriter(path, arch)
-  writer.add_block_count(2)
+  writer.add_block_count(config.num_hidden_layers)
   writer.add_context_length(64)
-  writer.add_embedding_length(32)
-  writer.add_feed_forward_length(48)
-  writer.add_head_count(4)
+  writer.add_embedding_length(config.hidden_size)
+  writer.add_feed_forward_length(config.intermediate_size)
+  writer.add_head_count(config.num_attention_heads)
   writer.add_head_count_kv(config.num_key_value_heads)
-  writer.add_key_length(TINY_GGUF_CASES[arch].get("head_dim", 32 // 4))
+  writer.add_key_length(config.head_dim)
   writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
   writer.add_layer_norm_rms_eps(1e-5)
   writer.add_tokenizer_model("gpt2")

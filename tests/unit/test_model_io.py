@@ -13,22 +13,13 @@ import transformers
 
 from ebpo_jax import sharding
 from ebpo_jax.models import from_pretrained, save_pretrained
+from tests.helpers.configs import hf_shape
 from tests.helpers.torch_models import randomize_torch_weights
 
 MAX_REL_ERR = 1e-4
 SEQ_LEN = 40  # past original_max_position_embeddings=16 of the llama3 case
 
-BASE = dict(
-  vocab_size=96,
-  hidden_size=32,
-  intermediate_size=48,
-  num_hidden_layers=2,
-  num_attention_heads=4,
-  num_key_value_heads=2,
-  head_dim=8,
-  max_position_embeddings=64,
-  rms_norm_eps=1e-5,
-)
+BASE = {**hf_shape(), "vocab_size": 96, "max_position_embeddings": 64, "rms_norm_eps": 1e-5}
 LLAMA3_ROPE = dict(
   rope_type="llama3",
   rope_theta=500.0,

@@ -11,18 +11,9 @@ import pytest
 
 from ebpo_jax.models import Decoder, ModelConfig, init_cache
 from ebpo_jax.models.decoder import stack_layers, unstack_layers
+from tests.helpers.configs import TINY_MODEL
 
-TINY = ModelConfig(
-  vocab_size=64,
-  hidden_size=32,
-  intermediate_size=48,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=8,
-  rope_theta=500.0,
-  rms_norm_eps=1e-5,
-)
+TINY = dataclasses.replace(TINY_MODEL, rope_theta=500.0, rms_norm_eps=1e-5)
 
 
 @functools.cache  # one init program per config and seed in a process; tests only read params

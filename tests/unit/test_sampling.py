@@ -11,18 +11,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 from scipy import stats
 
 from ebpo_jax import sampling, sampling_loop, sequences, sharding
-from ebpo_jax.models import Decoder, ModelConfig
+from ebpo_jax.models import Decoder
 from ebpo_jax.sampling import SampleOutput
+from tests.helpers.configs import TINY_MODEL
 
-TINY = ModelConfig(
-  vocab_size=64,
-  hidden_size=32,
-  intermediate_size=48,
-  num_layers=2,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=8,
-)
 PROMPTS = [[5, 9, 2, 7, 11, 3], [8], [12, 4, 4]]
 BUCKETS = (4, 8)
 PAD = 0
@@ -30,7 +22,7 @@ PAD = 0
 
 @pytest.fixture(scope="module")
 def policy():
-  model = Decoder(TINY)
+  model = Decoder(TINY_MODEL)
   params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
   params = nn.meta.unbox(params)
   # A larger scale than the init's 0.02 gives peaked next-token distributions (few near-ties).
@@ -184,7 +176,7 @@ def test_filtered_samples_stay_in_the_filters_and_logprobs_equal_a_full_forward(
 def test_stops_early_when_every_sequence_is_done(policy):
   model, params = policy
   ids, mask = sampling.pad_prompts(PROMPTS, PAD, BUCKETS)
-  everything = tuple(range(TINY.vocab_size))  # the first token always stops
+  everything = tuple(range(TINY_MODEL.vocab_size))  # the first token always stops
   out = sampling.generate(
     model, params, ids, mask, jax.random.key(1), max_new_tokens=9, stop_ids=everything
   )
@@ -407,7 +399,7 @@ def test_decode_loop_updates_the_cache_in_place(policy, group_size, compact, sta
     # [32, 32] matmul operand) instead of the stack.
     shape = [str(rows), "2", "12", "8"]
     body = _while_body(hlo, f"f32[{','.join(shape)}]")
-    assert body.count(f"f32[{','.join(shape)}]") >= 2 * TINY.num_layers
+    assert body.count(f"f32[{','.join(shape)}]") >= 2 * TINY_MODEL.num_layers
     assert "f32[32,32]" in body
     assert "f32[2,32,4,8]" not in body and "f32[2,32,32]" not in body
     # No instruction of the loop copies or transposes a whole cache buffer (any axis order) or
@@ -426,7 +418,7 @@ def test_non_finite_logits_are_flagged_and_never_give_an_out_of_vocabulary_token
   out, _, _ = _sample(model, params, jax.random.key(2))
   assert out.nonfinite.shape == (len(PROMPTS) * 4,)
   assert np.asarray(out.nonfinite).all()
-  assert (np.asarray(out.tokens) < TINY.vocab_size).all()
+  assert (np.asarray(out.tokens) < TINY_MODEL.vocab_size).all()
   clean, _, _ = _sample(model, policy[1], jax.random.key(2))
   assert not np.asarray(clean.nonfinite).any()
 
@@ -453,7 +445,7 @@ def test_decode_params_sample_the_same_and_skip_the_per_call_weight_copy(policy)
     ).as_text()  # fmt: skip
     return hlo.count("tensor<2x32x4x8xf32>) -> tensor<1x32x4x8xf32>")
 
-  assert weight_slices(params) >= TINY.num_layers  # the positive control: the copy is there
+  assert weight_slices(params) >= TINY_MODEL.num_layers  # the positive control: the copy is there
   assert weight_slices(decoded) == 0
 
 
@@ -465,7 +457,7 @@ def test_decode_params_keep_each_weights_sharding(policy):
   decoded = sampling.decode_params(placed)
   stacked_q = placed["layers"]["self_attn"]["q_proj"]["kernel"]
   assert stacked_q.sharding.spec[1] is not None  # split over the mesh: the check below can fail
-  for i in range(TINY.num_layers):
+  for i in range(TINY_MODEL.num_layers):
     q = decoded[f"layers_{i}"]["self_attn"]["q_proj"]["kernel"]
     expected = NamedSharding(mesh, PartitionSpec(*stacked_q.sharding.spec[1:]))
     assert q.sharding.is_equivalent_to(expected, q.ndim), (q.sharding, expected)

@@ -7,7 +7,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from ebpo_jax import sharding
-from ebpo_jax.models import Decoder, ModelConfig
+from ebpo_jax.models import Decoder
+from tests.helpers.configs import TINY_MODEL
 
 
 def test_make_mesh_fills_the_minus_one_axis():
@@ -45,16 +46,7 @@ def test_logical_to_spec_replicates_what_does_not_divide():
 
 
 def test_logical_shardings_of_model_params():
-  config = ModelConfig(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=8,
-  )
-  model = Decoder(config)
+  model = Decoder(TINY_MODEL)
   abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 1), jnp.int32))["params"]
   mesh = sharding.make_mesh({"fsdp": 4, "tensor": 2})
   shardings = sharding.logical_shardings(abstract, mesh)
