@@ -67,6 +67,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.remat = "none"  # per-layer rematerialisation: none | full | dots | dots_no_batch
   # One rolled loop (False) compiles in a fraction of the time: the choice for deep models on TPU.
   config.model.unroll_layers = True  # training's layer loop unrolled (faster on XLA:CPU)
+  # Attention without a KV cache (training, reference log-probs, prefill): auto | xla | splash |
+  # cudnn; auto is splash on TPU, cudnn on NVIDIA GPUs, xla elsewhere (ebpo_jax.models.attention).
+  config.model.attention = "auto"
+  config.model.attention_block = 512  # splash's largest block, a multiple of 128; shorter: smaller
   config.model.chat_template = True  # a model directory's chat template wraps the prompts
   config.model.lora = ml_collections.ConfigDict()  # LoRA adapters (ebpo_jax.models.lora)
   config.model.lora.rank = 0  # adapter rank; 0: no adapters, full fine-tuning
@@ -158,7 +162,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.logging.wandb_mode = ""  # online | offline | disabled; "": $WANDB_MODE, else online
 
   config.checkpoint = ml_collections.ConfigDict()  # WORKDIR/checkpoints/
+  # A checkpoint when either cadence is due (0 turns one off; both 0: only step 0, the last step and
+  # SIGTERM's). Time: at the first step boundary every_minutes after the last save (process 0's
+  # clock decides for all processes), so a run killed without notice loses at most every_minutes
+  # plus one step; by steps, at most every_steps steps.
   config.checkpoint.every_steps = 50  # RL steps between checkpoints
+  config.checkpoint.every_minutes = 0.0  # minutes between checkpoints (0: off); e.g. 30 on spot VMs
   config.checkpoint.max_to_keep = 2  # newest checkpoints kept
 
   config.workdir = ml_collections.ConfigDict()  # this start on --workdir (ebpo_jax.trainer.workdir)

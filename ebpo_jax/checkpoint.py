@@ -5,23 +5,30 @@ One step directory per checkpoint under `directory`, with five items:
               ebpo-jax's) is refused with one line (FormatError), never migrated
   state/      the TrainState pytree (any pytree of jax arrays: params, optax state, prior, typed
               PRNG keys, step), written sharded by every process (orbax OCDBT)
-  checksums/  two uint32 sums per array of the state and the array's path (JSON), computed on the
-              devices at save and compared after every restore (`restore_params` too): flipped
-              bytes in a chunk are an error, not garbage
+  checksums/  two uint32 sums per array of the state and the array's path, computed on the
+              devices at save, and the SHA-256 of the data iterator's state (one per process) and
+              of the config (JSON); compared after every restore (`restore_params` and
+              `saved_config` too): flipped bytes are an error, not garbage, and a checkpoint
+              without them is never read as if it were good
   data_iter/  the grain iterator state, one JSON file per process
   config/     the run config as JSON
 Orbax writes each step into `<step>.orbax-checkpoint-tmp` and renames it when complete, so a
 checkpoint whose write was interrupted is never listed, restored or counted as latest; leftover
 temporary directories are deleted when a Checkpointer opens the directory. `restore_latest`
 falls back past checkpoints that do not restore or verify, moving them to `<directory>.unusable/`
-(one line on stderr says so).
+(one line on stderr says so). `save` writes every `every_steps` steps and at the first call
+`every_minutes` after the last save (process 0's clock decides for every process).
 `directory` may be `gs://bucket/...`: orbax writes there through tensorstore; the checks here go
 through `ebpo_jax.files`.
 """
 
+import contextlib
 import functools
+import hashlib
+import json
 import os
 import sys
+import time
 from collections.abc import Mapping
 from typing import Any, NoReturn
 
@@ -38,7 +45,9 @@ from ebpo_jax import errors, files, jsonable
 _STATE, _DATA_ITER, _CONFIG, _CHECKSUMS, _META = "state", "data_iter", "config", "checksums", "meta"
 # The checkpoint layout this code writes and reads (the items above, the checksums' form). Raise it
 # when the layout changes: a checkpoint of another format is refused, never migrated.
-FORMAT = 1
+# 2: the checksums cover the data iterator and the config.
+FORMAT = 2
+_now = time.monotonic  # the clock of `every_minutes`
 
 
 class CorruptCheckpointError(Exception):
@@ -57,18 +66,21 @@ class Checkpointer:
     directory: str | os.PathLike,
     *,
     max_to_keep: int | None = 3,
-    save_every: int | None = None,
+    every_steps: int = 1,
+    every_minutes: float = 0.0,
     async_save: bool = True,
     read_only: bool = False,
   ):
-    """`save_every`: `save` writes only at multiples of it (and the first step) unless forced;
-    None writes at every call. `max_to_keep=None` keeps everything. `read_only`: reads a
-    directory that a trainer may be writing right now, without touching it (it must exist)."""
+    """`save` writes, unless forced, at the multiples of `every_steps` and at the first call
+    `every_minutes` after the last save (or the opening); 0 turns either off. `max_to_keep=None`
+    keeps everything. `read_only`: reads a directory that a trainer may be writing right now,
+    without touching it (it must exist)."""
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f"max_to_keep must be >= 1 or None, got {max_to_keep!r}")
-    if save_every is not None and save_every < 1:
-      raise ValueError(f"save_every must be >= 1 or None, got {save_every!r}")
+    if every_steps < 0 or not every_minutes >= 0:
+      raise ValueError(f"every_steps and every_minutes must be >= 0: {every_steps, every_minutes}")
     self.directory = files.abspath(directory)
+    self._every_steps, self._every_minutes, self._last_save = every_steps, every_minutes, _now()
     if read_only:
       if not files.isdir(self.directory):
         raise FileNotFoundError(f"{self.directory}: no such checkpoint directory")
@@ -77,7 +89,6 @@ class Checkpointer:
       return
     options = ocp.CheckpointManagerOptions(
       max_to_keep=max_to_keep,
-      save_interval_steps=save_every or 1,
       enable_async_checkpointing=async_save,
       cleanup_tmp_directories=True,
       create=True,
@@ -102,26 +113,40 @@ class Checkpointer:
     force: bool = False,
   ) -> bool:
     """Starts writing a checkpoint at `step` (asynchronously by default) and returns True, or
-    returns False when `save_every` says not now (unless `force`) or `step` is already saved.
+    returns False when it is not due (see the constructor; unless `force`) or `step` is already
+    saved.
 
-    Called on every process. The iterator's position and the arrays are captured before this
-    returns, so the caller may advance the iterator and donate `state` right after.
+    Called on every process, at the same steps (the clock's decision is a collective). The
+    iterator's position and the arrays are captured before this returns, so the caller may
+    advance the iterator and donate `state` right after.
     """
     step = int(step)
-    if step in self._manager.all_steps():
+    due = force or self._clock_due() or (self._every_steps and step % self._every_steps == 0)
+    if not due or step in self._manager.all_steps():
       return False
-    if not force and not self._manager.should_save(step):
-      return False
-    items = {
-      _STATE: ocp.args.StandardSave(state),
-      _CHECKSUMS: ocp.args.JsonSave({"leaves": state_checksums(state), "paths": _paths(state)}),
-      _META: ocp.args.JsonSave({"format": FORMAT}),
-    }
+    sums = {"leaves": state_checksums(state), "paths": _paths(state)}
+    items = {_STATE: ocp.args.StandardSave(state), _META: ocp.args.JsonSave({"format": FORMAT})}
     if data_iter is not None:
+      sums[_DATA_ITER] = _iterator_digests(data_iter)
       items[_DATA_ITER] = grain.checkpoint.CheckpointSave(data_iter)
     if config is not None:
-      items[_CONFIG] = ocp.args.JsonSave(_config_json(config))
-    return self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+      config = _config_json(config)
+      sums[_CONFIG] = _digest(config)
+      items[_CONFIG] = ocp.args.JsonSave(config)
+    items[_CHECKSUMS] = ocp.args.JsonSave(sums)
+    saved = self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+    self._last_save = _now()
+    return saved
+
+  def _clock_due(self) -> bool:
+    """Whether `every_minutes` have passed since the last save, by process 0's clock: its
+    elapsed time is broadcast, so every process decides alike (one broadcast per call)."""
+    if not self._every_minutes:
+      return False
+    elapsed = _now() - self._last_save
+    if jax.process_count() > 1:
+      elapsed = float(multihost_utils.broadcast_one_to_all(np.float32(elapsed)))
+    return elapsed >= 60 * self._every_minutes
 
   def restore(
     self, step: int | None, abstract_state: Any, *, data_iter: Any = None
@@ -146,18 +171,19 @@ class Checkpointer:
     saved_items = self._check_format(step)
     if data_iter is not None and _DATA_ITER not in saved_items:
       raise ValueError(f"checkpoint {step} in {self.directory} has no data iterator state")
-    items = {
-      _STATE: ocp.args.StandardRestore(abstract_state),
-      _CHECKSUMS: ocp.args.JsonRestore(),
-    }
+    sums = self._checksums(step, saved_items)
+    items = {_STATE: ocp.args.StandardRestore(abstract_state)}
     if data_iter is not None:
       items[_DATA_ITER] = grain.checkpoint.CheckpointRestore(data_iter)
     if _CONFIG in saved_items:
       items[_CONFIG] = ocp.args.JsonRestore()
     restored = self._manager.restore(step, args=ocp.args.Composite(**items))
-    state = restored[_STATE]
-    self._verify(step, state, restored[_CHECKSUMS]["leaves"])
-    return state, restored[_CONFIG] if _CONFIG in saved_items else None
+    state, config = restored[_STATE], restored.get(_CONFIG)
+    self._verify(step, state, sums["leaves"])
+    if data_iter is not None:
+      self._verify_iterator(step, data_iter, sums)
+    self._verify_config(step, config, sums)
+    return state, config
 
   def restore_latest(
     self, abstract_state: Any, *, data_iter: Any = None
@@ -206,40 +232,67 @@ class Checkpointer:
     self._manager.reload()
     return aside
 
+  def _checksums(self, step: int, saved_items: set[str]) -> dict[str, Any]:
+    """Checkpoint `step`'s checksums; CorruptCheckpointError when they are missing (a checkpoint
+    is never read unverified)."""
+    sums = None
+    if _CHECKSUMS in saved_items:
+      with contextlib.suppress(FileNotFoundError):  # the item's folder without its file
+        sums = self._manager.restore(
+          step, args=ocp.args.Composite(**{_CHECKSUMS: ocp.args.JsonRestore()})
+        )[_CHECKSUMS]
+    if not isinstance(sums, dict) or "leaves" not in sums:
+      raise CorruptCheckpointError(
+        f"checkpoint {step} in {self.directory} has no checksums: not read unverified"
+      )
+    return sums
+
   def _verify(self, step: int, state: Any, saved: list) -> None:
     """Raises CorruptCheckpointError naming the first array whose checksums differ."""
     got = state_checksums(state)
     if got != saved:
       bad = next((p for p, a, b in zip(_paths(state), got, saved, strict=False) if a != b), "")
-      self._corrupt(step, bad)
+      self._corrupt(step, f"state{bad}" if bad else "the state's tree")
 
-  def _corrupt(self, step: int, path: str) -> NoReturn:
-    where = f"state{path}" if path else "the state's tree"
+  def _verify_iterator(self, step: int, data_iter: Any, sums: Mapping[str, Any]) -> None:
+    """The restored iterator's state against this process's saved digest; every process learns
+    whether any differs (they fall back alike)."""
+    saved = sums.get(_DATA_ITER) or []
+    index = jax.process_index()
+    bad = index >= len(saved) or saved[index] != _iterator_digest(data_iter)
+    if jax.process_count() > 1:
+      bad = bool(np.any(multihost_utils.process_allgather(np.array(bad))))
+    if bad:
+      self._corrupt(step, "the data iterator state")
+
+  def _verify_config(self, step: int, config: Any, sums: Mapping[str, Any]) -> None:
+    if config is not None and sums.get(_CONFIG) != _digest(config):
+      self._corrupt(step, "the config")
+
+  def _corrupt(self, step: int, what: str) -> NoReturn:
     raise CorruptCheckpointError(
-      f"checkpoint {step} in {self.directory} is corrupt: the checksum of {where} differs"
+      f"checkpoint {step} in {self.directory} is corrupt: the checksum of {what} differs"
     )
 
   def restore_params(self, step: int, abstract_params: Any) -> Any:
     """Only the policy params of checkpoint `step` (`state.params`), restored into
     `abstract_params` (`jax.ShapeDtypeStruct`s with shardings) and verified against their saved
     checksums; nothing else is read."""
-    self._check_format(step)
+    saved = self._checksums(step, self._check_format(step))
     item = {"params": abstract_params}
     args = {
       _STATE: ocp.args.PyTreeRestore(
         item, restore_args=ocp.checkpoint_utils.construct_restore_args(item), partial_restore=True
       ),
-      _CHECKSUMS: ocp.args.JsonRestore(),
     }
     restored = self._manager.restore(step, args=ocp.args.Composite(**args))
     params = restored[_STATE]["params"]
-    saved = restored[_CHECKSUMS]
     by_path = dict(zip(saved["paths"], saved["leaves"], strict=True))
     for path, sums in zip(_paths(params), state_checksums(params), strict=True):
       # The params of a dataclass state (`.params`, TrainState) or of a dict (`['params']`).
       expected = by_path.get(f".params{path}", by_path.get(f"['params']{path}"))
       if expected != sums:
-        self._corrupt(step, f".params{path}")
+        self._corrupt(step, f"state.params{path}")
     return params
 
   def saved_arrays(self, step: int) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -251,12 +304,16 @@ class Checkpointer:
     return {jax.tree_util.keystr(p): (tuple(x.shape), str(x.dtype)) for p, x in leaves}
 
   def saved_config(self, step: int) -> dict[str, Any] | None:
-    """The config saved with checkpoint `step`, or None when it has none."""
-    if _CONFIG not in self._check_format(step):
+    """The config saved with checkpoint `step` (verified), or None when it has none."""
+    saved_items = self._check_format(step)
+    if _CONFIG not in saved_items:
       return None
-    return self._manager.restore(
+    sums = self._checksums(step, saved_items)
+    config = self._manager.restore(
       step, args=ocp.args.Composite(**{_CONFIG: ocp.args.JsonRestore()})
     )[_CONFIG]
+    self._verify_config(step, config, sums)
+    return config
 
   def _check_format(self, step: int) -> set[str]:
     """The item names of checkpoint `step`; FormatError unless its meta holds this FORMAT."""
@@ -350,6 +407,28 @@ def _jit_checksums(out_sharding):
   return jax.jit(
     lambda leaves: jnp.stack([_leaf_checksum(x) for x in leaves]), out_shardings=out_sharding
   )
+
+
+def _digest(data: Any) -> str:
+  """The SHA-256 of JSON data (keys sorted), hex."""
+  return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def _iterator_digest(data_iter: Any) -> str:
+  """The SHA-256 of a grain iterator's state: a dict (DatasetIterator) or JSON bytes
+  (DataLoader)."""
+  state = data_iter.get_state()
+  return _digest(json.loads(state) if isinstance(state, bytes) else state)
+
+
+def _iterator_digests(data_iter: Any) -> list[str]:
+  """`_iterator_digest` of every process's iterator, by process index (a collective)."""
+  digest = _iterator_digest(data_iter)
+  if jax.process_count() == 1:
+    return [digest]
+  words = np.frombuffer(bytes.fromhex(digest), np.uint8).astype(np.int32)
+  gathered = np.asarray(multihost_utils.process_allgather(words)).reshape(-1, words.size)
+  return [bytes(row.astype(np.uint8).tolist()).hex() for row in gathered]
 
 
 def _config_json(config: Mapping[str, Any]) -> dict[str, Any]:

@@ -194,7 +194,8 @@ def _checkpointer(config, workdir: str) -> checkpoint.Checkpointer:
   return checkpoint.Checkpointer(
     files.join(workdir, "checkpoints"),
     max_to_keep=config.checkpoint.max_to_keep,
-    save_every=config.checkpoint.every_steps,
+    every_steps=config.checkpoint.every_steps,
+    every_minutes=config.checkpoint.every_minutes,
   )
 
 

@@ -59,6 +59,7 @@ SAFE_KEYS = frozenset(
     "eval.num_samples",
     "eval.path",
     "checkpoint.every_steps",
+    "checkpoint.every_minutes",
     "checkpoint.max_to_keep",
     "rewards.workers",
     # The device layout: a checkpoint restores onto another mesh, and the math is the same.

@@ -134,7 +134,7 @@ def test_grain_iterator_resumes_at_the_same_element(tmp_path):
     np.testing.assert_array_equal(next(resumed), want)
 
 
-def test_keeps_the_last_n_and_save_every(tmp_path):
+def test_keeps_the_last_n_and_every_steps(tmp_path):
   abstract = _sharded_abstract(P(), P())
   state = _make_state(abstract)
   with checkpoint.Checkpointer(tmp_path / "a", max_to_keep=2) as ckpt:
@@ -142,14 +142,44 @@ def test_keeps_the_last_n_and_save_every(tmp_path):
       assert ckpt.save(step, state)
     ckpt.wait()
     assert ckpt.all_steps() == [4, 5]
-  with checkpoint.Checkpointer(tmp_path / "b", max_to_keep=None, save_every=3) as ckpt:
-    # Orbax always writes the first save; then multiples of 3; `force` overrides.
+  with checkpoint.Checkpointer(tmp_path / "b", max_to_keep=None, every_steps=3) as ckpt:
+    # Multiples of 3 (not orbax's "the first save always"); `force` overrides.
     saved = [step for step in range(1, 8) if ckpt.save(step, state)]
-    assert saved == [1, 3, 6]
+    assert saved == [3, 6]
     assert ckpt.save(7, state, force=True)
     assert not ckpt.save(7, state, force=True)  # already there: no error, nothing written
     ckpt.wait()
-    assert ckpt.all_steps() == [1, 3, 6, 7]
+    assert ckpt.all_steps() == [3, 6, 7]
+
+
+def test_every_minutes_saves_at_the_first_step_after_the_interval(tmp_path, monkeypatch):
+  clock = [1000.0]  # seconds
+  monkeypatch.setattr(checkpoint, "_now", lambda: clock[0])
+  state = _make_state(_sharded_abstract(P(), P()))
+  ticks = {1: 20, 2: 20, 3: 30, 4: 5, 5: 60, 6: 200, 7: 1, 8: 1, 9: 1, 10: 1}  # step -> s taken
+  with checkpoint.Checkpointer(
+    tmp_path / "t", max_to_keep=None, every_steps=0, every_minutes=1.0
+  ) as ckpt:
+    saved = []
+    for step, seconds in ticks.items():
+      clock[0] += seconds
+      if ckpt.save(step, state):
+        saved.append(step)
+    # 20+20+30 = 70 s at step 3; then 5+60 at step 5; 200 at step 6; then 4 s: nothing.
+    assert saved == [3, 5, 6]
+  # Both cadences: whichever comes first (every_steps=4: step 4 and 8; clock: 3, 6).
+  clock[0] = 0.0
+  with checkpoint.Checkpointer(
+    tmp_path / "b", max_to_keep=None, every_steps=4, every_minutes=1.0
+  ) as ckpt:
+    saved = []
+    for step, seconds in ticks.items():
+      clock[0] += seconds
+      if ckpt.save(step, state):
+        saved.append(step)
+    assert saved == [3, 4, 5, 6, 8]
+  with checkpoint.Checkpointer(tmp_path / "n", every_steps=0) as ckpt:  # both off: forced only
+    assert not ckpt.save(1, state) and ckpt.save(2, state, force=True)
 
 
 def test_restore_errors_are_clear(tmp_path):
@@ -373,7 +403,7 @@ def test_a_checkpoint_of_another_format_is_refused_with_what_to_do(tmp_path, mon
     ):
       message = _refusal(read)
       assert f"checkpoint 1 in {directory}: written by an older ebpo-jax" in message
-      assert "(checkpoint format absent, this one reads 1)" in message
+      assert f"(checkpoint format absent, this one reads {checkpoint.FORMAT})" in message
       assert "start a fresh workdir" in message
     assert ckpt.all_steps() == [1]  # refused, not moved aside as unusable
   monkeypatch.setattr(checkpoint, "FORMAT", checkpoint.FORMAT - 1)
