@@ -50,12 +50,23 @@ def parse_flags(argv: list[str]) -> list[str]:
   try:
     return flags.FLAGS(argv)
   except flags.Error as e:
-    usage_error(str(e))
+    usage_error(_without_traceback(str(e)))
   except (AttributeError, KeyError, TypeError):
     problem = _unknown_override(argv)
     if problem is None:
       raise
     usage_error(problem)
+
+
+def _without_traceback(message: str) -> str:
+  """A flag error as one line: ml_collections puts the traceback of a config file that raised
+  (`--config=F.py:ARG` with a mistyped ARG) under `flag --config=...: Error whilst parsing config
+  file:`; the flag and the exception's own last line stay."""
+  lines = [line for line in message.splitlines() if line.strip()]
+  if len(lines) == 1:
+    return message
+  flag = lines[0].split(": Error whilst parsing config file", 1)[0]
+  return f"{flag}: {lines[-1]}"
 
 
 def _unknown_override(argv: Sequence[str]) -> str | None:

@@ -57,23 +57,27 @@ def main(argv: Sequence[str]) -> None:
     config_lib.check_config(config, jax.device_count())
     config_lib.check_training(config)
     models.check_model_path(config)  # a missing or truncated model file: one line
+    # Bad rows stop here (one line per row), before config.json is written: the workdir is left
+    # as it was, and the corrected command runs on it.
+    inputs = task_rows.load_task_and_rows(config)
     with workdir_lib.claim(workdir, config):  # locked; config.json checked against this config
       name = banner_lib.config_name(
         config_flags.get_config_filename(flags.FLAGS["config"]),
         config_flags.get_override_values(flags.FLAGS["config"]),
       )
-      run(config, workdir, name=name)
+      run(config, workdir, inputs, name=name)
 
 
-def run(config: ml_collections.ConfigDict, workdir: str, *, name: str = "") -> dict:
-  """Trains (or resumes) under `config` in `workdir`; returns the last evaluation. `name`: the
-  config as the command line gave it, for the startup banner."""
+def run(config: ml_collections.ConfigDict, workdir: str, inputs: tuple, *, name: str = "") -> dict:
+  """Trains (or resumes) under `config` in `workdir` on `inputs` (`task_rows.load_task_and_rows`'
+  task, rows, cluster names and evaluation rows); returns the last evaluation. `name`: the config
+  as the command line gave it, for the startup banner."""
   started = time.perf_counter()
   sigterm = process.install_sigterm_flag()  # the whole run, the warm start included
   mesh = sharding.make_mesh(dict(config.mesh))
 
   # ---- Task and data.
-  task, rows, cluster_names, eval_rows = task_rows.load_task_and_rows(config)
+  task, rows, cluster_names, eval_rows = inputs
   tokenizer = task_rows.load_tokenizer(config, task)
   batches = data.make_batches(
     rows, batch_size=config.train.batch_size, order=config.data.order, seed=config.seed

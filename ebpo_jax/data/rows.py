@@ -15,6 +15,7 @@ import json
 import math
 import os
 import re
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -185,6 +186,14 @@ def _parsed(raw: bytes, where: str) -> Any:
     return json.loads(line)
   except json.JSONDecodeError as e:
     return DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno})")
+  except RecursionError:
+    return DataError(f"{where}: JSON nested too deeply for Python's parser")
+  except ValueError:  # Python's limit on the digits of an int (sys.get_int_max_str_digits)
+    longest = max((len(digits) for digits in re.findall(r"\d+", line)), default=0)
+    return DataError(
+      f"{where}: an integer of {longest} digits (more than Python reads, "
+      f"{sys.get_int_max_str_digits()})"
+    )
 
 
 def _parquet_records(path: str) -> Iterator[tuple[str, Any]]:

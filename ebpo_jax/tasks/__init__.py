@@ -17,6 +17,7 @@ import inspect
 from collections.abc import Mapping
 from typing import Any
 
+from ebpo_jax.errors import BadInput, ConfigError
 from ebpo_jax.tasks.base import Task, extract_final_answer
 
 TASKS: dict[str, str] = {
@@ -62,11 +63,21 @@ def from_config(task_config: Mapping[str, Any]) -> Task:
 
   `config.task.options` holds the keywords of every task (configs/common.py; None: the task's own
   default), so that any of them can be set from the command line; each task takes its own and
-  leaves the others, as the grpo estimator leaves `rl.ebpo.*`."""
-  cls, _ = _task_class(task_config["name"])
+  leaves the others, as the grpo estimator leaves `rl.ebpo.*`. An unknown name or a bad option is
+  a ConfigError of one line naming the key."""
+  name = task_config["name"]
+  try:
+    cls, _ = _task_class(name)
+  except ValueError as e:
+    raise ConfigError(f"config.task.name={name!r}: {e}") from None
   known = set(_options_of(cls))
   options = {k: v for k, v in task_config["options"].items() if k in known and v is not None}
-  return get_task(task_config["name"], **options)
+  try:
+    return get_task(name, **options)
+  except BadInput:  # a rows file the task reads names itself (FILE:LINE)
+    raise
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f"config.task.options: task {name!r}: {e}") from None
 
 
 def _task_class(name: str) -> tuple[type, dict[str, Any]]:

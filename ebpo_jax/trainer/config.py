@@ -1,5 +1,6 @@
 """Checking every value of a config before anything compiles (`cli.load_config` loads it)."""
 
+import math
 import re
 from collections.abc import Sequence
 
@@ -46,6 +47,7 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   _require(rl.num_iterations >= 1, config, "rl.num_iterations", "must be >= 1")
   _require(tc.num_steps >= 0, config, "train.num_steps", "must be >= 0")
   _require(tc.batch_size >= 1, config, "train.batch_size", "must be >= 1")
+  _require(math.isfinite(tc.learning_rate), config, "train.learning_rate", "must be finite")
   _require(tc.learning_rate > 0, config, "train.learning_rate", "must be > 0")
   _require(tc.max_bad_steps >= 1, config, "train.max_bad_steps", "must be >= 1")
   _require(config.sampling.temperature > 0, config, "sampling.temperature", "must be > 0")
@@ -67,8 +69,16 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
     f"must lie in [0, sampling.max_new_tokens={config.sampling.max_new_tokens}]",
   )
   _require(rl.overlong_penalty >= 0, config, "rl.overlong_penalty", "must be >= 0")
-  _require(config.rl.loss.clip_low >= 0, config, "rl.loss.clip_low", "must be >= 0")
+  # The ratio's lower bound 1 - clip_low must stay positive.
+  _require(0 <= config.rl.loss.clip_low < 1, config, "rl.loss.clip_low", "must lie in [0, 1)")
   _require(config.rl.loss.clip_high >= 0, config, "rl.loss.clip_high", "must be >= 0")
+  _require(tc.mini_batch_size >= 1, config, "train.mini_batch_size", "must be >= 1")
+  _require(
+    tc.micro_batch_size >= 0,
+    config,
+    "train.micro_batch_size",
+    "must be >= 0 (0: a whole mini-batch)",
+  )
   _require(
     tc.batch_size % tc.mini_batch_size == 0,
     config,
@@ -118,6 +128,7 @@ def _data_shards(config, num_devices: int) -> int:
 
 # (key, lowest allowed value, whether the bound itself is allowed) of plain numeric keys.
 _BOUNDS = (
+  ("seed", 0, True),
   ("task.num_train", 1, True),
   ("task.num_eval", 1, True),
   ("eval.every_steps", 1, True),
@@ -140,6 +151,15 @@ _BOUNDS = (
   ("sft.learning_rate", 0, False),
   ("logging.samples_every", 0, True),
   ("logging.num_samples", 1, True),
+  # The random-init decoder's shape (a model.path brings its own; the defaults then stay).
+  ("model.num_layers", 1, True),
+  ("model.hidden_size", 1, True),
+  ("model.intermediate_size", 1, True),
+  ("model.num_heads", 1, True),
+  ("model.num_kv_heads", 1, True),
+  ("model.head_dim", 1, True),
+  ("model.rope_theta", 0, False),
+  ("model.vocab_size", 0, True),  # 0: the tokenizer's
 )
 _DTYPES = ("float32", "bfloat16")
 
@@ -151,6 +171,14 @@ def _check_counts_and_rates(config: ml_collections.ConfigDict) -> None:
     value = _get(config, key)
     ok = value >= low if inclusive else value > low
     _require(ok, config, key, f"must be {'>=' if inclusive else '>'} {low}")
+  model = config.model
+  _require(
+    model.num_heads % model.num_kv_heads == 0,
+    config,
+    "model.num_kv_heads",
+    f"must divide model.num_heads={model.num_heads}",
+  )
+  _require(math.isfinite(model.rope_theta), config, "model.rope_theta", "must be finite")
   _choice(config, "model.dtype", _DTYPES)
   _choice(config, "model.param_dtype", _DTYPES)
   _check_lora(config)

@@ -1,5 +1,7 @@
 """Bad input on the command line, as a process: a typo in a `--config.KEY` override is one line
-with the closest key, in each entry point that takes a config; `--print_config` prints and exits."""
+with the closest key, in each entry point that takes a config; `--print_config` prints and exits;
+bad config values and rows files are one line and status 2 before anything compiles, leaving the
+workdir as it was."""
 
 import json
 
@@ -33,3 +35,72 @@ def test_print_config_prints_the_resolved_config_and_exits(tmp_path):
   assert printed["rl"]["group_size"] == 8 and printed["seed"] == 3
   assert printed["task"]["name"] == "arithmetic" and "checkpoint" in printed
   assert not (tmp_path / "run").exists()  # nothing written, nothing compiled
+
+
+# ----------------------------------------------------------------------------- bad starts
+
+# (arguments, the start of the one line after "error: "): each gave a traceback, failed late
+# (after the warm start), or was accepted. All run in one process (trainer_starts: a fork each).
+BAD_STARTS = [
+  (["--config.train.mini_batch_size=0"], "config.train.mini_batch_size=0: must be >= 1"),
+  (["--config.train.micro_batch_size=-1"], "config.train.micro_batch_size=-1: must be >= 0"),
+  (["--config.model.num_layers=0"], "config.model.num_layers=0: must be >= 1"),
+  (["--config.model.hidden_size=0"], "config.model.hidden_size=0: must be >= 1"),
+  (["--config.model.num_heads=0"], "config.model.num_heads=0: must be >= 1"),
+  (["--config.model.head_dim=-1"], "config.model.head_dim=-1: must be >= 1"),
+  (["--config.model.intermediate_size=0"], "config.model.intermediate_size=0: must be >= 1"),
+  (["--config.model.num_kv_heads=3"], "config.model.num_kv_heads=3: must divide model.num_heads"),
+  (["--config.train.learning_rate=inf"], "config.train.learning_rate=inf: must be finite"),
+  (["--config.rl.loss.clip_low=2"], "config.rl.loss.clip_low=2.0: must lie in [0, 1)"),
+  (["--config.model.rope_theta=0"], "config.model.rope_theta=0.0: must be > 0"),
+  (["--config.model.vocab_size=-5"], "config.model.vocab_size=-5: must be >= 0"),
+  (["--config.seed=-1"], "config.seed=-1: must be >= 0"),
+  (["--config.task.name=nope"], "config.task.name='nope': unknown task 'nope'; known: "),
+  (["--config.task.options.ops=('pow',)"], "config.task.options: task 'arithmetic': "),
+  (["--config=configs/arith_ebpo.py:runlcal"], "flag --config=configs/arith_ebpo.py:runlcal: "),
+  # Rows ({rows}: a folder of the files ROWS_FILES writes): a traceback each, and config.json was
+  # written before the rows were read, so that the corrected command was refused.
+  (["--config.data.path={rows}/deep.jsonl"], "{rows}/deep.jsonl:2: JSON nested too deeply"),
+  (["--config.data.path={rows}/digits.jsonl"], "{rows}/digits.jsonl:1: an integer of 5001 digits"),
+  (["--config.data.path=/nonexistent.jsonl"], "/nonexistent.jsonl: no such file"),
+]
+ROWS_FILES = {
+  "deep.jsonl": '{"prompt": "1+1=", "answer": "2"}\n' + "[" * 100_000 + "]" * 100_000 + "\n",
+  "digits.jsonl": '{"prompt": "1+1=", "answer": "2", "n": ' + "9" * 5001 + "}\n",
+}
+
+
+@pytest.fixture(scope="module")
+def bad_starts(tmp_path_factory) -> tuple[list[tuple[dict, object]], object]:
+  """([(the trainer's exit status and stderr, its workdir) of each of BAD_STARTS], the folder of
+  the rows files)."""
+  from tests.helpers.configs import ARITH
+  from tests.helpers.trainer_starts import starts
+
+  root = tmp_path_factory.mktemp("bad_starts")
+  for name, text in ROWS_FILES.items():
+    (root / name).write_text(text)
+  argvs = [
+    [f"--config={ARITH}", f"--workdir={root / str(i)}", *(a.format(rows=root) for a in args)]
+    for i, (args, _) in enumerate(BAD_STARTS)
+  ]
+  workdirs = [root / str(i) for i in range(len(argvs))]
+  return list(zip(starts(argvs), workdirs, strict=True)), root
+
+
+@pytest.mark.parametrize("index", range(len(BAD_STARTS)), ids=lambda i: BAD_STARTS[i][0][-1][-34:])
+def test_a_bad_start_is_one_line_and_status_2_before_anything_compiles(bad_starts, index):
+  (result, workdir), (_, message) = bad_starts[0][index], BAD_STARTS[index]
+  lines = result["stderr"].strip().splitlines()
+  assert result["status"] == 2 and len(lines) == 1, result["stderr"][-3000:]
+  assert lines[0].startswith(f"error: {message.format(rows=bad_starts[1])}"), lines[0]
+  assert not (workdir / "config.json").exists()  # the workdir is left as it was
+
+
+def test_the_corrected_command_runs_on_the_workdir_of_a_bad_start(bad_starts):
+  # The start on /nonexistent.jsonl wrote no config.json: its data.path is no change to refuse.
+  (_, workdir), (args, _) = bad_starts[0][-1], BAD_STARTS[-1]
+  assert args == ["--config.data.path=/nonexistent.jsonl"]
+  result = run_trainer(workdir, "--config.train.num_steps=0", timeout=300)
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert (workdir / "config.json").exists()

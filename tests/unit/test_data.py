@@ -69,13 +69,17 @@ GOOD = json.dumps({"prompt": "1+1=", "answer": "2", "cluster": 1})
     ('{"prompt": "1+1=", "answer": "2"}', "missing 'cluster' while earlier rows have one"),
     ('{"prompt": "1+1=", "answer": "2", "cluster": 0, "difficulty": "hard"}', "'difficulty'"),
     ('{"prompt": "1+1=", "answer": "2", "cluster": 0, "difficulty": NaN}', "finite number"),
+    # These two raised RecursionError and ValueError tracebacks out of json.loads.
+    ("[" * 100_000 + "]" * 100_000, "JSON nested too deeply"),
+    ('{"prompt": "1+1=", "answer": "2", "x": ' + "9" * 5001 + "}", "an integer of 5001 digits"),
   ],
+  ids=lambda v: v[:40] if isinstance(v, str) else None,
 )
 def test_bad_row_names_file_and_line(tmp_path, bad_line, message):
   path = _write_jsonl(tmp_path / "bad.jsonl", [GOOD, GOOD, bad_line, GOOD])
   with pytest.raises(DataError) as info:
     load_rows(path)
-  assert str(info.value).startswith(f"{path}:3: ")
+  assert str(info.value).startswith(f"{path}:3: ") and "\n" not in str(info.value)
   assert message in str(info.value)
   assert isinstance(info.value, ValueError)
 
