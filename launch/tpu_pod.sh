@@ -189,12 +189,13 @@ start_trainer() {
   # trainer's own pid to LOG.pid, so that --stop's SIGTERM reaches the trainer (which checkpoints
   # and exits with 143), then waits for it and writes its status to LOG.rc. That shell ignores
   # SIGTERM, so the status is written even when the signal goes to every process. The ssh command
-  # returns once LOG.pid is written (at most 10 s).
+  # returns once LOG.pid is written (at most 10 s). Every value stays outside the remote double
+  # quotes: quote_words quotes it for the remote shell, whose double quotes would undo that.
   keeper="$train_cmd & echo \$! > $remote_pid; trap \"\" TERM; wait \$!; echo \$? > $remote_rc"
   on_workers all "cd $remote_repo || exit; rm -f $remote_pid $remote_rc; \
 setsid nohup bash -c $(quote_words "$keeper") > $remote_log 2>&1 < /dev/null & \
 for _ in \$(seq 100); do [ -s $remote_pid ] && exit; sleep 0.1; done; \
-echo \"error: the trainer did not start on \$(hostname); see $remote_log\" >&2; exit 1"
+echo \"error: the trainer did not start on \$(hostname); see\" $remote_log >&2; exit 1"
 }
 
 stream_worker0() {

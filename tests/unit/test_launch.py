@@ -222,6 +222,21 @@ def test_tpu_pod_passes_its_values_to_the_workers_literally(fake_pod, tmp_path, 
   assert not list(tmp_path.rglob("PWNED")) and not (ROOT / "PWNED").exists()
 
 
+def test_tpu_pod_names_the_log_of_a_trainer_that_did_not_start_without_running_it(fake_pod):
+  """The "trainer did not start" line names LOG as given: `$(...)` in it ran on every worker when
+  LOG was expanded inside the remote echo's double quotes."""
+  home, bin_dir, env = fake_pod
+  make_executable(bin_dir / "setsid", "#!/usr/bin/env bash\n")  # the trainer never starts
+  make_executable(bin_dir / "seq", "#!/usr/bin/env bash\n")  # no 10 s wait for its pid
+  variables = {**TPU_VARS, "LOG": "log$(touch pwned)", "INSTALL": "0", "PRECHECK": "0"}
+  result = run_script([LAUNCH / "tpu_pod.sh"], **variables, **env)
+  assert result.returncode != 0
+  assert f"error: the trainer did not start on {os.uname().nodename}; see {home}/log$(touch " in (
+    result.stderr
+  ), result.stderr
+  assert not list(home.parent.rglob("pwned")) and not (ROOT / "pwned").exists()
+
+
 def test_tpu_pod_stop_terminates_the_trainer_and_attach_reports_143(fake_pod):
   """--stop sends SIGTERM to the trainer itself (LOG.pid is its pid), which saves and exits with
   143; the launch's stream and a later --attach both end with that status."""
