@@ -67,9 +67,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.remat = "none"  # per-layer rematerialisation: none | full | dots | dots_no_batch
   # One rolled loop (False) compiles in a fraction of the time: the choice for deep models on TPU.
   config.model.unroll_layers = True  # training's layer loop unrolled (faster on XLA:CPU)
-  # Attention without a KV cache (training, reference log-probs, prefill): auto | xla | splash |
-  # cudnn; auto is splash on TPU, cudnn on NVIDIA GPUs, xla elsewhere (ebpo_jax.models.attention).
-  config.model.attention = "auto"
+  # Without a KV cache (training, reference log-probs, prefill); auto is splash on TPU, cudnn on
+  # NVIDIA GPUs, xla elsewhere; a kernel off its platform is emulated (ebpo_jax.models.attention).
+  config.model.attention = "auto"  # attention backend: auto | xla | splash | cudnn
   config.model.attention_block = 512  # splash's largest block, a multiple of 128; shorter: smaller
   config.model.chat_template = True  # a model directory's chat template wraps the prompts
   config.model.lora = ml_collections.ConfigDict()  # LoRA adapters (ebpo_jax.models.lora)
@@ -175,6 +175,12 @@ def get_config() -> ml_collections.ConfigDict:
   # Steps and evaluation, logging and checkpoint cadence may change on a resume; other changes from
   # WORKDIR/config.json stop it unless accepted here.
   config.workdir.accept_changes = ""  # comma-separated dotted keys, or "all"
+  # fresh: the run the workdir holds (config, metrics, checkpoints, plots) moves to
+  # WORKDIR/previous.<n>/, never deleted. resume_step: later checkpoints move to
+  # WORKDIR/checkpoints.dropped/, later metrics lines are dropped. Pass each once: a relaunch with
+  # it does it again.
+  config.workdir.fresh = False  # start over in a workdir that holds a run
+  config.workdir.resume_step = -1  # resume from this retained checkpoint; -1: the latest
 
   config.mesh = ml_collections.ConfigDict()  # device mesh; the product is the device count
   config.mesh.data = 1  # data-parallel replicas

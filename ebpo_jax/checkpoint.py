@@ -217,10 +217,28 @@ class Checkpointer:
       raise FileNotFoundError(f"no complete checkpoint in {self.directory}")
     raise CorruptCheckpointError(f"no checkpoint in {self.directory} restores: {'; '.join(failed)}")
 
-  def _move_aside(self, steps: list[int]) -> str:
-    """Moves the directories of `steps` (process 0) into `<directory>.unusable/`, as `<step>` or
+  def restore_and_drop_later(
+    self, step: int, abstract_state: Any, *, data_iter: Any = None
+  ) -> tuple[Any, dict[str, Any] | None]:
+    """`restore` of checkpoint `step`, then the later ones moved to `<directory>.dropped/` (the
+    run goes on from `step`: its saves of those steps must not be skipped as existing); one line
+    on stderr says so."""
+    state, config = self.restore(step, abstract_state, data_iter=data_iter)
+    later = [s for s in self.all_steps() if s > step]
+    if later:
+      aside = self._move_aside(later, suffix="dropped")
+      if jax.process_index() == 0:
+        print(
+          f"resuming from checkpoint {step}: later checkpoints {', '.join(map(str, later))} "
+          f"moved to {aside}",
+          file=sys.stderr,
+        )
+    return state, config
+
+  def _move_aside(self, steps: list[int], *, suffix: str = "unusable") -> str:
+    """Moves the directories of `steps` (process 0) into `<directory>.<suffix>/`, as `<step>` or
     `<step>.<n>` when that name is taken; every process then sees them gone. Returns the folder."""
-    aside = f"{self.directory.rstrip('/')}.unusable"
+    aside = f"{self.directory.rstrip('/')}.{suffix}"
     if jax.process_index() == 0:
       for step in steps:
         target, n = files.join(aside, str(step)), 1
@@ -314,6 +332,20 @@ class Checkpointer:
     )[_CONFIG]
     self._verify_config(step, config, sums)
     return config
+
+  def newest_config(self) -> tuple[int, dict[str, Any]] | None:
+    """(step, config) of the newest checkpoint whose saved config reads and verifies, or None;
+    FormatError as `saved_config` raises it."""
+    for step in reversed(self.all_steps()):
+      try:
+        config = self.saved_config(step)
+      except FormatError:
+        raise
+      except Exception:  # unusable: restore_latest says so when it gets there
+        continue
+      if config is not None:
+        return step, config
+    return None
 
   def _check_format(self, step: int) -> set[str]:
     """The item names of checkpoint `step`; FormatError unless its meta holds this FORMAT."""

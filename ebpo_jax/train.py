@@ -25,7 +25,18 @@ import tqdm
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from ebpo_jax import advantages, checkpoint, cli, data, files, jsonable, models, process, sharding
+from ebpo_jax import (
+  advantages,
+  checkpoint,
+  cli,
+  data,
+  errors,
+  files,
+  jsonable,
+  models,
+  process,
+  sharding,
+)
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.trainer import banner as banner_lib
 from ebpo_jax.trainer import config as config_lib
@@ -166,12 +177,18 @@ class _Run:
 
 
 def _restore(ckpt, abstract, config, model, mesh, batches) -> tuple[int, state_lib.TrainState]:
-  """(step, state) of the newest checkpoint that restores and verifies, the data iterator at its
-  position; one line and exit on a corrupt one."""
+  """(step, state) of the newest checkpoint that restores and verifies (`workdir.resume_step`:
+  that one, the later ones moved aside), the data iterator at its position; one line and exit
+  status 2 when none does."""
+  abstract_state, step = state_lib.checkpointed(abstract), config.workdir.resume_step
   try:
-    latest, state, _ = ckpt.restore_latest(state_lib.checkpointed(abstract), data_iter=batches)
+    if step >= 0:
+      state, _ = ckpt.restore_and_drop_later(step, abstract_state, data_iter=batches)
+      latest = step
+    else:
+      latest, state, _ = ckpt.restore_latest(abstract_state, data_iter=batches)
   except checkpoint.CorruptCheckpointError as e:
-    sys.exit(f"error: {e}")
+    raise errors.BadInput(str(e)) from None  # cli.entry_point: `error: ...`, exit status 2
   if abstract.base is not None:  # LoRA: the checkpoint holds the adapters, not the base
     state = state.replace(base=policy_lib.lora_base(config, model, mesh))
   return latest, state
@@ -196,7 +213,7 @@ def _evaluate(r: _Run, state: state_lib.TrainState) -> dict:
 
 def _checkpointer(config, workdir: str) -> checkpoint.Checkpointer:
   return checkpoint.Checkpointer(
-    files.join(workdir, "checkpoints"),
+    files.join(workdir, workdir_lib.CHECKPOINTS_DIR),
     max_to_keep=config.checkpoint.max_to_keep,
     every_steps=config.checkpoint.every_steps,
     every_minutes=config.checkpoint.every_minutes,

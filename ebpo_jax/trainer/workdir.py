@@ -18,6 +18,12 @@ before anything compiles; SAFE_KEYS (steps, evaluation, logging and checkpoint c
 ...) and the logging.* keys (SAFE_PREFIXES) may change on a resume;
 `--config.workdir.accept_changes=KEY,...` (or `all`) accepts others.
 
+A workdir without config.json compares the config saved in its newest checkpoint instead. A start
+on a workdir whose metrics.jsonl shows a run but that has no checkpoint to resume (checkpoints/
+deleted) stops with one line rather than starting over silently; `workdir.fresh=True` starts over,
+moving the old run to WORKDIR/previous.<n>/ (never deleting it); `workdir.resume_step=N` resumes
+from an older retained checkpoint.
+
 format.json beside it holds the workdir's format number (FORMAT); a workdir of another format (an
 older ebpo-jax's) is refused with one line, never migrated.
 """
@@ -29,7 +35,7 @@ import json
 import os
 import socket
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -38,11 +44,14 @@ import numpy as np
 from absl import flags
 from ml_collections import config_flags
 
-from ebpo_jax import cli, errors, files, jsonable
+from ebpo_jax import checkpoint, cli, errors, files, jsonable
+from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.metrics.log import flatten
 
 CONFIG_FILE = "config.json"
 LOCK_FILE = "lock"
+CHECKPOINTS_DIR = "checkpoints"  # WORKDIR/checkpoints/: the run's Checkpointer
+PREVIOUS_PREFIX = "previous."  # WORKDIR/previous.<n>/: a run that `workdir.fresh` moved aside
 # WORKDIR/format.json, {"format": FORMAT}: the layout of the workdir this code writes and reads
 # (config.json, metrics.jsonl, samples.jsonl, what ablations keep). Raise it when that layout
 # changes; a workdir of another format is refused, never migrated.
@@ -203,10 +212,18 @@ def saved_config(workdir: str) -> dict[str, Any] | None:
   return json.loads(files.read_text(path))
 
 
-def check_and_save_config(workdir: str, config: ml_collections.ConfigDict) -> None:
-  """Raises WorkdirError when WORKDIR/config.json differs from `config` in a key neither safe nor
-  accepted (`workdir.accept_changes`); else writes `config` as the new config.json."""
-  saved = saved_config(workdir)
+def check_and_save_config(
+  workdir: str,
+  config: ml_collections.ConfigDict,
+  *,
+  checkpointed: tuple[int, Mapping[str, Any]] | None = None,
+) -> None:
+  """Raises WorkdirError when WORKDIR/config.json (absent: the config of `checkpointed`, the
+  newest checkpoint's (step, config)) differs from `config` in a key neither safe nor accepted
+  (`workdir.accept_changes`); else writes `config` as the new config.json."""
+  saved, source = saved_config(workdir), files.join(workdir, CONFIG_FILE)
+  if saved is None and checkpointed is not None:
+    saved, source = checkpointed[1], files.join(workdir, CHECKPOINTS_DIR, str(checkpointed[0]))
   if saved is not None:
     changed = changed_keys(saved, config)
     safe = SAFE_KEYS | _accepted(config, changed)
@@ -214,7 +231,7 @@ def check_and_save_config(workdir: str, config: ml_collections.ConfigDict) -> No
     if refused:
       listing = ", ".join(f"{key} ({changed[key][0]!r} -> {changed[key][1]!r})" for key in refused)
       raise WorkdirError(
-        f"{files.join(workdir, CONFIG_FILE)}: the run used another config: {listing}; resume "
+        f"{source}: the run used another config: {listing}; resume "
         "with the same values, use another --workdir, or accept the change with "
         f"--config.workdir.accept_changes={','.join(refused)}"
       )
@@ -241,27 +258,108 @@ def _accepted(config: ml_collections.ConfigDict, changed: Mapping[str, Any]) -> 
 
 @contextlib.contextmanager
 def claim(workdir: str, config: ml_collections.ConfigDict) -> Iterator[None]:
-  """The workdir for the life of a run: locked, its config.json checked and written (process 0);
-  unlocked when the block ends (an exception or sys.exit included). Raises WorkdirError in every
-  process when process 0 could not claim it."""
-  held, error = None, None
+  """The workdir for the life of a run: locked, the old run moved aside (`workdir.fresh`), the
+  start checked against what the workdir holds and config.json written (process 0; the
+  checkpoints are read by every process, as orbax reads); unlocked when the block ends (an
+  exception or sys.exit included). Raises WorkdirError in every process when process 0 could not
+  claim it."""
+  held = []
+
+  def take() -> None:
+    held.append(lock(workdir, break_lock=config.workdir.break_lock))
+    _check_session_keys(config)
+    if config.workdir.fresh:
+      move_run_aside(workdir)
+
+  try:
+    _on_process_0(workdir, take)
+    steps, newest = _checkpoints(workdir)
+    _on_process_0(workdir, lambda: _check_start(workdir, config, steps, newest))
+    yield
+  finally:
+    for taken in held:
+      taken.release()
+
+
+def _on_process_0(workdir: str, fn: Callable[[], None]) -> None:
+  """Runs `fn` on process 0; its WorkdirError is raised in every process."""
+  error = None
   if jax.process_index() == 0:
     try:
-      held = lock(workdir, break_lock=config.workdir.break_lock)
-      check_and_save_config(workdir, config)
+      fn()
     except WorkdirError as e:
       error = e
-      if held is not None:
-        held.release()
   if not _everyone_agrees(error is None) and error is None:
     error = WorkdirError(f"process 0 could not claim {workdir} (its output says why)")
   if error is not None:
     raise error
-  try:
-    yield
-  finally:
-    if held is not None:
-      held.release()
+
+
+def _check_session_keys(config: ml_collections.ConfigDict) -> None:
+  resume_step = config.workdir.resume_step
+  if not isinstance(resume_step, int) or resume_step < -1:
+    raise WorkdirError(
+      f"config.workdir.resume_step={resume_step!r}: must be >= -1 (-1: the latest checkpoint)"
+    )
+  if config.workdir.fresh and resume_step >= 0:
+    raise WorkdirError(
+      f"config.workdir.resume_step={resume_step} with config.workdir.fresh=True: a fresh start "
+      "resumes nothing; pass one of them"
+    )
+
+
+def _checkpoints(workdir: str) -> tuple[list[int], tuple[int, dict[str, Any]] | None]:
+  """The steps of WORKDIR/checkpoints/ and the newest one's (step, config) (every process)."""
+  directory = files.join(workdir, CHECKPOINTS_DIR)
+  if not files.isdir(directory):
+    return [], None
+  # Not read_only (orbax warns twice then): the workdir is this run's, its lock held.
+  with checkpoint.Checkpointer(directory, max_to_keep=None) as ckpt:
+    return ckpt.all_steps(), ckpt.newest_config()
+
+
+def _check_start(workdir: str, config, steps: list[int], newest) -> None:
+  """What the workdir holds allows this start (a checkpoint to resume where metrics show a run,
+  the checkpoint `workdir.resume_step` names, the same config); then config.json is written."""
+  resume_step, checkpoints = config.workdir.resume_step, files.join(workdir, CHECKPOINTS_DIR)
+  if resume_step >= 0 and resume_step not in steps:
+    retained = ", ".join(map(str, steps)) or "none"
+    raise WorkdirError(
+      f"config.workdir.resume_step={resume_step}: no checkpoint of step {resume_step} in "
+      f"{checkpoints} (retained: {retained})"
+    )
+  metrics_path = files.join(workdir, metrics_lib.METRICS_FILE)
+  if not steps and files.exists(metrics_path):
+    logged = [record["step"] for record in metrics_lib.read_metrics(metrics_path)]
+    # Lines past step 0 follow checkpoint 0; a step-0 line alone, a kill before it (checkpoints/
+    # exists, since the Checkpointer opens before the metrics writer).
+    if logged and (max(logged) > 0 or not files.isdir(checkpoints)):
+      raise WorkdirError(
+        f"{workdir} holds a run (metrics.jsonl up to step {max(logged)}) but no checkpoint in "
+        f"{checkpoints} to resume from: put its checkpoints back, or start over with "
+        f"--config.workdir.fresh=True (the old run moves to {workdir}/{PREVIOUS_PREFIX}<n>/)"
+      )
+  check_and_save_config(workdir, config, checkpointed=newest)
+
+
+def move_run_aside(workdir: str) -> str | None:
+  """Moves everything in `workdir` but its lock and earlier moved runs into
+  WORKDIR/previous.<n>/ (the first free n from 1); returns that folder, or None when there was
+  nothing to move."""
+  names = [
+    name
+    for name in (files.listdir(workdir) if files.isdir(workdir) else [])
+    if name != LOCK_FILE and not name.startswith(PREVIOUS_PREFIX)
+  ]
+  if not names:
+    return None
+  n = 1
+  while files.exists(files.join(workdir, f"{PREVIOUS_PREFIX}{n}")):
+    n += 1
+  target = files.join(workdir, f"{PREVIOUS_PREFIX}{n}")
+  for name in names:
+    files.move_tree(files.join(workdir, name), files.join(target, name))
+  return target
 
 
 def _everyone_agrees(ok: bool) -> bool:

@@ -1,9 +1,11 @@
 """The workdir under two trainer processes: the second one stops on the lock, a changed config
-stops a run, a restart with nothing to restore starts afresh."""
+stops a run, deleted checkpoints stop it, workdir.fresh starts over, workdir.resume_step goes
+back to a retained checkpoint."""
 
 import shutil
 import time
 
+from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.trainer import workdir as workdir_lib
 from tests.helpers.processes import run_trainer
 from tests.helpers.runs import logged_steps
@@ -35,9 +37,49 @@ def test_two_trainers_a_changed_config_and_a_restart_with_nothing_to_restore(tmp
     "resume with the same values, use another --workdir, or accept the change with "
     "--config.workdir.accept_changes=rl.group_size"
   ]
-  # Nothing to restore (checkpoints deleted, or a kill before checkpoint 0): a fresh start, and
-  # metrics.jsonl holds its lines only.
+  # Checkpoints deleted under the run's metrics: one line and exit 2, not a silent fresh start.
   shutil.rmtree(tmp_path / "checkpoints")
-  again = run_trainer(tmp_path, "--config.train.num_steps=0")
+  lost = run_trainer(tmp_path, "--config.train.num_steps=0")
+  assert lost.returncode == 2
+  assert lost.stderr.strip().splitlines() == [
+    f"error: {tmp_path} holds a run (metrics.jsonl up to step 0) but no checkpoint in "
+    f"{tmp_path}/checkpoints to resume from: put its checkpoints back, or start over with "
+    f"--config.workdir.fresh=True (the old run moves to {tmp_path}/previous.<n>/)"
+  ]
+  # workdir.fresh: the old run moves to previous.1/, the new one starts (another config too).
+  again = run_trainer(
+    tmp_path,
+    "--config.train.num_steps=0",
+    "--config.rl.group_size=2",
+    "--config.workdir.fresh=True",
+  )
   assert again.returncode == 0, again.stderr[-3000:]
-  assert logged_steps(tmp_path) == [0]
+  assert logged_steps(tmp_path) == [0] and logged_steps(tmp_path / "previous.1") == [0]
+  assert (tmp_path / "checkpoints" / "0").is_dir()
+
+
+def _untimed(workdir) -> list[dict]:
+  """The run's metrics lines without their wall-clock timings."""
+  timings = metrics_lib.TIMING_KEYS
+  return [
+    {k: v for k, v in m.items() if k not in timings} for m in metrics_lib.read_metrics(workdir)
+  ]
+
+
+def test_resume_step_goes_back_to_a_retained_checkpoint(arith_run, tmp_path):
+  # 4 steps, checkpoints 0, 2, 4 kept; then back to checkpoint 2: steps 3 and 4 again, the
+  # metrics equal the straight run's (arith_run's), checkpoint 4 moved aside and written anew.
+  reference, _ = arith_run
+  args = ("--config.train.num_steps=4", "--config.checkpoint.max_to_keep=3")
+  first = run_trainer(tmp_path, *args)
+  assert first.returncode == 0, first.stderr[-3000:]
+  again = run_trainer(tmp_path, *args, "--config.workdir.resume_step=2")
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert f"later checkpoints 4 moved to {tmp_path}/checkpoints.dropped" in again.stderr
+  assert _untimed(tmp_path) == _untimed(reference)
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()) == [
+    "0",
+    "2",
+    "4",
+  ]
+  assert (tmp_path / "checkpoints.dropped" / "4").is_dir()

@@ -123,3 +123,19 @@ def test_an_iterator_state_of_bytes_is_covered_too(tmp_path):
     pytest.raises(checkpoint.CorruptCheckpointError, match="data iterator"),
   ):
     ckpt.restore(1, _abstract(), data_iter=iter(loader))
+
+
+def test_restore_and_drop_later_moves_the_later_checkpoints_aside(tmp_path, capsys):
+  directory = tmp_path / "ckpt"
+  after_1 = _two_checkpoints(directory)
+  resumed = _batches()
+  with checkpoint.Checkpointer(directory) as ckpt:
+    state, config = ckpt.restore_and_drop_later(1, _abstract(), data_iter=resumed)
+    assert int(state["step"]) == 1 and config == _CONFIG and ckpt.all_steps() == [1]
+    assert ckpt.save(2, _state(5.0), force=True)  # the run's new step 2, not skipped as existing
+  for want in after_1:
+    np.testing.assert_array_equal(next(resumed), want)
+  assert (tmp_path / "ckpt.dropped" / "2" / "state").is_dir()
+  assert capsys.readouterr().err.strip() == (
+    f"resuming from checkpoint 1: later checkpoints 2 moved to {directory}.dropped"
+  )
