@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+from ebpo_jax import files
 from ebpo_jax.trainer import workdir as workdir_lib
 from tests.helpers.checkpoints import save_checkpoint
 from tests.helpers.configs import arith_config
@@ -102,3 +103,14 @@ def test_resume_step_names_a_retained_checkpoint(checkpointed, tmp_path):
   assert "workdir.fresh" in _refusal(workdir, {"workdir.resume_step": 0, "workdir.fresh": True})
   assert ">= -1" in _refusal(workdir, {"workdir.resume_step": -2})
   _claim(workdir, {"workdir.resume_step": 0})
+
+
+def test_fresh_on_a_bucket(gcs_dir):
+  for name in (workdir_lib.CONFIG_FILE, "metrics.jsonl", "checkpoints/0/state/x", "lock"):
+    files.write_atomic(files.join(gcs_dir, name), name)
+  previous = workdir_lib.move_run_aside(gcs_dir)
+  assert previous == files.join(gcs_dir, "previous.1")
+  assert files.listdir(gcs_dir) == ["lock", "previous.1"]
+  assert files.walk_files(previous) == ["checkpoints/0/state/x", "config.json", "metrics.jsonl"]
+  assert files.read_text(files.join(previous, "metrics.jsonl")) == "metrics.jsonl"
+  assert workdir_lib.move_run_aside(gcs_dir) is None  # nothing left to move
