@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 
 from ebpo_jax import files, sharding
 from ebpo_jax.errors import ConfigError
-from ebpo_jax.models import gguf_io, hf_io, lora
+from ebpo_jax.models import attention, gguf_io, hf_io, lora
 from ebpo_jax.models.config import ModelConfig
 from ebpo_jax.models.decoder import Decoder
 
@@ -63,10 +63,13 @@ def model_dir(config: ml_collections.ConfigDict) -> str:
   return path
 
 
-def make_model(config: ml_collections.ConfigDict, vocab_size: int) -> Decoder:
+def make_model(
+  config: ml_collections.ConfigDict, vocab_size: int, device: jax.Device | None = None
+) -> Decoder:
   """The policy's module: the Hugging Face directory's architecture (no weights read), or a
   random-init decoder of `config.model`'s shape over `vocab_size` tokens; with LoRA adapters
-  when `model.lora.rank > 0` (base weights in `model.lora.base_dtype` if set)."""
+  when `model.lora.rank > 0` (base weights in `model.lora.base_dtype` if set), and the attention
+  backend `model.attention` resolves to on `device`'s platform (default: the first device)."""
   mc = config.model
   if mc.path:
     model_config = hf_io.pretrained_config(
@@ -78,7 +81,29 @@ def make_model(config: ml_collections.ConfigDict, vocab_size: int) -> Decoder:
     )
   else:
     model_config = random_init_config(mc, vocab_size)
+  model_config = with_attention(model_config, mc, device or jax.devices()[0])
   return Decoder(with_lora(model_config, mc.lora))
+
+
+def with_attention(
+  model_config: ModelConfig, mc: ml_collections.ConfigDict, device: jax.Device
+) -> ModelConfig:
+  """`model_config` with `config.model.attention` (`mc`) resolved for `device`'s platform
+  (`models.attention.resolve`) and its block size; ConfigError naming the key if unknown."""
+  try:
+    backend, emulate = attention.resolve(mc.attention, device)
+  except ValueError as e:
+    raise ConfigError(f"config.model.attention={mc.attention!r}: {e}") from e
+  if mc.attention_block <= 0 or mc.attention_block % 128:
+    raise ConfigError(
+      f"config.model.attention_block={mc.attention_block}: must be a positive multiple of 128"
+    )
+  return dataclasses.replace(
+    model_config,
+    attention=backend,
+    attention_emulate=emulate,
+    attention_block=mc.attention_block,
+  )
 
 
 def with_lora(model_config: ModelConfig, lc: ml_collections.ConfigDict) -> ModelConfig:

@@ -25,6 +25,8 @@ REMAT_POLICIES = {
 
 # The projections a LoRA adapter may sit on (`q` is `q_proj`, ...): models.lora.
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# The attention backends of the full forward and the prefill (models.attention; `auto` resolved).
+ATTENTION_BACKENDS = ("xla", "splash", "cudnn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +54,9 @@ class ModelConfig:
   lora_alpha: float = 16.0  # adapter output scaled by lora_alpha / lora_rank
   lora_targets: tuple[str, ...] = LORA_TARGETS
   lora_dropout: float = 0.0  # dropout rate of the adapters' input x (models.lora.DROPOUT_RNG)
+  attention: str = "xla"  # attention without a KV cache: xla | splash | cudnn (models.attention)
+  attention_block: int = 512  # splash's largest block (a multiple of 128)
+  attention_emulate: bool = False  # the kernel emulated: splash interpreted, cudnn through XLA
 
   @property
   def attention_bias(self) -> bool:
@@ -80,6 +85,10 @@ class ModelConfig:
       raise ValueError(f"lora_targets={self.lora_targets!r}; expected any of {LORA_TARGETS}")
     if not 0.0 <= self.lora_dropout < 1.0:
       raise ValueError(f"lora_dropout={self.lora_dropout} must lie in [0, 1)")
+    if self.attention not in ATTENTION_BACKENDS:
+      raise ValueError(f"attention={self.attention!r}; expected one of {ATTENTION_BACKENDS}")
+    if self.attention_block <= 0 or self.attention_block % 128:
+      raise ValueError(f"attention_block={self.attention_block} must be a positive multiple of 128")
     for name in ("dtype", "param_dtype"):
       jnp.dtype(getattr(self, name))  # raises on an unknown dtype name
     if self.rope_scaling is not None:

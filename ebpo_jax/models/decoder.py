@@ -30,10 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ebpo_jax.models import lora, shared_prefix
+from ebpo_jax.models import attention, lora, shared_prefix
 from ebpo_jax.models.config import REMAT_POLICIES, ModelConfig
-
-_NEG_INF = -1e30  # finite, so a query with no valid key gives a uniform (ignored) row, not NaN
 
 
 class KVCache(flax.struct.PyTreeNode):
@@ -183,41 +181,6 @@ class Projection(nn.Module):
     return y
 
 
-def _attention(q_bthd, k_bksd, v_bksd, valid_bts) -> jax.Array:
-  """Softmax attention with GQA over heads-first `[B, Hkv, S, D]` keys and values.
-
-  `valid_bts` marks allowed (query, key) pairs. Both matmuls run in the natural batched order
-  (batch b, k; the query's (g, t) rows), so XLA CPU transposes only the small query and output,
-  never the keys, values or scores. Returns [B,T,H,D].
-  """
-  b, t, h, d = q_bthd.shape
-  kv_heads = k_bksd.shape[1]
-  q_bkgtd = q_bthd.reshape(b, t, kv_heads, h // kv_heads, d).transpose(0, 2, 3, 1, 4)
-  scores = jnp.einsum(
-    "bkgtd,bksd->bkgts", q_bkgtd.astype(k_bksd.dtype), k_bksd, preferred_element_type=jnp.float32
-  )
-  scores = jnp.where(valid_bts[:, None, None], scores * d**-0.5, _NEG_INF)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_bksd.dtype)
-  out = jnp.einsum("bkgts,bksd->bkgtd", probs, v_bksd, preferred_element_type=jnp.float32)
-  return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, d)
-
-
-def _attend(q_bthd, k_btkd, v_btkd, valid) -> jax.Array:
-  """Attention without a cache: over the row (`valid` [B, T, T]), or in the shared-prefix layout
-  (`valid` a `shared_prefix.GroupedValid`) the prompt over itself and each completion over its
-  prompt, then itself. Returns [B,T,H,D]."""
-  heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
-  if not isinstance(valid, shared_prefix.GroupedValid):
-    return _attention(q_bthd, heads_first(k_btkd), heads_first(v_btkd), valid)
-  split = lambda x: shared_prefix.split(x, valid.groups)  # noqa: E731
-  (q_p, q_c), (k_p, k_c), (v_p, v_c) = split(q_bthd), split(k_btkd), split(v_btkd)
-  k_p, k_c, v_p, v_c = map(heads_first, (k_p, k_c, v_p, v_c))
-  out_p = _attention(q_p, k_p, v_p, valid.prompt)
-  prefixed = shared_prefix.prefixed
-  out_c = _attention(q_c, prefixed(k_p, k_c), prefixed(v_p, v_c), valid.completions)
-  return shared_prefix.merge(out_p, out_c)
-
-
 class Attention(nn.Module):
   """GQA self-attention with RoPE. With a cache, `layer_cache` is `(k, v, index)`: the new keys and
   values go into their slots, attention reads the written cache, and the updated `(k, v)` is
@@ -240,15 +203,15 @@ class Attention(nn.Module):
       q = RMSNorm(c, "head_dim", name="q_norm")(q)
       k = RMSNorm(c, "head_dim", name="k_norm")(k)
     q, k = apply_rope(q, sin_btd, cos_btd), apply_rope(k, sin_btd, cos_btd)
-    if layer_cache is None:
-      new_kv = None
-      out = _attend(q, k, v, valid_bts)
+    slots = None if layer_cache is None else layer_cache[0].shape[2]
+    if slots is None or attention.fresh_prefill(c.attention, slots, q.shape[1]):
+      out = attention.attend(q, k, v, valid_bts, c)
+      new_kv = None if layer_cache is None else _write_all(layer_cache, k, v)
     else:
       # The attention reads the written buffer, so it runs after the write and XLA updates the
       # per-layer buffer in place (a read of the old buffer beside the write would force a copy).
-      cache_k, cache_v, index = layer_cache
-      new_kv = (_write_slots(cache_k, k, index), _write_slots(cache_v, v, index))
-      out = _attention(q, *new_kv, valid_bts)
+      new_kv = _write_all(layer_cache, k, v)
+      out = attention.xla_attention(q, *new_kv, valid_bts)
     # One flat (h d) contraction: with two contracting axes XLA CPU transposed the o_proj kernel
     # on every call (inside the decode loop too).
     out = out.astype(x_bte.dtype).reshape(*out.shape[:2], h * d)
@@ -297,13 +260,6 @@ def _valid_slots(attention_mask_bt: jax.Array, cache: KVCache) -> jax.Array:
   t, s = attention_mask_bt.shape[1], cache.mask.shape[1]
   causal_ts = jnp.arange(s)[None, :] <= cache.index + jnp.arange(t)[:, None]
   return causal_ts[None] & _written_mask(cache, attention_mask_bt)[:, None, :]
-
-
-def _valid_pairs(attention_mask_bt: jax.Array) -> jax.Array:
-  """`[B, T, T]` bool without a cache: valid queries see the valid keys at or before them."""
-  t = attention_mask_bt.shape[1]
-  causal_tt = jnp.tril(jnp.ones((t, t), bool))
-  return causal_tt[None] & attention_mask_bt[:, None, :] & attention_mask_bt[:, :, None]
 
 
 class Decoder(nn.Module):
@@ -357,12 +313,10 @@ class Decoder(nn.Module):
                        nn.initializers.normal(0.02))  # fmt: skip
     x = jnp.take(embedding, input_ids, axis=0)
     sin, cos = rope_tables(c, positions)
-    if cache is not None:
+    if cache is not None and not attention.fresh_prefill(c.attention, cache.mask.shape[1], t):
       valid = _valid_slots(attention_mask, cache)
-    elif prefix_groups is not None:
-      valid = shared_prefix.valid_pairs(attention_mask, prefix_groups)
     else:
-      valid = _valid_pairs(attention_mask)
+      valid = attention.layout(c.attention, attention_mask, prefix_groups)
     if self.scan_layers:
       x, new_cache = self._scanned_layers()(x, (sin, cos, valid))[0], None
     else:
@@ -417,6 +371,12 @@ class Decoder(nn.Module):
       metadata_params={nn.PARTITION_NAME: "layers"},
     )
     return scanned(c, name="layers")
+
+
+def _write_all(layer_cache, k_btkd: jax.Array, v_btkd: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """One layer's `(k, v)` cache buffers with the T new keys and values in their slots."""
+  cache_k, cache_v, index = layer_cache
+  return _write_slots(cache_k, k_btkd, index), _write_slots(cache_v, v_btkd, index)
 
 
 def _write_slots(old_bksd: jax.Array, new_btkd: jax.Array, index: jax.Array) -> jax.Array:

@@ -18,7 +18,7 @@ alike for its G completions (the full layout drops each copy on its own): both a
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,16 +32,18 @@ class PrefixGroups(NamedTuple):
 
 
 class GroupedValid(NamedTuple):
-  """Allowed (query, key) pairs in the packed layout: `prompt` [B, P, P] and `completions`
-  [B*G, N, P+N], whose keys are the prompt's P then the completion's own N."""
+  """Attention validity in the packed layout, in the attention backend's form
+  (`models.attention.layout`): allowed (query, key) pairs, `prompt` [B, P, P] and `completions`
+  [B*G, N, P+N] (whose keys are the prompt's P then the completion's own N), or the same parts'
+  query and key token masks."""
 
-  prompt: jax.Array
-  completions: jax.Array
+  prompt: Any
+  completions: Any
 
   @property
   def groups(self) -> PrefixGroups:
-    num_prompts, prompt_len = self.prompt.shape[:2]
-    return PrefixGroups(prompt_len, self.completions.shape[0] // num_prompts)
+    num_prompts, prompt_len = jax.tree.leaves(self.prompt)[0].shape[:2]
+    return PrefixGroups(prompt_len, jax.tree.leaves(self.completions)[0].shape[0] // num_prompts)
 
 
 def split(x_bt: jax.Array, groups: PrefixGroups) -> tuple[jax.Array, jax.Array]:
@@ -68,18 +70,25 @@ def prefixed(prompts_bksd: jax.Array, completions_rknd: jax.Array) -> jax.Array:
 
 def causal_pairs(key_mask_bs: jax.Array, query_mask_bt: jax.Array) -> jax.Array:
   """`[B, T, S]` bool: the T queries are the last T of the S keys; a valid query sees the valid
-  keys at or before it (the full layout's rule, `decoder._valid_pairs`, is T = S)."""
+  keys at or before it (the full layout's rule, `attention.valid_pairs`, is T = S)."""
   t, s = query_mask_bt.shape[1], key_mask_bs.shape[1]
   causal_ts = jnp.arange(s)[None, :] <= (s - t) + jnp.arange(t)[:, None]
   return causal_ts[None] & key_mask_bs[:, None, :] & query_mask_bt[:, :, None]
 
 
-def valid_pairs(attention_mask_bt: jax.Array, groups: PrefixGroups) -> GroupedValid:
-  """The packed rows' attention validity from their token mask `[B, P + G*N]`."""
+def query_key_masks(attention_mask_bt: jax.Array, groups: PrefixGroups):
+  """The packed rows' `(query, key)` token masks from their token mask `[B, P + G*N]`: the
+  prompts' (`[B, P]` twice) and the completions' (`[B*G, N]`, `[B*G, P + N]`)."""
   prompt_mask, completion_mask = split(attention_mask_bt, groups)
   keys = jnp.concatenate(
     [jnp.repeat(prompt_mask, groups.group_size, axis=0), completion_mask], axis=1
   )
+  return (prompt_mask, prompt_mask), (completion_mask, keys)
+
+
+def valid_pairs(attention_mask_bt: jax.Array, groups: PrefixGroups) -> GroupedValid:
+  """The packed rows' allowed (query, key) pairs from their token mask `[B, P + G*N]`."""
+  (prompt_mask, _), (completion_mask, keys) = query_key_masks(attention_mask_bt, groups)
   return GroupedValid(
     prompt=causal_pairs(prompt_mask, prompt_mask),
     completions=causal_pairs(keys, completion_mask),
