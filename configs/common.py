@@ -137,8 +137,12 @@ def get_config() -> ml_collections.ConfigDict:
   config.sampling.compact = False  # decode in halving batches of the running rows
 
   config.rewards = ml_collections.ConfigDict()  # scoring the responses
-  config.rewards.workers = 0  # scorer processes; 0: score in this process
-  config.rewards.timeout_s = 5.0  # seconds per response before it scores 0 (workers > 0)
+  # Scorer processes. 0: the task's verifier scores in this process, and rewards.fns (user code)
+  # in one worker, so that a crash kills a worker, never the trainer.
+  config.rewards.workers = 0  # scorer processes (ebpo_jax/tasks/rewards.py)
+  # A function that times out workers + 1 times in a row (twice with one worker) is not called
+  # again in that batch: its other calls score 0, counted in reward/errors.
+  config.rewards.timeout_s = 5.0  # seconds per response before it scores 0
   # The training reward as a weighted sum of reward functions (ebpo_jax/tasks/reward_fns.py), terms
   # `[NAME=][WEIGHT*]FN`, FN a built-in (task, exact_match, math_verify, answer_format,
   # length_penalty) or package.module:function: "math_verify, 0.5*my_rewards:brevity".

@@ -8,17 +8,26 @@ in an undefined state.
 
 Reward functions (`reward_fns`: batch in, one float or None per completion out) run in the same
 pool, one completion per call, under the same rules (`score_rewards`); their values may be any
-finite float.
+finite float. They are the user's code, so they always run in workers: with `workers=0` the pool
+starts one worker for them on their first call (a function that kills its interpreter kills a
+worker, never the trainer), while the task's verifier still scores inline.
+
+A function whose calls time out more times in a row than there are workers (twice with one worker
+or inline) in one batch (one `score` or `score_rewards` call) is not called again in that batch:
+its remaining calls score 0 and are counted, each "not called". So a function that hangs on every
+input costs about two timeouts of wall time a batch, not one timeout per completion (32 x 5 s a
+step at the defaults), while a function that hangs on a few inputs still scores the others.
 
 The timeout of a call starts when the worker has unpickled it (importing the verifier's module the
 first time), so slow first imports do not count; unpickling has its own, long, `start_timeout_s`.
 So verifier modules should import their heavy dependencies at module level, not lazily inside
 the scoring function.
 
-`workers=0` scores inline in the calling process: exceptions still score 0 and are counted, but
-a timeout is enforced only on the main thread (SIGALRM via `signal.setitimer`; it would clash with a
-verifier that uses SIGALRM itself, like math-verify's own timeout), and a verifier that kills the
-process kills the trainer.
+`workers=0` scores the verifier inline in the calling process: exceptions still score 0 and are
+counted, but a timeout is enforced only on the main thread (SIGALRM via `signal.setitimer`; it
+would clash with a verifier that uses SIGALRM itself, like math-verify's own timeout), and a
+verifier that kills the process kills the trainer (the built-in tasks' verifiers are this
+project's code).
 """
 
 import collections
@@ -70,6 +79,7 @@ class RewardPool:
     if context == "forkserver":
       # Keep the trainer's __main__ (and JAX) out of the fork server.
       self._ctx.set_forkserver_preload([__name__])
+    self._inline = workers == 0  # the verifier inline; reward functions in a worker regardless
     self._workers = [_Worker.start(self._ctx) for _ in range(workers)]
     self._finalizer = weakref.finalize(self, _stop_all, self._workers)
 
@@ -84,7 +94,7 @@ class RewardPool:
     if len(responses) != len(rows):
       raise ValueError(f"{len(responses)} responses but {len(rows)} rows")
     calls = [(_call, (score_fn, r, row)) for r, row in zip(responses, rows, strict=True)]
-    results = self._call_all(calls, [score_fn])
+    results = self._call_all(calls, [score_fn], [0] * len(calls), inline=self._inline)
     errors = self._note_errors([message for ok, _, message in results if not ok], "verifier")
     rewards = np.array([value if ok else 0.0 for ok, value, _ in results], dtype=np.float32)
     return rewards, errors
@@ -106,7 +116,8 @@ class RewardPool:
       for _, fn in reward_fns
       for c, row, ex in zip(completions, rows, extras, strict=True)
     ]
-    results = self._call_all(calls, [fn for _, fn in reward_fns])
+    groups = [f for f in range(len(reward_fns)) for _ in completions]
+    results = self._call_all(calls, [fn for _, fn in reward_fns], groups, inline=False)
     names = [name for name, _ in reward_fns for _ in completions]
     failed = [f"{name}: {m}" for name, (ok, _, m) in zip(names, results, strict=True) if not ok]
     errors = self._note_errors(failed, "reward function")
@@ -114,15 +125,27 @@ class RewardPool:
     # float32 like the verifier's rewards: the same values after a gather over processes.
     return np.array(values, np.float32).reshape(len(reward_fns), len(completions)), errors
 
-  def _call_all(self, calls: list[tuple[Callable, tuple]], fns: Sequence[Callable]) -> list:
-    """(ok, value, message) of each `runner(*args)` of `calls`, in the workers or inline."""
+  def _call_all(
+    self,
+    calls: list[tuple[Callable, tuple]],
+    fns: Sequence[Callable],
+    groups: Sequence[int],
+    *,
+    inline: bool,
+  ) -> list:
+    """(ok, value, message) of each `runner(*args)` of `calls`, inline or in the workers (one
+    started when there are none); `groups[i]`: which of `fns` call i runs (the unit that timeouts
+    in a row drop, `_Breaker`)."""
     if not self._finalizer.alive:
       raise RuntimeError("this RewardPool is closed")
-    if not self._workers:
-      return _run_inline(calls, self.timeout_s)
+    if inline:
+      return _run_inline(calls, self.timeout_s, _Breaker(groups, limit=2))
     for fn in fns:
       _check_picklable(fn)
-    return self._run_all([pickle.dumps(call) for call in calls])
+    if not self._workers:  # the finalizer stops the workers of this same list
+      self._workers.append(_Worker.start(self._ctx))
+    breaker = _Breaker(groups, limit=len(self._workers) + 1)
+    return self._run_all([pickle.dumps(call) for call in calls], breaker)
 
   def _note_errors(self, errors: list[str], kind: str) -> int:
     self.last_errors = errors[:10]
@@ -130,26 +153,34 @@ class RewardPool:
       _log.warning("%d %s calls failed; first: %s", len(errors), kind, errors[0])
     return len(errors)
 
-  def _run_all(self, jobs: list[bytes]) -> list[tuple[bool, float, str]]:
+  def _run_all(self, jobs: list[bytes], breaker: "_Breaker") -> list[tuple[bool, float, str]]:
     """Runs the jobs; if interrupted (e.g. Ctrl-C), replaces the busy workers before re-raising,
     so that no stale result is read by a later call."""
     busy: dict[int, _Call] = {}  # worker slot -> its current call
     try:
-      return self._run(jobs, busy)
+      return self._run(jobs, busy, breaker)
     except BaseException:
       for slot in busy:
         self._replace(slot)
       raise
 
-  def _run(self, jobs: list[bytes], busy: dict[int, "_Call"]) -> list[tuple[bool, float, str]]:
+  def _run(
+    self, jobs: list[bytes], busy: dict[int, "_Call"], breaker: "_Breaker"
+  ) -> list[tuple[bool, float, str]]:
     """Hands jobs to idle workers and collects results, killing calls past their deadline."""
     results: list[tuple[bool, float, str] | None] = [None] * len(jobs)
     pending = collections.deque(range(len(jobs)))
     idle = list(range(len(self._workers)))
     while pending or busy:
       while pending and idle:
-        slot, index = idle.pop(), pending.popleft()
+        index = pending.popleft()
+        if breaker.dropped(index):
+          results[index] = breaker.NOT_CALLED
+          continue
+        slot = idle.pop()
         busy[slot] = self._send(slot, index, jobs[index])
+      if not busy:  # the rest were not called
+        continue
       now = time.monotonic()
       timeout = max(0.0, min(call.deadline for call in busy.values()) - now)
       by_conn = {self._workers[slot].conn: slot for slot in busy}
@@ -157,7 +188,9 @@ class RewardPool:
         slot = by_conn[conn]
         finished = self._receive(slot, busy[slot])
         if finished is not None:
-          results[busy.pop(slot).index] = finished
+          index = busy.pop(slot).index
+          results[index] = finished
+          breaker.note(index, timed_out=False)
           idle.append(slot)
       now = time.monotonic()
       for slot, call in list(busy.items()):
@@ -165,6 +198,7 @@ class RewardPool:
           phase = "running" if call.started else "starting"
           limit = self.timeout_s if call.started else self.start_timeout_s
           results[call.index] = (False, 0.0, f"timed out after {limit:g} s ({phase})")
+          breaker.note(call.index, timed_out=True)
           self._replace(slot)
           del busy[slot]
           idle.append(slot)
@@ -313,8 +347,26 @@ def _call_reward(
   return True, float(value), ""
 
 
+class _Breaker:
+  """Which calls of one batch are not made: those of a function (a group) whose last `limit`
+  finished calls all timed out (workers + 1: a function that hangs on every input fills all the
+  workers with hangs at once, while a few inputs that hang side by side do not drop it)."""
+
+  def __init__(self, groups: Sequence[int], limit: int):
+    self._groups, self._limit = groups, limit
+    self._in_a_row: dict[int, int] = collections.Counter()  # group -> timeouts in a row
+    self.NOT_CALLED = (False, 0.0, f"not called: timed out {limit} times in a row in this batch")
+
+  def note(self, index: int, *, timed_out: bool) -> None:
+    group = self._groups[index]
+    self._in_a_row[group] = self._in_a_row[group] + 1 if timed_out else 0
+
+  def dropped(self, index: int) -> bool:
+    return self._in_a_row[self._groups[index]] >= self._limit
+
+
 def _run_inline(
-  calls: list[tuple[Callable, tuple]], timeout_s: float
+  calls: list[tuple[Callable, tuple]], timeout_s: float, breaker: _Breaker
 ) -> list[tuple[bool, float, str]]:
   """`runner(*args)` of each call in this process, each with a SIGALRM timeout when on the main
   thread."""
@@ -327,7 +379,11 @@ def _run_inline(
   previous = signal.signal(signal.SIGALRM, on_alarm)
   try:
     results = []
-    for runner, args in calls:
+    for index, (runner, args) in enumerate(calls):
+      if breaker.dropped(index):
+        results.append(breaker.NOT_CALLED)
+        continue
+      timed_out = False
       try:  # the alarm may also fire just after the call returns, before it is disarmed
         signal.setitimer(signal.ITIMER_REAL, timeout_s)
         try:
@@ -335,7 +391,8 @@ def _run_inline(
         finally:
           signal.setitimer(signal.ITIMER_REAL, 0)
       except VerifierTimeout as e:
-        result = (False, 0.0, f"VerifierTimeout: {e}")
+        result, timed_out = (False, 0.0, f"VerifierTimeout: {e}"), True
+      breaker.note(index, timed_out=timed_out)
       results.append(result)
     return results
   finally:

@@ -1,7 +1,9 @@
 """Tests for tasks.reward_fns: the `config.rewards.fns` string, the weighted sum with None, the
 built-ins, and reward functions in the verifier pool (failures score 0 and are counted, a hang is
-bounded). The reward functions below are top-level, so that the workers can import them."""
+bounded, a crash leaves the trainer alive). The reward functions below are top-level, so that the
+workers can import them."""
 
+import os
 import time
 
 import numpy as np
@@ -27,6 +29,8 @@ def misbehaving(completions, rows, **extras):
     raise RuntimeError("reward bug")
   if c == "hang":
     time.sleep(60)
+  if c == "exit":
+    os._exit(3)
   return {"two": [1.0, 2.0], "str": ["1"], "nan": [float("nan")], "neg": [-3.0]}.get(c, [1.0])
 
 
@@ -148,3 +152,34 @@ def test_pool_bounds_a_hanging_reward_function():
     assert time.monotonic() - start < 10.0
     assert values.tolist() == [[0.0, 1.0]] and errors == 1
     assert pool.last_errors == ["m: timed out after 0.5 s (running)"]
+
+
+def test_reward_functions_never_run_in_the_trainer_process():
+  # workers=0 (the default) scores the task's verifier inline, but a reward function (user code)
+  # in a worker: one that kills the interpreter killed the trainer.
+  with RewardPool(workers=0, timeout_s=2.0) as pool:
+    named = [("m", misbehaving)]
+    values, errors = pool.score_rewards(named, ["exit", "ok"], [{}, {}], _extras(2))
+    assert values.tolist() == [[0.0, 1.0]] and errors == 1
+    assert pool.last_errors == ["m: worker died (exit code 3)"]
+    rewards, errors = pool.score(score_arithmetic, ["3"], [{"answer": "3"}])
+    assert rewards.tolist() == [1.0] and errors == 0
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_reward_function_whose_calls_time_out_in_a_row_is_dropped_for_the_batch(workers):
+  # 8 hangs at 0.5 s ran one after another, a timeout and a worker restart each (32 at the default
+  # 5 s: 160 s a step). After workers + 1 timeouts in a row (2 with one worker) the function's
+  # other calls in the batch score 0, counted, without being made; fewer drop nothing
+  # (test_pool_bounds_a_hanging_reward_function, test_rewards.py's two hangs on two workers); the
+  # other functions are scored.
+  limit = max(workers, 1) + 1
+  with RewardPool(workers=workers, timeout_s=0.5) as pool:
+    named = [("m", misbehaving), ("f", first_char)]
+    values, errors = pool.score_rewards(named, ["hang"] * 8, [{}] * 8, _extras(8))
+    assert values[0].tolist() == [0.0] * 8 and values[1].tolist() == [0.25] * 8
+    assert errors == 8
+  timed_out = pool.last_errors.count("m: timed out after 0.5 s (running)")
+  assert limit <= timed_out <= 2 * limit - 2  # and the calls in flight when it was dropped
+  not_called = f"m: not called: timed out {limit} times in a row in this batch"
+  assert pool.last_errors[timed_out:] == [not_called] * (8 - timed_out)
