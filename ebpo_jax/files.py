@@ -316,8 +316,9 @@ def _fsync_directory(directory: str) -> None:
 
 
 class Appender:
-  """Appends text to `path`. Locally an open file, flushed on `flush`; remotely the whole content
-  (what the file held when opened, then every append) is uploaded as one object on `flush`."""
+  """Appends text to `path`. Locally an open file, flushed on `flush` and fsync'ed on `sync`;
+  remotely the whole content (what the file held when opened, then every append) is uploaded as
+  one object on either."""
 
   def __init__(self, path: PathLike):
     self.path = os.fspath(path)
@@ -328,13 +329,22 @@ class Appender:
     else:
       makedirs(os.path.dirname(os.path.abspath(self.path)))
       self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (closed in close())
+    self._unsynced = False  # written to since the last sync
 
   def write(self, text: str) -> None:
+    self._unsynced = True
     if self._remote:
       self._content += text
       self._dirty = True
     else:
       self._file.write(text)
+
+  def sync(self) -> None:
+    """What was appended is durable: fsync'ed locally (when anything new was), uploaded remotely."""
+    self.flush()
+    if self._unsynced and not self._remote:
+      os.fsync(self._file.fileno())
+    self._unsynced = False
 
   def flush(self) -> None:
     if self._remote:

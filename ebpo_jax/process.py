@@ -1,7 +1,9 @@
-"""Setting up a process of an entry point: XLA:CPU's thread pools, `jax.distributed`, SIGTERM.
+"""Setting up a process of an entry point: XLA:CPU's thread pools, `jax.distributed`, SIGTERM and
+SIGINT.
 
 The first two run before anything touches a device (`cli.entry_point` calls them);
-`install_sigterm_flag` turns a preemption notice into a flag the trainer checks each step.
+`install_sigterm_flag` turns a preemption notice (or Ctrl-C) into a flag the trainer checks each
+step.
 """
 
 import os
@@ -77,33 +79,50 @@ def init_distributed() -> bool:
   return False
 
 
-# ----------------------------------------------------------------------------- SIGTERM
+# ----------------------------------------------------------------------------- SIGTERM, SIGINT
 
 
 class SigtermFlag:
-  """`.requested` becomes True when the process receives SIGTERM (preemption notice)."""
+  """`.requested` becomes True when the process receives SIGTERM (a preemption notice) or SIGINT
+  (Ctrl-C): the run stops at the next step boundary with a checkpoint either way. A second SIGINT
+  raises KeyboardInterrupt at once (the user wants out now)."""
+
+  _SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
   def __init__(self):
     self.requested = False
-    self._previous = signal.signal(signal.SIGTERM, self._handle)
+    self.signal_name = ""  # the first signal received, e.g. "SIGTERM"
+    self._previous = {signum: signal.signal(signum, self._handle) for signum in self._SIGNALS}
 
   def _handle(self, signum, frame) -> None:
-    del signum, frame
+    del frame
+    if self.requested and signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    if not self.requested:
+      self.signal_name = signal.Signals(signum).name
     self.requested = True
 
+  @property
+  def exit_status(self) -> int:
+    """128 + the signal's number, the status of a process that signal ended (143 for SIGTERM,
+    130 for SIGINT; 143 in a process that stops because another one got a signal)."""
+    return 128 + signal.Signals[self.signal_name or "SIGTERM"].value
+
   def requested_anywhere(self) -> bool:
-    """True if any process got SIGTERM; a collective, so call it on every process at once."""
+    """True if any process got SIGTERM or SIGINT; a collective, so call it on every process at
+    once."""
     if jax.process_count() == 1:
       return self.requested
     flags = multihost_utils.process_allgather(np.array(self.requested))
     return bool(np.any(flags))
 
   def uninstall(self) -> None:
-    """Puts back the SIGTERM handler that was there before."""
-    signal.signal(signal.SIGTERM, self._previous)
+    """Puts back the handlers that were there before."""
+    for signum, previous in self._previous.items():
+      signal.signal(signum, previous)
 
 
 def install_sigterm_flag() -> SigtermFlag:
-  """Installs a SIGTERM handler (main thread only) that sets a flag instead of exiting; the
-  trainer checks `flag.requested` each step, saves a checkpoint and exits cleanly."""
+  """Installs SIGTERM and SIGINT handlers (main thread only) that set a flag instead of exiting;
+  the trainer checks `flag.requested` each step, saves a checkpoint and exits cleanly."""
   return SigtermFlag()

@@ -227,17 +227,18 @@ def _start(r: _Run, model, mesh, workdir: str, state_args) -> tuple[state_lib.Tr
     r.config, model, mesh, r.rows, r.sampler, workdir=workdir, sigterm=r.sigterm
   )
   if r.sigterm.requested_anywhere():
-    _exit_on_sigterm("the warm start saved its own checkpoint")
+    _exit_on_signal(r.sigterm, "the warm start saved its own checkpoint")
   state = state_lib.create_state(*state_args, params)
   last_eval = _evaluate(r, state)
   r.writer.write(0, {**last_eval, metrics_lib.TIME_ELAPSED_S: time.perf_counter() - r.started})
   config = r.config
+  r.writer.sync()  # durable before the checkpoint commits
   r.ckpt.save(
     0, state_lib.checkpointed(state), data_iter=r.batches, config=config.to_dict(), force=True
   )
   r.writer.flush()
   if r.sigterm.requested_anywhere():
-    _exit_on_sigterm("saved the checkpoint of step 0")
+    _exit_on_signal(r.sigterm, "saved the checkpoint of step 0")
   r.ckpt.wait()  # checkpoint 0 is written: the warm start's own one is no longer needed
   return state, last_eval
 
@@ -246,7 +247,8 @@ def _loop(r: _Run, state: state_lib.TrainState, last_eval: dict) -> dict:
   """The RL steps from `state.step` to `train.num_steps`; returns the last evaluation. A step
   whose update was skipped (non-finite loss, grad norm or logits) is never checkpointed, so it
   cannot rotate the last good checkpoint out; its save, if one was due, is made at the next good
-  step. The count of bad steps in a row lives in the state."""
+  step. The count of bad steps in a row lives in the state; too many in a row exit (the last
+  good checkpoint kept) after the line of the step that made them too many."""
   config, save_owed = r.config, False
   start, num_steps = int(state.step), config.train.num_steps
   bar = tqdm.trange(
@@ -260,12 +262,19 @@ def _loop(r: _Run, state: state_lib.TrainState, last_eval: dict) -> dict:
       if (step + 1) % config.eval.every_steps == 0 or step + 1 == num_steps:
         last_eval = _evaluate(r, state)
         logged.update(last_eval)
-      _log_step(r, step + 1, logged, samples)
+      too_many_bad = bad_in_a_row >= config.train.max_bad_steps
+      _log_step(r, step + 1, logged, samples, always=too_many_bad)
+      if too_many_bad:
+        sys.exit(
+          f"error: non-finite loss or grad norm in {bad_in_a_row} steps in a row "
+          f"(train.max_bad_steps={config.train.max_bad_steps}); last good checkpoint kept"
+        )
       bar.set_postfix(
         reward=f"{logged[metrics_lib.REWARD_MEAN]:.3f}",
         acc=f"{last_eval.get(metrics_lib.EVAL_ACCURACY, float('nan')):.3f}",
       )
       stop = r.sigterm.requested_anywhere()  # every process saves and stops at the same step
+      r.writer.sync()  # metrics.jsonl durable before a checkpoint of this step commits
       if bad_in_a_row > 0:
         save_owed = True
       elif r.ckpt.save(
@@ -275,17 +284,16 @@ def _loop(r: _Run, state: state_lib.TrainState, last_eval: dict) -> dict:
         config=config.to_dict(),
         force=step + 1 == num_steps or stop or save_owed,
       ):
-        r.writer.flush()  # the metrics (remote: uploaded now and then) reach every checkpoint
+        r.writer.flush()  # TensorBoard's events too (metrics.jsonl: synced above)
         save_owed = False
       if stop:
-        _exit_on_sigterm(f"the checkpoint of step {r.ckpt.latest_step()} is the latest")
+        _exit_on_signal(r.sigterm, f"the checkpoint of step {r.ckpt.latest_step()} is the latest")
   return last_eval
 
 
 def _rl_step(r: _Run, state, step: int, *, first: bool):
   """One RL step: sample and score a batch, run the train step; (state, the step's logged
-  metrics, its sample completions table when due or None, bad steps in a row). Too many bad
-  steps in a row exit (the last good checkpoint kept)."""
+  metrics, its sample completions table when due or None, bad steps in a row)."""
   config = r.config
   t0 = time.perf_counter()
   keys = state_lib.step_keys(state.rng, state.step, config.rl.max_refill_rounds)
@@ -300,11 +308,6 @@ def _rl_step(r: _Run, state, step: int, *, first: bool):
     (step_metrics, aux.advantages, state.bad_steps)
   )
   t2 = time.perf_counter()
-  if bad_in_a_row >= config.train.max_bad_steps:
-    sys.exit(
-      f"error: non-finite loss or grad norm in {bad_in_a_row} steps in a row "
-      f"(train.max_bad_steps={config.train.max_bad_steps}); last good checkpoint kept"
-    )
   logged.update(host_metrics(step_metrics, rollout, r.cluster_names))
   logged.update(
     {
@@ -322,21 +325,24 @@ def _rl_step(r: _Run, state, step: int, *, first: bool):
   return state, logged, samples, bad_in_a_row
 
 
-def _log_step(r: _Run, step: int, logged: dict, samples: list[dict] | None) -> None:
-  """The metrics line of step `step` (every `train.log_every` steps, and with each evaluation)
-  and its sample completions table."""
+def _log_step(
+  r: _Run, step: int, logged: dict, samples: list[dict] | None, *, always: bool = False
+) -> None:
+  """The metrics line of step `step` (every `train.log_every` steps, with each evaluation, and
+  `always` for the step that stops the run) and its sample completions table."""
   logged[metrics_lib.TIME_ELAPSED_S] = time.perf_counter() - r.started
-  if step % r.config.train.log_every == 0 or metrics_lib.EVAL_ACCURACY in logged:
+  if always or step % r.config.train.log_every == 0 or metrics_lib.EVAL_ACCURACY in logged:
     r.writer.write(step, logged)
   if samples is not None:
     r.writer.write_samples(step, samples)
 
 
-def _exit_on_sigterm(saved: str) -> NoReturn:
-  """Exits with 143, the status of a process ended by SIGTERM (the run's ExitStack then waits for
-  the pending save and closes the metrics: a remote writer uploads its lines)."""
-  print(f"SIGTERM: {saved}; exiting", file=sys.stderr)
-  sys.exit(143)
+def _exit_on_signal(flag: process.SigtermFlag, saved: str) -> NoReturn:
+  """Exits with the status of a process ended by the signal received (143 for SIGTERM, 130 for
+  SIGINT; the run's ExitStack then waits for the pending save and closes the metrics: a remote
+  writer uploads its lines)."""
+  print(f"{flag.signal_name or 'SIGTERM'}: {saved}; exiting", file=sys.stderr)
+  sys.exit(flag.exit_status)
 
 
 def host_metrics(step_metrics: dict, rollout: rollouts_lib.Rollout, cluster_names) -> dict:

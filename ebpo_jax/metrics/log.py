@@ -126,6 +126,13 @@ class MetricsWriter:
       self._tb.flush()
     self._flushed_at = time.monotonic()
 
+  def sync(self) -> None:
+    """metrics.jsonl and samples.jsonl durable (fsync'ed locally, uploaded remotely): the trainer
+    calls it before each checkpoint save, so that no checkpoint commits ahead of its lines."""
+    for appender in (self._file, self._samples):
+      if appender is not None:
+        appender.sync()
+
   def close(self) -> None:
     """Flushes and closes every output (a remote writer uploads what it holds; wandb finishes)."""
     for appender in (self._file, self._samples):

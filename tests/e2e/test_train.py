@@ -20,7 +20,7 @@ from tests.helpers import ROOT
 from tests.helpers.checkpoints import restore_run_state
 from tests.helpers.configs import arith_config
 from tests.helpers.processes import run_module, run_trainer
-from tests.helpers.runs import LORA_RUN
+from tests.helpers.runs import LORA_RUN, logged_steps
 
 REQUIRED_KEYS = {
   "step",
@@ -201,6 +201,7 @@ def test_non_finite_steps_in_a_row_abort_with_a_clear_message(tmp_path):
   assert "non-finite loss or grad norm in 3 steps in a row" in message
   assert "train.max_bad_steps=3" in message
   assert checkpoint.Checkpointer(tmp_path / "checkpoints").all_steps() == [0]
+  assert logged_steps(tmp_path) == [0, 1, 2, 3]  # the line of step 3, which stopped it, too
 
 
 def _wait_for_warm_start_progress(proc, timeout: float = 240) -> str:

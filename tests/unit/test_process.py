@@ -1,0 +1,36 @@
+"""The process set-up of ebpo_jax.process: SIGINT (Ctrl-C) stops a run as SIGTERM does, at a step
+boundary with a checkpoint; a second Ctrl-C interrupts at once."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from ebpo_jax import process
+
+
+def _raise_and_wait(flag: process.SigtermFlag, signum: int) -> None:
+  os.kill(os.getpid(), signum)
+  deadline = time.monotonic() + 5.0
+  while not flag.requested and time.monotonic() < deadline:
+    time.sleep(0.01)
+
+
+@pytest.mark.parametrize(
+  "signum, name, status", [(signal.SIGTERM, "SIGTERM", 143), (signal.SIGINT, "SIGINT", 130)]
+)
+def test_sigint_sets_the_flag_as_sigterm_does(signum, name, status):
+  # SIGINT raised KeyboardInterrupt wherever the run was: no checkpoint of the step reached.
+  flag = process.install_sigterm_flag()
+  try:
+    _raise_and_wait(flag, signum)
+    assert flag.requested and flag.requested_anywhere()
+    assert (flag.signal_name, flag.exit_status) == (name, status)
+    if signum == signal.SIGINT:  # a second Ctrl-C: the user wants out now
+      with pytest.raises(KeyboardInterrupt):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(1.0)
+  finally:
+    flag.uninstall()
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
