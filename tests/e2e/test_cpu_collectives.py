@@ -66,19 +66,20 @@ def test_back_to_back_collectives_on_8_cpu_devices_do_not_abort():
   assert result.stdout.startswith("done 8 "), result.stdout
 
 
-def test_trainer_on_8_cpu_devices_warm_start_and_20_rl_steps(tmp_path, monkeypatch):
+def test_trainer_on_8_cpu_devices_warm_start_and_2_rl_steps(tmp_path, monkeypatch):
   # The smallest trainer run that aborted before the fix: the tiny config's model with a 300-step
   # warm start (it aborted at warm-start step 48 and 91, in each of the runs watched); the default
   # config's 450 steps of a larger batch took 6 minutes a run on 2 busy cores and aborted at the
   # same place. One run: this checks that the trainer sizes its pools (the test above checks the
-  # sizing against the abort, with ten times the steps).
+  # sizing against the abort, with ten times the steps). The aborts came in the warm start's back
+  # to back steps, so the RL phase is 2 steps, not 20: 63 -> 52 CPU-s a run, the 300 kept.
   monkeypatch.delenv("PJRT_NPROC", raising=False)  # the trainer sizes its own pools
   result = run_trainer(
     tmp_path,
     "--config.sft.num_steps=300",
-    "--config.train.num_steps=20",
-    "--config.eval.every_steps=20",  # evaluation and checkpoint once, at the end
-    "--config.checkpoint.every_steps=20",
+    "--config.train.num_steps=2",
+    "--config.eval.every_steps=2",  # evaluation and checkpoint once, at the end
+    "--config.checkpoint.every_steps=2",
   )
   assert result.returncode == 0, result.stderr[-2000:]
   assert "Expected 8 threads to join the rendezvous" not in result.stderr
