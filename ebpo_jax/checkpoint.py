@@ -24,12 +24,13 @@ through `ebpo_jax.files`.
 
 import contextlib
 import functools
+import gc
 import hashlib
 import json
 import os
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, NoReturn
 
 import grain
@@ -198,7 +199,8 @@ class Checkpointer:
     failed = []
     for step in reversed(self.all_steps()):
       try:
-        state, config = self.restore(step, abstract_state, data_iter=data_iter)
+        with _abandoned_reads_unreported():
+          state, config = self.restore(step, abstract_state, data_iter=data_iter)
       except FormatError:  # refused as it is: not unusable, of another ebpo-jax
         raise
       except Exception as e:  # orbax and tensorstore raise many kinds; each means "unusable"
@@ -381,6 +383,21 @@ class Checkpointer:
 
   def __exit__(self, *exc_info) -> None:
     self.close()
+
+
+@contextlib.contextmanager
+def _abandoned_reads_unreported() -> Iterator[None]:
+  """Python's reports of what it cannot raise, silenced while one restore is tried: when one array
+  read fails, orbax abandons the others, and each abandoned coroutine (at its collection) printed
+  "Exception ignored in: <coroutine object _read_array_index_and_device_put ...>" with a traceback
+  and the TensorStore spec (about 130 lines under the one warning line that says what failed)."""
+  previous = sys.unraisablehook
+  sys.unraisablehook = lambda unraisable: None
+  try:
+    yield
+  finally:
+    gc.collect()  # the abandoned reads are collected here, still silenced
+    sys.unraisablehook = previous
 
 
 def _first_line(error: Exception) -> str:
