@@ -22,24 +22,14 @@ sizes are added to the sampler's. A phase fits when its bytes are at most the HB
 compiler makes available on the chip (CHIPS). A program that cannot fit does not compile at all:
 the compiler's RESOURCE_EXHAUSTED message gives the bytes it needed.
 
-FLOPs and bytes accessed are the compiler's `cost_analysis()` (per chip), which counts the body of a
-loop once, whatever its trip count: the layers under `nn.scan`, the micro-batches and updates of the
-train step (`lax.scan`), the sampler's decode `while_loop`. The correction comes from the program's
-jaxpr: the FLOPs (2 x M x N x K) and operand bytes of every `dot_general` are summed once with each
-loop body counted once, as the compiler counts (an unrolled scan's body once per copy), and once
-weighted by trip counts (a scan its length; the decode loop `max_new_tokens - 1` steps, every row
-running to the limit, which leaves a compacting decode's later stages with no step; a `cond` its
-largest branch). The compiler's FLOPs are scaled by the first ratio, its bytes by the second. This
-assumes the compiler's per-chip count is spread over the program like the dots are: close for FLOPs
-(matmuls are nearly all of them) and for the train step, whose work is all inside its loops; the
-sampler's bytes also scale what lies outside the decode loop (the prefill) by the loop's ratio, so
-they are an estimate, good to a small factor. The uncorrected counts and both ratios are in the JSON
-(`flops_counted_once`, `bytes_counted_once`, `loop_factor_*`).
-
-The roofline time of a program is max(FLOPs / peak FLOP/s, bytes / HBM bandwidth) per chip, from
-the published peaks in CHIPS; it leaves out collectives over the interconnect and the host. An RL
-step is one train step plus ceil(batch / prompts_per_call) sampler calls per rollout round. The
-two programs compile at once, in two threads (the compiler mostly keeps to one core).
+FLOPs, HBM bytes and collectives per chip, and the roofline, are `ebpo_jax.roofline`'s (its
+docstring states the method): the compiler's `cost_analysis()` corrected for loop trip counts, the
+Pallas kernels (splash attention: `model.attention` is `auto`, which is splash on TPU) counted from
+their shapes, causal masks and blocks, and the collectives of the compiled HLO at the chip's ICI
+bandwidth. The roofline time of a program is the largest of its compute-, HBM- and ICI-bound
+times; `roofline_to_compute` says how far it is off the compute limit. An RL step is one train step
+plus ceil(batch / prompts_per_call) sampler calls per rollout round. The two programs compile at
+once, in two threads (the compiler mostly keeps to one core).
 
 Last line of stdout: one JSON object (`topology`, `chips`, `fits`, `hbm_bytes_per_chip`,
 `train_step` and `sampler` with `bytes_per_chip`, `flops`, ...). Exit status 0 whether or not it
@@ -48,25 +38,23 @@ fits (launch/tpu_pod.sh reads `fits`); 2 with one line for a bad config or an un
 
 import concurrent.futures
 import dataclasses
-import itertools
 import json
 import math
 import os
 import re
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import ml_collections
 from absl import app, flags
-from jax.extend import core as jax_core
 from jax.sharding import Mesh
 
-from ebpo_jax import advantages, cli, errors, files, models, sampling, sharding
-from ebpo_jax.tpu import GIB, Chip, NoTpuCompiler, Slice, parse_slice, topology_devices
+from ebpo_jax import advantages, cli, errors, files, models, roofline, sampling, sharding
+from ebpo_jax.tpu import GIB, NoTpuCompiler, Slice, parse_slice, topology_devices
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import optimizer as optimizer_lib
 from ebpo_jax.trainer import prompts as prompts_lib
@@ -74,76 +62,6 @@ from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer import task_rows
 from ebpo_jax.trainer.rollout_options import SamplingOptions
 from ebpo_jax.trainer.step import StepOptions, abstract_batch, jit_train_step
-
-# ----------------------------------------------------------------------------- loop correction
-
-
-@dataclasses.dataclass
-class DotCount:
-  """FLOPs and operand bytes of a jaxpr's `dot_general`s, loop bodies counted once (`*_once`, as
-  the compiler's cost analysis counts them) and weighted by their trip counts."""
-
-  flops_once: float = 0.0
-  flops: float = 0.0
-  bytes_once: float = 0.0
-  bytes: float = 0.0
-
-  def add(self, other: "DotCount", trips: float, copies: int = 1) -> None:
-    """Adds `other`, a body that runs `trips` times and appears `copies` times in the compiled
-    program (an unrolled scan's body: the compiler counts each copy)."""
-    self.flops_once += copies * other.flops_once
-    self.bytes_once += copies * other.bytes_once
-    self.flops += trips * other.flops
-    self.bytes += trips * other.bytes
-
-
-def _nbytes(aval) -> int:
-  return math.prod(aval.shape) * aval.dtype.itemsize
-
-
-def _sub_jaxprs(value) -> list:
-  if isinstance(value, jax_core.ClosedJaxpr):
-    return [value.jaxpr]
-  if isinstance(value, jax_core.Jaxpr):
-    return [value]
-  if isinstance(value, tuple | list):
-    return [j for v in value for j in _sub_jaxprs(v)]
-  return []
-
-
-def count_dots(jaxpr: jax_core.Jaxpr, while_trips: int | Sequence[int]) -> DotCount:
-  """`DotCount` of `jaxpr` and everything nested in it. A `while` body runs `while_trips` times;
-  with a sequence, the k-th while loop met in program order runs `while_trips[k]` times (0 after
-  the sequence ends)."""
-  if isinstance(while_trips, int):
-    return _count_dots(jaxpr, itertools.repeat(while_trips))
-  return _count_dots(jaxpr, itertools.chain(while_trips, itertools.repeat(0)))
-
-
-def _count_dots(jaxpr: jax_core.Jaxpr, while_trips: Iterator[int]) -> DotCount:
-  total = DotCount()
-  for eqn in jaxpr.eqns:
-    name = eqn.primitive.name
-    if name == "dot_general":
-      (lhs_contract, _), _ = eqn.params["dimension_numbers"]
-      lhs = eqn.invars[0].aval
-      k = math.prod(lhs.shape[d] for d in lhs_contract)
-      flops = 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
-      nbytes = float(sum(_nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars)))
-      total.add(DotCount(flops, flops, nbytes, nbytes), 1)
-    elif name == "cond":  # one branch runs: the costliest
-      branches = [_count_dots(j, while_trips) for j in _sub_jaxprs(eqn.params["branches"])]
-      total.add(max(branches, key=lambda c: c.flops), 1)
-    else:
-      trips = {"scan": eqn.params.get("length", 1)}.get(name, 1)
-      if name == "while":
-        trips = next(while_trips)
-      copies = min(int(eqn.params.get("unroll", 1)), trips) if name == "scan" else 1
-      for value in eqn.params.values():
-        for sub in _sub_jaxprs(value):
-          total.add(_count_dots(sub, while_trips), trips, copies)
-  return total
-
 
 # ----------------------------------------------------------------------------- compiling
 
@@ -175,11 +93,12 @@ def make_target(config: ml_collections.ConfigDict, tpu: Slice, prompt_len: int =
   `prompt_len` 0: for a task's own rows (random-init models), the bucket of the longest training
   prompt, as the trainer pads them; otherwise the largest bucket (the worst case)."""
   config_lib.check_config(config, tpu.chips)
-  mesh = sharding.make_mesh(dict(config.mesh), topology_devices(tpu))
+  devices = topology_devices(tpu)
+  mesh = sharding.make_mesh(dict(config.mesh), devices)
   mc, num_clusters = config.model, 16
   if mc.path and _model_dir(mc.path):
     tokenizer = task_rows.load_tokenizer(config, task=None)
-    model = models.build.make_model(config, tokenizer.vocab_size)
+    model = models.build.make_model(config, tokenizer.vocab_size, devices[0])
   elif mc.path:
     if mc.vocab_size < 1:
       raise errors.ConfigError(
@@ -187,12 +106,14 @@ def make_target(config: ml_collections.ConfigDict, tpu: Slice, prompt_len: int =
         f"config.model.vocab_size (with the shape keys) to compile its shape"
       )
     model_config = models.build.random_init_config(mc, mc.vocab_size)
+    model_config = models.build.with_attention(model_config, mc, devices[0])
     model = models.Decoder(models.build.with_lora(model_config, mc.lora))
     tokenizer = None
   else:
     task, rows, cluster_names, _ = task_rows.load_task_and_rows(config)
     tokenizer = task_rows.load_tokenizer(config, task)
-    model, num_clusters = models.build.make_model(config, tokenizer.vocab_size), len(cluster_names)
+    model = models.build.make_model(config, tokenizer.vocab_size, devices[0])
+    num_clusters = len(cluster_names)
     # The bucket of the longest training prompt: the widest batch the run will compile.
     encoder = prompts_lib.PromptEncoder.from_config(config, task, tokenizer)
     prompt_len = prompt_len or encoder.prompts(rows)[0].shape[1]
@@ -232,27 +153,6 @@ def _memory(compiled) -> dict:
   return {"bytes_per_chip": total, **parts}
 
 
-def _costs(compiled, dots: DotCount, chip: Chip) -> dict:
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, list) else cost
-  flops_factor = dots.flops / dots.flops_once if dots.flops_once else 1.0
-  bytes_factor = dots.bytes / dots.bytes_once if dots.bytes_once else 1.0
-  flops = float(cost.get("flops", 0.0)) * flops_factor
-  nbytes = float(cost.get("bytes accessed", 0.0)) * bytes_factor
-  compute_s, memory_s = flops / chip.peak_flops, nbytes / chip.hbm_bandwidth
-  return {
-    "flops": flops,
-    "bytes_accessed": nbytes,
-    "flops_counted_once": float(cost.get("flops", 0.0)),
-    "bytes_counted_once": float(cost.get("bytes accessed", 0.0)),
-    "loop_factor_flops": flops_factor,
-    "loop_factor_bytes": bytes_factor,
-    "jaxpr_dots": dataclasses.asdict(dots),
-    "roofline_s": max(compute_s, memory_s),
-    "bound": "compute" if compute_s >= memory_s else "HBM",
-  }
-
-
 _NEEDED = re.compile(r"(?:required for HLO temporaries|Used) \(?([\d.]+)([KMGT])")
 
 
@@ -261,11 +161,11 @@ class Program:
   """A lowered program, its jaxpr's dot counts, and what its report adds (shard sizes)."""
 
   lowered: jax.stages.Lowered
-  dots: DotCount
+  dots: roofline.DotCount
   extra: dict
 
 
-def compile_program(program: Program, chip: Chip) -> dict:
+def compile_program(program: Program, tpu: Slice) -> dict:
   """Compiles a lowered program: its memory and costs, or, when the compiler finds that it does
   not fit, the bytes its message names and the message."""
   t0 = time.perf_counter()
@@ -280,7 +180,8 @@ def compile_program(program: Program, chip: Chip) -> dict:
     line = str(e).strip().splitlines()[0]
     result = {"bytes_per_chip": needed, "compile_error": line, "flops": None, "roofline_s": None}
     return {**result, **program.extra}
-  result = {**_memory(compiled), **_costs(compiled, program.dots, chip), **program.extra}
+  costs = roofline.costs(compiled, program.dots, tpu.chip, tpu.chips)
+  result = {**_memory(compiled), **costs, **program.extra}
   result["compile_s"] = time.perf_counter() - t0
   return result
 
@@ -301,7 +202,8 @@ def train_step_program(target: Target) -> Program:
   parts = state_bytes(state)
   extra = {"state_bytes": parts.pop("total"), "batch_bytes": _shard_bytes(batch)}
   extra.update({f"{k}_bytes": v for k, v in parts.items()})  # trained vs frozen, per chip
-  return Program(traced.lower(), count_dots(traced.jaxpr.jaxpr, while_trips=1), extra)
+  dots = roofline.count_dots(traced.jaxpr.jaxpr, 1, target.model.config.attention_block)
+  return Program(traced.lower(), dots, extra)
 
 
 def sampler_program(target: Target) -> Program:
@@ -317,7 +219,17 @@ def sampler_program(target: Target) -> Program:
   options = SamplingOptions.from_config(config).generate_options(
     tokenizer, group_size=config.rl.group_size, greedy=False
   )
-  traced = sampling.trace_generate(
+  traced = _trace_generate(target, ids, rows, replicated, scalar, options)
+  # Every row running to the cap (the worst case): the decode loop runs max_new_tokens - 1 steps;
+  # compacting, that is its first stage's loop, and the later (smaller) stages never run.
+  trips = (config.sampling.max_new_tokens - 1,)
+  dots = roofline.count_dots(traced.jaxpr.jaxpr, trips, target.model.config.attention_block)
+  extra = {"prompts_per_call": prompts, "calls_per_round": -(-config.train.batch_size // prompts)}
+  return Program(traced.lower(), dots, extra)
+
+
+def _trace_generate(target: Target, ids, rows, replicated, scalar, options: dict):
+  return sampling.trace_generate(
     target.model,
     target.params,
     jax.ShapeDtypeStruct(ids.shape, jnp.int32, sharding=rows),
@@ -325,24 +237,19 @@ def sampler_program(target: Target) -> Program:
     jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated),
     scalar,
     scalar,
-    mesh=mesh,
+    mesh=target.mesh,
     **options,
   )
-  # Every row running to the cap (the worst case): the decode loop runs max_new_tokens - 1 steps;
-  # compacting, that is its first stage's loop, and the later (smaller) stages never run.
-  dots = count_dots(traced.jaxpr.jaxpr, while_trips=(config.sampling.max_new_tokens - 1,))
-  extra = {"prompts_per_call": prompts, "calls_per_round": -(-config.train.batch_size // prompts)}
-  return Program(traced.lower(), dots, extra)
 
 
 def compile_train_step(target: Target) -> dict:
   """`train_step_program` compiled."""
-  return compile_program(train_step_program(target), target.tpu.chip)
+  return compile_program(train_step_program(target), target.tpu)
 
 
 def compile_sampler(target: Target) -> dict:
   """`sampler_program` compiled."""
-  return compile_program(sampler_program(target), target.tpu.chip)
+  return compile_program(sampler_program(target), target.tpu)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,7 +275,7 @@ def check(config: ml_collections.ConfigDict, tpu: Slice, prompt_len: int = 0) ->
   programs = [train_step_program(target), sampler_program(target)]
   # Two compiles at once: the compiler mostly runs on one thread.
   with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    train, sampler = pool.map(lambda p: compile_program(p, tpu.chip), programs)
+    train, sampler = pool.map(lambda p: compile_program(p, tpu), programs)
   resident = resident_while_sampling(target, train)
   sampler["resident_bytes"] = resident
   sampler["program_bytes"] = sampler["bytes_per_chip"]
@@ -427,10 +334,16 @@ def describe(report: dict) -> str:
       + (f" + waiting {_gb(p['resident_bytes'])}" if "resident_bytes" in p else "")
     )
     lines.append(
-      f"  {p['flops'] / 1e12:.1f} TFLOP and {_gb(p['bytes_accessed'])} accessed per chip (the "
-      f"compiler counts loop bodies once: x{p['loop_factor_flops']:.0f} FLOPs, "
-      f"x{p['loop_factor_bytes']:.0f} bytes by trip counts); roofline {p['roofline_s']:.2f} s, "
-      f"{p['bound']}-bound; compiled in {p['compile_s']:.0f} s"
+      f"  {p['flops'] / 1e12:.1f} TFLOP ({p['kernel_flops'] / 1e12:.1f} in kernels) and "
+      f"{_gb(p['bytes_accessed'])} accessed per chip (loop bodies x{p['loop_factor_flops']:.0f} "
+      f"FLOPs, x{p['loop_factor_bytes']:.0f} bytes by trip counts); "
+      f"{sum(c['count'] for c in p['collectives'].values()):.0f} collectives sending "
+      f"{_gb(p['collective_bytes'])}; compiled in {p['compile_s']:.0f} s"
+    )
+    lines.append(
+      f"  compute {p['compute_s']:.2f} s, HBM {p['hbm_s']:.2f} s, ICI {p['collective_s']:.2f} s: "
+      f"roofline {p['roofline_s']:.2f} s, {p['bound']}-bound, "
+      f"{p['roofline_to_compute'] or 0:.2f}x the compute time"
     )
   train = report["train_step"]
   if "params_bytes" in train:

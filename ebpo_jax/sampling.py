@@ -25,6 +25,7 @@ vocabulary costs ~0.1 s per step).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -263,7 +264,11 @@ def _generate(
   if not is_decode_params(params):
     params = unstack_layers(params)
   apply = functools.partial(per_layer.apply, {"params": params})
-  cache, first_logits_rv = _prefill(apply, model.config, prompt_ids_bp, prompt_mask_bp, width)
+  # Under the mesh: the prefill's attention kernel runs per shard (models.attention's shard_map).
+  with (
+    contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+  ):
+    cache, first_logits_rv = _prefill(apply, model.config, prompt_ids_bp, prompt_mask_bp, width)
   cache = loop.constrain_cache(_repeat_rows(cache, group_size), mesh)
   first_logits_rv = sharding.constrain_rows(jnp.repeat(first_logits_rv, group_size, axis=0), mesh)
   first_position_r = jnp.repeat(prompt_positions(prompt_mask_bp)[:, -1] + 1, group_size)

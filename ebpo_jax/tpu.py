@@ -24,15 +24,17 @@ class Chip:
   usable_hbm_bytes: int  # what the TPU compiler (libtpu 0.0.42) reports as available HBM
   cores_per_chip: int  # TensorCores a slice name counts per chip (v4-32, v5p-64: 2)
   dims: int  # torus dimensions (3: v4, v5p; 2: v5e, v6e)
+  ici_bandwidth: float  # bytes/s over the inter-chip interconnect, all links of the chip
 
 
-# Cloud TPU documentation, "TPU versions" (system architecture pages), per chip. The usable HBM is
-# the compiler's: "exceeds available HBM (95.74G)" for an oversized program, in GiB.
+# Cloud TPU documentation, "TPU versions" (system architecture pages), per chip; the ICI bandwidth
+# is the published Gbps / 8 (v4 2,400; v5e 1,600; v5p 4,800; v6e 3,584). The usable HBM is the
+# compiler's: "exceeds available HBM (95.74G)" for an oversized program, in GiB.
 CHIPS = {
-  "v4": Chip(275e12, 32 * GIB, 1200e9, int(30.75 * GIB), 2, 3),
-  "v5e": Chip(197e12, 16 * GIB, 819e9, int(15.75 * GIB), 1, 2),
-  "v5p": Chip(459e12, 95 * GIB, 2765e9, int(95.74 * GIB), 2, 3),
-  "v6e": Chip(918e12, 32 * GIB, 1640e9, int(31.25 * GIB), 1, 2),
+  "v4": Chip(275e12, 32 * GIB, 1200e9, int(30.75 * GIB), 2, 3, 300e9),
+  "v5e": Chip(197e12, 16 * GIB, 819e9, int(15.75 * GIB), 1, 2, 200e9),
+  "v5p": Chip(459e12, 95 * GIB, 2765e9, int(95.74 * GIB), 2, 3, 600e9),
+  "v6e": Chip(918e12, 32 * GIB, 1640e9, int(31.25 * GIB), 1, 2, 448e9),
 }
 _ALIASES = {"v5litepod": "v5e", "v5lite": "v5e"}  # gcloud's name for v5e slices
 _CHIP_COUNTS = {2: (1, 4, 8, 16, 32, 64, 128, 256), 3: (4, 8, 16, 32, 64, 128, 256, 512, 1024)}

@@ -9,12 +9,15 @@
   Padding tokens get segment id 0, valid ones 1: a valid query sees only valid keys. GQA runs
   natively (each kv head serves its q heads; nothing is repeated). Sequences are padded to a
   multiple of the block, `min(ModelConfig.attention_block, T rounded up to 128)`. Under a context
-  mesh (`jax.set_mesh`) the kernel runs per shard in `shard_map`: rows over ('data', 'fsdp'),
-  heads over 'tensor' (each only when it divides). On a platform without the kernel
-  (`ModelConfig.attention_emulate`) it runs in Pallas interpret mode, for tests on the CPU.
+  mesh (`jax.set_mesh`, or `jax.sharding.use_abstract_mesh` inside jit, as the train step and the
+  sampler's prefill trace) the kernel runs per shard in `shard_map`: rows over ('data', 'fsdp'),
+  heads over 'tensor' (each only when it divides); a Mosaic kernel is not partitioned otherwise.
+  On a platform without the kernel (`ModelConfig.attention_emulate`) it runs in Pallas interpret
+  mode, for tests on the CPU.
 - `cudnn`: `jax.nn.dot_product_attention(implementation="cudnn")`, cuDNN's fused attention on
-  NVIDIA GPUs; the validity goes in as its boolean mask (cuDNN turns it into an additive bias).
-  Emulated, it runs the same call with `implementation="xla"`.
+  NVIDIA GPUs; the validity goes in as its boolean mask (cuDNN turns it into an additive bias:
+  `[B, 1, T, S]` in the compute dtype, not the float32 scores, yet O(T^2); untimed on a GPU so
+  far). Emulated, it runs the same call with `implementation="xla"`.
 
 `auto` (`resolve`) is splash on TPU, cudnn on NVIDIA GPUs and xla elsewhere. Every backend takes
 the layout `layout` builds (query/key token masks for splash, allowed (query, key) pairs for the

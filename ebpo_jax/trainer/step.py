@@ -389,15 +389,16 @@ def jit_train_step(
   """`train_step` jitted as the trainer runs it: explicit state and batch shardings (so a second
   step hits the compile cache), metrics and aux replicated, the state donated. `on_trace` is
   called each time jit traces the step (a retrace counter)."""
-  fn = functools.partial(
+  step = functools.partial(
     train_step, model=model, optimizer=optimizer, estimator=estimator, options=options, mesh=mesh
   )
-  if on_trace is not None:
-    traced_fn = fn
 
-    def fn(state, batch):
+  def fn(state, batch):
+    if on_trace is not None:
       on_trace()
-      return traced_fn(state, batch)
+    # Under the mesh: the attention kernels run per shard (models.attention's shard_map).
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return step(state, batch)
 
   replicated = sharding.replicated(mesh)
   return jax.jit(

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from ebpo_jax import sharding
 from ebpo_jax.models import attention, shared_prefix
 from tests.helpers.tiny_decoder import BASE
 
@@ -114,3 +115,21 @@ def test_causal_density():
   # T = S = 4: 1 + 2 + 3 + 4 = 10 of 16 pairs; 2 queries after 3 keys: (4 + 5) / 10.
   assert attention.causal_density(4, 4) == 10 / 16
   assert attention.causal_density(2, 5) == 9 / 10
+
+
+def test_splash_per_shard_under_a_mesh_equals_xla():
+  """Under a context mesh the kernel runs in shard_map: rows over data x fsdp = 4, heads over
+  tensor = 2 (4 q heads, 2 kv heads), on 8 CPU devices."""
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  q, k, v = _qkv(4, 20, 4, 2)
+  mask = jnp.asarray(np.arange(20)[None] >= np.array([[0], [5], [19], [2]]))
+  want, want_grads = _outputs_and_grads(BASE, q, k, v, mask)
+  with jax.set_mesh(mesh):
+    got, got_grads = _outputs_and_grads(SPLASH, q, k, v, mask)
+    lowered = jax.jit(
+      lambda q: attention.attend(q, k, v, attention.layout("splash", mask, None), SPLASH)
+    )
+    assert "shard_map" in str(lowered.trace(q).jaxpr)
+  np.testing.assert_allclose(got, want, atol=ATOL, rtol=0)
+  for g, w in zip(got_grads, want_grads, strict=True):
+    np.testing.assert_allclose(g, w, atol=ATOL, rtol=0)

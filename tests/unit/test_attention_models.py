@@ -57,6 +57,8 @@ def test_train_step_params_after_two_steps_equal_xla():
   xla, splash = tiny_steps(), tiny_steps({"model.attention": "splash"})
   assert (xla.model.config.attention, splash.model.config.attention) == ("xla", "splash")
   state_x = state_s = xla.fresh_state()
+  # jit_train_step traces under its mesh (8 devices, fsdp): the kernel runs per shard.
+  assert "shard_map" in str(splash.step.trace(state_s, splash.place(splash.batch())).jaxpr)
   for seed in range(2):
     state_x, metrics_x, _ = xla(xla.batch(seed), state_x)
     state_s, metrics_s, _ = splash(splash.batch(seed), state_s)

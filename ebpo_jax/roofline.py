@@ -1,0 +1,305 @@
+"""What a compiled program costs per TPU chip: FLOPs, HBM bytes, collectives, and its roofline.
+
+The compiler's `cost_analysis()` counts the body of a loop once, whatever its trip count (the layers
+under `nn.scan`, the micro-batches, the decode `while_loop`), and about nothing for a custom call
+(a Pallas kernel). The method, in three parts:
+
+1. Loops. The FLOPs (2 x M x N x K) and operand bytes of every `dot_general` in the program's jaxpr
+   are summed once with each loop body counted once, as the compiler counts (an unrolled scan's body
+   once per copy), and once weighted by trip counts (a scan its length; each `while` the trip count
+   given in program order; a `cond` its costliest branch). The compiler's FLOPs are scaled by the
+   first ratio, its bytes by the second (`loop_factor_*`). This assumes the compiler's count is
+   spread over the program like the dots are: close for FLOPs (matmuls are nearly all of them).
+2. Kernels. Every `pallas_call` in the jaxpr is counted from its shapes instead (`kernel_cost`),
+   weighted by the trip counts around it, and added. Splash attention (`models.attention`) runs
+   causal masks with the queries the last of the keys, in blocks (`attention.block_size` of the
+   padded lengths): of the `Tq/bq x Tk/bkv` blocks per q head it computes those with any allowed
+   pair (block (i, j) when `j bkv <= (i + 1) bq - 1 + Tk - Tq`), each `c x bq x bkv x D` FLOPs with
+   c = 4 for the forward (QK^T, PV), 6 for the dq kernel (QK^T, dO V^T, dS K) and 8 for the dkv
+   kernel (QK^T, P^T dO, dO V^T, dS^T Q). Its HBM bytes: the query-side blocks (q, o, dO, dq: per q
+   head, read or written once) plus one key-side block pair (k and v, or q and dO for dkv) per
+   computed block (dkv: also k and v read, dk and dv written, per q head). A kernel of another
+   name is listed in `uncounted_kernels`.
+3. Collectives. Every all-reduce, all-gather, reduce-scatter, all-to-all and collective-permute in
+   the compiled HLO (the `-start` of an async pair), times the trip counts of the while loops
+   around it (`known_trip_count`, or the bound of the condition's `i < N`; else 1; a conditional's
+   branches all counted, an upper bound; the TPU compiler's all-reduce-scatter fusions as the
+   all-reduce inside them, up to twice the reduce-scatter's bytes), with the bytes a chip sends
+   over a ring of the op's group of n: all-reduce 2 (n-1)/n of its payload, all-gather and
+   all-to-all (n-1)/n of the result, reduce-scatter (n-1) x its result, a permute its payload.
+
+Per program: `compute_s` = FLOPs / peak, `hbm_s` = bytes / HBM bandwidth, `collective_s` = bytes
+sent / the chip's ICI bandwidth, `roofline_s` the largest of the three (collectives overlap
+compute on TPU), and `roofline_to_compute` = roofline_s / compute_s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+import re
+from collections.abc import Iterator, Sequence
+
+from jax.extend import core as jax_core
+
+from ebpo_jax.models import attention
+from ebpo_jax.tpu import Chip
+
+# FLOPs per (bq x bkv x D) block of each splash kernel, by the name its pallas_call carries.
+_SPLASH_MATMULS = {"fwd": 4, "dq": 6, "dkv": 8}
+
+
+@dataclasses.dataclass
+class DotCount:
+  """FLOPs and operand bytes of a jaxpr's `dot_general`s, loop bodies counted once (`*_once`, as
+  the compiler's cost analysis counts them) and weighted by their trip counts; and its kernels'
+  FLOPs and bytes counted from their shapes, weighted by trip counts."""
+
+  flops_once: float = 0.0
+  flops: float = 0.0
+  bytes_once: float = 0.0
+  bytes: float = 0.0
+  kernel_flops: float = 0.0
+  kernel_bytes: float = 0.0
+  kernels: int = 0
+  uncounted_kernels: list = dataclasses.field(default_factory=list)
+
+  def add(self, other: DotCount, trips: float, copies: int = 1) -> None:
+    """Adds `other`, a body that runs `trips` times and appears `copies` times in the compiled
+    program (an unrolled scan's body: the compiler counts each copy)."""
+    self.flops_once += copies * other.flops_once
+    self.bytes_once += copies * other.bytes_once
+    self.flops += trips * other.flops
+    self.bytes += trips * other.bytes
+    self.kernel_flops += trips * other.kernel_flops
+    self.kernel_bytes += trips * other.kernel_bytes
+    self.kernels += copies * other.kernels
+    self.uncounted_kernels += [
+      k for k in other.uncounted_kernels if k not in self.uncounted_kernels
+    ]
+
+
+def _nbytes(aval) -> int:
+  return math.prod(aval.shape) * aval.dtype.itemsize
+
+
+def _sub_jaxprs(value) -> list:
+  if isinstance(value, jax_core.ClosedJaxpr):
+    return [value.jaxpr]
+  if isinstance(value, jax_core.Jaxpr):
+    return [value]
+  if isinstance(value, tuple | list):
+    return [j for v in value for j in _sub_jaxprs(v)]
+  return []
+
+
+def count_dots(
+  jaxpr: jax_core.Jaxpr, while_trips: int | Sequence[int], attention_block: int = 512
+) -> DotCount:
+  """`DotCount` of `jaxpr` and everything nested in it. A `while` body runs `while_trips` times;
+  with a sequence, the k-th while loop met in program order runs `while_trips[k]` times (0 after
+  the sequence ends). Splash kernels are counted with blocks of at most `attention_block`."""
+  trips = itertools.repeat(while_trips) if isinstance(while_trips, int) else None
+  trips = trips or itertools.chain(while_trips, itertools.repeat(0))
+  return _count_dots(jaxpr, trips, attention_block)
+
+
+def _count_dots(jaxpr: jax_core.Jaxpr, while_trips: Iterator[int], block: int) -> DotCount:
+  total = DotCount()
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == "dot_general":
+      (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+      lhs = eqn.invars[0].aval
+      k = math.prod(lhs.shape[d] for d in lhs_contract)
+      flops = 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
+      nbytes = float(sum(_nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars)))
+      total.add(DotCount(flops, flops, nbytes, nbytes), 1)
+    elif name == "pallas_call":  # its body is the kernel's, not run once: counted from shapes
+      total.add(_kernel_count(eqn, block), 1)
+    elif name == "cond":  # one branch runs: the costliest
+      branches = [_count_dots(j, while_trips, block) for j in _sub_jaxprs(eqn.params["branches"])]
+      total.add(max(branches, key=lambda c: c.flops + c.kernel_flops), 1)
+    else:
+      trips = {"scan": eqn.params.get("length", 1)}.get(name, 1)
+      if name == "while":
+        trips = next(while_trips)
+      copies = min(int(eqn.params.get("unroll", 1)), trips) if name == "scan" else 1
+      for value in eqn.params.values():
+        for sub in _sub_jaxprs(value):
+          total.add(_count_dots(sub, while_trips, block), trips, copies)
+  return total
+
+
+def _kernel_count(eqn, block: int) -> DotCount:
+  kernel = str(eqn.params.get("name", "?"))
+  floats = [v.aval for v in eqn.invars if v.aval.dtype.kind == "f" and len(v.aval.shape) >= 3]
+  kind = kernel.split("_")[2] if kernel.startswith(("splash_mha_", "splash_mqa_")) else None
+  if kind not in _SPLASH_MATMULS or len(floats) < 2:
+    return DotCount(kernels=1, uncounted_kernels=[kernel])
+  flops, nbytes = kernel_cost(
+    kind, floats[0].shape, floats[1].shape, floats[0].dtype.itemsize, block
+  )
+  return DotCount(kernel_flops=flops, kernel_bytes=nbytes, kernels=1)
+
+
+def causal_blocks(q_len: int, kv_len: int, bq: int, bkv: int) -> int:
+  """Blocks of a `q_len x kv_len` causal mask (the queries the last of the keys) with an allowed
+  pair: the blocks splash computes."""
+  last_queries = ((i + 1) * bq - 1 + kv_len - q_len for i in range(q_len // bq))
+  return sum(min(kv_len // bkv, max(0, q // bkv + 1)) for q in last_queries)
+
+
+def kernel_cost(kind: str, q_shape, k_shape, itemsize: int, block: int) -> tuple[float, float]:
+  """`(FLOPs, HBM bytes)` of one splash kernel (`fwd`, `dq` or `dkv`) on queries `[..., H, Tq, D]`
+  and keys `[..., Hkv, Tk, D]` (padded; leading axes: rows), blocks of at most `block`."""
+  *rows, heads, q_len, d = q_shape
+  kv_len = k_shape[-2]
+  bq, bkv = attention.block_size(q_len, block), attention.block_size(kv_len, block)
+  blocks = math.prod(rows) * heads * causal_blocks(q_len, kv_len, bq, bkv)
+  flops = _SPLASH_MATMULS[kind] * blocks * bq * bkv * d
+  query_side = {"fwd": 2, "dq": 3, "dkv": 0}[kind] * math.prod(rows) * heads * q_len * d
+  streamed = blocks * 2 * d * (bq if kind == "dkv" else bkv)
+  written_kv = 4 * math.prod(rows) * heads * kv_len * d if kind == "dkv" else 0  # k, v; dk, dv
+  return float(flops), float(itemsize * (query_side + streamed + written_kv))
+
+
+# ----------------------------------------------------------------------------- collectives
+
+_COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_OP = re.compile(r"=\s*(.+?)\s+(" + "|".join(_COLLECTIVES) + r")(-start)?\(")
+_ARRAY = re.compile(r"\b(pred|[subf]\d+|bf16|f8\w*)\[([\d,]*)\]")
+_BITS = {"pred": 8, "bf16": 16}
+_CALLS = re.compile(r"\b(?:body|calls|to_apply|branch_computations)=\{?([%\w.\-, ]+)\}?")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
+def _array_bytes(shape_text: str) -> list[int]:
+  out = []
+  for dtype, dims in _ARRAY.findall(shape_text):
+    bits = 8 if dtype.startswith("f8") else _BITS.get(dtype) or int(dtype[1:])
+    out.append(math.prod(int(x) for x in dims.split(",") if x) * bits // 8)
+  return out
+
+
+def _group_size(line: str, default: int) -> int:
+  """The size of each of the op's groups: iota (`[groups,size]<=[n]`), mesh axes
+  (`mesh['a'=1,'b'=4] {'b'}`) or listed (`{{0,1},{2,3}}`) replica groups; none: all devices."""
+  iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", line)
+  if iota:
+    return int(iota[2])
+  mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+  if mesh:
+    sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", mesh[1])}
+    return math.prod(sizes[a] for a in re.findall(r"'([^']+)'", mesh[2]))
+  listed = re.search(r"replica_groups=\{\{([\d,]+)\}", line)
+  return len(listed[1].split(",")) if listed else default
+
+
+def _payload(kind: str, sizes: list[int], asynchronous: bool) -> int:
+  """An op's bytes from the arrays of its result: all of them (several operands reduced at once),
+  but of an async start's `(operand, result, ...)` the result (a reduce-scatter's: the smaller)."""
+  if not asynchronous or kind == "all-reduce":
+    return sum(sizes)
+  return min(sizes) if kind == "reduce-scatter" else max(sizes)
+
+
+def _sent_bytes(kind: str, payload: int, n: int) -> float:
+  if n <= 1:
+    return 0.0
+  share = {"all-reduce": 2 * (n - 1) / n, "reduce-scatter": n - 1, "collective-permute": 1.0}
+  return payload * share.get(kind, (n - 1) / n)
+
+
+def _while_trips(line: str, bodies: dict[str, list[str]]) -> int:
+  """A while op's trip count: XLA's `known_trip_count`, else the N of its condition's `i < N`
+  against a constant (the TPU compiler's text of a scan: i counts from 0), else 1."""
+  known = _TRIPS.search(line)
+  if known:
+    return int(known[1])
+  condition = re.search(r"condition=%?([\w.\-]+)", line)
+  cond = bodies.get(condition[1], []) if condition else []
+  constants = [re.search(r"s32\[\][^=]*constant\((\d+)\)", c) for c in cond]
+  bounds = [int(c[1]) for c in constants if c]
+  compares = [c for c in cond if "compare(" in c and "direction=LT" in c]
+  return bounds[0] if len(bounds) == 1 and len(compares) == 1 else 1
+
+
+def collectives(hlo_text: str, num_devices: int) -> dict[str, dict[str, float]]:
+  """Per collective kind, `count` and `bytes` (sent per chip) in one run of the compiled module,
+  the ops inside while loops weighted by their known trip counts (module docstring)."""
+  bodies: dict[str, list[str]] = {}
+  entry, name = None, None
+  for line in hlo_text.splitlines():
+    header = re.match(r"(ENTRY\s+)?%?([\w.\-]+)\s*\(", line)  # at column 0; instructions indent
+    if header and line.rstrip().endswith("{"):
+      name = header[2]
+      entry = name if header[1] else entry
+      bodies[name] = []
+    elif name is not None:
+      bodies[name].append(line)
+  memo: dict[str, dict[str, list[float]]] = {}
+
+  def total(comp: str) -> dict[str, list[float]]:
+    if comp in memo:
+      return memo[comp]
+    memo[comp] = {}
+    sums: dict[str, list[float]] = {}
+    for line in bodies.get(comp, []):
+      op = _OP.search(line)
+      if op:
+        kind, sizes = op[2], _array_bytes(op[1]) or [0]
+        payload = _payload(kind, sizes, asynchronous=bool(op[3]))
+        sent = _sent_bytes(kind, payload, _group_size(line, num_devices))
+        acc = sums.setdefault(kind, [0.0, 0.0])
+        acc[0], acc[1] = acc[0] + 1, acc[1] + sent
+      mult = _while_trips(line, bodies) if " while(" in line else 1
+      for called in _CALLS.findall(line):
+        for child in (c.strip().lstrip("%") for c in called.split(",")):
+          for kind, (count, sent) in total(child).items():
+            acc = sums.setdefault(kind, [0.0, 0.0])
+            acc[0], acc[1] = acc[0] + mult * count, acc[1] + mult * sent
+    memo[comp] = sums
+    return sums
+
+  found = total(entry) if entry else {}
+  return {kind: {"count": c, "bytes": b} for kind, (c, b) in sorted(found.items())}
+
+
+def costs(compiled, dots: DotCount, chip: Chip, num_devices: int) -> dict:
+  """The report's costs of a compiled program (module docstring)."""
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  flops_factor = dots.flops / dots.flops_once if dots.flops_once else 1.0
+  bytes_factor = dots.bytes / dots.bytes_once if dots.bytes_once else 1.0
+  flops = float(cost.get("flops", 0.0)) * flops_factor + dots.kernel_flops
+  nbytes = float(cost.get("bytes accessed", 0.0)) * bytes_factor + dots.kernel_bytes
+  ops = collectives(compiled.as_text(), num_devices)
+  sent = sum(op["bytes"] for op in ops.values())
+  times = {
+    "compute_s": flops / chip.peak_flops,
+    "hbm_s": nbytes / chip.hbm_bandwidth,
+    "collective_s": sent / chip.ici_bandwidth,
+  }
+  roofline = max(times.values())
+  return {
+    "flops": flops,
+    "bytes_accessed": nbytes,
+    "kernel_flops": dots.kernel_flops,
+    "kernel_bytes": dots.kernel_bytes,
+    "uncounted_kernels": dots.uncounted_kernels,
+    "flops_counted_once": float(cost.get("flops", 0.0)),
+    "bytes_counted_once": float(cost.get("bytes accessed", 0.0)),
+    "loop_factor_flops": flops_factor,
+    "loop_factor_bytes": bytes_factor,
+    "jaxpr_dots": dataclasses.asdict(dots),
+    "collectives": ops,
+    "collective_bytes": sent,
+    **times,
+    "roofline_s": roofline,
+    "roofline_to_compute": roofline / times["compute_s"] if times["compute_s"] else None,
+    "bound": {"compute_s": "compute", "hbm_s": "HBM", "collective_s": "ICI"}[
+      max(times, key=times.get)
+    ],
+  }

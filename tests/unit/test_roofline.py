@@ -1,0 +1,174 @@
+"""ebpo_jax.roofline: the loop correction of the compiler's cost analysis, the splash kernels
+counted from their shapes (against the XLA path's matmuls), and the collectives of compiled HLO."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+from ebpo_jax import roofline
+from ebpo_jax.models import attention
+
+# ----------------------------------------------------------------------------- loop correction
+
+
+def test_count_dots_weights_loop_bodies_by_their_trip_counts():
+  w, x = jnp.ones((16, 32)), jnp.ones((8, 16))
+
+  def f(w, x):
+    once = x @ w  # 2 * 8 * 16 * 32 = 8192 FLOPs
+    scanned = jax.lax.scan(lambda c, _: (c, c @ w), x, None, length=5)[1]  # 5 x 8192
+    looped = jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] @ w[:, :16]), (0, x))
+    return once, scanned, looped  # the while body: 2 * 8 * 16 * 16 = 4096 FLOPs
+
+  count = roofline.count_dots(jax.make_jaxpr(f)(w, x).jaxpr, while_trips=7)
+  assert count.flops_once == 8192 + 8192 + 4096  # each body once, as the compiler counts
+  assert count.flops == 8192 + 5 * 8192 + 7 * 4096
+  assert count.bytes == 6 * 4 * (8 * 16 + 16 * 32 + 8 * 32) + 7 * 4 * (8 * 16 + 16 * 16 + 8 * 16)
+
+
+def test_count_dots_counts_an_unrolled_scan_body_as_often_as_the_compiler_sees_it():
+  w, x = jnp.ones((16, 32)), jnp.ones((8, 16))  # c @ w: 8192 FLOPs
+
+  for unroll, copies in ((1, 1), (2, 2), (6, 6), (True, 6)):
+    scan = functools.partial(jax.lax.scan, length=6, unroll=unroll)
+    f = lambda w, x, scan=scan: scan(lambda c, _: (c, c @ w), x, None)[1]
+    count = roofline.count_dots(jax.make_jaxpr(f)(w, x).jaxpr, 1)
+    assert (count.flops_once, count.flops) == (copies * 8192, 6 * 8192), unroll
+
+
+def test_count_dots_gives_each_while_loop_its_own_trip_count_in_program_order():
+  # The compacting sampler's stages are while loops one after another; in the worst case (no row
+  # stops) the first runs to the cap and the later ones never run.
+  w, x = jnp.ones((16, 16)), jnp.ones((8, 16))  # c @ w: 4096 FLOPs
+
+  def f(w, x):
+    loop = lambda c: jax.lax.while_loop(lambda c: c[0] < 3, lambda c: (c[0] + 1, c[1] @ w), c)
+    return loop(loop((0, x)))
+
+  count = roofline.count_dots(jax.make_jaxpr(f)(w, x).jaxpr, while_trips=(7, 0))
+  assert (count.flops_once, count.flops) == (2 * 4096, 7 * 4096)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _attention_jaxpr(fn, b, t, s, heads, kv_heads, d=16, grad=False):
+  q = jnp.ones((b, t, heads, d))
+  k = jnp.ones((b, kv_heads, s, d))
+  masks = attention.TokenMasks(jnp.ones((b, t), bool), jnp.ones((b, s), bool))
+  valid = attention.layout("xla", jnp.ones((b, s), bool), None)[:, s - t :]
+  f = {
+    "xla": lambda q, k, v: attention.xla_attention(q, k, v, valid).sum(),
+    "splash": lambda q, k, v: attention.splash_attention(
+      q, k, v, masks, block=512, interpret=True
+    ).sum(),
+  }[fn]
+  f = jax.grad(f, argnums=(0, 1, 2)) if grad else f
+  return jax.make_jaxpr(f)(q, k, k).jaxpr
+
+
+def test_splash_forward_flops_equal_the_xla_paths_matmuls_on_a_dense_mask():
+  # 128 queries after 896 keys: every block holds an allowed pair, so the kernel computes what
+  # the XLA path's two matmuls do: 4 x 2 rows x 4 heads x 128 x 1024 x 16 FLOPs.
+  xla = roofline.count_dots(_attention_jaxpr("xla", 2, 128, 1024, 4, 2), 1)
+  splash = roofline.count_dots(_attention_jaxpr("splash", 2, 128, 1024, 4, 2), 1)
+  assert xla.flops == 4 * 2 * 4 * 128 * 1024 * 16
+  assert splash.kernel_flops == pytest.approx(xla.flops, rel=0.05)
+  assert (splash.kernels, splash.uncounted_kernels) == (1, [])
+  assert splash.flops < 0.01 * xla.flops  # the kernel's body is not counted as plain dots
+
+
+def test_splash_counts_the_causal_blocks_and_the_backward_kernels():
+  # T = S = 1024 in blocks of 512: 3 of the 4 blocks hold an allowed pair (xla computes all 4).
+  xla = roofline.count_dots(_attention_jaxpr("xla", 1, 1024, 1024, 2, 2), 1)
+  splash = roofline.count_dots(_attention_jaxpr("splash", 1, 1024, 1024, 2, 2), 1)
+  assert splash.kernel_flops == 0.75 * xla.flops
+  # The gradient: forward (4 matmuls' worth per block), dq (6) and dkv (8) kernels.
+  grad = roofline.count_dots(_attention_jaxpr("splash", 1, 1024, 1024, 2, 2, grad=True), 1)
+  assert grad.kernels == 3
+  assert grad.kernel_flops == pytest.approx(splash.kernel_flops * (4 + 6 + 8) / 4)
+  assert grad.kernel_bytes > splash.kernel_bytes > 0
+
+
+def test_causal_blocks():
+  assert roofline.causal_blocks(1024, 1024, 128, 128) == 36  # 1 + 2 + ... + 8
+  assert roofline.causal_blocks(256, 1024, 128, 128) == 7 + 8  # the queries are the last keys
+  assert roofline.causal_blocks(512, 512, 128, 256) == 1 + 1 + 2 + 2
+
+
+def test_kernel_cost_scales_with_rows_and_heads():
+  one = roofline.kernel_cost("fwd", (1, 128, 64), (1, 128, 64), 2, 512)
+  many = roofline.kernel_cost("fwd", (8, 4, 128, 64), (8, 2, 128, 64), 2, 512)
+  assert one[0] == 4 * 128 * 128 * 64 and many[0] == 32 * one[0]
+
+
+# ----------------------------------------------------------------------------- collectives
+
+_HLO = "\n".join(
+  [
+    "HloModule m",
+    "%body.1 (p: (s32[], f32[64,32])) -> (s32[], f32[64,32]) {",
+    "  %ar = f32[64,32]{1,0} all-reduce(f32[64,32]{1,0} %x), replica_groups=[2,4]<=[8]",
+    "  %ag = (bf16[8,32]{1,0}, bf16[32,32]{1,0}) all-gather-start(bf16[8,32]{1,0} %y),"
+    " replica_groups={{0,1,2,3},{4,5,6,7}}",
+    "  %agd = bf16[32,32]{1,0} all-gather-done((bf16[8,32]{1,0}, bf16[32,32]{1,0}) %ag)",
+    "}",
+    "ENTRY %main.2 (a: f32[64,32]) -> f32[64,32] {",
+    "  %w = (s32[], f32[64,32]{1,0}) while((s32[], f32[64,32]{1,0}) %t), condition=%cond.1,"
+    ' body=%body.1, backend_config={"known_trip_count":{"n":"36"}}',
+    "  %rs = f32[8,32]{1,0} reduce-scatter(f32[64,32]{1,0} %a), replica_groups={}, dimensions={0}",
+    "}",
+  ]
+)
+
+
+def test_collectives_weight_loop_bodies_by_their_known_trip_counts():
+  ops = roofline.collectives(_HLO, num_devices=8)
+  # all-reduce of 8 KiB over groups of 4: 2 x 3/4 of it per chip, 36 times.
+  assert ops["all-reduce"] == {"count": 36, "bytes": 36 * 2 * 0.75 * 64 * 32 * 4}
+  # all-gather to 2 KiB (bf16) over 4: 3/4 of the result; its -done is not counted again.
+  assert ops["all-gather"] == {"count": 36, "bytes": 36 * 0.75 * 32 * 32 * 2}
+  # reduce-scatter over all 8 devices to 1 KiB: 7 x the result, once.
+  assert ops["reduce-scatter"] == {"count": 1, "bytes": 7 * 8 * 32 * 4}
+
+
+def test_collectives_of_a_compiled_program():
+  mesh = jax.make_mesh((8,), ("d",), axis_types=(jax.sharding.AxisType.Auto,))
+  summed = jax.shard_map(
+    lambda x: jax.lax.psum(x, "d"),
+    mesh=mesh,
+    in_specs=PartitionSpec("d"),
+    out_specs=PartitionSpec(),
+  )
+  x = jax.ShapeDtypeStruct(
+    (8, 256), np.float32, sharding=jax.NamedSharding(mesh, PartitionSpec("d"))
+  )
+  text = jax.jit(summed).lower(x).compile().as_text()  # one all-reduce of a [1, 256] shard
+  ops = roofline.collectives(text, num_devices=8)
+  assert ops["all-reduce"]["count"] == 1
+  assert ops["all-reduce"]["bytes"] == 2 * 7 / 8 * 256 * 4
+
+
+def test_collectives_take_a_scans_trip_count_from_its_condition():
+  # The TPU compiler's text of a scan: no known_trip_count; its condition is `i < 3`.
+  hlo = "\n".join(
+    [
+      "%cond.1 (p: (s32[], f32[4])) -> pred[] {",
+      "  %c = s32[]{:T(128)} constant(3)",
+      "  %i = s32[]{:T(128)} get-tuple-element(%p), index=0",
+      "  ROOT %lt = pred[]{:T(512)} compare(%i, %c), direction=LT",
+      "}",
+      "%body.1 (p: (s32[], f32[4])) -> (s32[], f32[4]) {",
+      "  %ar = f32[4]{0} all-reduce(f32[4]{0} %x), replica_groups=mesh['a'=2,'b'=4] {'b'}",
+      "}",
+      "ENTRY %main (a: f32[4]) -> f32[4] {",
+      "  %w = (s32[], f32[4]{0}) while(%t), condition=%cond.1, body=%body.1",
+      "}",
+    ]
+  )
+  # 3 all-reduces of 16 bytes over the 4 devices of mesh axis b: 2 x 3/4 x 16 each.
+  assert roofline.collectives(hlo, 8) == {"all-reduce": {"count": 3, "bytes": 3 * 24.0}}
