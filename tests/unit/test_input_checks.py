@@ -56,6 +56,16 @@ BAD_VALUES = [
   ),
   ({"rewards.fns": "x*exact_match"}, "config.rewards.fns='x*exact_match': term 'x*exact_match': "),
   ({"rewards.fns": "mean=task"}, "config.rewards.fns='mean=task': reward name 'mean' is taken"),
+  # Issue 35: a ZeroDivisionError, a late failure, or accepted (the e2e BAD_STARTS run the CLI).
+  ({"train.mini_batch_size": 0}, "config.train.mini_batch_size=0: must be >= 1"),
+  ({"train.micro_batch_size": -1}, "config.train.micro_batch_size=-1: must be >= 0"),
+  ({"model.num_layers": 0}, "config.model.num_layers=0: must be >= 1"),
+  ({"model.num_kv_heads": 3}, "config.model.num_kv_heads=3: must divide model.num_heads=2"),
+  ({"train.learning_rate": float("inf")}, "config.train.learning_rate=inf: must be finite"),
+  ({"rl.loss.clip_low": 2.0}, "config.rl.loss.clip_low=2.0: must lie in [0, 1)"),
+  ({"model.rope_theta": 0.0}, "config.model.rope_theta=0.0: must be > 0"),
+  ({"model.vocab_size": -5}, "config.model.vocab_size=-5: must be >= 0"),
+  ({"seed": -1}, "config.seed=-1: must be >= 0"),
 ]
 
 
@@ -63,6 +73,21 @@ BAD_VALUES = [
 def test_bad_config_value_is_one_line_naming_the_key(overrides, message):
   with pytest.raises(errors.ConfigError) as error:
     config_lib.check_config(arith_config(overrides), num_devices=8)
+  assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
+    ({"task.name": "nope"}, "config.task.name='nope': unknown task 'nope'; known: arithmetic"),
+    ({"task.options.ops": ("pow",)}, "config.task.options: task 'arithmetic': "),
+  ],
+)
+def test_a_bad_task_name_or_option_is_one_config_line(overrides, message):
+  from ebpo_jax import tasks
+
+  with pytest.raises(errors.ConfigError) as error:
+    tasks.from_config(arith_config(overrides).task)
   assert str(error.value).startswith(message) and "\n" not in str(error.value)
 
 
