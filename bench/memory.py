@@ -197,6 +197,14 @@ def _sampler_cell(s: dict, group_size: int) -> str:
   return f"{_gb(s['bytes_per_chip'])} ({parts}; {rows})"
 
 
+def _times_cell(p: dict) -> str:
+  """A program's compute / HBM / ICI-bound seconds and its roofline over the compute time."""
+  if p.get("compute_s") is None:
+    return "-"
+  times = f"{p['compute_s']:.0f} / {p['hbm_s']:.0f} / {p['collective_s']:.0f}"
+  return f"{times} ({p['roofline_to_compute']:.2f}x)"
+
+
 def _roofline_cell(r: dict) -> str:
   t, s = r["train_step"], r["sampler"]
   if r.get("rl_step_roofline_s") is None:
@@ -210,8 +218,9 @@ def table(rows: list[dict]) -> str:
   lines = [
     "| config | train step GB/chip (arg + out - alias + temp + code) | train TFLOP/chip "
     "| sampler call GB/chip (program + waiting state and rollouts) | sampler TFLOP/chip "
-    "| fits | headroom GB | roofline RL step s (train + calls x sampler) |",
-    "|" + "---|" * 8,
+    "| fits | headroom GB | train step compute / HBM / ICI s (roofline / compute) "
+    "| roofline RL step s (train + calls x sampler) |",
+    "|" + "---|" * 9,
   ]
   for r in rows:
     if "train_step" not in r:
@@ -225,6 +234,7 @@ def table(rows: list[dict]) -> str:
       _tflop(s),
       "yes" if r["fits"] else "**no**",
       _gb(r["headroom_bytes"]),
+      _times_cell(t),
       _roofline_cell(r),
     ]
     lines.append("| " + " | ".join(cells) + " |")
@@ -239,8 +249,8 @@ def readme_table(rows: list[dict]) -> str:
   roofline."""
   lines = [
     "| config | train step GB/chip | sampling GB/chip (sampler call + waiting) | fits "
-    "| train / sampler TFLOP per chip | roofline RL step |",
-    "|---|---|---|---|---|---|",
+    "| train / sampler TFLOP per chip | train step compute / HBM / ICI s | roofline RL step |",
+    "|---|---|---|---|---|---|---|",
   ]
   for r in rows:
     if "train_step" not in r or r["key"].split(",")[1] not in README_METHODS:
@@ -253,6 +263,7 @@ def readme_table(rows: list[dict]) -> str:
       f"{_gb(s['bytes_per_chip'])} ({_gb(s['program_bytes'])} + {_gb(s['resident_bytes'])})",
       "yes" if r["fits"] else "**no**",
       f"{_tflop(t)} / {_tflop(s)}",
+      _times_cell(t),
       "-" if roof is None else f"{roof / 60:.0f} min ({t['bound']}-bound train step)",
     ]
     lines.append("| " + " | ".join(cells) + " |")
