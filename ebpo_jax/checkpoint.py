@@ -30,7 +30,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NoReturn
 
 import grain
@@ -112,10 +112,12 @@ class Checkpointer:
     data_iter: Any = None,
     config: Mapping[str, Any] | None = None,
     force: bool = False,
+    before_write: Callable[[], None] | None = None,
   ) -> bool:
     """Starts writing a checkpoint at `step` (asynchronously by default) and returns True, or
     returns False when it is not due (see the constructor; unless `force`) or `step` is already
-    saved.
+    saved. `before_write` is called when it is due, before anything is written (the trainer makes
+    metrics.jsonl durable with it: no checkpoint commits ahead of its metrics).
 
     Called on every process, at the same steps (the clock's decision is a collective). The
     iterator's position and the arrays are captured before this returns, so the caller may
@@ -125,6 +127,8 @@ class Checkpointer:
     due = force or self._clock_due() or (self._every_steps and step % self._every_steps == 0)
     if not due or step in self._manager.all_steps():
       return False
+    if before_write is not None:
+      before_write()
     sums = {"leaves": state_checksums(state), "paths": _paths(state)}
     items = {_STATE: ocp.args.StandardSave(state), _META: ocp.args.JsonSave({"format": FORMAT})}
     if data_iter is not None:

@@ -232,9 +232,13 @@ def _start(r: _Run, model, mesh, workdir: str, state_args) -> tuple[state_lib.Tr
   last_eval = _evaluate(r, state)
   r.writer.write(0, {**last_eval, metrics_lib.TIME_ELAPSED_S: time.perf_counter() - r.started})
   config = r.config
-  r.writer.sync()  # durable before the checkpoint commits
   r.ckpt.save(
-    0, state_lib.checkpointed(state), data_iter=r.batches, config=config.to_dict(), force=True
+    0,
+    state_lib.checkpointed(state),
+    data_iter=r.batches,
+    config=config.to_dict(),
+    force=True,
+    before_write=r.writer.sync,  # metrics.jsonl durable before the checkpoint commits
   )
   r.writer.flush()
   if r.sigterm.requested_anywhere():
@@ -274,7 +278,6 @@ def _loop(r: _Run, state: state_lib.TrainState, last_eval: dict) -> dict:
         acc=f"{last_eval.get(metrics_lib.EVAL_ACCURACY, float('nan')):.3f}",
       )
       stop = r.sigterm.requested_anywhere()  # every process saves and stops at the same step
-      r.writer.sync()  # metrics.jsonl durable before a checkpoint of this step commits
       if bad_in_a_row > 0:
         save_owed = True
       elif r.ckpt.save(
@@ -283,6 +286,7 @@ def _loop(r: _Run, state: state_lib.TrainState, last_eval: dict) -> dict:
         data_iter=r.batches,
         config=config.to_dict(),
         force=step + 1 == num_steps or stop or save_owed,
+        before_write=r.writer.sync,  # metrics.jsonl durable before the checkpoint commits
       ):
         r.writer.flush()  # TensorBoard's events too (metrics.jsonl: synced above)
         save_owed = False

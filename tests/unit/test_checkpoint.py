@@ -346,6 +346,20 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
   assert f"moved to {aside.parent};" in err[0]
 
 
+def test_before_write_is_called_once_a_save_is_due_before_anything_is_written(tmp_path):
+  # The trainer syncs metrics.jsonl with it: no checkpoint commits ahead of its metrics.
+  calls = []
+  with checkpoint.Checkpointer(tmp_path / "ckpt", every_steps=2) as ckpt:
+
+    def before_write():
+      calls.append((ckpt.all_steps(), sorted(p.name for p in (tmp_path / "ckpt").iterdir())))
+
+    assert not ckpt.save(1, _weights(1.0), before_write=before_write)  # not due: not called
+    assert ckpt.save(2, _weights(2.0), before_write=before_write)
+    assert not ckpt.save(2, _weights(2.0), force=True, before_write=before_write)  # saved
+  assert calls == [([], [])]
+
+
 def test_no_checkpoint_that_restores_is_one_clear_error(tmp_path):
   directory = tmp_path / "ckpt"
   _two_checkpoints(directory)
