@@ -41,6 +41,7 @@ import math
 import re
 from collections.abc import Iterator, Sequence
 
+import jax.numpy as jnp
 from jax.extend import core as jax_core
 
 from ebpo_jax.models import attention
@@ -134,7 +135,7 @@ def _count_dots(jaxpr: jax_core.Jaxpr, while_trips: Iterator[int], block: int) -
 
 def _kernel_count(eqn, block: int) -> DotCount:
   kernel = str(eqn.params.get("name", "?"))
-  floats = [v.aval for v in eqn.invars if v.aval.dtype.kind == "f" and len(v.aval.shape) >= 3]
+  floats = [v.aval for v in eqn.invars if _floating(v.aval.dtype) and len(v.aval.shape) >= 3]
   kind = kernel.split("_")[2] if kernel.startswith(("splash_mha_", "splash_mqa_")) else None
   if kind not in _SPLASH_MATMULS or len(floats) < 2:
     return DotCount(kernels=1, uncounted_kernels=[kernel])
@@ -142,6 +143,11 @@ def _kernel_count(eqn, block: int) -> DotCount:
     kind, floats[0].shape, floats[1].shape, floats[0].dtype.itemsize, block
   )
   return DotCount(kernel_flops=flops, kernel_bytes=nbytes, kernels=1)
+
+
+def _floating(dtype) -> bool:
+  """Float dtypes, bfloat16 included (numpy's kind of bfloat16 is 'V', not 'f')."""
+  return jnp.issubdtype(dtype, jnp.floating)
 
 
 def causal_blocks(q_len: int, kv_len: int, bq: int, bkv: int) -> int:

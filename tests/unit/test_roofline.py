@@ -56,9 +56,9 @@ def test_count_dots_gives_each_while_loop_its_own_trip_count_in_program_order():
 # ----------------------------------------------------------------------------- kernels
 
 
-def _attention_jaxpr(fn, b, t, s, heads, kv_heads, d=16, grad=False):
-  q = jnp.ones((b, t, heads, d))
-  k = jnp.ones((b, kv_heads, s, d))
+def _attention_jaxpr(fn, b, t, s, heads, kv_heads, d=16, grad=False, dtype=jnp.float32):
+  q = jnp.ones((b, t, heads, d), dtype)
+  k = jnp.ones((b, kv_heads, s, d), dtype)
   masks = attention.TokenMasks(jnp.ones((b, t), bool), jnp.ones((b, s), bool))
   valid = attention.layout("xla", jnp.ones((b, s), bool), None)[:, s - t :]
   f = {
@@ -80,6 +80,9 @@ def test_splash_forward_flops_equal_the_xla_paths_matmuls_on_a_dense_mask():
   assert splash.kernel_flops == pytest.approx(xla.flops, rel=0.05)
   assert (splash.kernels, splash.uncounted_kernels) == (1, [])
   assert splash.flops < 0.01 * xla.flops  # the kernel's body is not counted as plain dots
+  # bfloat16 (the TPU configs' compute dtype) is counted alike; found missing on the paper config.
+  bf16 = roofline.count_dots(_attention_jaxpr("splash", 2, 128, 1024, 4, 2, dtype=jnp.bfloat16), 1)
+  assert (bf16.kernel_flops, bf16.uncounted_kernels) == (splash.kernel_flops, [])
 
 
 def test_splash_counts_the_causal_blocks_and_the_backward_kernels():
