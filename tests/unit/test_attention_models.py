@@ -56,6 +56,7 @@ def test_train_step_params_after_two_steps_equal_xla():
   """The tiny train step (the shared-prefix layout, a left-padded prompt, early stops) twice."""
   xla, splash = tiny_steps(), tiny_steps({"model.attention": "splash"})
   assert (xla.model.config.attention, splash.model.config.attention) == ("xla", "splash")
+  assert splash.options.layout.shared_prefix
   state_x = state_s = xla.fresh_state()
   # jit_train_step traces under its mesh (8 devices, fsdp): the kernel runs per shard.
   assert "shard_map" in str(splash.step.trace(state_s, splash.place(splash.batch())).jaxpr)
