@@ -33,7 +33,6 @@ import math
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec
 
@@ -218,11 +217,3 @@ def _per_shard(fn, mesh, batch: int, heads: tuple[int, ...]):
   return jax.shard_map(
     fn, mesh=mesh, in_specs=(spec4, spec4, spec4, spec2, spec2), out_specs=spec4, check_vma=False
   )
-
-
-def causal_density(q_len: int, kv_len: int) -> float:
-  """The share of (query, key) pairs a causal mask allows when the `q_len` queries are the last of
-  the `kv_len` keys (T = S: (T + 1) / 2T)."""
-  offset = kv_len - q_len
-  allowed = np.minimum(np.arange(q_len) + offset + 1, kv_len).sum()
-  return float(allowed) / (q_len * kv_len)

@@ -111,12 +111,6 @@ def test_resolve_refuses_an_unknown_backend():
     attention.resolve("flash", _device("cpu"))
 
 
-def test_causal_density():
-  # T = S = 4: 1 + 2 + 3 + 4 = 10 of 16 pairs; 2 queries after 3 keys: (4 + 5) / 10.
-  assert attention.causal_density(4, 4) == 10 / 16
-  assert attention.causal_density(2, 5) == 9 / 10
-
-
 def test_splash_per_shard_under_a_mesh_equals_xla():
   """Under a context mesh the kernel runs in shard_map: rows over data x fsdp = 4, heads over
   tensor = 2 (4 q heads, 2 kv heads), on 8 CPU devices."""
