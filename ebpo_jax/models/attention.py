@@ -212,8 +212,25 @@ def _per_shard(fn, mesh, batch: int, heads: tuple[int, ...]):
   row_axes = tuple(a for a in ("data", "fsdp") if sizes.get(a, 1) > 1)
   rows = row_axes if row_axes and batch % math.prod(sizes[a] for a in row_axes) == 0 else None
   tensor = sizes.get("tensor", 1)
-  head_axis = "tensor" if tensor > 1 and all(n % tensor == 0 for n in heads) else None
-  spec4, spec2 = PartitionSpec(rows, head_axis), PartitionSpec(rows)
+  q_heads, kv_heads = heads
+  q_axis = "tensor" if tensor > 1 and q_heads % tensor == 0 else None
+  # One key/value head (MQA) stays whole on every shard beside split queries: each query head
+  # reads it. Other key/value heads split with the queries, or neither does (a split of the
+  # queries alone would misalign the groups). Seen on v5p (libtpu 0.0.42): with 4 query heads
+  # over tensor = 2 and one key head, the kernel with nothing split failed in the TPU compiler
+  # (an internal bitcast error); split queries beside the whole key head compile.
+  kv_axis = q_axis if q_axis and kv_heads % tensor == 0 else None
+  if kv_axis is None and kv_heads > 1:
+    q_axis = None
+  q_spec, kv_spec, spec2 = (
+    PartitionSpec(rows, q_axis),
+    PartitionSpec(rows, kv_axis),
+    PartitionSpec(rows),
+  )
   return jax.shard_map(
-    fn, mesh=mesh, in_specs=(spec4, spec4, spec4, spec2, spec2), out_specs=spec4, check_vma=False
+    fn,
+    mesh=mesh,
+    in_specs=(q_spec, kv_spec, kv_spec, spec2, spec2),
+    out_specs=q_spec,
+    check_vma=False,
   )

@@ -111,11 +111,13 @@ def test_resolve_refuses_an_unknown_backend():
     attention.resolve("flash", _device("cpu"))
 
 
-def test_splash_per_shard_under_a_mesh_equals_xla():
+@pytest.mark.parametrize("kv_heads", [2, 1])
+def test_splash_per_shard_under_a_mesh_equals_xla(kv_heads):
   """Under a context mesh the kernel runs in shard_map: rows over data x fsdp = 4, heads over
-  tensor = 2 (4 q heads, 2 kv heads), on 8 CPU devices."""
+  tensor = 2 (4 q heads; 2 kv heads split with them, or one kv head whole on every shard), on 8
+  CPU devices."""
   mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-  q, k, v = _qkv(4, 20, 4, 2)
+  q, k, v = _qkv(4, 20, 4, kv_heads)
   mask = jnp.asarray(np.arange(20)[None] >= np.array([[0], [5], [19], [2]]))
   want, want_grads = _outputs_and_grads(BASE, q, k, v, mask)
   with jax.set_mesh(mesh):
