@@ -130,18 +130,18 @@ def run(config: ml_collections.ConfigDict, workdir: str, inputs: tuple, *, name:
     )
     writer = resources.enter_context(_metrics_writer(config, workdir, latest))
     r = _Run(
-      config,
-      rows,
-      cluster_names,
-      eval_rows,
-      batches,
-      sampler,
-      step_fn,
-      traces,
-      ckpt,
-      writer,
-      sigterm,
-      started,
+      config=config,
+      rows=rows,
+      cluster_names=cluster_names,
+      eval_rows=eval_rows,
+      batches=batches,
+      sampler=sampler,
+      step_fn=step_fn,
+      traces=traces,
+      ckpt=ckpt,
+      writer=writer,
+      sigterm=sigterm,
+      started=started,
     )
     last_eval = {}
     if latest is None:

@@ -72,27 +72,7 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   # The ratio's lower bound 1 - clip_low must stay positive.
   _require(0 <= config.rl.loss.clip_low < 1, config, "rl.loss.clip_low", "must lie in [0, 1)")
   _require(config.rl.loss.clip_high >= 0, config, "rl.loss.clip_high", "must be >= 0")
-  _require(tc.mini_batch_size >= 1, config, "train.mini_batch_size", "must be >= 1")
-  _require(
-    tc.micro_batch_size >= 0,
-    config,
-    "train.micro_batch_size",
-    "must be >= 0 (0: a whole mini-batch)",
-  )
-  _require(
-    tc.batch_size % tc.mini_batch_size == 0,
-    config,
-    "train.mini_batch_size",
-    f"must divide train.batch_size={tc.batch_size}",
-  )
-  mini_rows = tc.mini_batch_size * rl.group_size
-  micro = tc.micro_batch_size or mini_rows
-  _require(
-    mini_rows % micro == 0,
-    config,
-    "train.micro_batch_size",
-    f"must divide mini_batch_size * group_size = {mini_rows}",
-  )
+  micro = _check_batch_sizes(config)
   _check_counts_and_rates(config)
   _check_wandb(config)
   try:  # imports the functions' modules: a bad path is one line before anything compiles
@@ -116,6 +96,33 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
     "sampling.prompts_per_call",
     f"must be a multiple of the mesh's data x fsdp = {data_shards} devices (0: all prompts)",
   )
+
+
+def _check_batch_sizes(config: ml_collections.ConfigDict) -> int:
+  """Mini- and micro-batches that cut the step's batch evenly; returns the rows per micro-batch."""
+  rl, tc = config.rl, config.train
+  _require(tc.mini_batch_size >= 1, config, "train.mini_batch_size", "must be >= 1")
+  _require(
+    tc.micro_batch_size >= 0,
+    config,
+    "train.micro_batch_size",
+    "must be >= 0 (0: a whole mini-batch)",
+  )
+  _require(
+    tc.batch_size % tc.mini_batch_size == 0,
+    config,
+    "train.mini_batch_size",
+    f"must divide train.batch_size={tc.batch_size}",
+  )
+  mini_rows = tc.mini_batch_size * rl.group_size
+  micro = tc.micro_batch_size or mini_rows
+  _require(
+    mini_rows % micro == 0,
+    config,
+    "train.micro_batch_size",
+    f"must divide mini_batch_size * group_size = {mini_rows}",
+  )
+  return micro
 
 
 def _data_shards(config, num_devices: int) -> int:

@@ -7,6 +7,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import signal
 import time
 
@@ -20,7 +21,7 @@ from tests.helpers import ROOT
 from tests.helpers.checkpoints import restore_run_state
 from tests.helpers.configs import arith_config
 from tests.helpers.processes import run_module, run_trainer
-from tests.helpers.runs import LORA_RUN, logged_steps
+from tests.helpers.runs import ARITH_LOGGING, LORA_RUN, logged_steps
 
 REQUIRED_KEYS = {
   "step",
@@ -179,6 +180,23 @@ def test_bad_input_stops_the_cli_with_one_line(tmp_path, override, message):
   assert result.returncode != 0
   assert message.format(tmp=tmp_path) in result.stderr.strip().splitlines()[-1]
   assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_workdir_whose_every_checkpoint_fails_to_verify_stops_with_one_line_and_status_2(
+  arith_run, tmp_path
+):
+  # The session run's workdir with every checkpoint's checksums gone: none may be read unverified,
+  # so none restores; the run stops with one line and the bad-input status 2 (it was 1).
+  workdir = tmp_path / "run"
+  shutil.copytree(arith_run[0], workdir, ignore=shutil.ignore_patterns("lock"))
+  steps = checkpoint.Checkpointer(workdir / "checkpoints").all_steps()
+  assert steps
+  for step in steps:
+    shutil.rmtree(workdir / "checkpoints" / str(step) / "checksums")
+  result = run_trainer(workdir, "--config.train.num_steps=4", *ARITH_LOGGING, timeout=120)
+  assert result.returncode == 2, result.stderr[-3000:]
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: no checkpoint in") and "restores" in last, last
 
 
 def test_non_finite_steps_in_a_row_abort_with_a_clear_message(tmp_path):
