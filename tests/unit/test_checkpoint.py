@@ -157,14 +157,19 @@ def test_every_minutes_saves_at_the_first_step_after_the_interval(tmp_path, monk
   monkeypatch.setattr(checkpoint, "_now", lambda: clock[0])
   state = _make_state(_sharded_abstract(P(), P()))
   ticks = {1: 20, 2: 20, 3: 30, 4: 5, 5: 60, 6: 200, 7: 1, 8: 1, 9: 1, 10: 1}  # step -> s taken
-  with checkpoint.Checkpointer(
-    tmp_path / "t", max_to_keep=None, every_steps=0, every_minutes=1.0
-  ) as ckpt:
+
+  def saved_steps(ckpt):
     saved = []
     for step, seconds in ticks.items():
       clock[0] += seconds
       if ckpt.save(step, state):
         saved.append(step)
+    return saved
+
+  with checkpoint.Checkpointer(
+    tmp_path / "t", max_to_keep=None, every_steps=0, every_minutes=1.0
+  ) as ckpt:
+    saved = saved_steps(ckpt)
     # 20+20+30 = 70 s at step 3; then 5+60 at step 5; 200 at step 6; then 4 s: nothing.
     assert saved == [3, 5, 6]
   # Both cadences: whichever comes first (every_steps=4: step 4 and 8; clock: 3, 6).
@@ -172,12 +177,7 @@ def test_every_minutes_saves_at_the_first_step_after_the_interval(tmp_path, monk
   with checkpoint.Checkpointer(
     tmp_path / "b", max_to_keep=None, every_steps=4, every_minutes=1.0
   ) as ckpt:
-    saved = []
-    for step, seconds in ticks.items():
-      clock[0] += seconds
-      if ckpt.save(step, state):
-        saved.append(step)
-    assert saved == [3, 4, 5, 6, 8]
+    assert saved_steps(ckpt) == [3, 4, 5, 6, 8]
   with checkpoint.Checkpointer(tmp_path / "n", every_steps=0) as ckpt:  # both off: forced only
     assert not ckpt.save(1, state) and ckpt.save(2, state, force=True)
 

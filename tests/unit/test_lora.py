@@ -10,6 +10,7 @@ import pytest
 
 from ebpo_jax.models import Decoder, init_cache, lora
 from ebpo_jax.models.decoder import unstack_layers
+from tests.helpers.decoding import prefill_then_decode
 from tests.helpers.lora import trained_lora
 from tests.helpers.tiny_decoder import BASE, init_params
 
@@ -63,14 +64,9 @@ def test_trained_adapters_scanned_equals_cached_prefill_and_decode():
   apply = jax.jit(Decoder(config, scan_layers=False).apply)
   layer_params = jax.jit(unstack_layers)(params)
   cache = init_cache(config, batch_size=2, max_len=10)
-  p = slice(0, 5)
-  logits, cache = apply({"params": layer_params}, ids[:, p], positions[:, p], mask[:, p], cache)
-  steps = [logits]
-  for t in range(5, 8):
-    s = slice(t, t + 1)
-    logits, cache = apply({"params": layer_params}, ids[:, s], positions[:, s], mask[:, s], cache)
-    steps.append(logits)
-  cached = np.concatenate([np.asarray(x) for x in steps], axis=1)
+  cached, _ = prefill_then_decode(
+    apply, layer_params, ids, positions, mask, cache, prefill=5, end=8
+  )
   np.testing.assert_allclose(cached[mask], np.asarray(full)[mask], rtol=1e-5, atol=1e-5)
 
 

@@ -12,6 +12,7 @@ import pytest
 from ebpo_jax.models import Decoder, ModelConfig, init_cache
 from ebpo_jax.models.decoder import stack_layers, unstack_layers
 from tests.helpers.configs import TINY_MODEL
+from tests.helpers.decoding import prefill_then_decode
 
 TINY = dataclasses.replace(TINY_MODEL, rope_theta=500.0, rms_norm_eps=1e-5)
 
@@ -92,14 +93,9 @@ def test_per_layer_decode_equals_scanned_full_forward():
   # Prefill then one token at a time, as the sampler (float32: equal to the scanned forward).
   cache = init_cache(config, batch_size=2, max_len=10)
   assert len(cache.k) == 3 and cache.k[0].shape == (2, 2, 10, 8)  # L x [B, Hkv, S, D]
-  p = slice(0, 5)
-  logits, cache = apply({"params": layer_params}, ids[:, p], positions[:, p], mask[:, p], cache)
-  steps = [logits]
-  for t in range(5, 8):
-    s = slice(t, t + 1)
-    logits, cache = apply({"params": layer_params}, ids[:, s], positions[:, s], mask[:, s], cache)
-    steps.append(logits)
-  cached = np.concatenate([np.asarray(x) for x in steps], axis=1)
+  cached, cache = prefill_then_decode(
+    apply, layer_params, ids, positions, mask, cache, prefill=5, end=8
+  )
   assert cached.dtype == np.float32
   np.testing.assert_allclose(cached[mask], np.asarray(full)[mask], rtol=1e-5, atol=1e-5)
   assert int(cache.index) == 8 and not np.asarray(cache.mask)[:, 8:].any()
