@@ -183,7 +183,30 @@ def compile_program(program: Program, tpu: Slice) -> dict:
   costs = roofline.costs(compiled, program.dots, tpu.chip, tpu.chips)
   result = {**_memory(compiled), **costs, **program.extra}
   result["compile_s"] = time.perf_counter() - t0
+  if "limit_flops" in result:  # the work the shapes ask for, against what the program does
+    result["limit_s"] = result["limit_flops"] / tpu.chip.peak_flops
+    result["roofline_to_limit"] = result["roofline_s"] / result["limit_s"]
+    result["flops_to_limit"] = result["flops"] / result["limit_flops"]
   return result
+
+
+def train_limit_flops(target: Target) -> float:
+  """`roofline.train_step_limit` of the target's train step, per chip."""
+  config = target.config
+  mc, lora = target.model.config, config.model.lora.rank > 0
+  reference = config.rl.loss.kl_coef > 0
+  passes = roofline.train_step_passes(
+    remat=mc.remat, lora=lora, reference=reference, epochs=config.rl.num_iterations
+  )
+  flops = roofline.train_step_limit(
+    mc,
+    prompts=config.train.batch_size,
+    prompt_len=target.prompt_len,
+    group_size=config.rl.group_size,
+    response_len=config.sampling.max_new_tokens,
+    passes=passes,
+  )
+  return flops / target.tpu.chips
 
 
 def train_step_program(target: Target) -> Program:
@@ -202,6 +225,8 @@ def train_step_program(target: Target) -> Program:
   parts = state_bytes(state)
   extra = {"state_bytes": parts.pop("total"), "batch_bytes": _shard_bytes(batch)}
   extra.update({f"{k}_bytes": v for k, v in parts.items()})  # trained vs frozen, per chip
+  extra["limit_flops"] = train_limit_flops(target)
+  extra["shared_prefix"] = options.layout.shared_prefix
   dots = roofline.count_dots(traced.jaxpr.jaxpr, 1, target.model.config.attention_block)
   return Program(traced.lower(), dots, extra)
 
@@ -345,6 +370,12 @@ def describe(report: dict) -> str:
       f"roofline {p['roofline_s']:.2f} s, {p['bound']}-bound, "
       f"{p['roofline_to_compute'] or 0:.2f}x the compute time"
     )
+    if "limit_s" in p:
+      lines.append(
+        f"  limit from the model's shapes {p['limit_s']:.2f} s (each prompt once per group; "
+        f"the program runs {p['flops_to_limit']:.2f}x its FLOPs): roofline "
+        f"{p['roofline_to_limit']:.2f}x the limit"
+      )
   train = report["train_step"]
   if "params_bytes" in train:
     lines.append(

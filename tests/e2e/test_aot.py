@@ -32,7 +32,10 @@ def test_default_job_fits_a_v5e_2x2_slice():
   assert step["kernel_flops"] > 0 and step["uncounted_kernels"] == []
   assert step["collectives"]["all-gather"]["count"] > 0 and step["collective_s"] > 0
   assert step["roofline_s"] == max(step["compute_s"], step["hbm_s"], step["collective_s"])
-  assert "fits: headroom" in result.stdout
+  # The limit from the model's shapes: the program computes at least that (no under-count).
+  assert step["shared_prefix"] and step["limit_s"] > 0 and step["flops_to_limit"] >= 1
+  assert step["roofline_to_limit"] == pytest.approx(step["roofline_s"] / step["limit_s"])
+  assert "fits: headroom" in result.stdout and "limit from the model's shapes" in result.stdout
 
 
 LAYER_SWEEP = textwrap.dedent(

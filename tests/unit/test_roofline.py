@@ -175,3 +175,49 @@ def test_collectives_take_a_scans_trip_count_from_its_condition():
   )
   # 3 all-reduces of 16 bytes over the 4 devices of mesh axis b: 2 x 3/4 x 16 each.
   assert roofline.collectives(hlo, 8) == {"all-reduce": {"count": 3, "bytes": 3 * 24.0}}
+
+
+# ----------------------------------------------------------------------------- the limit
+
+
+def test_the_limits_matmul_params_are_the_decoders_dots():
+  # One row of T completion tokens (no prompt, G = 1): the limit's forward is 2 x params x T plus
+  # 4 H D L for each of the T (T + 1) / 2 causal pairs; the XLA path's forward computes the same
+  # matmuls and all T x T pairs (the mask applied after the scores).
+  from ebpo_jax import models
+  from tests.helpers.configs import TINY_MODEL
+
+  c, t = TINY_MODEL, 16
+  model = models.Decoder(c)
+  ids = jnp.zeros((1, t), jnp.int32)
+  params = jax.eval_shape(model.init, jax.random.key(0), ids)["params"]
+  jaxpr = jax.make_jaxpr(lambda p: model.apply({"params": p}, ids))(params).jaxpr
+  body, head = roofline.matmul_params(c)
+  per_pair = 4 * c.num_heads * c.head_dim * c.num_layers
+  matmuls = 2 * (body + head) * t
+  assert roofline.count_dots(jaxpr, 1).flops == matmuls + per_pair * t * t
+  limit = roofline.train_step_limit(
+    c, prompts=1, prompt_len=0, group_size=1, response_len=t, passes=1
+  )
+  assert limit == matmuls + per_pair * t * (t + 1) // 2
+
+
+def test_the_paper_configs_limit_by_hand():
+  # Qwen3-8B, 512 prompts of 4,096 tokens x G = 4 completions of 8,192, 5 passes (forward, remat,
+  # backward 2, KL reference), 32 v5p chips at 459 TFLOP/s: 6.95e9 layer params x 18.9 M tokens +
+  # the head's 0.62e9 x 16.8 M completion tokens, and 1.415e11 causal pairs x 4 x 32 x 128 x 36;
+  # 124.8 s (the head at every token, as the issue counted it: 127.0 s).
+  from ebpo_jax.models import ModelConfig
+
+  qwen3_8b = ModelConfig(
+    vocab_size=151_936, hidden_size=4096, intermediate_size=12_288, num_layers=36,
+    num_heads=32, num_kv_heads=8, head_dim=128,
+  )  # fmt: skip
+  assert roofline.matmul_params(qwen3_8b) == (6_945_767_424, 622_329_856)
+  passes = roofline.train_step_passes(remat="full", lora=False, reference=True)
+  assert passes == 5
+  assert roofline.train_step_passes(remat="none", lora=True, reference=False, epochs=2) == 4
+  flops = roofline.train_step_limit(
+    qwen3_8b, prompts=512, prompt_len=4096, group_size=4, response_len=8192, passes=passes
+  )
+  assert flops / 32 / 459e12 == pytest.approx(124.8, abs=0.05)
