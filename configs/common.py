@@ -158,6 +158,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.logging = ml_collections.ConfigDict()  # samples and wandb (metrics.jsonl + TB: always)
   config.logging.samples_every = 10  # RL steps between sample completion tables; 0: none
   config.logging.num_samples = 16  # completions per table: the batch's first (whole groups)
+  config.logging.plots = True  # WORKDIR/plots/*.png at the end of the run (0.3-0.5 s each)
   config.logging.wandb = False  # also log to Weights & Biases (pip install -e '.[wandb]')
   config.logging.wandb_project = "ebpo-jax"  # wandb project
   config.logging.wandb_entity = ""  # wandb team or user; "": your default entity

@@ -151,7 +151,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, inputs: tuple, *, name:
 
   # ---- The end (the last save waited for): the summary and the plots.
   if jax.process_index() == 0:
-    finish(workdir, cluster_names)
+    finish(workdir, cluster_names, plots=config.logging.plots)
   return last_eval
 
 
@@ -366,8 +366,8 @@ def host_metrics(step_metrics: dict, rollout: rollouts_lib.Rollout, cluster_name
   return out
 
 
-def finish(workdir: str, cluster_names: Sequence[str]) -> None:
-  """The end-of-run summary: accuracy per cluster before and after RL, and the plots."""
+def finish(workdir: str, cluster_names: Sequence[str], *, plots: bool) -> None:
+  """The end-of-run summary: accuracy per cluster before and after RL, and the plots (`plots`)."""
   acc = metrics_lib.EVAL_ACCURACY
   records = metrics_lib.read_metrics(files.join(workdir, metrics_lib.METRICS_FILE))
   history = [m for m in records if acc in m]
@@ -381,8 +381,9 @@ def finish(workdir: str, cluster_names: Sequence[str]) -> None:
   table["all"] = {"before": first[acc], "after": last[acc]}
   print(f"held-out accuracy, step {first['step']} -> step {last['step']}")
   print(metrics_lib.summary_table(table))
-  plots = metrics_lib.plot_metrics(workdir)
-  print(f"{len(plots)} plots in {files.join(workdir, metrics_lib.PLOTS_DIR)}/")
+  if plots:
+    drawn = metrics_lib.plot_metrics(workdir)
+    print(f"{len(drawn)} plots in {files.join(workdir, metrics_lib.PLOTS_DIR)}/")
 
 
 if __name__ == "__main__":

@@ -134,6 +134,10 @@ def plan(variants: Sequence[str], group_sizes: Sequence[int], seeds: Sequence[in
 # ----------------------------------------------------------------------------- running
 
 
+# Each run's own end-of-run plots (about 4 s a run): off; the report draws the ablation's.
+NO_RUN_PLOTS = "--config.logging.plots=False"
+
+
 def _override_args(overrides: Mapping[str, Any]) -> list[str]:
   args = []
   for key, value in overrides.items():
@@ -272,7 +276,9 @@ def run_ablation(
   """Runs every (variant, G, seed) not finished yet, then writes the report; returns it.
 
   `config` is a config path with an optional `:arg`; `overrides` are extra trainer flags applied to
-  every run, e.g. ["--config.train.num_steps=100"]. `seeds` is a count (0..n-1) or a list.
+  every run, e.g. ["--config.train.num_steps=100"]; the runs draw no plots of their own (the report
+  draws the ablation's; `--config.logging.plots=True` in `overrides` asks for them). `seeds` is a
+  count (0..n-1) or a list.
   `workers` runs go at once, each in its own process with one device (`env` defaults to this
   process's environment with one CPU device; pass your own for accelerators). Returns the report
   dict (`rows`, `runs`, `markdown`, `summary`, `plots`).
@@ -286,14 +292,14 @@ def run_ablation(
     if not arg.startswith("--config."):
       raise ValueError(f"overrides must look like --config.KEY=VALUE, got {arg!r}")
   files.makedirs(workdir)
+  run_args = [NO_RUN_PLOTS, *overrides]  # a later flag wins: overrides may turn them on
   env = child_env() if env is None else dict(env)
   warm_locks = {seed: threading.Lock() for seed in seed_list}
   results, failures = [], []
   bar = tqdm.tqdm(total=len(runs), desc="ablation", unit="run", disable=not progress)
   with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
     futures = {
-      pool.submit(_run_one, config, workdir, run, list(overrides), env, warm_locks): run
-      for run in runs
+      pool.submit(_run_one, config, workdir, run, run_args, env, warm_locks): run for run in runs
     }
     for future in concurrent.futures.as_completed(futures):
       try:

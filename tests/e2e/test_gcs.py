@@ -78,6 +78,7 @@ TWO_PROCESS_RUN = (
   "--config.mesh.data=1",
   "--config.mesh.fsdp=8",
   "--config.mesh.tensor=1",
+  "--config.logging.plots=False",
 )
 
 

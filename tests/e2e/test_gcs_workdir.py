@@ -54,7 +54,7 @@ def test_a_run_on_a_bucket_resumes_exactly_then_evaluates_and_exports_from_it(
   arith_run, gcs_dir, tmp_path
 ):
   reference, _ = arith_run  # the same 4 steps, uninterrupted, in a local workdir
-  first = run_trainer(gcs_dir, "--config.train.num_steps=4")
+  first = run_trainer(gcs_dir, "--config.train.num_steps=4", plots=True)
   assert first.returncode == 0, first.stderr[-3000:]
   written = files.walk_files(gcs_dir)
   assert {"metrics.jsonl", "checkpoints/4/commit_success.txt", "plots/reward.png"} <= set(written)

@@ -44,9 +44,11 @@ def run_module(module: str, *args: str, devices: int = 8, timeout: float = 300, 
   return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
-def run_trainer(workdir, *overrides: str, config: str = ARITH, **kwargs):
+def run_trainer(workdir, *overrides: str, config: str = ARITH, plots: bool = False, **kwargs):
   """`python -m ebpo_jax.train --config=CONFIG --workdir=WORKDIR OVERRIDES` by `run_module`: the
-  trainer as a process (tests never import ebpo_jax.train)."""
+  trainer as a process (tests never import ebpo_jax.train). Without the end-of-run plots unless
+  `plots` (about 4 s of drawing a run; the tests that read them ask for them)."""
+  switch = f"--config.logging.plots={plots}"
   return run_module(
-    "ebpo_jax.train", f"--config={config}", f"--workdir={workdir}", *overrides, **kwargs
+    "ebpo_jax.train", f"--config={config}", f"--workdir={workdir}", switch, *overrides, **kwargs
   )

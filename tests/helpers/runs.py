@@ -55,7 +55,7 @@ def session_run(tmp_path_factory, name: str, *overrides: str):
   with open(root / f"{name}.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not done.exists():
-      result = run_trainer(workdir, *overrides)
+      result = run_trainer(workdir, *overrides, plots=True)
       assert result.returncode == 0, result.stderr[-3000:]
       outputs = {"args": result.args, "stdout": result.stdout, "stderr": result.stderr}
       done.write_text(json.dumps(outputs))

@@ -31,3 +31,22 @@ def test_size_cpu_thread_pools_keeps_more_cores(monkeypatch):
   env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
   process.size_cpu_thread_pools(env)
   assert env["PJRT_NPROC"] == "64"
+
+
+@pytest.mark.parametrize("module", ["train", "evaluate", "export", "difficulty", "aot"])
+def test_every_entry_point_that_runs_programs_runs_main_inside_cli_entry_point(module):
+  # cli.entry_point sizes the pools before any device is touched; e2e/test_cpu_collectives.py runs
+  # 3,000 back-to-back collective steps inside it on 8 devices without the abort. An entry point
+  # whose main ran outside it would be the trainer run that aborted (in its warm start's steps).
+  import ast
+  import inspect
+
+  source = inspect.getsource(__import__(f"ebpo_jax.{module}", fromlist=["main"]))
+  (main,) = [n for n in ast.parse(source).body if getattr(n, "name", None) == "main"]
+  withs = [
+    item.context_expr
+    for node in ast.walk(main)
+    if isinstance(node, ast.With)
+    for item in node.items
+  ]
+  assert any(ast.unparse(expr).startswith("cli.entry_point(") for expr in withs), module
