@@ -42,7 +42,8 @@ compute on TPU), and `roofline_to_compute` = roofline_s / compute_s.
    completion tokens only), causal attention over the (query, key) pairs that the shared-prefix
    layout allows (P (P + 1) / 2 + G (P R + R (R + 1) / 2) per group) at 4 x heads x head_dim FLOPs
    a pair and layer; times the passes the config makes (`train_step_passes`; the paper's recipe:
-   forward, remat, backward 2, reference = 5). `roofline_to_limit` = roofline_s / limit_s.
+   forward, remat, backward 2, reference = 5; the head 4, not rematerialised).
+   `roofline_to_limit` = roofline_s / limit_s.
 """
 
 from __future__ import annotations
@@ -196,23 +197,34 @@ def matmul_params(config) -> tuple[int, int]:
   return config.num_layers * per_layer, d * config.vocab_size
 
 
-def train_step_passes(*, remat: str, lora: bool, reference: bool, epochs: int = 1) -> int:
-  """Passes over the batch, in forward units: per PPO epoch the forward, its backward (2 under full
-  fine-tuning: input and weight gradients; 1 under LoRA, the adapters' share not counted) and the
-  forward again under `remat="full"`; once, the KL reference's forward (`reference`)."""
-  return epochs * (1 + (remat == "full") + (1 if lora else 2)) + reference
+def train_step_passes(
+  *, remat: str, lora: bool, reference: bool, epochs: int = 1
+) -> tuple[int, int]:
+  """Passes over the batch in forward units, `(layers, LM head)`: per PPO epoch the forward, its
+  backward (2 under full fine-tuning: input and weight gradients; 1 under LoRA, the adapters' share
+  not counted) and, for the layers, the forward again under `remat="full"` (the head is not
+  rematerialised); once, the KL reference's forward (`reference`)."""
+  head = epochs * (1 + (1 if lora else 2)) + reference
+  return head + epochs * (remat == "full"), head
 
 
 def train_step_limit(
-  config, *, prompts: int, prompt_len: int, group_size: int, response_len: int, passes: int
+  config,
+  *,
+  prompts: int,
+  prompt_len: int,
+  group_size: int,
+  response_len: int,
+  passes: tuple[int, int],
 ) -> float:
-  """FLOPs the train step must compute, counted from shapes (module docstring, part 4)."""
+  """FLOPs the train step must compute, counted from shapes (module docstring, part 4); `passes`
+  as `train_step_passes` gives them."""
   p, g, r = prompt_len, group_size, response_len
   body, head = matmul_params(config)
-  matmuls = 2 * (body * prompts * (p + g * r) + head * prompts * g * r)
   pairs = prompts * (p * (p + 1) // 2 + g * (p * r + r * (r + 1) // 2))
   attention_flops = 4 * config.num_heads * config.head_dim * config.num_layers * pairs
-  return float(passes) * (matmuls + attention_flops)
+  layers = 2 * body * prompts * (p + g * r) + attention_flops
+  return float(passes[0] * layers + passes[1] * 2 * head * prompts * g * r)
 
 
 # ----------------------------------------------------------------------------- collectives

@@ -218,16 +218,17 @@ def test_the_limits_matmul_params_are_the_decoders_dots():
   matmuls = 2 * (body + head) * t
   assert roofline.count_dots(jaxpr, 1).flops == matmuls + per_pair * t * t
   limit = roofline.train_step_limit(
-    c, prompts=1, prompt_len=0, group_size=1, response_len=t, passes=1
+    c, prompts=1, prompt_len=0, group_size=1, response_len=t, passes=(1, 1)
   )
   assert limit == matmuls + per_pair * t * (t + 1) // 2
 
 
 def test_the_paper_configs_limit_by_hand():
   # Qwen3-8B, 512 prompts of 4,096 tokens x G = 4 completions of 8,192, 5 passes (forward, remat,
-  # backward 2, KL reference), 32 v5p chips at 459 TFLOP/s: 6.95e9 layer params x 18.9 M tokens +
-  # the head's 0.62e9 x 16.8 M completion tokens, and 1.415e11 causal pairs x 4 x 32 x 128 x 36;
-  # 124.8 s (the head at every token, as the issue counted it: 127.0 s).
+  # backward 2, KL reference; the head 4), 32 v5p chips at 459 TFLOP/s: 6.95e9 layer params x
+  # 18.9 M tokens + the head's 0.62e9 x 16.8 M completion tokens, and 1.415e11 causal pairs x
+  # 4 x 32 x 128 x 36: 123.4 s (the head at every token and rematerialised, as the issue counted
+  # it: 125.7 s; the head at every token: 124.1 s).
   from ebpo_jax.models import ModelConfig
 
   qwen3_8b = ModelConfig(
@@ -236,9 +237,9 @@ def test_the_paper_configs_limit_by_hand():
   )  # fmt: skip
   assert roofline.matmul_params(qwen3_8b) == (6_945_767_424, 622_329_856)
   passes = roofline.train_step_passes(remat="full", lora=False, reference=True)
-  assert passes == 5
-  assert roofline.train_step_passes(remat="none", lora=True, reference=False, epochs=2) == 4
+  assert passes == (5, 4)
+  assert roofline.train_step_passes(remat="none", lora=True, reference=False, epochs=2) == (4, 4)
   flops = roofline.train_step_limit(
     qwen3_8b, prompts=512, prompt_len=4096, group_size=4, response_len=8192, passes=passes
   )
-  assert flops / 32 / 459e12 == pytest.approx(124.8, abs=0.05)
+  assert flops / 32 / 459e12 == pytest.approx(123.4, abs=0.05)
