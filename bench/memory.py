@@ -198,11 +198,14 @@ def _sampler_cell(s: dict, group_size: int) -> str:
 
 
 def _times_cell(p: dict) -> str:
-  """A program's compute / HBM / ICI-bound seconds and its roofline over the compute time."""
+  """A program's compute / HBM / ICI-bound seconds, its roofline over the compute time and, for
+  the train step, over the limit counted from the model's shapes (roofline.train_step_limit)."""
   if p.get("compute_s") is None:
     return "-"
   times = f"{p['compute_s']:.0f} / {p['hbm_s']:.0f} / {p['collective_s']:.0f}"
-  return f"{times} ({p['roofline_to_compute']:.2f}x)"
+  if p.get("limit_s") is None:
+    return f"{times} ({p['roofline_to_compute']:.2f}x)"
+  return f"{times} ({p['roofline_to_compute']:.2f}x; {p['roofline_to_limit']:.2f}x the limit)"
 
 
 def _roofline_cell(r: dict) -> str:
@@ -218,7 +221,7 @@ def table(rows: list[dict]) -> str:
   lines = [
     "| config | train step GB/chip (arg + out - alias + temp + code) | train TFLOP/chip "
     "| sampler call GB/chip (program + waiting state and rollouts) | sampler TFLOP/chip "
-    "| fits | headroom GB | train step compute / HBM / ICI s (roofline / compute) "
+    "| fits | headroom GB | train step compute / HBM / ICI s (roofline / compute; / limit) "
     "| roofline RL step s (train + calls x sampler) |",
     "|" + "---|" * 9,
   ]
