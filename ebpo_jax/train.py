@@ -79,16 +79,18 @@ def main(argv: Sequence[str]) -> None:
       run(config, workdir, inputs, name=name)
 
 
-def run(config: ml_collections.ConfigDict, workdir: str, inputs: tuple, *, name: str = "") -> dict:
+def run(
+  config: ml_collections.ConfigDict, workdir: str, inputs: task_rows.Inputs, *, name: str = ""
+) -> dict:
   """Trains (or resumes) under `config` in `workdir` on `inputs` (`task_rows.load_task_and_rows`'
-  task, rows, cluster names and evaluation rows); returns the last evaluation. `name`: the config
-  as the command line gave it, for the startup banner."""
+  task, rows and evaluation rows, with their clusters); returns the last evaluation. `name`: the
+  config as the command line gave it, for the startup banner."""
   started = time.perf_counter()
   sigterm = process.install_sigterm_flag()  # the whole run, the warm start included
   mesh = sharding.make_mesh(dict(config.mesh))
 
   # ---- Task and data.
-  task, rows, cluster_names, eval_rows = inputs
+  task, rows, cluster_names = inputs.task, inputs.rows, inputs.cluster_names
   tokenizer = task_rows.load_tokenizer(config, task)
   batches = data.make_batches(
     rows, batch_size=config.train.batch_size, order=config.data.order, seed=config.seed
@@ -133,7 +135,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, inputs: tuple, *, name:
       config=config,
       rows=rows,
       cluster_names=cluster_names,
-      eval_rows=eval_rows,
+      eval_rows=inputs.eval_rows,
+      eval_cluster_names=inputs.eval_cluster_names,
       batches=batches,
       sampler=sampler,
       step_fn=step_fn,
@@ -151,7 +154,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, inputs: tuple, *, name:
 
   # ---- The end (the last save waited for): the summary and the plots.
   if jax.process_index() == 0:
-    finish(workdir, cluster_names)
+    finish(workdir, inputs.eval_cluster_names)
   return last_eval
 
 
@@ -166,6 +169,7 @@ class _Run:
   rows: list[dict]
   cluster_names: list[str]
   eval_rows: list[dict]
+  eval_cluster_names: list[str]  # eval_rows' clusters (its source's): eval/accuracy/<name>
   batches: Iterator
   sampler: rollouts_lib.Sampler
   step_fn: Callable
@@ -208,7 +212,9 @@ def _metrics_writer(config, workdir: str, latest: int | None) -> metrics_lib.Met
 def _evaluate(r: _Run, state: state_lib.TrainState) -> dict:
   eval_key = state_lib.step_keys(state.rng, state.step).eval
   params = state_lib.policy_params(state)
-  return rollouts_lib.evaluate_accuracy(r.sampler, params, r.eval_rows, r.cluster_names, eval_key)
+  return rollouts_lib.evaluate_accuracy(
+    r.sampler, params, r.eval_rows, r.eval_cluster_names, eval_key
+  )
 
 
 def _checkpointer(config, workdir: str) -> checkpoint.Checkpointer:

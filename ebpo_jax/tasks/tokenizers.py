@@ -47,7 +47,10 @@ class CharTokenizer(_Own):
     try:
       return [self._id_of[c] for c in text]
     except KeyError as e:
-      raise ValueError(f"character {e.args[0]!r} is not in the vocabulary {self.CHARS!r}") from e
+      raise ValueError(
+        f"character {e.args[0]!r} is not in the vocabulary {self.CHARS!r} (task arithmetic; "
+        "text prompts: --config.task.name=jsonl)"
+      ) from e
 
   def decode(self, ids: Sequence[int]) -> str:
     return "".join(self.CHARS[i - _SPECIALS] for i in _content_ids(ids, self))

@@ -241,6 +241,7 @@ def _check_data_columns(config: ml_collections.ConfigDict) -> None:
   for key in ("split", "prompt_column", "answer_column", "cluster_column"):
     value = config.data[key]
     _require(isinstance(value, str) and bool(value), config, f"data.{key}", "must be a name")
+  _require(0 < config.data.eval_fraction < 1, config, "data.eval_fraction", "must lie in (0, 1)")
   regex = config.data.answer_regex
   try:
     re.compile(regex)

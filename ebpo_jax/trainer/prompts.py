@@ -59,6 +59,9 @@ class PromptEncoder:
     """The row's problem, or None: its prompt and answer encode, and the prompt fits the largest
     prompt bucket."""
     largest = max(self.buckets)
+    problem = self.task.check_row(row)
+    if problem:
+      return problem
     try:
       length = len(self.prompt_ids(row))
     except (ValueError, KeyError) as e:
