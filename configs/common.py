@@ -146,6 +146,9 @@ def get_config() -> ml_collections.ConfigDict:
   # A function that times out workers + 1 times in a row (twice with one worker) is not called
   # again in that batch: its other calls score 0, counted in reward/errors.
   config.rewards.timeout_s = 5.0  # seconds per response before it scores 0
+  # A training step whose failed reward calls (raised, hung, crashed, no number) exceed this share
+  # of its calls stops the run with one line naming the function and its first error.
+  config.rewards.max_error_frac = 0.5  # in [0, 1]; 1: never stop (failed calls score 0)
   # The training reward as a weighted sum of reward functions (ebpo_jax/tasks/reward_fns.py), terms
   # `[NAME=][WEIGHT*]FN`, FN a built-in (task, exact_match, math_verify, answer_format,
   # length_penalty) or package.module:function: "math_verify, 0.5*my_rewards:brevity".

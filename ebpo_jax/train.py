@@ -310,6 +310,7 @@ def _rl_step(r: _Run, state, step: int, *, first: bool):
   batch, rollout, logged = rollouts_lib.collect_batch(
     r.sampler, state_lib.policy_params(state), keys, r.rows, r.batches
   )
+  r.sampler.scorer.check_step()  # rewards.max_error_frac: never train on failed calls' zeros
   t1 = time.perf_counter()
   if first:
     logging.info("compiling the train step (the first call; once per run) ...")

@@ -448,5 +448,11 @@ def make_sampler(model, task, tokenizer, config: ml_collections.ConfigDict, mesh
   encoder = prompts_lib.PromptEncoder.from_config(config, task, tokenizer)
   fns = reward_fns_lib.load(config.rewards.fns)
   pool = rewards_lib.RewardPool(config.rewards.workers, config.rewards.timeout_s)
-  scorer = scoring.Scorer(task, pool, fns, max_new_tokens=options.sampling.max_new_tokens)
+  scorer = scoring.Scorer(
+    task,
+    pool,
+    fns,
+    max_new_tokens=options.sampling.max_new_tokens,
+    max_error_frac=config.rewards.max_error_frac,
+  )
   return Sampler(model, encoder, scorer, options, mesh)
