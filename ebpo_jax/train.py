@@ -230,7 +230,7 @@ def _start(r: _Run, model, mesh, workdir: str, state_args) -> tuple[state_lib.Tr
   """A fresh state (the warm start's params), its step-0 evaluation and checkpoint: (state, the
   evaluation)."""
   params = warm_start_lib.warm_start(
-    r.config, model, mesh, r.rows, r.sampler, workdir=workdir, sigterm=r.sigterm
+    r.config, model, mesh, r.rows, r.sampler, workdir=workdir, sigterm=r.sigterm, writer=r.writer
   )
   if r.sigterm.requested_anywhere():
     _exit_on_signal(r.sigterm, "the warm start saved its own checkpoint")

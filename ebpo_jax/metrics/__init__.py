@@ -55,6 +55,7 @@ from ebpo_jax.metrics.names import (
   REWARD_OVERLONG_PENALTY,
   ROLLOUT_TOKENS,
   SAMPLES_FILE,
+  SFT_LOSS,
   STEP,
   TENSORBOARD_DIR,
   TIME_ELAPSED_S,
@@ -68,6 +69,7 @@ from ebpo_jax.metrics.names import (
   cluster_prefix,
   per_cluster,
   reward_fn_key,
+  sft_step,
 )
 from ebpo_jax.metrics.plots import (
   DEFAULT_PANELS,
@@ -133,6 +135,7 @@ __all__ = [
   "REWARD_OVERLONG_PENALTY",
   "ROLLOUT_TOKENS",
   "SAMPLES_FILE",
+  "SFT_LOSS",
   "STEP",
   "TENSORBOARD_DIR",
   "TIME_ELAPSED_S",
@@ -146,4 +149,5 @@ __all__ = [
   "cluster_prefix",
   "per_cluster",
   "reward_fn_key",
+  "sft_step",
 ]

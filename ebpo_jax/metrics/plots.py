@@ -36,6 +36,7 @@ from ebpo_jax.metrics.names import (
   RESPONSE_LEN_MEAN,
   REWARD_ERRORS,
   REWARD_MEAN,
+  SFT_LOSS,
   STEP,
   TIME_SAMPLE_S,
   TIME_STEP_S,
@@ -108,6 +109,9 @@ DEFAULT_PANELS: tuple[Panel, ...] = (
   Panel("grad_norm", "Gradient norm", "global gradient norm", (GRAD_NORM,)),
   Panel("clipfrac", "Clipped tokens", "share of tokens clipped", (CLIPFRAC,), unit=True),
   Panel("loss", "Loss", "loss", (LOSS,)),
+  Panel(
+    "sft_loss", "Warm start loss (steps before RL)", "cross-entropy per answer token", (SFT_LOSS,)
+  ),
   Panel("response_len", "Response length", "tokens per response", (RESPONSE_LEN_MEAN,)),
   Panel("reward_errors", "Verifier errors", "calls that raised or timed out", (REWARD_ERRORS,)),
   Panel("tokens_per_sec", "Throughput", "sampled tokens per second", (TIME_TOKENS_PER_S,)),
