@@ -119,10 +119,13 @@ def problem_metrics(rewards: Sequence[float], answers: Sequence[str]) -> dict[st
 
 
 def mean_metrics(per_problem: Sequence[dict[str, float]]) -> dict[str, float]:
-  """Problem metrics averaged over problems, with the count `n`."""
+  """Problem metrics averaged over problems, with the count `n` and the binomial standard error
+  over the n problems of each avg@k (`avg@k_se`)."""
   out: dict[str, float] = {"n": len(per_problem)}
   for key in per_problem[0]:
     out[key] = float(np.mean([m[key] for m in per_problem]))
+    if key.startswith("avg@"):
+      out[f"{key}_se"] = metrics_lib.binomial_se(out[key], len(per_problem))
   return out
 
 

@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import NoReturn
 
 import jax
@@ -154,7 +154,9 @@ def run(
 
   # ---- The end (the last save waited for): the summary and the plots.
   if jax.process_index() == 0:
-    finish(workdir, inputs.eval_cluster_names)
+    names = inputs.eval_cluster_names
+    counts = collections.Counter(names[row["cluster"]] for row in inputs.eval_rows)
+    finish(workdir, {name: counts[name] for name in names if counts[name]})
   return last_eval
 
 
@@ -373,21 +375,17 @@ def host_metrics(step_metrics: dict, rollout: rollouts_lib.Rollout, cluster_name
   return out
 
 
-def finish(workdir: str, cluster_names: Sequence[str]) -> None:
-  """The end-of-run summary: accuracy per cluster before and after RL, and the plots."""
+def finish(workdir: str, counts: Mapping[str, int]) -> None:
+  """The end-of-run summary: accuracy per evaluation cluster (`counts`: its prompts) before and
+  after RL, with binomial standard errors, and the plots."""
   acc = metrics_lib.EVAL_ACCURACY
   records = metrics_lib.read_metrics(files.join(workdir, metrics_lib.METRICS_FILE))
   history = [m for m in records if acc in m]
   if not history:
     return
   first, last = history[0], history[-1]
-  table = {}
-  for name in cluster_names:
-    key = metrics_lib.per_cluster(acc, name)
-    table[name] = {"before": first.get(key), "after": last.get(key)}
-  table["all"] = {"before": first[acc], "after": last[acc]}
   print(f"held-out accuracy, step {first['step']} -> step {last['step']}")
-  print(metrics_lib.summary_table(table))
+  print(metrics_lib.accuracy_table(first, last, counts))
   plots = metrics_lib.plot_metrics(workdir)
   print(f"{len(plots)} plots in {files.join(workdir, metrics_lib.PLOTS_DIR)}/")
 

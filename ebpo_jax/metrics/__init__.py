@@ -74,6 +74,8 @@ from ebpo_jax.metrics.names import (
 from ebpo_jax.metrics.plots import (
   DEFAULT_PANELS,
   Panel,
+  accuracy_table,
+  binomial_se,
   missing_panels,
   overview_figure,
   plot_metrics,
@@ -89,6 +91,8 @@ __all__ = [
   "truncate_after",
   "DEFAULT_PANELS",
   "Panel",
+  "accuracy_table",
+  "binomial_se",
   "missing_panels",
   "overview_figure",
   "plot_metrics",
