@@ -36,6 +36,19 @@ def discard(workdir: str) -> None:
     files.remove_tree(files.join(workdir, WARM_START_DIR))
 
 
+def metrics_resume_step(config: ml_collections.ConfigDict, workdir: str) -> int:
+  """The metrics step that a fresh RL start keeps metrics.jsonl's lines up to: the warm start's
+  lines of the steps its own checkpoint holds (they are not done again; the later ones are),
+  none when it has none."""
+  directory = files.join(workdir, WARM_START_DIR)
+  done = 0
+  if config.sft.num_steps and files.isdir(directory):
+    ckpt = checkpoint.Checkpointer(directory, max_to_keep=1)
+    done = ckpt.latest_step() or 0
+    ckpt.close()
+  return metrics_lib.sft_step(done, config.sft.num_steps)
+
+
 def _abstract_sft_state(optimizer, model: models.Decoder, mesh) -> dict:
   """{"params", "opt_state"} of the warm start as `jax.ShapeDtypeStruct`s with shardings."""
   params = models.build.abstract_params(model, mesh)
