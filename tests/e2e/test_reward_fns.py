@@ -40,10 +40,10 @@ def test_trainer_logs_a_reward_function_beside_math_verify(tmp_path, monkeypatch
   assert 0 < line["reward/short"] <= 1
 
 
-BROKEN_MODULE = '''
+BROKEN_MODULE = """
 def broken(completions, rows, **extras):
   return [len(c) / 0 for c in completions]
-'''
+"""
 
 
 def test_a_run_whose_reward_calls_all_fail_stops_with_one_line(tmp_path, monkeypatch):
