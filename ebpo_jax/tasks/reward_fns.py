@@ -145,7 +145,7 @@ def _path_of(fn: Any) -> str:
   if not inspect.isfunction(fn):
     raise ValueError(f"{getattr(fn, '__name__', fn)} is not a Python function (def ...)")
   name, module = fn.__qualname__, fn.__module__
-  if name == "<lambda>":
+  if fn.__name__ == "<lambda>":
     raise ValueError(
       "a lambda cannot run in the scorer processes, which import a reward by its module path: "
       "define it with def in a module file"

@@ -228,3 +228,17 @@ def test_a_notebooks_own_function_is_refused_with_how_to_fix_it():
   with pytest.raises(ValueError, match=r"mine is defined in __main__ .*%%writefile") as error:
     reward_fns.spec_of([namespace["mine"]])
   assert "\n" not in str(error.value)
+
+
+def test_trainer_run_refuses_a_lambda_before_the_workdir_is_touched(tmp_path):
+  from ebpo_jax import errors, trainer
+  from tests.helpers.configs import arith_config
+
+  with pytest.raises(
+    errors.ConfigError, match=r"^rewards=\[\.\.\.\]: a lambda cannot run"
+  ) as error:
+    trainer.run(arith_config(), str(tmp_path / "run"), rewards=[lambda c, r, **e: [0.0] * len(c)])
+  assert "\n" not in str(error.value)
+  assert not (tmp_path / "run").exists()
+  with pytest.raises(errors.ConfigError, match="config.rewards.fns='task' and rewards=.* use one"):
+    trainer.run(arith_config({"rewards.fns": "task"}), str(tmp_path / "run"), rewards=[brevity])
