@@ -10,7 +10,7 @@ import peft
 import torch
 import transformers
 
-from ebpo_jax import sharding
+from ebpo_jax import export, sharding
 from ebpo_jax.models import lora
 from ebpo_jax.trainer import policy, task_rows
 from tests.helpers.exports import (
@@ -35,6 +35,9 @@ def test_export_cli_writes_a_peft_adapter(
   assert result.returncode == 0, result.stderr[-3000:]
   assert f"step 0 of {run_dir} -> {out}; tokenizer files from {tiny_llama_dir}" in result.stdout
   assert f"a PEFT adapter for the base {tiny_llama_dir}" in result.stdout
+  config = policy.saved_config(str(run_dir), 0)
+  recipe = export.loading_recipe(config, str(out), format="peft")
+  assert result.stdout.endswith("load it with:\n" + textwrap.indent(recipe, "  ") + "\n")
   ids = random_ids(model.config.vocab_size, (1, 12))
   peft_logits = torch_model_logits(load_peft_model(tiny_llama_dir, out), ids)
   assert max_abs_diff(jitted_logits(model, params, ids), peft_logits) < MAX_ABS_DIFF
@@ -48,9 +51,8 @@ def text_length(completions, rows, **extras):
 """
 
 
-def _exec_recipe(stdout: str):
-  """The model that the export's printed loading recipe (the lines after "load it with:") builds."""
-  recipe = textwrap.dedent(stdout.split("load it with:\n", 1)[1])
+def _exec_recipe(recipe: str):
+  """The model that an export's loading recipe (`export.loading_recipe`) builds."""
   namespace = {"torch": torch, "AutoModelForCausalLM": transformers.AutoModelForCausalLM}
   namespace["PeftModel"] = peft.PeftModel
   exec(recipe, namespace)  # the recipe as a user pastes it
@@ -89,9 +91,9 @@ def test_exports_of_trained_adapters_load_with_the_runs_logits_by_the_printed_re
   assert min(moved) > 1e-4  # every adapter moved: lora_b starts at 0
   ids = random_ids(model.config.vocab_size, (1, 12))
   ours = jitted_logits(model, params, ids)
-  for args in (["--format=peft"], ["--format=merged", "--dtype=float32"]):
-    out = tmp_path / args[0].removeprefix("--format=")
-    result = run_module("ebpo_jax.export", f"--run_dir={run_dir}", f"--out={out}", *args, devices=1)
-    assert result.returncode == 0, result.stderr[-3000:]
-    theirs = torch_model_logits(_exec_recipe(result.stdout), ids)
-    assert max_abs_diff(ours, theirs) < MAX_ABS_DIFF, args
+  for format, dtype in (("peft", ""), ("merged", "float32")):  # --dtype=float32
+    out = str(tmp_path / format)
+    export.export(str(run_dir), out, format=format, dtype=dtype)
+    recipe = export.loading_recipe(config, out, format=format)  # what the CLI prints
+    theirs = torch_model_logits(_exec_recipe(recipe), ids)
+    assert max_abs_diff(ours, theirs) < MAX_ABS_DIFF, format
