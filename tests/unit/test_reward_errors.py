@@ -1,13 +1,13 @@
 """`rewards.max_error_frac`: a training step whose reward calls fail beyond it stops the run with
 one line naming the function and its first error (before: the step trained on the zeros the failed
-calls scored, and the run exited 0)."""
+calls scored, and the run exited 0). A reward term's naming, in its worker process:
+tests/e2e/test_reward_fns.py."""
 
 import numpy as np
 import pytest
 
 from ebpo_jax import errors
 from ebpo_jax.tasks import get_task
-from ebpo_jax.tasks.reward_fns import RewardFn
 from ebpo_jax.tasks.rewards import RewardPool
 from ebpo_jax.trainer import scoring
 
@@ -57,16 +57,3 @@ def test_errors_are_counted_over_the_steps_calls_and_reset(task, monkeypatch):
     with pytest.raises(errors.BadInput, match=r"5 of 8 reward calls failed.*KeyError: 'meta'"):
       scorer.check_step()
     scorer.check_step()  # the next step starts from 0
-
-
-def test_reward_functions_are_named_by_their_term(task):
-  fn = RewardFn("brevity", failing_reward, 1.0, f"{__name__}:failing_reward")
-  with RewardPool(workers=1, timeout_s=5.0) as pool:
-    scorer = scoring.Scorer(task, pool, (fn,), max_new_tokens=4, max_error_frac=0.25)
-    _score(scorer, ["1", "2"])
-    with pytest.raises(errors.BadInput, match=r"2 of 2 .*; first: brevity: ValueError: no"):
-      scorer.check_step()
-
-
-def failing_reward(completions, rows, **extras):
-  raise ValueError("no")
