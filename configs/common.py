@@ -20,7 +20,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.task = ml_collections.ConfigDict()  # the prompts and their verifier
   config.task.name = "arithmetic"  # in tasks.TASKS: arithmetic | math | jsonl | reasoning_gym:A+B
   config.task.num_train = 20_000  # training prompts drawn from the task (when data.path is "")
-  config.task.num_eval = 128  # held-out prompts per cluster, from the task's eval split
+  config.task.num_eval = 128  # in-training evaluation: at most this many prompts per cluster
   # The tasks' constructor keywords, every built-in task's here so that each is settable from the
   # command line (`--config.task.options.path=F`); an experiment sets entries, never replaces the
   # whole. A task takes those its constructor names and that are not None (None: its own default).
@@ -46,6 +46,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.data.answer_column = "answer"  # the answer, a string
   config.data.cluster_column = "cluster"  # the cluster, if any (none: every row in cluster 0)
   config.data.answer_regex = ""  # answer = its last match (group 1 if any); GSM8K: ####\s*(.+)
+  # Without eval.path, the in-training evaluation measures rows of data.path held out of training:
+  # this share of its prompts (by a hash of the prompt text, not the seed).
+  config.data.eval_fraction = 0.1  # in (0, 1): the held-out share of data.path's prompts
   config.data.order = "shuffle"  # shuffle | clustered (cluster runs) | curriculum (easy -> hard)
   config.data.skip_bad_rows = False  # drop (and count) rows the tokenizer or buckets reject
 
@@ -143,6 +146,9 @@ def get_config() -> ml_collections.ConfigDict:
   # A function that times out workers + 1 times in a row (twice with one worker) is not called
   # again in that batch: its other calls score 0, counted in reward/errors.
   config.rewards.timeout_s = 5.0  # seconds per response before it scores 0
+  # A training step whose failed reward calls (raised, hung, crashed, no number) exceed this share
+  # of its calls stops the run with one line naming the function and its first error.
+  config.rewards.max_error_frac = 0.5  # in [0, 1]; 1: never stop (failed calls score 0)
   # The training reward as a weighted sum of reward functions (ebpo_jax/tasks/reward_fns.py), terms
   # `[NAME=][WEIGHT*]FN`, FN a built-in (task, exact_match, math_verify, answer_format,
   # length_penalty) or package.module:function: "math_verify, 0.5*my_rewards:brevity".
@@ -152,8 +158,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.eval.every_steps = 25  # RL steps between evaluations (and at step 0 and the last)
   config.eval.greedy = True  # argmax decoding (when num_samples is 1); False: sampled
   config.eval.num_samples = 1  # k responses per problem; eval/accuracy is avg@k (full reward)
-  # Rows for `ebpo_jax.evaluate`, read as data.path is (a DatasetDict: name its split's folder).
-  config.eval.path = ""  # "": the task's eval split
+  # The evaluation's rows (in training and `ebpo_jax.evaluate`), read as data.path is (a
+  # DatasetDict: name its split's folder), labelled by their own clusters.
+  config.eval.path = ""  # "": data.path's held-out rows (data.eval_fraction), else the task's
 
   config.logging = ml_collections.ConfigDict()  # samples and wandb (metrics.jsonl + TB: always)
   config.logging.samples_every = 10  # RL steps between sample completion tables; 0: none

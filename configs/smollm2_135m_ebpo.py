@@ -105,6 +105,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.rl.group_size = 2
     config.sampling.max_new_tokens = 8
     config.sampling.prompt_buckets = (96, 128)  # its prompts: 58 to 95 tokens
+    if arg.math:  # CHAMP's prompts: 101 to 306 tokens; GSM8K's fit too
+      config.sampling.prompt_buckets = (128, 256, 512)
     config.sampling.prompts_per_call = 8  # its 8 eval prompts, not 64 padded ones (3x the time)
     config.eval.every_steps = 1
     config.eval.num_samples = 2

@@ -110,7 +110,7 @@ def make_target(config: ml_collections.ConfigDict, tpu: Slice, prompt_len: int =
     model = models.Decoder(models.build.with_lora(model_config, mc.lora))
     tokenizer = None
   else:
-    task, rows, cluster_names, _ = task_rows.load_task_and_rows(config)
+    task, rows, cluster_names, *_ = task_rows.load_task_and_rows(config)
     tokenizer = task_rows.load_tokenizer(config, task)
     model = models.build.make_model(config, tokenizer.vocab_size, devices[0])
     num_clusters = len(cluster_names)

@@ -9,10 +9,12 @@
 The policy comes from the latest (or `--step`) checkpoint of `--run_dir`, a trainer workdir
 (default: `--workdir` itself when it has `checkpoints/`; the model shape is the run's own, read
 from the checkpoint's saved config), else from the Hugging Face directory `config.model.path`.
-Problems come from `config.eval.path` (a rows file, e.g. from `python -m ebpo_jax.data.prepare`)
-or the task's eval split. Each problem gets k = `config.eval.num_samples` completions (greedy when
-`config.eval.greedy` and k == 1, else sampled with `config.sampling.*`), scored by the task's
-verifier; a response is correct when it earns the full reward 1.
+Problems come from `config.eval.path` (a rows file, e.g. from `python -m ebpo_jax.data.prepare`),
+else the rows of `config.data.path` held out of training, else the task's eval split
+(`task_rows.eval_rows`, the in-training evaluation's source). Each problem gets k =
+`config.eval.num_samples` completions (greedy when `config.eval.greedy` and k == 1, else sampled
+with `config.sampling.*`), scored by the task's verifier; a response is correct when it earns the
+full reward 1.
 
 Metrics, overall, per dataset (a row's `source`, else the task name) and per cluster:
 - `avg@k`: Pass@1 averaged over the k samples (the paper's metric), i.e. the mean of c/k;
@@ -37,13 +39,12 @@ import numpy as np
 import tqdm
 from absl import app, flags, logging
 
-from ebpo_jax import cli, data, files, jsonable, sharding, tasks
+from ebpo_jax import cli, files, jsonable, sharding, tasks
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.errors import ConfigError
 from ebpo_jax.tasks import base as tasks_base
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import policy as policy_lib
-from ebpo_jax.trainer import prompts as prompts_lib
 from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import task_rows
 from ebpo_jax.trainer.rollout_options import EvalOptions
@@ -118,10 +119,13 @@ def problem_metrics(rewards: Sequence[float], answers: Sequence[str]) -> dict[st
 
 
 def mean_metrics(per_problem: Sequence[dict[str, float]]) -> dict[str, float]:
-  """Problem metrics averaged over problems, with the count `n`."""
+  """Problem metrics averaged over problems, with the count `n` and the binomial standard error
+  over the n problems of each avg@k (`avg@k_se`)."""
   out: dict[str, float] = {"n": len(per_problem)}
   for key in per_problem[0]:
     out[key] = float(np.mean([m[key] for m in per_problem]))
+    if key.startswith("avg@"):
+      out[f"{key}_se"] = metrics_lib.binomial_se(out[key], len(per_problem))
   return out
 
 
@@ -166,26 +170,6 @@ def metrics_table(metrics: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------- main
 
 
-def eval_rows(config, task, tokenizer) -> tuple[list[dict], list[str], str]:
-  """(rows, cluster names, description) from `config.eval.path`, else the task's eval split. A
-  file's rows are tokenized first, as the trainer's: one `FILE:LINE:` line per row that does not
-  encode or fit the largest prompt bucket (dropped and counted with `data.skip_bad_rows`)."""
-  if config.eval.path:
-    check = prompts_lib.PromptEncoder.from_config(config, task, tokenizer).check
-    rows, names, dropped = data.load_checked_rows(
-      config.eval.path,
-      check,
-      skip_bad=config.data.skip_bad_rows,
-      columns=data.Columns.from_config(config.data),
-      split=None,  # a DatasetDict's split is named by its folder: data.split is the training one
-    )
-    if dropped:
-      print(f"{config.eval.path}: dropped {len(dropped)} bad rows; first: {dropped[0]}")
-    return rows, names, config.eval.path
-  n = config.task.num_eval * len(task.cluster_names)
-  return task.rows("eval", n, config.seed), list(task.cluster_names), f"{task.name} eval split"
-
-
 def run(
   config: ml_collections.ConfigDict,
   workdir: str,
@@ -204,9 +188,9 @@ def run(
     raise ConfigError(f"config.eval.num_samples={k!r}: must be >= 1")
   config_lib.check_config(config, jax.device_count())
   mesh = sharding.make_mesh(dict(config.mesh))
-  task = tasks.from_config(config.task)
+  task = task_rows.load_task(config)
   tokenizer = task_rows.load_tokenizer(config, task)
-  rows, cluster_names, rows_origin = eval_rows(config, task, tokenizer)
+  rows, cluster_names, rows_origin = task_rows.eval_rows(config, task)
   model, params, origin = policy_lib.load_policy(config, tokenizer, mesh, run_dir, step)
   sampler = rollouts_lib.make_sampler(model, task, tokenizer, config, mesh)
   with sampler.scorer.pool:

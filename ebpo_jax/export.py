@@ -14,19 +14,24 @@ the original. A random-init run uses the task's own character or byte tokenizer,
 Hugging Face form: only the weights and config are written.
 
 `--format=merged` (the default) writes the full model; for a LoRA run (`model.lora.rank > 0`)
-each adapter is first folded into its kernel (`models.lora.merge`), so OUT is a plain model whose
-config.json knows nothing of LoRA. `--format=peft` (a LoRA run on `model.path` only) writes the
-adapters alone as `adapter_config.json` + `adapter_model.safetensors` (`models.peft_io`), with
-the tokenizer files beside them: the base is the run's `model.path` (written as
-`base_model_name_or_path`), which the user loads themselves:
+each adapter is first folded into its kernel in float32 (`models.lora.merge`), so OUT is a plain
+model whose config.json knows nothing of LoRA; `--dtype` casts the result (float32: the folded
+weights unrounded; default: the base's dtype, e.g. bfloat16). `--format=peft` (a LoRA run on
+`model.path` only) writes the adapters alone as `adapter_config.json` +
+`adapter_model.safetensors` (`models.peft_io`), with the tokenizer files beside them: the base is
+the run's `model.path` (written as `base_model_name_or_path`), which the user loads themselves.
+Either way the export prints the transformers code that loads OUT with the run's logits
+(`loading_recipe`): for a run on a bfloat16 base, the base loaded in bfloat16 (the weights the
+adapters learned on), then cast to the run's compute dtype:
 
-  base = AutoModelForCausalLM.from_pretrained(MODEL_PATH)
-  policy = peft.PeftModel.from_pretrained(base, OUT)
+  base = AutoModelForCausalLM.from_pretrained(MODEL_PATH, dtype=torch.bfloat16).to(torch.float32)
+  model = PeftModel.from_pretrained(base, OUT)
 
 The run directory, the source model directory and OUT may each be local or `gs://bucket/...`
 (`save_pretrained` writes a remote OUT locally, then uploads it file by file).
 """
 
+import textwrap
 from collections.abc import Sequence
 from typing import Any
 
@@ -91,10 +96,12 @@ def _cast(tree: Any, dtype: str) -> Any:
 
 
 def _export_merged(config, tokenizer, mesh, run_dir: str, step: int, out: str, dtype: str) -> None:
-  """The full model; a LoRA run's adapters folded into the kernels first (in float32, before any
-  cast), written as the plain base decoder."""
+  """The full model; a LoRA run's adapters folded into the kernels first (in float32, rounded
+  once: to `dtype` if given, else to the kernel's own dtype), written as the plain base decoder."""
   model, params, _ = policy_lib.load_policy(config, tokenizer, mesh, run_dir, step)
   if model.config.lora_rank > 0:
+    if dtype:  # merge's sum is rounded to the kernel's dtype: a bfloat16 base's would be
+      params = _cast(params, "float32")
     params = models.lora.merge(params, model.config)
     model = models.lora.base_model(model)
   models.save_pretrained(out, model, _cast(params, dtype))  # collective; process 0 writes
@@ -121,16 +128,32 @@ def check_peft_base(config: ml_collections.ConfigDict, run_dir: str) -> None:
     )
 
 
-def base_dtype_note(config: ml_collections.ConfigDict) -> str:
-  """For a PEFT export: how to load the base the run trained on, when it was not float32 (the
-  adapters learned on the rounded base; a float32 base gives other logits)."""
-  dtype = config.model.lora.base_dtype or config.model.param_dtype
-  if dtype == "float32":
-    return ""
+def loading_recipe(config: ml_collections.ConfigDict, out: str, *, format: str) -> str:
+  """The transformers code (defining `model`) that loads the export `out` of a run of `config`
+  with the run's logits: the weights in the dtype the run read them in, computed in its
+  `model.dtype`. A PEFT base is loaded in the dtype the adapters learned on
+  (`model.lora.base_dtype`: its rounding is part of the policy), then cast."""
+  compute = config.model.dtype
+  if format == "peft":
+    base = config.model.lora.base_dtype or config.model.param_dtype
+    cast = f".to(torch.{compute})" if base != compute else ""
+    source = policy_lib.model_source(config)
+    return (
+      f"base = AutoModelForCausalLM.from_pretrained({source!r}, dtype=torch.{base}){cast}\n"
+      f"model = PeftModel.from_pretrained(base, {files.abspath(out)!r})"
+    )
   return (
-    f"; the run trained on a {dtype} base (model.lora.base_dtype): load it with "
-    f"dtype=torch.{dtype} to get the trained policy"
+    f"model = AutoModelForCausalLM.from_pretrained({files.abspath(out)!r}, dtype=torch.{compute})"
   )
+
+
+def merged_rounding_note(config: ml_collections.ConfigDict, dtype: str) -> str:
+  """For a merged export of a LoRA run on a reduced-precision base without `--dtype`: its folded
+  weights are rounded to that dtype (not the run's logits)."""
+  base = config.model.lora.base_dtype or config.model.param_dtype
+  if dtype or not models.build.lora_enabled(config) or base == "float32":
+    return ""
+  return f"; the folded weights are rounded to {base} (--dtype=float32 keeps the run's logits)"
 
 
 def _export_adapters(
@@ -155,17 +178,26 @@ def main(argv: Sequence[str]) -> None:
     if summary["source_model"]
     else "no tokenizer (a random-init run uses the task's own character/byte tokenizer)"
   )
+  config = policy_lib.saved_config(f.run_dir, summary["step"])
   if f.format == "peft":
     tokenizer_note += f"; a PEFT adapter for the base {summary['source_model']}"
-    tokenizer_note += base_dtype_note(policy_lib.saved_config(f.run_dir, summary["step"]))
+  else:
+    tokenizer_note += merged_rounding_note(config, f.dtype)
   print(f"step {summary['step']} of {f.run_dir} -> {summary['out']}; {tokenizer_note}")
+  recipe = loading_recipe(config, f.out, format=f.format)
+  print("load it with:\n" + textwrap.indent(recipe, "  "))
 
 
 if __name__ == "__main__":
   flags.DEFINE_string("run_dir", None, "Trainer workdir to export from (local or gs://...).")
   flags.DEFINE_string("out", None, "Output Hugging Face directory (local or gs://...).")
   flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
-  flags.DEFINE_string("dtype", "", "Cast the weights, e.g. bfloat16 (default: as trained).")
+  flags.DEFINE_string(
+    "dtype",
+    "",
+    "Cast the weights: float32 or bfloat16 (default: as trained; a LoRA run's merged kernels are "
+    "folded in float32 and rounded once, to this or else to the base's dtype).",
+  )
   flags.DEFINE_enum(
     "format",
     "merged",

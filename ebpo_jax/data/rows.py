@@ -22,6 +22,8 @@ from typing import Any, NamedTuple
 from ebpo_jax import errors, files
 
 SUFFIXES = (".jsonl", ".parquet")
+# A row's chat (`chat_messages`): the prompt column may hold one, or a row keeps it under this key.
+MESSAGES = "messages"
 
 
 class DataError(errors.BadInput):
@@ -264,10 +266,21 @@ def _validate(
   prompt = record.get(columns.prompt)
   if prompt is None:
     raise DataError(f"{where}: missing {columns.prompt!r}{_found(record, columns.prompt)}")
-  if not isinstance(prompt, str) or not prompt.strip():
+  messages = record.get(MESSAGES)
+  if isinstance(prompt, list):  # a chat: its last user turn is the prompt
+    messages = prompt
+  elif isinstance(prompt, str) and not prompt.strip():
     raise DataError(
       f"{where}: {columns.prompt!r} must be a non-empty string, got {_describe(prompt)}"
     )
+  elif not isinstance(prompt, str):
+    raise DataError(
+      f"{where}: {columns.prompt!r} must be a non-empty string or a list of {{role, content}} "
+      f"messages, got {_describe(prompt)}"
+    )
+  if messages is not None:
+    messages = chat_messages(messages, f"{where}: {columns.prompt!r}")
+    prompt = messages[-1]["content"]
   if columns.answer not in record:
     raise DataError(f"{where}: missing {columns.answer!r}{_found(record, columns.answer)}")
   answer = record[columns.answer]
@@ -283,10 +296,28 @@ def _validate(
     if column != key:
       row.pop(column, None)
   row["prompt"], row["answer"] = prompt, answer
+  if messages is not None:
+    row[MESSAGES] = messages
   cluster = record.get(columns.cluster)
   row["cluster"] = clusters.missing(where) if cluster is None else clusters.id_of(cluster, where)
   row["difficulty"] = _difficulty(record.get("difficulty"), where)
   return row
+
+
+def chat_messages(value: Any, where: str) -> list[dict[str, str]]:
+  """A chat's messages up to its last user turn (TRL's conversational rows: a list of {role,
+  content} strings; later turns, e.g. the reference answer, are left out); DataError naming
+  `where` otherwise."""
+  if not isinstance(value, list) or not value:
+    raise DataError(f"{where} must be a non-empty list of {{role, content}} messages")
+  for i, message in enumerate(value, start=1):
+    fields = ("role", "content")
+    if not isinstance(message, dict) or not all(isinstance(message.get(f), str) for f in fields):
+      raise DataError(f"{where}: message {i} must be {{role, content}} strings, got {message!r}")
+  users = [i for i, m in enumerate(value) if m["role"] == "user"]
+  if not users or not value[users[-1]]["content"].strip():
+    raise DataError(f"{where}: no 'user' turn with content among the messages")
+  return [{"role": m["role"], "content": m["content"]} for m in value[: users[-1] + 1]]
 
 
 def _difficulty(value: Any, where: str) -> float:

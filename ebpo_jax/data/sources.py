@@ -37,7 +37,7 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from ebpo_jax.data.rows import Columns, DataError, extract_answer
+from ebpo_jax.data.rows import MESSAGES, Columns, DataError, chat_messages, extract_answer
 
 SOURCES = (
   "dapo_math_17k",
@@ -64,6 +64,7 @@ class Layout:
   answer_in_solution: bool = False  # no answer column: the last \boxed{} of `solution`
   skip_images_and_proofs: bool = False  # OlympiadBench: multimodal and theorem-proof rows
   answer_regex: str = ""  # the answer is this regex's last match (group 1 if any) in the answer
+  chat: bool = False  # a chat-list prompt keeps its messages (`rows.chat_messages`) in the row
 
 
 def generic_layout(columns: Columns) -> Layout:
@@ -73,6 +74,7 @@ def generic_layout(columns: Columns) -> Layout:
     answer=(columns.answer,),
     cluster=(columns.cluster,),
     answer_regex=columns.answer_regex,
+    chat=True,
   )
 
 
@@ -156,7 +158,11 @@ def parse_row(name: str, layout: Layout, record: Any, where: str, index: int) ->
   """One project row from one source record."""
   if not isinstance(record, dict):
     raise DataError(f"{where}: a row must be an object, got {_describe(record)}")
-  prompt = _prompt_text(_required(record, layout.prompt, where), where)
+  column, raw_prompt = _required_with_column(record, layout.prompt, where)
+  messages = None
+  if layout.chat and isinstance(raw_prompt, list):
+    messages = chat_messages(raw_prompt, f"{where}: {column!r}")
+  prompt = _prompt_text(raw_prompt, where)
   context = _first(record, layout.context)
   if isinstance(context, str) and context.strip():
     prompt = f"{context.strip()}\n\n{prompt}"
@@ -173,7 +179,8 @@ def parse_row(name: str, layout: Layout, record: Any, where: str, index: int) ->
   cluster = _first(record, layout.cluster)
   identifier = _first(record, layout.ids)
   return {
-    "prompt": prompt,
+    "prompt": prompt if messages is None else messages[-1]["content"],
+    **({} if messages is None else {MESSAGES: messages}),
     "answer": _answer_text(value, where),
     "cluster": str(cluster).strip() or name if cluster is not None else name,
     "difficulty": _difficulty(_first(record, layout.difficulty)),

@@ -6,8 +6,9 @@ TENSORBOARD_DIR = "tensorboard"
 PLOTS_DIR = "plots"
 SAMPLES_FILE = "samples.jsonl"  # sample completions, one JSON object per line (write_samples)
 WANDB_RUN_ID_FILE = "wandb_run_id"  # the workdir's wandb run id: a resumed run continues it
-# MetricsWriter's resume_step when nothing was restored: every line of an earlier start is dropped.
-FRESH_START = -1
+# MetricsWriter's resume_step when nothing was restored: every line of an earlier start is dropped
+# (the warm start's, at negative steps, too).
+FRESH_START = -(2**31)
 # How often a writer on an object store uploads (each upload sends the whole files again).
 REMOTE_FLUSH_S = 60.0
 
@@ -60,6 +61,10 @@ TIME_UPDATE_S = "time/update_s"
 TIME_TOKENS_PER_S = "time/tokens_per_s"  # ROLLOUT_TOKENS / TIME_STEP_S
 TIME_ELAPSED_S = "time/elapsed_s"  # wall time since this start of the run (compiles, evals too)
 
+# The supervised warm start's lines: SFT step k of N is logged at step k - N - 1 (-N .. -1), before
+# RL's step 0, so that one step axis holds both phases (wandb, whose steps start at 0, has RL's).
+SFT_LOSS = "sft/loss"  # mean cross-entropy per answer token of the step's batch
+
 # Evaluation lines.
 EVAL_ACCURACY = "eval/accuracy"
 EVAL_VERIFIER_ERRORS = "eval/verifier_errors"  # evaluation verifier calls that raised or timed out
@@ -84,7 +89,7 @@ KEYS = frozenset(
     COMPILES_TRAIN_STEP,
     *TIMING_KEYS,
   }
-  | {EVAL_ACCURACY, EVAL_VERIFIER_ERRORS}
+  | {EVAL_ACCURACY, EVAL_VERIFIER_ERRORS, SFT_LOSS}
 )
 
 
@@ -96,6 +101,11 @@ def cluster_prefix(key: str) -> str:
 def per_cluster(key: str, cluster_name: str) -> str:
   """The one rule for per-cluster keys: ("reward/mean", "add_2d") -> "reward/mean/add_2d"."""
   return cluster_prefix(key) + cluster_name
+
+
+def sft_step(step: int, num_steps: int) -> int:
+  """The metrics step of supervised step `step` (1-based) of `num_steps`: -num_steps .. -1."""
+  return step - num_steps - 1
 
 
 def reward_fn_key(name: str) -> str:

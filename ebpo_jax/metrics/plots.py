@@ -36,12 +36,14 @@ from ebpo_jax.metrics.names import (
   RESPONSE_LEN_MEAN,
   REWARD_ERRORS,
   REWARD_MEAN,
+  SFT_LOSS,
   STEP,
   TIME_SAMPLE_S,
   TIME_STEP_S,
   TIME_TOKENS_PER_S,
   TIME_UPDATE_S,
   cluster_prefix,
+  per_cluster,
 )
 
 
@@ -108,6 +110,9 @@ DEFAULT_PANELS: tuple[Panel, ...] = (
   Panel("grad_norm", "Gradient norm", "global gradient norm", (GRAD_NORM,)),
   Panel("clipfrac", "Clipped tokens", "share of tokens clipped", (CLIPFRAC,), unit=True),
   Panel("loss", "Loss", "loss", (LOSS,)),
+  Panel(
+    "sft_loss", "Warm start loss (steps before RL)", "cross-entropy per answer token", (SFT_LOSS,)
+  ),
   Panel("response_len", "Response length", "tokens per response", (RESPONSE_LEN_MEAN,)),
   Panel("reward_errors", "Verifier errors", "calls that raised or timed out", (REWARD_ERRORS,)),
   Panel("tokens_per_sec", "Throughput", "sampled tokens per second", (TIME_TOKENS_PER_S,)),
@@ -413,6 +418,31 @@ def missing_panels(records: Iterable[Mapping[str, Any]]) -> list[str]:
     for pattern in panel.patterns
     if not _matching_keys([pattern], available)
   ]
+
+
+def binomial_se(p: float, n: int) -> float:
+  """The standard error sqrt(p (1 - p) / n) of an accuracy p measured on n prompts."""
+  return math.sqrt(p * (1.0 - p) / n) if n > 0 else math.nan
+
+
+def accuracy_table(
+  first: Mapping[str, Any], last: Mapping[str, Any], counts: Mapping[str, int]
+) -> str:
+  """The end of a run's summary: the held-out accuracy per cluster (and all) of two evaluation
+  lines of metrics.jsonl, each with its binomial standard error over the cluster's `counts`
+  prompts."""
+  rows = {}
+  for name, n in [*counts.items(), ("all", sum(counts.values()))]:
+    key = EVAL_ACCURACY if name == "all" else per_cluster(EVAL_ACCURACY, name)
+    before, after = first.get(key), last.get(key)
+    rows[name] = {
+      "before": before,
+      "se before": None if before is None else binomial_se(before, n),
+      "after": after,
+      "se after": None if after is None else binomial_se(after, n),
+      "n": n,
+    }
+  return summary_table(rows)
 
 
 def summary_table(

@@ -27,7 +27,18 @@ TASKS: dict[str, str] = {
   "math": "ebpo_jax.tasks.math_task:MathTask",
 }
 
-__all__ = ["TASKS", "Task", "extract_final_answer", "from_config", "get_task", "load_object"]
+# Constructor keywords that `from_config` sets from `config.data`, not `config.task.options`.
+FROM_DATA = ("columns",)
+
+__all__ = [
+  "FROM_DATA",
+  "TASKS",
+  "Task",
+  "extract_final_answer",
+  "from_config",
+  "get_task",
+  "load_object",
+]
 
 
 def load_object(path: str) -> Any:
@@ -57,9 +68,10 @@ def get_task(name: str, **options: Any) -> Task:
   return cls(**name_kwargs, **options)
 
 
-def from_config(task_config: Mapping[str, Any]) -> Task:
+def from_config(task_config: Mapping[str, Any], columns: Any = None) -> Task:
   """The task of `config.task`: `name`, and the entries of `options` that its constructor names
-  and that are set (not None).
+  and that are set (not None); a task whose constructor names `columns` also gets `columns` (the
+  `data.Columns` of `config.data`: where its rows file keeps prompt, answer and cluster).
 
   `config.task.options` holds the keywords of every task (configs/common.py; None: the task's own
   default), so that any of them can be set from the command line; each task takes its own and
@@ -72,6 +84,8 @@ def from_config(task_config: Mapping[str, Any]) -> Task:
     raise ConfigError(f"config.task.name={name!r}: {e}") from None
   known = set(_options_of(cls))
   options = {k: v for k, v in task_config["options"].items() if k in known and v is not None}
+  if columns is not None and "columns" in known:  # FROM_DATA
+    options["columns"] = columns
   try:
     return get_task(name, **options)
   except BadInput:  # a rows file the task reads names itself (FILE:LINE)

@@ -36,6 +36,11 @@ class Task(abc.ABC):
   def rows(self, split: str, n: int, seed: int) -> list[dict[str, Any]]:
     """n rows of `split` ('train' or 'eval'), deterministic in seed."""
 
+  def check_row(self, row: dict[str, Any]) -> str | None:
+    """The problem of a row that this task cannot score (a rows file's), or None."""
+    del row
+    return None
+
   def format_prompt(self, row: dict[str, Any]) -> str:
     return row["prompt"]
 

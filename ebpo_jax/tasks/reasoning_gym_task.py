@@ -117,6 +117,15 @@ class ReasoningGymTask(Task):
     ]
     return interleave(per_cluster)
 
+  def check_row(self, row: dict[str, Any]) -> str | None:
+    if isinstance(row.get("meta"), dict):
+      return None
+    return (
+      "no 'meta' (the generated entry that reasoning-gym's scorer needs): task reasoning_gym "
+      "scores the rows it generates; for your own rows use --config.task.name=jsonl (exact "
+      "match) or math (math-verify)"
+    )
+
   def format_prompt(self, row: dict[str, Any]) -> str:
     return row["prompt"] + self.instruction
 

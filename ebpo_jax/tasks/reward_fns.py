@@ -37,6 +37,7 @@ one string can, and reads as the sum it defines.
 """
 
 import dataclasses
+import inspect
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -118,6 +119,52 @@ def load(spec: str) -> list[RewardFn]:
       raise ValueError(f"reward {name!r}: {path} is a {type(fn).__name__}, not a function")
     fns.append(RewardFn(name, fn, weight, path))
   return fns
+
+
+def spec_of(rewards: Sequence[Any]) -> str:
+  """The `rewards.fns` string of Python rewards (`ebpo_jax.trainer.run(..., rewards=[...])`):
+  each a function (weight 1), a `(function, weight)` pair, or a term as `rewards.fns` writes it
+  (`"math_verify"`). A function becomes `NAME=WEIGHT*module:function`: the scorer processes import
+  it by that path, so it must be a top-level function of an importable module (in a notebook:
+  write it to a file with `%%writefile my_rewards.py` and `from my_rewards import fn`). Anything
+  else is a ValueError of one line saying why."""
+  terms = []
+  for item in rewards:
+    if isinstance(item, str):
+      terms.append(item)
+      continue
+    fn, weight = item if isinstance(item, tuple) else (item, 1.0)
+    if isinstance(weight, bool) or not isinstance(weight, int | float):
+      raise ValueError(f"{getattr(fn, '__name__', fn)!r}: weight {weight!r} is not a number")
+    terms.append(f"{fn.__name__}={float(weight)!r}*{_path_of(fn)}")
+  return ", ".join(terms)
+
+
+def _path_of(fn: Any) -> str:
+  """`module:function` of a function that a fresh process imports as this very object."""
+  if not inspect.isfunction(fn):
+    raise ValueError(f"{getattr(fn, '__name__', fn)} is not a Python function (def ...)")
+  name, module = fn.__qualname__, fn.__module__
+  if fn.__name__ == "<lambda>":
+    raise ValueError(
+      "a lambda cannot run in the scorer processes, which import a reward by its module path: "
+      "define it with def in a module file"
+    )
+  if "." in name:
+    raise ValueError(
+      f"{fn.__name__} is defined inside {name.rpartition('.')[0]}: a reward must be defined at "
+      "the top level of a module, which the scorer processes import"
+    )
+  if module == "__main__":
+    raise ValueError(
+      f"{name} is defined in __main__ (a notebook or a script), which the scorer processes "
+      f"cannot import: write it to a module file (in a notebook: %%writefile my_rewards.py) and "
+      f"import it from there"
+    )
+  path = f"{module}:{name}"
+  if load_object(path) is not fn:
+    raise ValueError(f"{path} does not import as the function given (redefined?)")
+  return path
 
 
 def combine(values_fn: np.ndarray, weights: Sequence[float]) -> np.ndarray:

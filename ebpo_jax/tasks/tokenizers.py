@@ -1,8 +1,10 @@
 """Tokenizers: characters of arithmetic or UTF-8 bytes (random-init models), or a model directory's.
 
 All have `vocab_size`, `pad_id`, `bos_id`, `eos_id`, `stop_ids`; `encode(text)` gives the text's ids
-only; `prompt_ids(text, system_prompt)` the ids the model sees before its completion (BOS + text, or
-a chat model's template); `decode(ids)` stops at the first stop id and drops pad and BOS.
+only; `prompt_ids(text, system_prompt, history)` the ids the model sees before its completion: the
+user turn `text` after the chat's earlier `history` messages ({role, content}), as a chat model's
+template renders them, or BOS + the texts one per line; `decode(ids)` stops at the first stop id
+and drops pad and BOS.
 """
 
 import json
@@ -27,10 +29,10 @@ class _Own:
   def stop_ids(self) -> tuple[int, ...]:
     return (self.eos_id,)
 
-  def prompt_ids(self, text: str, system_prompt: str | None = None) -> list[int]:
-    if system_prompt:
-      text = f"{system_prompt}\n{text}"
-    return [self.bos_id, *self.encode(text)]  # type: ignore[attr-defined]
+  def prompt_ids(
+    self, text: str, system_prompt: str | None = None, history: Sequence[dict] = ()
+  ) -> list[int]:
+    return [self.bos_id, *self.encode(plain_prompt(text, system_prompt, history))]  # type: ignore[attr-defined]
 
 
 class CharTokenizer(_Own):
@@ -47,7 +49,10 @@ class CharTokenizer(_Own):
     try:
       return [self._id_of[c] for c in text]
     except KeyError as e:
-      raise ValueError(f"character {e.args[0]!r} is not in the vocabulary {self.CHARS!r}") from e
+      raise ValueError(
+        f"character {e.args[0]!r} is not in the vocabulary {self.CHARS!r} (task arithmetic; "
+        "text prompts: --config.task.name=jsonl)"
+      ) from e
 
   def decode(self, ids: Sequence[int]) -> str:
     return "".join(self.CHARS[i - _SPECIALS] for i in _content_ids(ids, self))
@@ -115,13 +120,17 @@ class HFTokenizer:
   def encode(self, text: str) -> list[int]:
     return list(self._tok.encode(text, add_special_tokens=False))
 
-  def prompt_ids(self, text: str, system_prompt: str | None = None) -> list[int]:
+  def prompt_ids(
+    self, text: str, system_prompt: str | None = None, history: Sequence[dict] = ()
+  ) -> list[int]:
     if not self.use_chat_template:
       bos = [] if self.bos_id is None else [self.bos_id]
-      prefix = f"{system_prompt}\n" if system_prompt else ""
-      return bos + self.encode(prefix + text)
-    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
-    messages.append({"role": "user", "content": text})
+      return bos + self.encode(plain_prompt(text, system_prompt, history))
+    has_system = any(m["role"] == "system" for m in history)
+    messages = (
+      [{"role": "system", "content": system_prompt}] if system_prompt and not has_system else []
+    )
+    messages += [*history, {"role": "user", "content": text}]
     out = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
@@ -132,6 +141,14 @@ class HFTokenizer:
         ids = ids[:n]
         break
     return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def plain_prompt(text: str, system_prompt: str | None, history: Sequence[dict]) -> str:
+  """A prompt without a chat template: the system prompt (unless the chat has its own), the
+  chat's earlier messages and the user turn, one per line."""
+  has_system = any(m["role"] == "system" for m in history)
+  lines = [system_prompt] if system_prompt and not has_system else []
+  return "\n".join([*lines, *(m["content"] for m in history), text])
 
 
 def _stop_ids(path: str, eos_id: int) -> tuple[int, ...]:

@@ -69,6 +69,8 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
     f"must lie in [0, sampling.max_new_tokens={config.sampling.max_new_tokens}]",
   )
   _require(rl.overlong_penalty >= 0, config, "rl.overlong_penalty", "must be >= 0")
+  frac = config.rewards.max_error_frac
+  _require(0 <= frac <= 1, config, "rewards.max_error_frac", "must lie in [0, 1]")
   # The ratio's lower bound 1 - clip_low must stay positive.
   _require(0 <= config.rl.loss.clip_low < 1, config, "rl.loss.clip_low", "must lie in [0, 1)")
   _require(config.rl.loss.clip_high >= 0, config, "rl.loss.clip_high", "must be >= 0")
@@ -241,6 +243,7 @@ def _check_data_columns(config: ml_collections.ConfigDict) -> None:
   for key in ("split", "prompt_column", "answer_column", "cluster_column"):
     value = config.data[key]
     _require(isinstance(value, str) and bool(value), config, f"data.{key}", "must be a name")
+  _require(0 < config.data.eval_fraction < 1, config, "data.eval_fraction", "must lie in (0, 1)")
   regex = config.data.answer_regex
   try:
     re.compile(regex)

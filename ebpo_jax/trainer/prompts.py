@@ -32,8 +32,10 @@ class PromptEncoder:
     return cls(task, tokenizer, tuple(config.sampling.prompt_buckets))
 
   def prompt_ids(self, row: dict) -> list[int]:
-    """The row's prompt tokens, as the sampler sees them."""
-    return self.tokenizer.prompt_ids(self.task.format_prompt(row), self.task.system_prompt)
+    """The row's prompt tokens, as the sampler sees them: a chat row's (`messages`) earlier turns
+    before its last user turn, which the task formats."""
+    history = row.get("messages", [])[:-1]
+    return self.tokenizer.prompt_ids(self.task.format_prompt(row), self.task.system_prompt, history)
 
   def target_ids(self, row: dict) -> list[int]:
     """The row's answer tokens (the task's target format, no EOS), as the warm start sees them."""
@@ -59,6 +61,9 @@ class PromptEncoder:
     """The row's problem, or None: its prompt and answer encode, and the prompt fits the largest
     prompt bucket."""
     largest = max(self.buckets)
+    problem = self.task.check_row(row)
+    if problem:
+      return problem
     try:
       length = len(self.prompt_ids(row))
     except (ValueError, KeyError) as e:

@@ -366,7 +366,8 @@ def sample_rows(
 ) -> list[dict]:
   """The sample completions table of a step: its first `num` completions (prompt-major, so whole
   groups side by side), each with its prompt, answer, reward (before DAPO's overlong penalty),
-  advantage [B, G] from the step and cluster name."""
+  advantage [B, G] from the step and cluster name, and each reward function's value
+  (`reward/<name>`, NaN where it returned None) when `rewards.fns` is set."""
   g = rollout.group_size
   table = []
   for i in range(min(num, len(rollout.texts))):
@@ -379,6 +380,10 @@ def sample_rows(
         "reward": float(rollout.rewards[i // g, i % g]),
         "advantage": float(advantages_bg[i // g, i % g]),
         "cluster": cluster_names[row["cluster"]],
+        **{
+          metrics_lib.reward_fn_key(name): float(part[i // g, i % g])
+          for name, part in rollout.reward_parts.items()
+        },
       }
     )
   return table
@@ -448,5 +453,11 @@ def make_sampler(model, task, tokenizer, config: ml_collections.ConfigDict, mesh
   encoder = prompts_lib.PromptEncoder.from_config(config, task, tokenizer)
   fns = reward_fns_lib.load(config.rewards.fns)
   pool = rewards_lib.RewardPool(config.rewards.workers, config.rewards.timeout_s)
-  scorer = scoring.Scorer(task, pool, fns, max_new_tokens=options.sampling.max_new_tokens)
+  scorer = scoring.Scorer(
+    task,
+    pool,
+    fns,
+    max_new_tokens=options.sampling.max_new_tokens,
+    max_error_frac=config.rewards.max_error_frac,
+  )
   return Sampler(model, encoder, scorer, options, mesh)

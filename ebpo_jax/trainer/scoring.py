@@ -7,6 +7,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from ebpo_jax import errors as errors_lib
 from ebpo_jax import tasks
 from ebpo_jax.tasks import reward_fns as reward_fns_lib
 from ebpo_jax.tasks import rewards as rewards_lib
@@ -16,7 +17,8 @@ class Scorer:
   """Scores training rollouts with `reward_fns` when there are any (config.rewards.fns), every
   other rollout (evaluation) with the task's verifier; calls run in `pool` (`tasks.rewards`'
   RewardPool, which its owner closes). With several processes each scores its own contiguous share
-  of the completions and all receive every value."""
+  of the completions and all receive every value. It counts the training calls that fail, and
+  `check_step` stops a step whose failures exceed `max_error_frac` of its calls."""
 
   def __init__(
     self,
@@ -25,9 +27,23 @@ class Scorer:
     reward_fns: Sequence[reward_fns_lib.RewardFn] = (),
     *,
     max_new_tokens: int,
+    max_error_frac: float = 1.0,
   ):
     self.task, self.pool, self.reward_fns = task, pool, tuple(reward_fns)
     self.max_new_tokens = max_new_tokens  # the reward functions' `max_new_tokens` extra
+    self.max_error_frac = max_error_frac  # rewards.max_error_frac
+    self._calls, self._errors, self._first_error = 0, 0, ""  # the step's, until check_step
+
+  def check_step(self) -> None:
+    """Stops the run (a BadInput of one line: the function and its first error) when more than
+    `max_error_frac` of the training calls since the last check failed; starts the count anew."""
+    calls, failed, first = self._calls, self._errors, self._first_error
+    self._calls, self._errors, self._first_error = 0, 0, ""
+    if calls and failed > self.max_error_frac * calls:
+      raise errors_lib.BadInput(
+        f"rewards.max_error_frac={self.max_error_frac}: {failed} of {calls} reward calls failed "
+        f"in this step; first: {first or '(on another process)'}"
+      )
 
   def score(
     self,
@@ -55,14 +71,30 @@ class Scorer:
     else:
       rewards, errors = self.pool.score(self.task.score, texts[mine], rows_g[mine])
       values = rewards[None]  # [1, n]
+    if training:
+      self._note(errors, len(fns))
     if jax.process_count() > 1:
       values, errors = _gather_shares(values, errors, share, len(texts))
+    if training:
+      self._calls += len(texts) * max(len(fns), 1)
+      self._errors += errors
     shape = (len(rows), group_size)
     if not fns:
       return np.asarray(values[0], np.float32).reshape(shape), {}, errors
     total = reward_fns_lib.combine(values, [f.weight for f in fns])
     parts = {f.name: v.reshape(shape) for f, v in zip(fns, values, strict=True)}
     return total.reshape(shape), parts, errors
+
+  def _note(self, errors: int, num_fns: int) -> None:
+    """Keeps this process's first failed call of the step, named: a reward term's own message
+    starts with its name; the verifier's gets the function's."""
+    if not errors or self._first_error or not self.pool.last_errors:
+      return
+    first = self.pool.last_errors[0]
+    if not num_fns:
+      fn = self.task.score
+      first = f"the task's verifier {fn.__module__}.{fn.__qualname__}: {first}"
+    self._first_error = first
 
 
 def _gather_shares(values: np.ndarray, errors: int, share: int, total: int) -> tuple:

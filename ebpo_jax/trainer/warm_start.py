@@ -20,6 +20,7 @@ import optax
 import tqdm
 
 from ebpo_jax import checkpoint, data, files, models, process, sequences
+from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.trainer import optimizer as optimizer_lib
 from ebpo_jax.trainer import policy as policy_lib
 from ebpo_jax.trainer import rollouts as rollouts_lib
@@ -33,6 +34,19 @@ def discard(workdir: str) -> None:
   optimizer state, no longer needed once an RL checkpoint exists."""
   if jax.process_index() == 0:
     files.remove_tree(files.join(workdir, WARM_START_DIR))
+
+
+def metrics_resume_step(config: ml_collections.ConfigDict, workdir: str) -> int:
+  """The metrics step that a fresh RL start keeps metrics.jsonl's lines up to: the warm start's
+  lines of the steps its own checkpoint holds (they are not done again; the later ones are),
+  none when it has none."""
+  directory = files.join(workdir, WARM_START_DIR)
+  done = 0
+  if config.sft.num_steps and files.isdir(directory):
+    ckpt = checkpoint.Checkpointer(directory, max_to_keep=1)
+    done = ckpt.latest_step() or 0
+    ckpt.close()
+  return metrics_lib.sft_step(done, config.sft.num_steps)
 
 
 def _abstract_sft_state(optimizer, model: models.Decoder, mesh) -> dict:
@@ -82,9 +96,11 @@ def warm_start(
   *,
   workdir: str,
   sigterm: process.SigtermFlag,
+  writer: metrics_lib.MetricsWriter,
 ) -> Any:
   """The initial params (`policy.initial_params`) after `config.sft.num_steps` supervised steps
   (AdamW) on the rows' answers, resumed from the warm start's checkpoint in `workdir` if any.
+  Each step's loss goes to `writer` as `sft/loss` at step `metrics.sft_step(k, num_steps)`.
 
   On SIGTERM (`sigterm`, checked every step) it saves its checkpoint and returns early: the
   caller sees `sigterm.requested` and exits.
@@ -129,6 +145,7 @@ def warm_start(
       "target_mask": target_mask,
     }
     params, opt_state, loss = sft_step(params, opt_state, batch)
+    writer.write(metrics_lib.sft_step(step + 1, sc.num_steps), {metrics_lib.SFT_LOSS: loss})
   if done < sc.num_steps:
     state = {"params": params, "opt_state": opt_state}
     ckpt.save(sc.num_steps, state, data_iter=batches, force=True)

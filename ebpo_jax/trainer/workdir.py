@@ -66,11 +66,12 @@ SAFE_KEYS = frozenset(
     "train.transfer_guard",
     "eval.every_steps",
     "eval.num_samples",
-    "eval.path",
+    # Not eval.path: with data.path, it decides which of its rows are held out of training.
     "checkpoint.every_steps",
     "checkpoint.every_minutes",
     "checkpoint.max_to_keep",
     "rewards.workers",
+    "rewards.max_error_frac",
     # The device layout: a checkpoint restores onto another mesh, and the math is the same.
     "mesh.data",
     "mesh.fsdp",

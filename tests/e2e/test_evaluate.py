@@ -47,7 +47,7 @@ def test_evaluate_cli_on_a_trainer_workdir_writes_eval_json(arith_run, tmp_path)
   assert set(metrics["by_cluster"]) == {"add_1", "add_2"}
   assert set(metrics["by_dataset"]) == {"arithmetic"}
   assert set(metrics["overall"]) == {
-    "n", "avg@4", "reward", "pass@1", "pass@2", "pass@4", "maj@1", "maj@2", "maj@4"
+    "n", "avg@4", "avg@4_se", "reward", "pass@1", "pass@2", "pass@4", "maj@1", "maj@2", "maj@4"
   }  # fmt: skip
   assert metrics["by_cluster"]["add_1"]["n"] == 8
   assert "cluster add_2" in result.stdout  # the table

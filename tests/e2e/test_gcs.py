@@ -48,6 +48,7 @@ def test_a_run_on_bucket_data_and_model_matches_the_run_on_local_copies(
     result = run_trainer(
       tmp_path / name,
       f"--config.data.path={data_path}",
+      f"--config.eval.path={data_path}",  # 32 rows: too few to hold some out of training
       f"--config.model.path={model_path}",
       "--config.sft.num_steps=0",
       "--config.train.num_steps=2",

@@ -9,6 +9,8 @@ import struct
 import pytest
 
 from ebpo_jax import metrics
+from tests.helpers import runs
+from tests.helpers.tensorboard import read_event_files
 
 
 def _wandb_records(path: str):
@@ -51,7 +53,7 @@ def test_a_run_with_wandb_offline_logs_the_scalars_config_and_samples(arith_run)
       items = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in r.history.item}
       history[items["_step"]] = items
   # Every scalar of metrics.jsonl, with its key and step (NaN: null in metrics.jsonl).
-  lines = metrics.read_metrics(workdir)
+  lines = [line for line in metrics.read_metrics(workdir) if line["step"] >= 0]  # not the SFT's
   assert sorted(history) == [line["step"] for line in lines] == [0, 1, 2, 3, 4]
   for line in lines:
     for key, value in line.items():
@@ -70,3 +72,17 @@ def test_a_run_with_wandb_offline_logs_the_scalars_config_and_samples(arith_run)
     columns = ["step", "prompt", "completion", "answer", "reward", "advantage", "cluster"]
     assert table["columns"] == columns
     assert table["data"] == [[s[c] for c in columns] for s in samples if s["step"] == step]
+
+
+def test_the_warm_starts_loss_is_logged_every_step_before_rl_and_plotted(arith_run):
+  """arith_run's 5 supervised steps: `sft/loss` at steps -5..-1 (RL starts at 0), in
+  metrics.jsonl and TensorBoard, and its panel. Before: only the final loss, on stderr."""
+  workdir, _ = arith_run
+  sft = [m for m in metrics.read_metrics(workdir) if metrics.SFT_LOSS in m]
+  assert [m["step"] for m in sft] == [-5, -4, -3, -2, -1]
+  assert all(set(m) == {"step", metrics.SFT_LOSS} and m[metrics.SFT_LOSS] > 0 for m in sft)
+  events = [e for f in read_event_files(workdir / metrics.TENSORBOARD_DIR) for e in f]
+  scalars = [(e.step, v.simple_value) for e in events for v in e.summary.value]
+  tb = [(step, value) for step, value in scalars if step < 0]
+  assert tb == [(m["step"], pytest.approx(m[metrics.SFT_LOSS])) for m in sft]
+  assert (workdir / metrics.PLOTS_DIR / "sft_loss.png").read_bytes()[:8] == runs.PNG

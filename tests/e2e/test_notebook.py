@@ -1,6 +1,6 @@
 """notebooks/ablation_small_models.ipynb runs top to bottom with the smoke preset without a failing
-cell, shows the ablation table, the accuracy and the diagnostics plots inline, and learns something
-(a result that is not all zeros)."""
+cell, shows the ablation table, the accuracy and the diagnostics plots inline, learns something
+(a result that is not all zeros), and runs one trainer.run with a reward of its own."""
 
 import base64
 import json
@@ -63,3 +63,11 @@ def test_notebook_smoke_preset_shows_table_plots_and_a_nonzero_result(tmp_path, 
     if "reward/mean" in line
   ]
   assert len(train) == 4 and max(r["reward/mean"] for r in train) > 0
+  # The one run with a reward of its own, by ebpo_jax.trainer.run from the kernel's child process:
+  # the function's mean beside the task's, and the rewards recorded in its config.
+  own = workdir / "own_reward" / "run"
+  (line,) = [json.loads(x) for x in (own / "metrics.jsonl").open() if "reward/mean" in x]
+  assert {"reward/task", "reward/brevity"} <= set(line)
+  fns = json.loads((own / "config.json").read_text())["rewards"]["fns"]
+  assert fns == "task, brevity=0.5*my_rewards:brevity"
+  assert "'reward/brevity'" in text

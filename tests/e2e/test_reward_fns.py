@@ -38,3 +38,29 @@ def test_trainer_logs_a_reward_function_beside_math_verify(tmp_path, monkeypatch
   expected = line["reward/math_verify"] + 0.5 * line["reward/short"]
   assert line["reward/mean"] == pytest.approx(expected, abs=1e-6)
   assert 0 < line["reward/short"] <= 1
+
+
+BROKEN_MODULE = """
+def broken(completions, rows, **extras):
+  return [len(c) / 0 for c in completions]
+"""
+
+
+def test_a_run_whose_reward_calls_all_fail_stops_with_one_line(tmp_path, monkeypatch):
+  """Before rewards.max_error_frac the run trained on the zeros the failed calls scored and
+  exited 0 after one warning line."""
+  (tmp_path / "broken_rewards.py").write_text(BROKEN_MODULE)
+  monkeypatch.setenv(
+    "PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+  )
+  result = run_trainer(
+    tmp_path / "run",
+    "--config.rewards.fns=broken_rewards:broken",
+    "--config.sft.num_steps=0",
+    "--config.train.num_steps=2",
+  )
+  assert result.returncode == 2, result.stderr[-3000:]
+  last = result.stderr.strip().splitlines()[-1]
+  assert last.startswith("error: rewards.max_error_frac=0.5: 32 of 32 reward calls failed"), last
+  assert "broken: ZeroDivisionError: division by zero" in last
+  assert [m["step"] for m in metrics.read_metrics(tmp_path / "run")] == [0]  # no step trained

@@ -10,8 +10,9 @@ from tests.helpers.processes import run_trainer
 
 
 def logged_steps(workdir) -> list[int]:
-  """The step of each line of the run's metrics.jsonl, in order."""
-  return [r["step"] for r in metrics_lib.read_metrics(workdir)]
+  """The step of each RL line of the run's metrics.jsonl, in order (not the warm start's lines,
+  at negative steps)."""
+  return [r["step"] for r in metrics_lib.read_metrics(workdir) if r["step"] >= 0]
 
 
 PNG = b"\x89PNG\r\n\x1a\n"  # the first bytes of a plot file

@@ -92,6 +92,18 @@ def test_grouped_metrics_split_by_dataset_and_cluster():
   assert grouped["by_cluster"]["y"]["n"] == 1
 
 
+def test_eval_json_has_the_binomial_standard_error_of_each_accuracy():
+  # avg@2 over the problems of cluster x: (1 + 0.5 + 0 + 0) / 4 = 0.375 from n = 4 problems, so
+  # se = sqrt(0.375 * 0.625 / 4) = 0.2421 (over the 8 responses it would be 0.1712).
+  rewards = ([1, 1], [0, 1], [0, 0], [0, 0], [1, 1])
+  per_problem = [problem_metrics(r, ["1"] * 2) for r in rewards]
+  grouped = evaluate.grouped_metrics(per_problem, ["a"] * 5, ["x"] * 4 + ["y"])
+  assert grouped["by_cluster"]["x"]["avg@2_se"] == pytest.approx(0.2421, abs=1e-4)
+  assert grouped["by_cluster"]["y"]["avg@2_se"] == 0.0  # one problem, all right
+  assert grouped["overall"]["avg@2_se"] == pytest.approx((0.5 * 0.5 / 5) ** 0.5)
+  assert "avg@2_se" in evaluate.metrics_table(grouped).splitlines()[0]
+
+
 # ----------------------------------------------------------------------------- on a trained run
 
 

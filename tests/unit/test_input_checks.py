@@ -181,9 +181,14 @@ def test_every_bad_row_is_one_line_before_compiling(tmp_path):
 def test_skip_bad_rows_drops_and_counts_them(tmp_path, capsys):
   path = _bad_rows(tmp_path)
   config = arith_config(
-    {"data.path": str(path), "sampling.prompt_buckets": (6, 8), "data.skip_bad_rows": True}
+    {
+      "data.path": str(path),
+      "eval.path": str(path),  # two good rows: too few to hold some out of training
+      "sampling.prompt_buckets": (6, 8),
+      "data.skip_bad_rows": True,
+    }
   )
-  _, rows, _, _ = task_rows.load_task_and_rows(config)
+  _, rows, *_ = task_rows.load_task_and_rows(config)
   assert [row["prompt"] for row in rows] == ["1+1=", "1+1="]
   assert f"{path}: dropped 3 bad rows of 5 (data.skip_bad_rows=True); first: {path}:2:" in (
     capsys.readouterr().err
@@ -237,13 +242,13 @@ def test_in_training_evaluation_is_avg_at_k_of_full_rewards():
 
 
 def test_evaluate_checks_its_rows_file_too(tmp_path):
-  from ebpo_jax import evaluate, tasks
+  from ebpo_jax import tasks
 
   path = _bad_rows(tmp_path)
   config = arith_config({"eval.path": str(path), "sampling.prompt_buckets": (6, 8)})
   task = tasks.from_config(config.task)
   with pytest.raises(data.DataError) as error:
-    evaluate.eval_rows(config, task, task.tokenizer)
+    task_rows.eval_rows(config, task)
   assert [line.split(": ")[0] for line in str(error.value).splitlines()] == [
     f"{path}:{n}" for n in (2, 3, 5)
   ]

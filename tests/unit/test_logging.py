@@ -126,6 +126,33 @@ def test_sample_rows_are_whole_groups_with_their_advantages():
   assert len(rollouts_lib.sample_rows(rollout, advantages_bg, ["easy", "hard"], 99)) == 2 * g
 
 
+def test_sample_tables_carry_each_reward_functions_value(tmp_path):
+  """rewards.fns: beside the weighted sum, a column per function (None where it returned None),
+  in samples.jsonl and TensorBoard's table (wandb's is the same header and cells)."""
+  parts = {"math": np.array([[1.0, 0.0]], np.float32), "brevity": np.array([[np.nan, 0.5]])}
+  rollout = rollouts_lib.Rollout(
+    rows=[{"prompt": "p0", "answer": "a0", "cluster": 0}],
+    texts=["c0", "c1"],
+    rewards=np.array([[1.0, 0.25]], np.float32),
+    lengths=np.ones(2, np.int32),
+    errors=0,
+    **dict.fromkeys(("prompt_ids", "prompt_mask", "tokens", "mask", "old_logps")),  # not read
+    truncated=None,
+    nonfinite=None,
+    reward_parts=parts,
+  )
+  rows = rollouts_lib.sample_rows(rollout, np.zeros((1, 2), np.float32), ["all"], 2)
+  with metrics.MetricsWriter(tmp_path) as writer:
+    writer.write_samples(3, rows)
+  lines = [json.loads(x) for x in (tmp_path / metrics.SAMPLES_FILE).read_text().splitlines()]
+  assert [(x["reward"], x["reward/math"], x["reward/brevity"]) for x in lines] == [
+    (1.0, 1.0, None),
+    (0.25, 0.0, 0.5),
+  ]
+  table = _tb_texts(read_event_files(tmp_path / "tensorboard"))[("samples/text_summary", 3)]
+  assert "reward/math" in table and "reward/brevity" in table
+
+
 def test_learning_rate_is_the_schedule_at_the_applied_updates():
   config = arith_config({"train.warmup_steps": 4, "train.learning_rate": 1e-3})
   optimizer = optimizer_lib.make_optimizer(config)

@@ -171,10 +171,25 @@ def test_peft_export_needs_a_lora_run_on_a_model_directory(overrides, error):
     export.check_peft_base(arith_config(overrides), "RUN")
 
 
-def test_peft_export_says_how_to_load_a_reduced_precision_base():
-  # A run on a bfloat16 base (model.lora.base_dtype) trained on the rounded base: PEFT users must
-  # load BASE in bfloat16 too (SmolLM2: the float32 base's logits differ by up to 0.27).
-  lora_cfg = {"model.lora.rank": 4, "sft.num_steps": 0}
-  assert export.base_dtype_note(arith_config(lora_cfg)) == ""
-  note = export.base_dtype_note(arith_config({**lora_cfg, "model.lora.base_dtype": "bfloat16"}))
-  assert "dtype=torch.bfloat16" in note and "model.lora.base_dtype" in note
+def test_the_loading_recipe_reads_the_base_as_the_run_did(tiny_llama_dir):
+  # A run on a bfloat16 base (model.lora.base_dtype) trained on the rounded base and computed in
+  # float32: PEFT users load BASE in bfloat16, then cast (in bfloat16 the logits were 1.41 off, a
+  # float32 base 0.19; tests/e2e/test_lora_export.py runs the recipes).
+  lora_cfg = {"model.lora.rank": 4, "sft.num_steps": 0, "model.path": str(tiny_llama_dir)}
+  recipe = lambda overrides, format: export.loading_recipe(
+    arith_config({**lora_cfg, **overrides}), "/out", format=format
+  )
+  assert recipe({}, "peft").splitlines() == [
+    f"base = AutoModelForCausalLM.from_pretrained('{tiny_llama_dir}', dtype=torch.float32)",
+    "model = PeftModel.from_pretrained(base, '/out')",
+  ]
+  assert recipe({"model.lora.base_dtype": "bfloat16"}, "peft").splitlines()[0] == (
+    f"base = AutoModelForCausalLM.from_pretrained('{tiny_llama_dir}', dtype=torch.bfloat16)"
+    ".to(torch.float32)"
+  )
+  assert recipe({"model.dtype": "bfloat16"}, "merged") == (
+    "model = AutoModelForCausalLM.from_pretrained('/out', dtype=torch.bfloat16)"
+  )
+  bf16_base = arith_config({**lora_cfg, "model.lora.base_dtype": "bfloat16"})
+  assert "rounded to bfloat16" in export.merged_rounding_note(bf16_base, "")
+  assert export.merged_rounding_note(bf16_base, "float32") == ""

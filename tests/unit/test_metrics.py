@@ -351,3 +351,23 @@ def test_summary_table_layout():
     "add_1d         0.900  64",
     "mul_2digit     0.125   -",
   ]
+
+
+def test_the_end_of_run_table_gives_each_accuracy_its_standard_error():
+  # add_2: 0.25 -> 0.5 on n = 16 prompts: se sqrt(0.25 * 0.75 / 16) = 0.108, then sqrt(0.25 / 16)
+  # = 0.125.
+  first = {
+    "step": 0,
+    "eval/accuracy": 0.5,
+    "eval/accuracy/add_1": 0.75,
+    "eval/accuracy/add_2": 0.25,
+  }
+  last = {"step": 9, "eval/accuracy": 0.75, "eval/accuracy/add_1": 1.0, "eval/accuracy/add_2": 0.5}
+  table = metrics.accuracy_table(first, last, {"add_1": 16, "add_2": 16})
+  assert table.splitlines() == [
+    "cluster  before  se before  after  se after   n",
+    "-------  ------  ---------  -----  --------  --",
+    "add_1     0.750      0.108  1.000     0.000  16",
+    "add_2     0.250      0.108  0.500     0.125  16",
+    "all       0.500      0.088  0.750     0.077  32",
+  ]

@@ -183,3 +183,62 @@ def test_a_reward_function_whose_calls_time_out_in_a_row_is_dropped_for_the_batc
   assert limit <= timed_out <= 2 * limit - 2  # and the calls in flight when it was dropped
   not_called = f"m: not called: timed out {limit} times in a row in this batch"
   assert pool.last_errors[timed_out:] == [not_called] * (8 - timed_out)
+
+
+# ----------------------------------------------------------------------------- Python callables
+
+
+def brevity(completions, rows, **extras):
+  """A module-level reward function, as the scorer processes import it."""
+  return [float(len(c) <= 2) for c in completions]
+
+
+def test_python_reward_functions_become_the_terms_the_workers_import():
+  spec = reward_fns.spec_of([(brevity, 0.5), "math_verify"])  # a str: a term as written
+  assert spec == f"brevity=0.5*{__name__}:brevity, math_verify"
+  (fn,) = reward_fns.load(reward_fns.spec_of([(brevity, -0.25)]))
+  assert (fn.name, fn.weight, fn.fn) == ("brevity", -0.25, brevity)
+
+
+def _nested():
+  def inner(completions, rows, **extras):
+    return [0.0] * len(completions)
+
+  return inner
+
+
+@pytest.mark.parametrize(
+  "item, message",
+  [
+    (lambda completions, rows, **extras: [0.0], "a lambda .* define it with def in a module"),
+    (_nested(), "inner is defined inside .* top level of a module"),
+    (print, "print is not a Python function"),
+    ((brevity, "heavy"), "weight 'heavy' is not a number"),
+  ],
+)
+def test_a_reward_the_workers_cannot_import_is_one_line(item, message):
+  with pytest.raises(ValueError, match=message) as error:
+    reward_fns.spec_of([item])
+  assert "\n" not in str(error.value)
+
+
+def test_a_notebooks_own_function_is_refused_with_how_to_fix_it():
+  namespace = {"__name__": "__main__"}
+  exec("def mine(completions, rows, **extras):\n  return [1.0] * len(completions)", namespace)
+  with pytest.raises(ValueError, match=r"mine is defined in __main__ .*%%writefile") as error:
+    reward_fns.spec_of([namespace["mine"]])
+  assert "\n" not in str(error.value)
+
+
+def test_trainer_run_refuses_a_lambda_before_the_workdir_is_touched(tmp_path):
+  from ebpo_jax import errors, trainer
+  from tests.helpers.configs import arith_config
+
+  with pytest.raises(
+    errors.ConfigError, match=r"^rewards=\[\.\.\.\]: a lambda cannot run"
+  ) as error:
+    trainer.run(arith_config(), str(tmp_path / "run"), rewards=[lambda c, r, **e: [0.0] * len(c)])
+  assert "\n" not in str(error.value)
+  assert not (tmp_path / "run").exists()
+  with pytest.raises(errors.ConfigError, match="config.rewards.fns='task' and rewards=.* use one"):
+    trainer.run(arith_config({"rewards.fns": "task"}), str(tmp_path / "run"), rewards=[brevity])

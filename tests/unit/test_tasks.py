@@ -217,8 +217,8 @@ def test_jsonl_task(tmp_path):
   number = int(row["answer"])
   assert task.score(f"Thinking...\nAnswer: {number:,}", row) == 1.0
   assert task.score(f"Answer: {number + 1}", row) == 0.0
-  with pytest.raises(ValueError, match="needs path="):
-    get_task("jsonl", path="")
+  with pytest.raises(ValueError, match="task 'jsonl' has no rows: set config.data.path"):
+    get_task("jsonl", path="").rows("train", 0, seed=0)
 
 
 def test_jsonl_task_eval_file_clusters_follow_the_training_file(tmp_path):
@@ -257,7 +257,7 @@ def test_common_declares_every_option_of_every_task():
   for path in tasks.TASKS.values():
     cls = tasks.load_object(path)
     parameters = list(inspect.signature(cls.__init__).parameters)[1:]
-    taken |= {p for p in parameters if p != cls.name_arg}
+    taken |= {p for p in parameters if p != cls.name_arg and p not in tasks.FROM_DATA}
   assert declared == taken
 
 

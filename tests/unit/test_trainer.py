@@ -56,7 +56,7 @@ def _rollout_parts(tiny):
   """(rows, cluster_names, eval_rows, sampler, batches) of a TinyStep's config, built as the
   trainer builds them."""
   config = tiny.config
-  task, rows, cluster_names, eval_rows = task_rows.load_task_and_rows(config)
+  task, rows, cluster_names, eval_rows, _ = task_rows.load_task_and_rows(config)
   tokenizer = task_rows.load_tokenizer(config, task)
   sampler = rollouts_lib.make_sampler(tiny.model, task, tokenizer, config, tiny.mesh)
   batches = data.make_batches(rows, batch_size=config.train.batch_size, order="shuffle", seed=0)
