@@ -136,6 +136,18 @@ def get_config() -> ml_collections.ConfigDict:
   # configs turn it on; this job's 4-token answers would only compile longer.
   config.sampling.compact = False  # decode in halving batches of the running rows
 
+  # Multi-turn episodes (ebpo_jax/envs): each model turn ends at a stop token (sampling.max_new_tokens
+  # at most); the environment answers, its observation's tokens are appended (loss mask 0), and the
+  # model's next turn continues from the KV cache. A trajectory is trained as one sequence.
+  config.env = ml_collections.ConfigDict()  # the environment of multi-turn rollouts
+  config.env.name = ""  # "": single-turn; tool (ToolEnvironment) | package.module:Class
+  config.env.tools = ""  # comma-separated tools: a built-in (calc) or package.module:function
+  config.env.max_turns = 3  # model turns per trajectory
+  config.env.max_tokens = 64  # trajectory tokens after the prompt (model + observations)
+  config.env.max_observation_tokens = 16  # an observation's tokens beyond this are cut
+  # The environment's constructor keywords (an experiment sets entries: env.options.my_key = v).
+  config.env.options = ml_collections.ConfigDict()
+
   config.rewards = ml_collections.ConfigDict()  # scoring the responses
   # Scorer processes. 0: the task's verifier scores in this process, and rewards.fns (user code)
   # in one worker, so that a crash kills a worker, never the trainer.

@@ -1,6 +1,7 @@
 """Tasks: prompts plus verifiers, found by name in `TASKS`.
 
 - `arithmetic`: the tiny built-in integer arithmetic task with its character tokenizer.
+- `arith_tool`: multiplication that the tiny model learns to do with a calculator tool (multi-turn).
 - `reasoning_gym:<dataset>[+<dataset>...]`: reasoning-gym generators and scorers; several datasets
   become clusters.
 - `jsonl`: rows from a file (`path=`), scored by exact match after normalisation.
@@ -22,6 +23,7 @@ from ebpo_jax.tasks.base import Task, extract_final_answer
 
 TASKS: dict[str, str] = {
   "arithmetic": "ebpo_jax.tasks.arithmetic:ArithmeticTask",
+  "arith_tool": "ebpo_jax.tasks.arith_tool:ArithToolTask",
   "reasoning_gym": "ebpo_jax.tasks.reasoning_gym_task:ReasoningGymTask",
   "jsonl": "ebpo_jax.tasks.jsonl_task:JsonlTask",
   "math": "ebpo_jax.tasks.math_task:MathTask",

@@ -68,6 +68,53 @@ class ByteTokenizer(_Own):
     return data.decode("utf-8", errors="replace")
 
 
+class PieceTokenizer(ByteTokenizer):
+  """UTF-8 bytes plus whole pieces of text, one id each (ids 259 on, in `pieces`' order): a tiny
+  model's tool calls in a few tokens. Encoding takes the longest piece at each place, else a byte;
+  `stop_pieces` end a model turn like EOS (they stay in its decoded text)."""
+
+  def __init__(self, pieces: Sequence[str], stop_pieces: Sequence[str] = ()):
+    super().__init__()
+    self.pieces = tuple(pieces)
+    if len(set(self.pieces)) != len(self.pieces) or not all(self.pieces):
+      raise ValueError(f"pieces must be distinct and non-empty, got {self.pieces}")
+    self._first_id = self.vocab_size
+    self._id_of_piece = {p: self._first_id + i for i, p in enumerate(self.pieces)}
+    self.vocab_size += len(self.pieces)
+    self._stop_ids = (self.eos_id, *(self._id_of_piece[p] for p in stop_pieces))
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    return self._stop_ids
+
+  def encode(self, text: str) -> list[int]:
+    ids, i = [], 0
+    longest_first = sorted(self.pieces, key=len, reverse=True)
+    while i < len(text):
+      piece = next((p for p in longest_first if text.startswith(p, i)), None)
+      if piece is None:
+        ids.extend(super().encode(text[i]))
+        i += 1
+      else:
+        ids.append(self._id_of_piece[piece])
+        i += len(piece)
+    return ids
+
+  def decode(self, ids: Sequence[int]) -> str:
+    """The text before the first EOS (pieces and bytes; pad and BOS dropped)."""
+    out, run = [], []
+    for i in map(int, ids):
+      if i == self.eos_id:
+        break
+      if i >= self._first_id and i < self.vocab_size:
+        out.append(super().decode(run))
+        out.append(self.pieces[i - self._first_id])
+        run = []
+      else:
+        run.append(i)
+    return "".join(out) + super().decode(run)
+
+
 def _content_ids(ids: Sequence[int], tokenizer: CharTokenizer | ByteTokenizer) -> list[int]:
   """The ids before the first EOS, without pad and BOS; out-of-vocabulary ids raise."""
   out = []
