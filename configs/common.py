@@ -35,6 +35,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.task.options.dataset_cfg = placeholder(object)  # reasoning_gym: {dataset: {kwarg: v}}
   config.task.options.eval_fraction = placeholder(float)  # share of prompts held out for eval
   config.task.options.instruction = placeholder(str)  # jsonl: appended; math: {prompt} template
+  config.task.options.tool_fraction = placeholder(float)  # arith_tool: warm-start rows using calc
 
   config.data = ml_collections.ConfigDict()  # the training rows and their order
   # JSONL/Parquet of {prompt, answer, cluster?, difficulty?}, or a directory that Hugging Face
@@ -136,9 +137,10 @@ def get_config() -> ml_collections.ConfigDict:
   # configs turn it on; this job's 4-token answers would only compile longer.
   config.sampling.compact = False  # decode in halving batches of the running rows
 
-  # Multi-turn episodes (ebpo_jax/envs): each model turn ends at a stop token (sampling.max_new_tokens
-  # at most); the environment answers, its observation's tokens are appended (loss mask 0), and the
-  # model's next turn continues from the KV cache. A trajectory is trained as one sequence.
+  # Multi-turn episodes (ebpo_jax/envs): each model turn ends at a stop token (at most
+  # sampling.max_new_tokens); the environment answers, its observation's tokens are appended (loss
+  # mask 0), and the model's next turn continues from the KV cache. A trajectory trains as one
+  # sequence.
   config.env = ml_collections.ConfigDict()  # the environment of multi-turn rollouts
   config.env.name = ""  # "": single-turn; tool (ToolEnvironment) | package.module:Class
   config.env.tools = ""  # comma-separated tools: a built-in (calc) or package.module:function

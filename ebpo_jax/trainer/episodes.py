@@ -88,7 +88,7 @@ def run_episodes(
   mesh: Mesh,
 ) -> Episodes:
   """G episodes of each of `rows` (whose prompts `prompt_ids`/`prompt_mask` [N, P] hold, placed
-  on `mesh`); turn t samples with the t-th key split from `key`. `encoder`: the rollouts'
+  on `mesh`); turn 0 samples with `key`, turn t > 0 with the t-th key split from it. `encoder`: the rollouts'
   `PromptEncoder` (observations are encoded with it)."""
   tokenizer, width = encoder.tokenizer, env.max_observation_tokens
   trajectories = _reset(rows, group_size, env, encoder)
@@ -114,7 +114,8 @@ def run_episodes(
     pad_id=tokenizer.pad_id,
   )
   env_time = 0.0
-  for turn_key in _split_keys(key, env.max_turns):
+  # The first turn draws with `key` itself: an episode of one turn is `sampling.generate`'s sample.
+  for turn_key in (key, *_split_keys(key, env.max_turns)[1:]):
     inputs = _next_inputs(trajectories, width, env.max_tokens, tokenizer.pad_id)
     if not inputs[2].any():
       break
