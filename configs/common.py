@@ -147,8 +147,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.env.max_turns = 3  # model turns per trajectory
   config.env.max_tokens = 64  # trajectory tokens after the prompt (model + observations)
   config.env.max_observation_tokens = 16  # an observation's tokens beyond this are cut
-  # The environment's constructor keywords (an experiment sets entries: env.options.my_key = v).
-  config.env.options = ml_collections.ConfigDict()
+  config.env.options = ml_collections.ConfigDict()  # the environment's constructor keywords
 
   config.rewards = ml_collections.ConfigDict()  # scoring the responses
   # Scorer processes. 0: the task's verifier scores in this process, and rewards.fns (user code)

@@ -88,8 +88,8 @@ def run_episodes(
   mesh: Mesh,
 ) -> Episodes:
   """G episodes of each of `rows` (whose prompts `prompt_ids`/`prompt_mask` [N, P] hold, placed
-  on `mesh`); turn 0 samples with `key`, turn t > 0 with the t-th key split from it. `encoder`: the rollouts'
-  `PromptEncoder` (observations are encoded with it)."""
+  on `mesh`); turn 0 samples with `key`, turn t > 0 with the t-th key split from it.
+  `encoder`: the rollouts' `PromptEncoder` (observations are encoded with it)."""
   tokenizer, width = encoder.tokenizer, env.max_observation_tokens
   trajectories = _reset(rows, group_size, env, encoder)
   params = sampling.decode_params(params)
