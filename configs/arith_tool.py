@@ -10,6 +10,11 @@ whole trajectories (EBPO) finds that the tool pays and held-out greedy accuracy 
   python -m ebpo_jax.train --config=configs/arith_tool.py --workdir=/tmp/arith_tool
   python -m ebpo_jax.train --config=configs/arith_tool.py:runlocal --workdir=/tmp/arith_tool_local
 
+`:smollm2` (or "smollm2,runlocal": one step, tests/e2e/test_arith_tool.py): the same episodes with
+the packaged SmolLM2-135M-Instruct and no warm start; its chat template wraps the prompt (with the
+tool schema, where a template renders `tools=`) and each tool response (a `tool` message, then the
+next assistant turn's header), and its turns end at its end-of-turn token.
+
 Results and timing: bench/RESULTS.md, "configs/arith_tool.py".
 """
 
@@ -23,8 +28,9 @@ common = cli.load_module(pathlib.Path(__file__).with_name("common.py"))
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  """Returns the config; `arg` "runlocal": a few steps, seconds on a CPU."""
-  arg = common.parse_arg(arg, runlocal=False)
+  """Returns the config; `arg` may hold "smollm2" (the packaged chat model) and "runlocal" (a few
+  steps, seconds on a CPU)."""
+  arg = common.parse_arg(arg, runlocal=False, smollm2=False)
   config = common.get_config()
   config.task.name = "arith_tool"
   config.task.options.ops = ("mul",)
@@ -34,9 +40,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.env.name = "tool"
   config.env.tools = "calc"
   config.env.max_turns = 3
-  config.env.max_tokens = 40  # a call (11), its response (10), the answer (9) and room to spare
-  config.env.max_observation_tokens = 12
-  config.sampling.max_new_tokens = 12  # per model turn
+  config.env.max_tokens = 24  # a call (<= 7 tokens), its response (<= 5), the answer (<= 4), EOS
+  config.env.max_observation_tokens = 8
+  config.sampling.max_new_tokens = 8  # per model turn
   config.rewards.workers = 1  # the environment steps (and their tools) run in it
   config.sft.num_steps = 300
   config.sft.batch_size = 64
@@ -47,7 +53,29 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.rl.group_size = 8
   config.eval.every_steps = 10
   config.checkpoint.every_steps = 20
-  if arg.runlocal:
+  if arg.smollm2:
+    config.model.path = "packaged:smollm2-135m-instruct"
+    config.model.unroll_layers = False  # 30 layers: the rolled loop compiles faster
+    config.sft.num_steps = 0  # an instruct model: no warm start
+    config.train.learning_rate = 1e-5
+    config.env.max_tokens = 192
+    config.env.max_observation_tokens = 32  # the template's tool message and assistant header
+    config.sampling.max_new_tokens = 64
+    config.sampling.prompt_buckets = (48, 64, 96)
+  if arg.runlocal and arg.smollm2:  # one RL step, as small as it runs
+    config.task.num_train = 8
+    config.task.num_eval = 1
+    config.train.num_steps = 1
+    config.train.batch_size = 1
+    config.train.mini_batch_size = 1
+    config.rl.group_size = 2
+    config.env.max_turns = 2
+    config.env.max_tokens = 16
+    config.env.max_observation_tokens = 12
+    config.sampling.max_new_tokens = 4
+    config.eval.every_steps = 1
+    config.checkpoint.every_steps = 1
+  elif arg.runlocal:
     config.task.num_train = 256
     config.task.num_eval = 4
     config.sft.num_steps = 5

@@ -1,8 +1,10 @@
 """Tokenizers: characters of arithmetic or UTF-8 bytes (random-init models), or a model directory's.
 
 All have `vocab_size`, `pad_id`, `bos_id`, `eos_id`, `stop_ids`; `encode(text)` gives the text's ids
-only; `prompt_ids(text, system_prompt)` the ids the model sees before its completion (BOS + text, or
-a chat model's template); `decode(ids)` stops at the first stop id and drops pad and BOS.
+only; `prompt_ids(text, system_prompt, tools)` the ids the model sees before its completion (BOS +
+text, or a chat model's template, which renders the tool schemas `tools`); `observation_ids(text)`
+those of an environment's answer between two model turns (a chat model's tool message);
+`decode(ids)` stops at the first stop id and drops pad and BOS.
 """
 
 import json
@@ -27,10 +29,16 @@ class _Own:
   def stop_ids(self) -> tuple[int, ...]:
     return (self.eos_id,)
 
-  def prompt_ids(self, text: str, system_prompt: str | None = None) -> list[int]:
+  def prompt_ids(
+    self, text: str, system_prompt: str | None = None, tools: Sequence[dict] = ()
+  ) -> list[int]:
+    """BOS + text (tools are not rendered: a tiny model learns its tools in the warm start)."""
     if system_prompt:
       text = f"{system_prompt}\n{text}"
     return [self.bos_id, *self.encode(text)]  # type: ignore[attr-defined]
+
+  def observation_ids(self, text: str) -> list[int]:
+    return self.encode(text)  # type: ignore[attr-defined]
 
 
 class CharTokenizer(_Own):
@@ -82,6 +90,7 @@ class PieceTokenizer(ByteTokenizer):
     self._id_of_piece = {p: self._first_id + i for i, p in enumerate(self.pieces)}
     self.vocab_size += len(self.pieces)
     self._stop_ids = (self.eos_id, *(self._id_of_piece[p] for p in stop_pieces))
+    self._lengths = sorted({len(p) for p in self.pieces}, reverse=True)
 
   @property
   def stop_ids(self) -> tuple[int, ...]:
@@ -89,9 +98,9 @@ class PieceTokenizer(ByteTokenizer):
 
   def encode(self, text: str) -> list[int]:
     ids, i = [], 0
-    longest_first = sorted(self.pieces, key=len, reverse=True)
     while i < len(text):
-      piece = next((p for p in longest_first if text.startswith(p, i)), None)
+      found = (text[i : i + n] for n in self._lengths)
+      piece = next((p for p in found if p in self._id_of_piece), None)
       if piece is None:
         ids.extend(super().encode(text[i]))
         i += 1
@@ -162,15 +171,36 @@ class HFTokenizer:
   def encode(self, text: str) -> list[int]:
     return list(self._tok.encode(text, add_special_tokens=False))
 
-  def prompt_ids(self, text: str, system_prompt: str | None = None) -> list[int]:
+  def prompt_ids(
+    self, text: str, system_prompt: str | None = None, tools: Sequence[dict] = ()
+  ) -> list[int]:
+    """The chat template's conversation so far (the tool schemas `tools` rendered as the template
+    renders them; a template without tool support leaves them out), else BOS + text."""
     if not self.use_chat_template:
       bos = [] if self.bos_id is None else [self.bos_id]
       prefix = f"{system_prompt}\n" if system_prompt else ""
       return bos + self.encode(prefix + text)
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     messages.append({"role": "user", "content": text})
-    out = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    out = self._tok.apply_chat_template(
+      messages, tools=list(tools) or None, add_generation_prompt=True, tokenize=True
+    )
     return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+  def observation_ids(self, text: str) -> list[int]:
+    """An environment's answer after a model turn that ended with a stop token: the chat
+    template's tool message and the next turn's generation prompt (less the end-of-turn mark the
+    model drew), else the text's tokens."""
+    if not self.use_chat_template:
+      return self.encode(text)
+    marker = "\ue000"  # a private-use character: where the model's turn ends in the rendering
+    messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}]
+    messages.append({"role": "tool", "content": text})
+    rendered = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    tail = rendered.split(marker, 1)[1]
+    for stop in self.stop_ids:
+      tail = tail.removeprefix(self._tok.decode([stop]))
+    return self.encode(tail)
 
   def decode(self, ids: Sequence[int]) -> str:
     ids = [int(i) for i in ids]

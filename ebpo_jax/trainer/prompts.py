@@ -13,7 +13,7 @@ from typing import Any
 import ml_collections
 import numpy as np
 
-from ebpo_jax import sampling, tasks
+from ebpo_jax import envs, sampling, tasks
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -24,16 +24,20 @@ class PromptEncoder:
   task: tasks.Task
   tokenizer: Any
   buckets: tuple[int, ...]  # sampling.prompt_buckets
+  tools: tuple[dict, ...] = ()  # the environment's tool schemas (`envs.tool_schema`)
 
   @classmethod
   def from_config(
     cls, config: ml_collections.ConfigDict, task: tasks.Task, tokenizer
   ) -> "PromptEncoder":
-    return cls(task, tokenizer, tuple(config.sampling.prompt_buckets))
+    factory = envs.from_config(config.env)
+    tools = () if factory is None else tuple(envs.tool_schema(fn) for fn in factory().tools)
+    return cls(task, tokenizer, tuple(config.sampling.prompt_buckets), tools)
 
   def prompt_ids(self, row: dict) -> list[int]:
-    """The row's prompt tokens, as the sampler sees them."""
-    return self.tokenizer.prompt_ids(self.task.format_prompt(row), self.task.system_prompt)
+    """The row's prompt tokens, as the sampler sees them (with the tools, for a chat template)."""
+    text = self.task.format_prompt(row)
+    return self.tokenizer.prompt_ids(text, self.task.system_prompt, self.tools)
 
   def target_ids(self, row: dict) -> list[int]:
     """The row's answer tokens (the task's transcript `target_turns`, no EOS), as the warm start
@@ -52,7 +56,7 @@ class PromptEncoder:
 
   def observation_ids(self, text: str) -> list[int]:
     """An environment's observation as the tokens appended to a trajectory."""
-    return self.tokenizer.encode(text)
+    return self.tokenizer.observation_ids(text)
 
   def prompts(self, rows: Sequence[dict]) -> tuple[np.ndarray, np.ndarray]:
     """Host `(ids, mask)` [N, P] of the rows' prompts, left-padded to a length bucket."""

@@ -1,0 +1,51 @@
+"""Multi-turn RL with tools in the trainer's process: configs/arith_tool.py:runlocal logs the
+episodes' metrics and whole transcripts and resumes exactly (the data order, the prior and the
+episodes: the same later metrics as a straight run); the SmolLM2 chat-template variant runs one
+step."""
+
+import json
+import math
+
+from ebpo_jax import metrics
+from tests.helpers.processes import run_trainer
+
+CONFIG = "configs/arith_tool.py:runlocal"
+
+
+def _lines(workdir) -> list[dict]:
+  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _without_timing(lines: list[dict]) -> list[dict]:
+  return [{k: v for k, v in m.items() if k not in metrics.TIMING_KEYS} for m in lines]
+
+
+def test_runlocal_logs_episodes_and_resumes_exactly(tmp_path):
+  straight, split = tmp_path / "straight", tmp_path / "split"
+  flags = ("--config.train.num_steps=4", "--config.logging.samples_every=1")
+  result = run_trainer(straight, *flags, config=CONFIG)
+  assert result.returncode == 0, result.stderr[-3000:]
+  # Stopped after the checkpoint of step 2 (as a kill -9 right after it), then resumed.
+  for steps in (2, 4):
+    flags = (f"--config.train.num_steps={steps}", "--config.logging.samples_every=1")
+    result = run_trainer(split, *flags, config=CONFIG)
+    assert result.returncode == 0, result.stderr[-3000:]
+  lines = _lines(straight)
+  assert _without_timing(_lines(split)) == _without_timing(lines)
+  train = [m for m in lines if "loss" in m]
+  assert [m["step"] for m in train] == [1, 2, 3, 4]
+  for m in train:
+    assert m["turns/mean"] >= 1 and m["tool_calls/mean"] >= 0 and m["tool_errors"] >= 0
+    assert 0 <= m["masked_frac"] < 1 and m["env/time_s"] >= 0
+    assert math.isfinite(m["loss"]) and m["bad_updates"] == 0
+  samples = [json.loads(line) for line in (straight / "samples.jsonl").read_text().splitlines()]
+  assert samples and all(s["completion"].startswith("[assistant] ") for s in samples)
+
+
+def test_the_smollm2_chat_template_variant_runs_one_step(tmp_path):
+  result = run_trainer(tmp_path, config="configs/arith_tool.py:smollm2,runlocal", devices=1,
+                       timeout=900)  # fmt: skip
+  assert result.returncode == 0, result.stderr[-3000:]
+  train = [m for m in _lines(tmp_path) if "loss" in m]
+  assert [m["step"] for m in train] == [1]
+  assert math.isfinite(train[0]["loss"]) and train[0]["turns/mean"] >= 1
