@@ -40,9 +40,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.env.name = "tool"
   config.env.tools = "calc"
   config.env.max_turns = 3
-  config.env.max_tokens = 24  # a call (<= 7 tokens), its response (<= 5), the answer (<= 4), EOS
-  config.env.max_observation_tokens = 8
-  config.sampling.max_new_tokens = 8  # per model turn
+  config.env.max_tokens = 32  # a call (<= 11 tokens), its response (<= 10), the answer, EOS
+  config.env.max_observation_tokens = 12
+  config.sampling.max_new_tokens = 12  # per model turn
   config.rewards.workers = 1  # the environment steps (and their tools) run in it
   config.sft.num_steps = 300
   config.sft.batch_size = 64

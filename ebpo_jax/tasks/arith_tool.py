@@ -5,8 +5,8 @@ The tiny decoder cannot multiply 3- and 4-digit numbers itself; it can call `cal
 (`<tool_call>{"name": "calc", "arguments": {"expression": "123*456"}}</tool_call>`), read the
 `<tool_response>` and copy the result. The warm start's transcripts (`target_turns`) call the tool
 in a share `tool_fraction` of the rows (chosen by a hash of the prompt) and answer directly in the
-others, so RL has to find out that the tool pays. The tokenizer holds the call's fixed text, the
-tags and 3-digit chunks as pieces (`tokenizers.PieceTokenizer`): a call is 5-7 tokens.
+others, so RL has to find out that the tool pays. The tokenizer holds the call's fixed text and the
+tags as pieces (`tokenizers.PieceTokenizer`): a call is 9-11 tokens.
 """
 
 import hashlib
@@ -21,11 +21,10 @@ _CALL_HEAD, _CALL_TAIL = tool_calls.format_call("calc", {"expression": "@"}).spl
 
 
 def tool_tokenizer() -> PieceTokenizer:
-  """Bytes plus the tags, the calc call's fixed text and every 3-digit string (numbers in chunks
-  of up to 3 digits, as Llama 3's and GPT-4's tokenizers cut them); a turn ends at EOS or
-  `</tool_call>`."""
+  """Bytes plus the tags and the calc call's fixed text; a turn ends at EOS or `</tool_call>`.
+  Digits stay one token each: with 3-digit chunks (1000 rare tokens) the warm start did not make
+  the copies sharp enough to be sampled right at temperature 1."""
   pieces = [_CALL_HEAD, _CALL_TAIL, tool_calls.RESPONSE_OPEN, tool_calls.RESPONSE_CLOSE]
-  pieces += [f"{n:03d}" for n in range(1000)]
   return PieceTokenizer(pieces, stop_pieces=(_CALL_TAIL,))
 
 
@@ -50,9 +49,13 @@ class ArithToolTask(ArithmeticTask):
     self.tokenizer = tool_tokenizer()
 
   def target_turns(self, row: dict[str, Any]) -> list[tuple[str, str]]:
-    """The warm start's transcript: a calc call, its response and the answer, or the answer."""
+    """The warm start's transcript: a calc call, its response and the answer; or the answer, of
+    which only the first 3 digits are trained (the choice to answer directly, not a multiplication
+    this model cannot learn: fitting those digits crowds out copying the numbers in and out of the
+    tool in the other rows)."""
     if not _uses_tool(row["prompt"], self.tool_fraction):
-      return [("model", row["answer"])]
+      answer = row["answer"]
+      return [("model", answer[:3]), ("untrained", answer[3:])]
     expression = row["prompt"].removesuffix("=")
     return [
       ("model", tool_calls.format_call("calc", {"expression": expression})),

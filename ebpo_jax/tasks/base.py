@@ -43,8 +43,9 @@ class Task(abc.ABC):
     return row["answer"]
 
   def target_turns(self, row: dict[str, Any]) -> list[tuple[str, str]]:
-    """The warm start's transcript as (role, text) turns, role "model" (trained) or "observation"
-    (an environment's text, masked out of the loss); a single-turn task's is its target."""
+    """The warm start's transcript as (role, text) turns: role "model" is trained, any other is
+    not ("observation": an environment's text, encoded as the rollouts encode it; "untrained":
+    the model's text shown but not taught); a single-turn task's is its target."""
     return [("model", self.format_target(row))]
 
   def extract_answer(self, response: str) -> str:

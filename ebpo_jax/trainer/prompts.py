@@ -45,13 +45,14 @@ class PromptEncoder:
     return self.target_turns(row)[0]
 
   def target_turns(self, row: dict) -> tuple[list[int], list[bool]]:
-    """(tokens, trained) of the row's warm-start transcript (no EOS): model turns are trained,
-    observations are encoded as the rollouts encode them (`observation_ids`) and not trained."""
+    """(tokens, trained) of the row's warm-start transcript (no EOS): "model" turns are trained;
+    observations are encoded as the rollouts encode them (`observation_ids`); other roles are
+    not trained (`Task.target_turns`)."""
     ids, trained = [], []
     for role, text in self.task.target_turns(row):
       part = self.observation_ids(text) if role == "observation" else self.tokenizer.encode(text)
       ids += part
-      trained += [role != "observation"] * len(part)
+      trained += [role == "model"] * len(part)
     return ids, trained
 
   def observation_ids(self, text: str) -> list[int]:
