@@ -3,9 +3,10 @@
 The model cannot multiply such numbers itself; it can call the built-in `calc` tool
 (`<tool_call>{"name": "calc", "arguments": {"expression": "123*456"}}</tool_call>`), read the
 `<tool_response>` that the environment appends (tokens out of the loss) and copy the result. The
-warm start's transcripts call the tool in a quarter of the rows and answer directly (and so,
-in effect, guess) in the others, so greedy decoding starts out answering without the tool; RL on
-whole trajectories (EBPO) finds that the tool pays and held-out greedy accuracy rises.
+warm start's transcripts (600 steps) call the tool in 30% of the rows and answer directly (in
+effect, guess) in the others, so greedy decoding mostly starts out without the tool; RL on whole
+trajectories (EBPO, 50 steps) finds that the tool pays and held-out greedy accuracy rises by
+30 points or more (0.10 -> 0.42 by step 25 in the calibration run).
 
   python -m ebpo_jax.train --config=configs/arith_tool.py --workdir=/tmp/arith_tool
   python -m ebpo_jax.train --config=configs/arith_tool.py:runlocal --workdir=/tmp/arith_tool_local
@@ -35,7 +36,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.task.name = "arith_tool"
   config.task.options.ops = ("mul",)
   config.task.options.digits = (3, 4)
-  config.task.options.tool_fraction = 0.25
+  config.task.options.tool_fraction = 0.3
   config.task.num_eval = 64  # per cluster
   config.env.name = "tool"
   config.env.tools = "calc"
@@ -44,12 +45,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.env.max_observation_tokens = 12
   config.sampling.max_new_tokens = 12  # per model turn
   config.rewards.workers = 1  # the environment steps (and their tools) run in it
-  config.sft.num_steps = 300
+  config.sft.num_steps = 600  # copying numbers into the call and out of its response
   config.sft.batch_size = 64
-  config.train.num_steps = 60
+  config.sft.learning_rate = 2e-3
+  config.train.num_steps = 50
   config.train.batch_size = 16
   config.train.mini_batch_size = 16
-  config.train.learning_rate = 3e-4
+  config.train.learning_rate = 5e-4
   config.rl.group_size = 8
   config.eval.every_steps = 10
   config.checkpoint.every_steps = 20
