@@ -23,10 +23,10 @@ from ebpo_jax.tasks.base import Task, extract_final_answer
 
 TASKS: dict[str, str] = {
   "arithmetic": "ebpo_jax.tasks.arithmetic:ArithmeticTask",
-  "arith_tool": "ebpo_jax.tasks.arith_tool:ArithToolTask",
   "reasoning_gym": "ebpo_jax.tasks.reasoning_gym_task:ReasoningGymTask",
   "jsonl": "ebpo_jax.tasks.jsonl_task:JsonlTask",
   "math": "ebpo_jax.tasks.math_task:MathTask",
+  "arith_tool": "ebpo_jax.tasks.arith_tool:ArithToolTask",
 }
 
 __all__ = ["TASKS", "Task", "extract_final_answer", "from_config", "get_task", "load_object"]

@@ -95,7 +95,7 @@ class RolloutOptions:
   sampling: SamplingOptions
   batch: BatchOptions
   eval: EvalOptions
-  env: EnvOptions | None  # None: single-turn
+  env: EnvOptions | None = None  # None: single-turn
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> "RolloutOptions":
