@@ -9,6 +9,7 @@ import ml_collections
 from ebpo_jax import advantages, data, envs, losses, metrics, models, sharding
 from ebpo_jax.errors import ConfigError
 from ebpo_jax.tasks import reward_fns
+from ebpo_jax.trainer.rollout_options import completion_width
 
 
 def _choice(config, key: str, allowed: Sequence[str]) -> None:
@@ -70,11 +71,12 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   _choice(config, "rl.dynamic_sampling", (True, False))
   _choice(config, "sampling.compact", (True, False))
   _require(rl.max_refill_rounds >= 0, config, "rl.max_refill_rounds", "must be >= 0")
+  width_key = "env.max_tokens" if config.env.name else "sampling.max_new_tokens"
   _require(
-    0 <= rl.overlong_buffer <= config.sampling.max_new_tokens,
+    0 <= rl.overlong_buffer <= completion_width(config),
     config,
     "rl.overlong_buffer",
-    f"must lie in [0, sampling.max_new_tokens={config.sampling.max_new_tokens}]",
+    f"must lie in [0, {width_key}={completion_width(config)}]",
   )
   _require(rl.overlong_penalty >= 0, config, "rl.overlong_penalty", "must be >= 0")
   # The ratio's lower bound 1 - clip_low must stay positive.

@@ -8,7 +8,7 @@ import math
 import shutil
 
 from ebpo_jax import metrics
-from tests.helpers.processes import run_trainer
+from tests.helpers.processes import run_module, run_trainer
 
 CONFIG = "configs/arith_tool.py:runlocal"
 
@@ -40,6 +40,13 @@ def test_runlocal_logs_episodes_and_resumes_exactly(tmp_path):
     assert math.isfinite(m["loss"]) and m["bad_updates"] == 0
   samples = [json.loads(line) for line in (straight / "samples.jsonl").read_text().splitlines()]
   assert samples and all(s["completion"].startswith("[assistant] ") for s in samples)
+  # evaluate runs the same episodes on the eval rows (its greedy avg@1 is the run's last one).
+  result = run_module("ebpo_jax.evaluate", f"--config={CONFIG}", f"--workdir={straight}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  evaluated = json.loads((straight / "eval.json").read_text())
+  assert evaluated["num_responses"] == evaluated["num_problems"] > 0
+  last = [m for m in lines if "eval/accuracy" in m][-1]["eval/accuracy"]
+  assert evaluated["metrics"]["overall"]["avg@1"] == last
 
 
 def test_the_smollm2_chat_template_variant_runs_one_step(tmp_path):
