@@ -35,6 +35,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.task.options.dataset_cfg = placeholder(object)  # reasoning_gym: {dataset: {kwarg: v}}
   config.task.options.eval_fraction = placeholder(float)  # share of prompts held out for eval
   config.task.options.instruction = placeholder(str)  # jsonl: appended; math: {prompt} template
+  config.task.options.tool_fraction = placeholder(float)  # arith_tool: warm-start rows using calc
 
   config.data = ml_collections.ConfigDict()  # the training rows and their order
   # JSONL/Parquet of {prompt, answer, cluster?, difficulty?}, or a directory that Hugging Face
@@ -138,6 +139,18 @@ def get_config() -> ml_collections.ConfigDict:
   # long, uneven responses (5x useful tok/s on a long tail, bench/RESULTS.md): the real-model
   # configs turn it on; this job's 4-token answers would only compile longer.
   config.sampling.compact = False  # decode in halving batches of the running rows
+
+  # Multi-turn episodes (ebpo_jax/envs): each model turn ends at a stop token (at most
+  # sampling.max_new_tokens); the environment answers, its observation's tokens are appended (loss
+  # mask 0), and the model's next turn continues from the KV cache. A trajectory trains as one
+  # sequence.
+  config.env = ml_collections.ConfigDict()  # the environment of multi-turn rollouts
+  config.env.name = ""  # "": single-turn; tool (ToolEnvironment) | package.module:Class
+  config.env.tools = ""  # comma-separated tools: a built-in (calc) or package.module:function
+  config.env.max_turns = 3  # model turns per trajectory
+  config.env.max_tokens = 64  # trajectory tokens after the prompt (model + observations)
+  config.env.max_observation_tokens = 16  # an observation's tokens beyond this are cut
+  config.env.options = ml_collections.ConfigDict()  # the environment's constructor keywords
 
   config.rewards = ml_collections.ConfigDict()  # scoring the responses
   # Scorer processes. 0: the task's verifier scores in this process, and rewards.fns (user code)

@@ -60,7 +60,7 @@ from ebpo_jax.trainer import optimizer as optimizer_lib
 from ebpo_jax.trainer import prompts as prompts_lib
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer import task_rows
-from ebpo_jax.trainer.rollout_options import SamplingOptions
+from ebpo_jax.trainer.rollout_options import SamplingOptions, completion_width
 from ebpo_jax.trainer.step import StepOptions, abstract_batch, jit_train_step
 
 # ----------------------------------------------------------------------------- compiling
@@ -219,7 +219,7 @@ def train_step_program(target: Target) -> Program:
   state = state_lib.abstract_state(*state_args, target.params)
   shardings = state_lib.state_shardings(*state_args, target.params)
   options = StepOptions.from_config(config, mesh)
-  batch = abstract_batch(options.layout, prompt_len, config.sampling.max_new_tokens, mesh)
+  batch = abstract_batch(options.layout, prompt_len, completion_width(config), mesh)
   step = jit_train_step(target.model, optimizer, estimator, options, mesh, shardings)
   traced = step.trace(state, batch)
   parts = state_bytes(state)

@@ -151,7 +151,7 @@ def inverse_cdf_draw(probs_bv: jax.Array, u_b: jax.Array) -> jax.Array:
   return block_b * _BLOCK + within_b
 
 
-def _draw(
+def draw(
   logits_bv: jax.Array,
   u_b: jax.Array,
   temperature: jax.Array,
@@ -258,7 +258,9 @@ def _generate(
 ) -> SampleOutput:
   num_prompts, prompt_len = prompt_ids_bp.shape
   rows, width = num_prompts * group_size, max_new_tokens
-  draw = functools.partial(_draw, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy)
+  draw_one = functools.partial(
+    draw, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy
+  )
   # Unstacked once, outside the loop: prefill and decode read each layer's weights in place.
   per_layer = model.clone(scan_layers=False)
   if not is_decode_params(params):
@@ -279,7 +281,7 @@ def _generate(
   )
 
   def draw_and_record(s: loop.State, logits_rv: jax.Array) -> loop.State:
-    drawn = draw(logits_rv, loop.row_uniforms(rng, s.step, s.rows.row_id))
+    drawn = draw_one(logits_rv, loop.row_uniforms(rng, s.step, s.rows.row_id))
     return loop.record(s, drawn, stop_ids, pad_id)
 
   def decode_one(s: loop.State) -> loop.State:

@@ -34,6 +34,12 @@ EBPO_SHRINKAGE = "ebpo/shrinkage"  # S of a full group: the baseline's weight on
 RESPONSE_LEN_MEAN = "response_len/mean"
 TRUNCATED_FRAC = "truncated_frac"  # responses cut at the generation length
 ROLLOUT_TOKENS = "rollout/tokens"  # tokens sampled this step (all refill rounds)
+# Multi-turn episodes (config.env): per trajectory, averaged over the step's (all refill rounds).
+TURNS_MEAN = "turns/mean"  # model turns
+TOOL_CALLS_MEAN = "tool_calls/mean"  # tool calls the environment counted
+TOOL_ERRORS = "tool_errors"  # failed tool calls and environment steps, summed over the step
+MASKED_FRAC = "masked_frac"  # share of trajectory tokens out of the loss (observations)
+ENV_TIME_S = "env/time_s"  # wall time of the environment steps
 DAPO_KEPT_FRAC = "dapo/kept_frac"  # dynamic sampling: first-round groups with varied rewards
 DAPO_ROUNDS = "dapo/rounds"
 DAPO_FILLED_GROUPS = "dapo/filled_groups"  # groups without signal that filled a short batch
@@ -70,7 +76,9 @@ EVAL_ACCURACY = "eval/accuracy"
 EVAL_VERIFIER_ERRORS = "eval/verifier_errors"  # evaluation verifier calls that raised or timed out
 
 # Keys that measure wall-clock time: they differ between an interrupted and a straight run.
-TIMING_KEYS = (TIME_STEP_S, TIME_TOKENS_PER_S, TIME_SAMPLE_S, TIME_UPDATE_S, TIME_ELAPSED_S)
+TIMING_KEYS = (
+  TIME_STEP_S, TIME_TOKENS_PER_S, TIME_SAMPLE_S, TIME_UPDATE_S, TIME_ELAPSED_S, ENV_TIME_S
+)  # fmt: skip
 # Keys that are also logged per cluster, as per_cluster(key, name).
 PER_CLUSTER_KEYS = (REWARD_MEAN, EVAL_ACCURACY, EBPO_PRIOR_MEAN, EBPO_PRIOR_STD, EBPO_SHRINKAGE)
 # Every metric name above (not STEP).
@@ -79,6 +87,7 @@ KEYS = frozenset(
   | {ADV_ABS_MEAN, EBPO_SHRINKAGE_MEAN, EBPO_PRIOR_MEAN, EBPO_PRIOR_STD, EBPO_SHRINKAGE}
   | {RESPONSE_LEN_MEAN, TRUNCATED_FRAC, ROLLOUT_TOKENS}
   | {DAPO_KEPT_FRAC, DAPO_ROUNDS, DAPO_FILLED_GROUPS}
+  | {TURNS_MEAN, TOOL_CALLS_MEAN, TOOL_ERRORS, MASKED_FRAC, ENV_TIME_S}
   | {LOSS, PG_LOSS, KL, ENTROPY, CLIPFRAC, CLIPFRAC_LOW, CLIPFRAC_HIGH, DUAL_CLIPFRAC}
   | {
     RATIO_MEAN,

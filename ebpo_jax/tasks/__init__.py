@@ -1,6 +1,7 @@
 """Tasks: prompts plus verifiers, found by name in `TASKS`.
 
 - `arithmetic`: the tiny built-in integer arithmetic task with its character tokenizer.
+- `arith_tool`: multiplication that the tiny model learns to do with a calculator tool (multi-turn).
 - `reasoning_gym:<dataset>[+<dataset>...]`: reasoning-gym generators and scorers; several datasets
   become clusters.
 - `jsonl`: rows from a file (`path=`), scored by exact match after normalisation.
@@ -25,6 +26,7 @@ TASKS: dict[str, str] = {
   "reasoning_gym": "ebpo_jax.tasks.reasoning_gym_task:ReasoningGymTask",
   "jsonl": "ebpo_jax.tasks.jsonl_task:JsonlTask",
   "math": "ebpo_jax.tasks.math_task:MathTask",
+  "arith_tool": "ebpo_jax.tasks.arith_tool:ArithToolTask",
 }
 
 # Constructor keywords that `from_config` sets from `config.data`, not `config.task.options`.

@@ -47,6 +47,12 @@ class Task(abc.ABC):
   def format_target(self, row: dict[str, Any]) -> str:
     return row["answer"]
 
+  def target_turns(self, row: dict[str, Any]) -> list[tuple[str, str]]:
+    """The warm start's transcript as (role, text) turns: role "model" is trained, any other is
+    not ("observation": an environment's text, encoded as the rollouts encode it; "untrained":
+    the model's text shown but not taught); a single-turn task's is its target."""
+    return [("model", self.format_target(row))]
+
   def extract_answer(self, response: str) -> str:
     """The response's final answer, normalised: the key of a majority vote (maj@k)."""
     return normalize_answer(extract_final_answer(response))

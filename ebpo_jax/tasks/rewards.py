@@ -125,6 +125,17 @@ class RewardPool:
     # float32 like the verifier's rewards: the same values after a gather over processes.
     return np.array(values, np.float32).reshape(len(reward_fns), len(completions)), errors
 
+  def run(
+    self, runner: Callable[..., tuple[bool, Any, str]], calls: Sequence[tuple]
+  ) -> list[tuple[bool, Any, str]]:
+    """`runner(*args)` of each of `calls` in the workers (user code: one worker is started when
+    there are none), each with the pool's timeout: its `(ok, value, message)`, or `(False, None,
+    why)` for a call that timed out, killed its worker or was not made (`_Breaker`). The
+    environments' steps run here (`envs.step_in_worker`)."""
+    results = self._call_all([(runner, args) for args in calls], [runner], [0] * len(calls),
+                             inline=False)  # fmt: skip
+    return [(ok, value if ok else None, message) for ok, value, message in results]
+
   def _call_all(
     self,
     calls: list[tuple[Callable, tuple]],

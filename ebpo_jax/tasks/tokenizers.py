@@ -1,10 +1,11 @@
 """Tokenizers: characters of arithmetic or UTF-8 bytes (random-init models), or a model directory's.
 
 All have `vocab_size`, `pad_id`, `bos_id`, `eos_id`, `stop_ids`; `encode(text)` gives the text's ids
-only; `prompt_ids(text, system_prompt, history)` the ids the model sees before its completion: the
-user turn `text` after the chat's earlier `history` messages ({role, content}), as a chat model's
-template renders them, or BOS + the texts one per line; `decode(ids)` stops at the first stop id
-and drops pad and BOS.
+only; `prompt_ids(text, system_prompt, history, tools)` the ids the model sees before its
+completion: the user turn `text` after the chat's earlier `history` messages ({role, content}), as a
+chat model's template renders them (with the tool schemas `tools`), or BOS + the texts one per
+line; `observation_ids(text)` those of an environment's answer between two model turns (a chat
+model's tool message); `decode(ids)` stops at the first stop id and drops pad and BOS.
 """
 
 import json
@@ -30,9 +31,18 @@ class _Own:
     return (self.eos_id,)
 
   def prompt_ids(
-    self, text: str, system_prompt: str | None = None, history: Sequence[dict] = ()
+    self,
+    text: str,
+    system_prompt: str | None = None,
+    history: Sequence[dict] = (),
+    tools: Sequence[dict] = (),
   ) -> list[int]:
+    """BOS + the texts one per line (tools are not rendered: a tiny model learns its tools in the
+    warm start)."""
     return [self.bos_id, *self.encode(plain_prompt(text, system_prompt, history))]  # type: ignore[attr-defined]
+
+  def observation_ids(self, text: str) -> list[int]:
+    return self.encode(text)  # type: ignore[attr-defined]
 
 
 class CharTokenizer(_Own):
@@ -71,6 +81,54 @@ class ByteTokenizer(_Own):
   def decode(self, ids: Sequence[int]) -> str:
     data = bytes(i - _SPECIALS for i in _content_ids(ids, self))
     return data.decode("utf-8", errors="replace")
+
+
+class PieceTokenizer(ByteTokenizer):
+  """UTF-8 bytes plus whole pieces of text, one id each (ids 259 on, in `pieces`' order): a tiny
+  model's tool calls in a few tokens. Encoding takes the longest piece at each place, else a byte;
+  `stop_pieces` end a model turn like EOS (they stay in its decoded text)."""
+
+  def __init__(self, pieces: Sequence[str], stop_pieces: Sequence[str] = ()):
+    super().__init__()
+    self.pieces = tuple(pieces)
+    if len(set(self.pieces)) != len(self.pieces) or not all(self.pieces):
+      raise ValueError(f"pieces must be distinct and non-empty, got {self.pieces}")
+    self._first_id = self.vocab_size
+    self._id_of_piece = {p: self._first_id + i for i, p in enumerate(self.pieces)}
+    self.vocab_size += len(self.pieces)
+    self._stop_ids = (self.eos_id, *(self._id_of_piece[p] for p in stop_pieces))
+    self._lengths = sorted({len(p) for p in self.pieces}, reverse=True)
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    return self._stop_ids
+
+  def encode(self, text: str) -> list[int]:
+    ids, i = [], 0
+    while i < len(text):
+      found = (text[i : i + n] for n in self._lengths)
+      piece = next((p for p in found if p in self._id_of_piece), None)
+      if piece is None:
+        ids.extend(super().encode(text[i]))
+        i += 1
+      else:
+        ids.append(self._id_of_piece[piece])
+        i += len(piece)
+    return ids
+
+  def decode(self, ids: Sequence[int]) -> str:
+    """The text before the first EOS (pieces and bytes; pad and BOS dropped)."""
+    out, run = [], []
+    for i in map(int, ids):
+      if i == self.eos_id:
+        break
+      if i >= self._first_id and i < self.vocab_size:
+        out.append(super().decode(run))
+        out.append(self.pieces[i - self._first_id])
+        run = []
+      else:
+        run.append(i)
+    return "".join(out) + super().decode(run)
 
 
 def _content_ids(ids: Sequence[int], tokenizer: CharTokenizer | ByteTokenizer) -> list[int]:
@@ -121,8 +179,14 @@ class HFTokenizer:
     return list(self._tok.encode(text, add_special_tokens=False))
 
   def prompt_ids(
-    self, text: str, system_prompt: str | None = None, history: Sequence[dict] = ()
+    self,
+    text: str,
+    system_prompt: str | None = None,
+    history: Sequence[dict] = (),
+    tools: Sequence[dict] = (),
   ) -> list[int]:
+    """The chat template's conversation so far (the tool schemas `tools` rendered as the template
+    renders them; a template without tool support leaves them out), else BOS + the texts."""
     if not self.use_chat_template:
       bos = [] if self.bos_id is None else [self.bos_id]
       return bos + self.encode(plain_prompt(text, system_prompt, history))
@@ -131,8 +195,25 @@ class HFTokenizer:
       [{"role": "system", "content": system_prompt}] if system_prompt and not has_system else []
     )
     messages += [*history, {"role": "user", "content": text}]
-    out = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    out = self._tok.apply_chat_template(
+      messages, tools=list(tools) or None, add_generation_prompt=True, tokenize=True
+    )
     return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+  def observation_ids(self, text: str) -> list[int]:
+    """An environment's answer after a model turn that ended with a stop token: the chat
+    template's tool message and the next turn's generation prompt (less the end-of-turn mark the
+    model drew), else the text's tokens."""
+    if not self.use_chat_template:
+      return self.encode(text)
+    marker = "\ue000"  # a private-use character: where the model's turn ends in the rendering
+    messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}]
+    messages.append({"role": "tool", "content": text})
+    rendered = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    tail = rendered.split(marker, 1)[1]
+    for stop in self.stop_ids:
+      tail = tail.removeprefix(self._tok.decode([stop]))
+    return self.encode(tail)
 
   def decode(self, ids: Sequence[int]) -> str:
     ids = [int(i) for i in ids]

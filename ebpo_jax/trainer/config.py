@@ -6,9 +6,10 @@ from collections.abc import Sequence
 
 import ml_collections
 
-from ebpo_jax import advantages, data, losses, metrics, models, sharding
+from ebpo_jax import advantages, data, envs, losses, metrics, models, sharding
 from ebpo_jax.errors import ConfigError
 from ebpo_jax.tasks import reward_fns
+from ebpo_jax.trainer.rollout_options import completion_width
 
 
 def _choice(config, key: str, allowed: Sequence[str]) -> None:
@@ -29,6 +30,13 @@ def _require(ok: bool, config, key: str, rule: str) -> None:
     raise ConfigError(f"config.{key}={_get(config, key)!r}: {rule}")
 
 
+def _check_env(config: ml_collections.ConfigDict) -> None:
+  """`config.env`: limits >= 1, and the environment, its tools and options load (when named)."""
+  for key in ("max_turns", "max_tokens", "max_observation_tokens"):
+    _require(config.env[key] >= 1, config, f"env.{key}", "must be >= 1")
+  envs.from_config(config.env)  # a ConfigError naming the key
+
+
 def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   """Validates every value before anything compiles; raises ConfigError naming key and value."""
   try:
@@ -39,6 +47,7 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   _choice(config, "rl.loss.kl_kind", losses.KL_KINDS)
   _choice(config, "data.order", data.ORDERS)
   _check_data_columns(config)
+  _check_env(config)
   _choice(config, "train.schedule", ("constant", "cosine"))
   _choice(config, "train.transfer_guard", ("disallow", "log", "allow"))
   _choice(config, "model.remat", tuple(models.decoder.REMAT_POLICIES))
@@ -62,11 +71,12 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   _choice(config, "rl.dynamic_sampling", (True, False))
   _choice(config, "sampling.compact", (True, False))
   _require(rl.max_refill_rounds >= 0, config, "rl.max_refill_rounds", "must be >= 0")
+  width_key = "env.max_tokens" if config.env.name else "sampling.max_new_tokens"
   _require(
-    0 <= rl.overlong_buffer <= config.sampling.max_new_tokens,
+    0 <= rl.overlong_buffer <= completion_width(config),
     config,
     "rl.overlong_buffer",
-    f"must lie in [0, sampling.max_new_tokens={config.sampling.max_new_tokens}]",
+    f"must lie in [0, {width_key}={completion_width(config)}]",
   )
   _require(rl.overlong_penalty >= 0, config, "rl.overlong_penalty", "must be >= 0")
   frac = config.rewards.max_error_frac

@@ -3,8 +3,11 @@
 the in-training evaluation samples."""
 
 import dataclasses
+from collections.abc import Callable
 
 import ml_collections
+
+from ebpo_jax import envs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +69,25 @@ class EvalOptions:
 
 
 @dataclasses.dataclass(frozen=True)
+class EnvOptions:
+  """Multi-turn episodes (`config.env`): the environments' factory and the trajectory limits."""
+
+  factory: Callable[[], envs.Environment]  # a fresh environment per trajectory
+  max_turns: int  # model turns per trajectory
+  max_tokens: int  # trajectory tokens after the prompt: model and observation tokens
+  max_observation_tokens: int  # an observation's tokens beyond this are cut
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict) -> "EnvOptions | None":
+    """None when `env.name` is "" (single-turn rollouts)."""
+    factory = envs.from_config(config.env)
+    if factory is None:
+      return None
+    e = config.env
+    return cls(factory, e.max_turns, e.max_tokens, e.max_observation_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutOptions:
   """All that the rollouts read of a run's config, read once (`from_config`)."""
 
@@ -73,6 +95,7 @@ class RolloutOptions:
   sampling: SamplingOptions
   batch: BatchOptions
   eval: EvalOptions
+  env: EnvOptions | None = None  # None: single-turn
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> "RolloutOptions":
@@ -81,7 +104,19 @@ class RolloutOptions:
       sampling=SamplingOptions.from_config(config),
       batch=BatchOptions.from_config(config),
       eval=EvalOptions.from_config(config),
+      env=EnvOptions.from_config(config),
     )
+
+  @property
+  def completion_width(self) -> int:
+    """Tokens after the prompt in a training row (`completion_width`)."""
+    return self.sampling.max_new_tokens if self.env is None else self.env.max_tokens
+
+
+def completion_width(config: ml_collections.ConfigDict) -> int:
+  """Tokens after the prompt in a training row: a completion (`sampling.max_new_tokens`), or a
+  whole multi-turn trajectory (`env.max_tokens`, when `env.name` is set)."""
+  return config.env.max_tokens if config.env.name else config.sampling.max_new_tokens
 
 
 def _from_keys(cls, section: ml_collections.ConfigDict):

@@ -27,6 +27,7 @@ from ebpo_jax import losses, models, sampling, sharding, tasks
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.tasks import reward_fns as reward_fns_lib
 from ebpo_jax.tasks import rewards as rewards_lib
+from ebpo_jax.trainer import episodes as episodes_lib
 from ebpo_jax.trainer import prompts as prompts_lib
 from ebpo_jax.trainer import scoring
 from ebpo_jax.trainer.rollout_options import BatchOptions, RolloutOptions
@@ -46,14 +47,17 @@ class Rollout:
   # On the devices (global arrays, rows over the mesh's batch axes).
   prompt_ids: jax.Array  # [N, P] int32, left-padded
   prompt_mask: jax.Array  # [N, P] bool
-  tokens: jax.Array  # [N*G, T] int32
-  mask: jax.Array  # [N*G, T] bool
+  tokens: jax.Array  # [N*G, T] int32: completions, or multi-turn trajectories (`episodes`)
+  mask: jax.Array  # [N*G, T] bool: their tokens
+  loss_mask: jax.Array  # [N*G, T] bool: the tokens trained (a trajectory's model tokens)
   old_logps: jax.Array  # [N*G, T] float32: log-probs of the sampling policy at temperature 1
-  truncated: jax.Array  # [N*G] bool: no stop token within max_new_tokens
+  truncated: jax.Array  # [N*G] bool: no stop token within max_new_tokens (or env.max_tokens)
   nonfinite: jax.Array  # [N*G] bool: the sampler met non-finite logits (the step is bad)
   # On the host: each reward function's values {name: [N, G] float32, NaN where it returned None}
   # (training rollouts with rewards.fns; else empty).
   reward_parts: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
+  # Multi-turn rollouts: the episodes' sums (`episodes.episode_metrics`); else empty.
+  stats: dict[str, float] = dataclasses.field(default_factory=dict)
 
   @property
   def group_size(self) -> int:
@@ -68,6 +72,7 @@ _DEVICE_FIELDS = (
   "prompt_mask",
   "tokens",
   "mask",
+  "loss_mask",
   "old_logps",
   "truncated",
   "nonfinite",
@@ -90,6 +95,7 @@ def _concat_rollouts(parts: Sequence[Rollout], mesh: Mesh) -> Rollout:
     reward_parts={
       k: np.concatenate([p.reward_parts[k] for p in parts]) for k in parts[0].reward_parts
     },
+    stats={k: sum(p.stats[k] for p in parts) for k in parts[0].stats},
   )
 
 
@@ -165,9 +171,11 @@ class Sampler:
       fill = np.full(chunk - len(ids), len(ids) - 1)
       ids, mask = np.concatenate([ids, ids[fill]]), np.concatenate([mask, mask[fill]])
       call_rows = rows[start : start + chunk]
-      parts.append(
-        self._sample_call(params, ids, mask, call_key, call_rows, group_size, greedy, training)
-      )
+      args = (params, ids, mask, call_key, call_rows, group_size, greedy, training)
+      if self.options.env is None:
+        parts.append(self._sample_call(*args))
+      else:
+        parts.append(Rollout(rows=call_rows, **episodes_lib.rollout_fields(self, *args)))
     return _concat_rollouts(parts, self.mesh)
 
   def call_plan(self, params, num_rows: int, key: jax.Array):
@@ -230,6 +238,7 @@ class Sampler:
       prompt_mask=mask,
       tokens=out.tokens,
       mask=out.mask,
+      loss_mask=out.mask,
       old_logps=out.logprobs,
       truncated=out.truncated,
       nonfinite=out.nonfinite,
@@ -272,6 +281,7 @@ def _select_groups(parts: Sequence[Rollout], picks: Sequence[np.ndarray], mesh) 
     errors=whole.errors,
     **gathered,
     reward_parts={k: v[prompts] for k, v in whole.reward_parts.items()},
+    stats=whole.stats,
   )
 
 
@@ -331,7 +341,7 @@ def collect_batch(
     while sum(_varied(p).sum() for p in parts) < num_prompts and len(parts) <= bo.max_refill_rounds:
       parts.append(sample(keys.refill[len(parts) - 1]))
     rollout, logs = _dapo_select(parts, num_prompts, sampler.mesh)
-  rewards = _shaped_rewards(rollout, bo, sampler.options.sampling.max_new_tokens)
+  rewards = _shaped_rewards(rollout, bo, sampler.options.completion_width)
   logs.update(
     {
       metrics_lib.REWARD_ERRORS: sum(p.errors for p in parts),
@@ -339,6 +349,8 @@ def collect_batch(
       metrics_lib.REWARD_OVERLONG_PENALTY: float((rewards - rollout.rewards).mean()),
     }
   )
+  if rollout.stats:  # multi-turn: turns, tool calls and errors, masked share, environment time
+    logs.update(episodes_lib.episode_metrics([p.stats for p in parts]))
   if rollout.reward_parts:  # each reward function's mean over the batch, beside reward/mean
     names = list(rollout.reward_parts)
     values = np.stack([rollout.reward_parts[n].reshape(-1) for n in names])
@@ -457,7 +469,7 @@ def make_sampler(model, task, tokenizer, config: ml_collections.ConfigDict, mesh
     task,
     pool,
     fns,
-    max_new_tokens=options.sampling.max_new_tokens,
+    max_new_tokens=options.completion_width,
     max_error_frac=config.rewards.max_error_frac,
   )
   return Sampler(model, encoder, scorer, options, mesh)

@@ -112,7 +112,8 @@ def abstract_batch(
   layout: StepLayout, prompt_len: int, max_new_tokens: int, mesh: Mesh | None = None
 ) -> dict[str, jax.ShapeDtypeStruct]:
   """The batch `train_step` takes, as shapes (the one statement of its layout; rows r = b * G + g):
-  prompt_ids, prompt_mask [B, P]; tokens, completion_mask, old_logps [B*G, N]; truncated,
+  prompt_ids, prompt_mask [B, P]; tokens, completion_mask, loss_mask (the tokens trained: a
+  multi-turn trajectory's model tokens, else completion_mask), old_logps [B*G, N]; truncated,
   nonfinite (the sampler met non-finite logits) [B*G]; rewards [B, G]; cluster_ids [B]. With
   `mesh`, each carries its sharding: rows over the mesh's batch axes (`sharding.row_sharding`,
   as the sampler places them, so the rollout reaches the step in this layout)."""
@@ -122,6 +123,7 @@ def abstract_batch(
     "prompt_mask": ((b, prompt_len), jnp.bool_),
     "tokens": ((b * g, n), jnp.int32),
     "completion_mask": ((b * g, n), jnp.bool_),
+    "loss_mask": ((b * g, n), jnp.bool_),
     "old_logps": ((b * g, n), jnp.float32),
     "truncated": ((b * g,), jnp.bool_),
     "nonfinite": ((b * g,), jnp.bool_),
@@ -272,6 +274,7 @@ def _sequences(batch: dict, layout: StepLayout) -> tuple[dict, dict]:
     batch["tokens"],
     batch["completion_mask"],
     layout.group_size,
+    batch["loss_mask"],
   )
   prompt_keys = ("input_ids", "positions", "attention_mask") if shared else ()
   return seqs, {k: seqs.pop(k) for k in prompt_keys}

@@ -114,8 +114,9 @@ def warm_start(
   def sft_step(params, opt_state, batch):
     def loss_fn(p):
       seqs = sequences.build_sequences(
-        batch["prompt_ids"], batch["prompt_mask"], batch["targets"], batch["target_mask"], 1
-      )
+        batch["prompt_ids"], batch["prompt_mask"], batch["targets"], batch["target_mask"], 1,
+        batch["loss_mask"],
+      )  # fmt: skip
       logps = completion_logprobs(model, p, seqs, packed_group_size=None)
       return -(logps * seqs["loss_mask"]).sum() / seqs["loss_mask"].sum()
 
@@ -137,12 +138,14 @@ def warm_start(
       return params
     batch_rows = [rows[i] for i in next(batches)]
     prompt_ids, prompt_mask = sampler.encoder.prompts(batch_rows)
-    targets, target_mask = sampler.encoder.targets(batch_rows, config.sampling.max_new_tokens)
+    width = sampler.options.completion_width
+    targets, target_mask, loss_mask = sampler.encoder.targets(batch_rows, width)
     batch = {
       "prompt_ids": prompt_ids,
       "prompt_mask": prompt_mask,
       "targets": targets,
       "target_mask": target_mask,
+      "loss_mask": loss_mask,
     }
     params, opt_state, loss = sft_step(params, opt_state, batch)
     writer.write(metrics_lib.sft_step(step + 1, sc.num_steps), {metrics_lib.SFT_LOSS: loss})

@@ -62,6 +62,7 @@ class TinyStep:
       "prompt_mask": prompt_mask,
       "tokens": rng.integers(3, V, (B * G, N)).astype(np.int32),
       "completion_mask": mask,
+      "loss_mask": mask,
       "old_logps": np.log(rng.uniform(0.05, 0.3, (B * G, N))).astype(np.float32),
       "truncated": np.zeros(B * G, bool),
       "nonfinite": np.zeros(B * G, bool),

@@ -59,6 +59,7 @@ class FakeSampler:
       prompt_mask=jnp.ones(ids.shape, bool),
       tokens=jnp.asarray(tokens, jnp.int32),
       mask=jnp.ones(tokens.shape, bool).at[:, 1].set(False),
+      loss_mask=jnp.ones(tokens.shape, bool).at[:, 1].set(False),
       old_logps=jnp.asarray(-tokens, jnp.float32),
       truncated=jnp.zeros(len(tokens), bool),
       nonfinite=jnp.zeros(len(tokens), bool),

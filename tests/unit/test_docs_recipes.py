@@ -1,4 +1,5 @@
-"""The three recipes of docs/extending.md (a reward, a task, an estimator) work as written: their
+"""The recipes of docs/extending.md (a reward, a task, an estimator, a tool, an environment) work
+as written: their
 code, taken from the page, runs here with the registries patched as the recipes' one-line edits
 would patch them (the trainer runs of the recipes are the e2e test of rewards.fns and
 `:runlocal`)."""
@@ -10,7 +11,7 @@ import textwrap
 import jax.numpy as jnp
 import numpy as np
 
-from ebpo_jax import advantages, tasks
+from ebpo_jax import advantages, envs, tasks
 from ebpo_jax.advantages import estimators, registry
 from ebpo_jax.tasks import reward_fns
 from ebpo_jax.tasks.arithmetic import score_arithmetic
@@ -87,3 +88,30 @@ def test_the_estimator_recipe(monkeypatch):
   expected = [[1, -1, -1, 1], [0, 0, 0, 0], [-1, -1, -1, 1]]
   np.testing.assert_array_equal(adv, expected)
   assert metrics == {}
+
+
+def test_the_tool_recipe(tmp_path, monkeypatch):
+  (tmp_path / "my_tools.py").write_text(block("# my_tools.py, anywhere on PYTHONPATH"))
+  monkeypatch.syspath_prepend(str(tmp_path))
+  (spec,) = [w.split("=", 1)[1] for w in command("digit_sum") if w.startswith("--config.env.tools")]
+  env = envs.from_config({"name": "tool", "tools": spec, "options": {}})()
+  call = '<tool_call>{"name": "digit_sum", "arguments": {"number": "1234"}}</tool_call>'
+  assert env.step(call) == ("<tool_response>10</tool_response>", None, False)
+  assert envs.tool_schema(env.tools[1])["function"]["description"].startswith("The sum of")
+  sys.modules.pop("my_tools", None)
+
+
+def test_the_environment_recipe(tmp_path, monkeypatch):
+  (tmp_path / "my_env.py").write_text(block("# my_env.py, anywhere on PYTHONPATH"))
+  monkeypatch.syspath_prepend(str(tmp_path))
+  words = command("SecondChance")
+  (name,) = [w.split("=", 1)[1] for w in words if w.startswith("--config.env.name")]
+  factory = envs.from_config({"name": name, "tools": "", "options": {}})
+  env = factory()
+  assert env.reset({"answer": "56088"}) is None
+  assert env.step("5608") == (" wrong, again: ", None, False)
+  assert env.step("56088") == (None, 1.0, True)
+  env.reset({"answer": "7"})
+  env.step("1")
+  assert env.step("2") == (None, 0.0, True)
+  sys.modules.pop("my_env", None)

@@ -109,7 +109,7 @@ def test_sample_rows_are_whole_groups_with_their_advantages():
     rewards=np.arange(2 * g, dtype=np.float32).reshape(2, g),
     lengths=np.ones(2 * g, np.int32),
     errors=0,
-    **dict.fromkeys(("prompt_ids", "prompt_mask", "tokens", "mask", "old_logps")),  # not read
+    **dict.fromkeys(("prompt_ids", "prompt_mask", "tokens", "mask", "loss_mask", "old_logps")),
     truncated=None,
     nonfinite=None,
   )

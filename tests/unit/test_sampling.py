@@ -204,7 +204,7 @@ def _draw_counts(logits_v, num_draws, *, temperature=1.0, top_k=0, top_p=1.0, vo
   """Token counts of `num_draws` draws from one row of logits (each row its own uniform)."""
   logits = jnp.broadcast_to(jnp.asarray(logits_v, jnp.float32), (num_draws, len(logits_v)))
   uniforms = jax.random.uniform(jax.random.key(0), (num_draws,))
-  drawn = jax.jit(sampling._draw, static_argnames=("top_k", "greedy"))(
+  drawn = jax.jit(sampling.draw, static_argnames=("top_k", "greedy"))(
     logits, uniforms, jnp.float32(temperature), jnp.float32(top_p), top_k=top_k, greedy=False
   )
   return np.bincount(np.asarray(drawn.token), minlength=len(logits_v))

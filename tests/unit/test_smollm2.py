@@ -41,3 +41,24 @@ def test_decode_stops_at_the_end_of_turn(model_dir):
   assert tok.eos_id in tok.stop_ids and tok.pad_id == tok.eos_id
   ids = tok.encode("Answer: 5") + [tok.eos_id] + tok.encode(" trailing")
   assert tok.decode(ids) == "Answer: 5"
+
+
+def test_a_tool_message_continues_the_transcript_as_the_chat_template_renders_it(model_dir):
+  # Token-in, token-out between turns: prompt + the model's turn (ended by its end-of-turn token)
+  # + observation_ids(tool output) reads exactly as the template's whole conversation.
+  tok = tokenizers.HFTokenizer(model_dir)
+  hf = tok.hf_tokenizer
+  schema = {"type": "function", "function": {"name": "calc", "description": "d", "parameters": {}}}
+  call = '<tool_call>{"name": "calc", "arguments": {"expression": "12*34"}}</tool_call>'
+  prompt = tok.prompt_ids("What is 12*34?", tools=[schema])
+  transcript = prompt + tok.encode(call) + [tok.eos_id] + tok.observation_ids("408")
+  messages = [
+    {"role": "user", "content": "What is 12*34?"},
+    {"role": "assistant", "content": call},
+    {"role": "tool", "content": "408"},
+  ]
+  want = hf.apply_chat_template(
+    messages, tools=[schema], add_generation_prompt=True, tokenize=False
+  )
+  assert hf.decode(transcript) == want
+  assert want.endswith("<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n")

@@ -203,3 +203,38 @@ def test_lora_dropout_is_in_the_training_forward_only():
   assert float(m_again["loss"]) == float(m_dropped["loss"])
   _, m_next, _ = dropped(batch, state.replace(step=state.step + 1))  # the next step: other masks
   assert float(m_next["loss"]) != float(m_dropped["loss"])
+
+
+def test_observation_tokens_are_out_of_the_loss_and_their_gradient_is_zero():
+  # Per token: d loss / d logp is exactly 0 where the loss mask is 0 (an observation's tokens),
+  # under every aggregation, with KL and entropy terms on.
+  rng = np.random.default_rng(0)
+  logps = jnp.asarray(np.log(rng.uniform(0.1, 0.9, (4, 6))), jnp.float32)
+  loss_mask = np.ones((4, 6), bool)
+  loss_mask[:, 2:4] = False  # a tool response in the middle of each trajectory
+  for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+    grad = jax.grad(
+      lambda lp, agg=agg: step_lib.losses.policy_loss(
+        lp, logps - 0.1, jnp.array([1.0, -1.0, 0.5, -0.5]), loss_mask, agg=agg,
+        ref_logps_bt=logps + 0.2, kl_coef=0.1, entropy_bt=-lp, entropy_coef=0.01,
+      )[0]
+    )(logps)  # fmt: skip
+    assert (np.asarray(grad)[~loss_mask] == 0).all()
+    assert (np.abs(np.asarray(grad)[loss_mask]) > 0).all()
+  # The step: the old log-probs at masked tokens change nothing (the tokens themselves stay the
+  # later tokens' context); training them too changes the update.
+  tiny_step = tiny_steps()
+  batch = tiny_step.batch()
+  loss_mask = batch["completion_mask"].copy()
+  loss_mask[:, 1:3] = False
+  masked = {**batch, "loss_mask": loss_mask}
+  state = tiny_step.fresh_state()
+  first, m_first, _ = tiny_step(masked, state)
+  old_logps = batch["old_logps"].copy()
+  old_logps[~loss_mask] -= 3.0
+  second, m_second, _ = tiny_step({**masked, "old_logps": old_logps}, state)
+  assert float(m_first["loss"]) == float(m_second["loss"])
+  for a, b in zip(jax.tree.leaves(first.params), jax.tree.leaves(second.params), strict=True):
+    np.testing.assert_array_equal(a, b)
+  unmasked, m_unmasked, _ = tiny_step(batch, state)
+  assert float(m_unmasked["loss"]) != float(m_first["loss"])

@@ -1,0 +1,58 @@
+"""Multi-turn RL with tools in the trainer's process: configs/arith_tool.py:runlocal logs the
+episodes' metrics and whole transcripts and resumes exactly (the data order, the prior and the
+episodes: the same later metrics as a straight run); the SmolLM2 chat-template variant runs one
+step."""
+
+import json
+import math
+import shutil
+
+from ebpo_jax import metrics
+from tests.helpers.processes import run_module, run_trainer
+
+CONFIG = "configs/arith_tool.py:runlocal"
+
+
+def _lines(workdir) -> list[dict]:
+  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _without_timing(lines: list[dict]) -> list[dict]:
+  return [{k: v for k, v in m.items() if k not in metrics.TIMING_KEYS} for m in lines]
+
+
+def test_runlocal_logs_episodes_and_resumes_exactly(tmp_path):
+  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+  flags = ("--config.train.num_steps=3", "--config.logging.samples_every=1")
+  result = run_trainer(straight, *flags, config=CONFIG)
+  assert result.returncode == 0, result.stderr[-3000:]
+  # The run as a kill -9 after the checkpoint of step 2 leaves it: step 3 again from there.
+  shutil.copytree(straight, resumed)
+  result = run_trainer(resumed, *flags, "--config.workdir.resume_step=2", config=CONFIG)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = _lines(straight)
+  assert _without_timing(_lines(resumed)) == _without_timing(lines)
+  train = [m for m in lines if "loss" in m]
+  assert [m["step"] for m in train] == [1, 2, 3]
+  for m in train:
+    assert m["turns/mean"] >= 1 and m["tool_calls/mean"] >= 0 and m["tool_errors"] >= 0
+    assert 0 <= m["masked_frac"] < 1 and m["env/time_s"] >= 0
+    assert math.isfinite(m["loss"]) and m["bad_updates"] == 0
+  samples = [json.loads(line) for line in (straight / "samples.jsonl").read_text().splitlines()]
+  assert samples and all(s["completion"].startswith("[assistant] ") for s in samples)
+  # evaluate runs the same episodes on the eval rows (its greedy avg@1 is the run's last one).
+  result = run_module("ebpo_jax.evaluate", f"--config={CONFIG}", f"--workdir={straight}")
+  assert result.returncode == 0, result.stderr[-3000:]
+  evaluated = json.loads((straight / "eval.json").read_text())
+  assert evaluated["num_responses"] == evaluated["num_problems"] > 0
+  last = [m for m in lines if "eval/accuracy" in m][-1]["eval/accuracy"]
+  assert evaluated["metrics"]["overall"]["avg@1"] == last
+
+
+def test_the_smollm2_chat_template_variant_runs_one_step(tmp_path):
+  result = run_trainer(tmp_path, config="configs/arith_tool.py:smollm2,runlocal", devices=1,
+                       timeout=900)  # fmt: skip
+  assert result.returncode == 0, result.stderr[-3000:]
+  train = [m for m in _lines(tmp_path) if "loss" in m]
+  assert [m["step"] for m in train] == [1]
+  assert math.isfinite(train[0]["loss"]) and train[0]["turns/mean"] >= 1

@@ -1,0 +1,106 @@
+"""Multi-turn episodes with a tiny random model: one turn is `sampling.generate`'s sample (so the
+loss equals the single-turn loss when no tool is called); observations sit between model turns
+with loss mask 0; limits truncate."""
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ebpo_jax import envs, sampling, sharding
+from ebpo_jax.models import Decoder
+from ebpo_jax.tasks import rewards
+from ebpo_jax.tasks.tokenizers import ByteTokenizer
+from ebpo_jax.trainer import episodes
+from ebpo_jax.trainer.rollout_options import EnvOptions, SamplingOptions
+from tests.helpers.configs import TINY_MODEL
+
+PROMPTS = [[1, 40, 41, 42, 43], [1, 50]]
+G, N = 2, 6
+
+
+class Answers(envs.Environment):
+  """Answers every turn with "ok" until `turns` turns, then ends with reward 0.5."""
+
+  def __init__(self, turns: int = 1):
+    self.turns, self.seen = turns, 0
+
+  def step(self, model_text):
+    self.seen += 1
+    return (None, 0.5, True) if self.seen >= self.turns else ("ok", None, False)
+
+
+class _ManyStops(ByteTokenizer):
+  stop_ids = tuple(range(2, 90))  # turns of a random model end early, at different lengths
+
+
+class _Encoder:
+  tokenizer = _ManyStops()
+
+  def observation_ids(self, text):
+    return self.tokenizer.encode(text)
+
+
+@pytest.fixture(scope="module")
+def setup():
+  model = Decoder(dataclasses.replace(TINY_MODEL, vocab_size=259))
+  params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+  with rewards.RewardPool(1, timeout_s=5.0) as pool:
+    yield model, nn.meta.unbox(params), mesh, pool
+
+
+def _run(setup, turns: int, *, max_tokens: int = 30, key: int = 0):
+  model, params, mesh, pool = setup
+  ids, mask = sampling.pad_prompts(PROMPTS, 0, (6,))
+  env = EnvOptions(lambda: Answers(turns), max_turns=3, max_tokens=max_tokens,
+                   max_observation_tokens=4)  # fmt: skip
+  so = SamplingOptions(N, temperature=1.0, top_p=1.0, top_k=0, compact=False, prompts_per_call=0)
+  place = lambda x: sharding.place_from_host(x, sharding.row_sharding(x.shape, mesh))  # noqa: E731
+  ep = episodes.run_episodes(
+    model, params, place(ids), place(mask), jax.random.key(key), [{}] * len(PROMPTS),
+    group_size=G, greedy=False, encoder=_Encoder(), pool=pool, env=env, so=so, mesh=mesh,
+  )  # fmt: skip
+  return ep, (model, params, ids, mask)
+
+
+def test_one_turn_is_the_single_turn_sample(setup):
+  ep, (model, params, ids, mask) = _run(setup, turns=1)
+  out = sampling.generate(
+    model, params, ids, mask, jax.random.key(0), group_size=G, max_new_tokens=N,
+    stop_ids=_Encoder.tokenizer.stop_ids, pad_id=0,
+  )  # fmt: skip
+  lengths = np.asarray(out.lengths)
+  stopped = ~np.asarray(out.truncated)
+  assert stopped.any()  # some rows stop within N tokens: they reach the environment
+  np.testing.assert_array_equal(ep.tokens[:, :N], np.asarray(out.tokens))
+  np.testing.assert_array_equal(ep.mask[:, :N], np.asarray(out.mask))
+  np.testing.assert_array_equal(ep.loss_mask, ep.mask)  # no observation: every token trained
+  np.testing.assert_allclose(ep.logps[:, :N], np.asarray(out.logprobs), atol=1e-6)
+  np.testing.assert_array_equal(ep.truncated, ~stopped)
+  np.testing.assert_array_equal(ep.env_rewards, np.where(stopped, 0.5, np.nan).astype(np.float32))
+  assert (ep.turns == 1).all() and (ep.mask.sum(1) == lengths).all()
+
+
+def test_observations_sit_between_model_turns_with_loss_mask_zero(setup):
+  ep, _ = _run(setup, turns=3, key=1)
+  ok = _Encoder.tokenizer.encode("ok")
+  for r in range(len(PROMPTS) * G):
+    roles = [line.split("]")[0] + "]" for line in ep.transcripts[r].splitlines()]
+    n_obs = roles.count("[observation]")
+    assert (ep.mask[r] & ~ep.loss_mask[r]).sum() == 2 * n_obs
+    assert ep.turns[r] == roles.count("[assistant]") == n_obs + 1 or ep.truncated[r]
+    observed = ep.tokens[r][ep.mask[r] & ~ep.loss_mask[r]]
+    np.testing.assert_array_equal(observed, ok * n_obs)
+    assert (ep.logps[r][~ep.loss_mask[r]] == 0).all()
+  assert (ep.mask & ~ep.loss_mask).any()
+
+
+def test_the_token_limit_truncates(setup):
+  ep, _ = _run(setup, turns=3, max_tokens=N + 1, key=1)
+  assert (ep.mask.sum(1) <= N + 1).all()
+  ended = ep.turns > 1
+  assert not ended.any() or ep.truncated[ended].all()

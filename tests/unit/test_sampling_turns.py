@@ -1,0 +1,89 @@
+"""Multi-turn decoding: continuing from the KV cache gives the log-probs of one prefill of the whole
+transcript; rows not live draw nothing; budgets cut turns."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ebpo_jax import sampling, sampling_turns, sequences
+from ebpo_jax.models import Decoder
+from tests.helpers.configs import TINY_MODEL
+
+PROMPTS = [[5, 9, 2, 7, 11, 3], [8]]
+G, N, PAD = 2, 5, 0
+STOPS = (1, 2, 3, 4, 5, 6)  # frequent stops: turns of different lengths
+
+
+@pytest.fixture(scope="module")
+def policy():
+  model = Decoder(TINY_MODEL)
+  params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
+  return model, nn.meta.unbox(params)  # the init's scale: near-uniform draws, stops now and then
+
+
+def _turn(model, params, state, new_ids, live, budget, key):
+  new_ids = np.asarray(new_ids, np.int32)
+  return sampling_turns.turn(
+    params, state, new_ids, new_ids > 0, np.asarray(live), np.asarray(budget, np.int32),
+    jax.random.key(key), jnp.float32(1.0), jnp.float32(1.0), model=model, max_new_tokens=N,
+    greedy=False, top_k=0, stop_ids=STOPS, pad_id=PAD,
+  )  # fmt: skip
+
+
+def _two_turns(policy):
+  model, params = policy
+  ids, mask = sampling.pad_prompts(PROMPTS, PAD, (6,))
+  slots = sampling_turns.cache_slots(6, max_turns=2, chunk_width=4, max_new_tokens=N)
+  dparams = sampling.decode_params(params)
+  state = sampling_turns.start(dparams, ids, mask, model=model, group_size=G, slots=slots)
+  rows = len(PROMPTS) * G
+  state, first = _turn(model, dparams, state, np.zeros((rows, 3)), [True] * rows, [9] * rows, 1)
+  observations = [[20, 21, 22], [23, 0, 0], [0, 0, 0], [24, 25, 0]]
+  live = [True, True, True, False]
+  state, second = _turn(model, dparams, state, observations, live, [9, 9, 2, 9], 2)
+  return (ids, mask), first, observations, live, second
+
+
+def test_continuing_from_the_cache_equals_one_prefill_of_the_transcript(policy):
+  model, params = policy
+  (ids, mask), first, observations, live, second = _two_turns(policy)
+  width = 2 * N + 3
+  tokens = np.zeros((len(live), width), np.int32)
+  model_tokens = np.zeros((len(live), width), bool)
+  logps = np.zeros((len(live), width), np.float32)
+  for r in range(len(live)):
+    parts = [(first, True)] + ([(observations[r], False), (second, True)] if live[r] else [])
+    n = 0
+    for part, is_model in parts:
+      if is_model:
+        k = int(part.lengths[r])
+        tokens[r, n : n + k] = np.asarray(part.tokens)[r, :k]
+        logps[r, n : n + k] = np.asarray(part.logprobs)[r, :k]
+      else:
+        k = sum(t > 0 for t in part)
+        tokens[r, n : n + k] = part[:k]
+      model_tokens[r, n : n + k] = is_model
+      n += k
+  real = np.cumsum(tokens[:, ::-1] > 0, axis=1)[:, ::-1] > 0  # up to the last token
+  real |= model_tokens
+  seqs = sequences.build_sequences(ids, mask, tokens, real, G)
+  logits = model.apply({"params": params}, seqs["input_ids"], seqs["positions"],
+                       seqs["attention_mask"])  # fmt: skip
+  full = jax.nn.log_softmax(logits[:, 6 - 1 : -1], axis=-1)
+  full = np.take_along_axis(np.asarray(full), tokens[..., None], axis=-1)[..., 0]
+  assert model_tokens.sum() > 6 and (~model_tokens & real).sum() == 4  # both kinds were there
+  np.testing.assert_allclose(full[model_tokens], logps[model_tokens], atol=1e-5, rtol=0)
+
+
+def test_a_row_not_live_draws_nothing_and_a_budget_cuts_its_turn(policy):
+  _, first, _, live, second = _two_turns(policy)
+  lengths = np.asarray(second.lengths)
+  assert lengths[3] == 0 and not live[3]
+  assert (np.asarray(second.tokens)[3] == PAD).all()
+  assert 1 <= lengths[2] <= 2  # budget 2
+  assert (np.asarray(first.lengths) >= 1).all()
+  stopped = np.asarray(first.stopped)
+  ends = np.asarray(first.tokens)[np.arange(4), np.asarray(first.lengths) - 1]
+  np.testing.assert_array_equal(stopped, np.isin(ends, STOPS))
