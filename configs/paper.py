@@ -109,6 +109,11 @@ MODELS = {  # the checkpoints' config.json values
 # (bench/MEMORY.md): Qwen3-8B 64 rows 60.9 GB; Llama-3.1-8B 64 rows 53.6 GB; Qwen3-14B 32 rows
 # 45.8 GB (64, about 84 GB, not compiled).
 MICRO_ROWS_G4 = {"qwen3_8b": 64, "llama31_8b": 64, "qwen3_14b": 32}
+# sampling.prompts_per_call x G: the TPU compiler on v5p-64 gives 67.7 GB per chip for Qwen3-8B at
+# 1,024 rows, G = 4 (+ 3.1 GB of train state waiting: 31% headroom); at larger G the same rows hold
+# fewer prompts to prefill, so no more. Llama-3.1-8B's cache is smaller (32 layers). Qwen3-14B's
+# KV cache at 1,024 rows alone is about 64 GB per chip, so it takes 512 (bench/MEMORY.md).
+SAMPLER_ROWS = {"qwen3_8b": 1024, "llama31_8b": 1024, "qwen3_14b": 512}
 METHODS = ("ebpo_topic", "ebpo_naive", "ebpo_diff", "grpo", "dr_grpo", "dapo")
 GROUP_SIZES = (4, 8, 16, 32)
 TARGET_DEVICES = 32  # a v5p-64-class slice: 32 chips
@@ -244,9 +249,9 @@ def _paper_recipe(model: str, group_size: int) -> ml_collections.ConfigDict:
   config.sampling.top_p = 1.0  # EBPO.md: top-p 1.0
   config.sampling.max_new_tokens = MAX_RESPONSE  # EBPO.md: response 8192 tokens
   config.sampling.compact = True  # long-tailed lengths: decode only the running rows
-  # 256 rows (prompts x G) per sampler call, 32 per chip: a 13-16 GB KV cache at every G
-  # (bench/MEMORY.md; all 512 x 32 rows at once would need 928 GB per chip).
-  config.sampling.prompts_per_call = 256 // group_size
+  # Rows (prompts x G) per sampler call, SAMPLER_ROWS: with the prefill's scores gone (splash),
+  # 4x the 256 of before for the 8B models (512 prompts in 2 calls at G = 4, not 8).
+  config.sampling.prompts_per_call = SAMPLER_ROWS[model] // group_size
   config.sampling.prompt_buckets = (256, 512, 1024, 2048, MAX_PROMPT)  # EBPO.md: prompt 4096
 
   config.rewards.workers = 32  # math-verify in a process pool
