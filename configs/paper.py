@@ -105,9 +105,12 @@ MODELS = {  # the checkpoints' config.json values
     "rope_theta": 500_000.0,  # plus HF's llama3 rope scaling, read from config.json
   },
 }
-# train.micro_batch_size at G = 4 (rows; 4 per prompt): the TPU compiler's per-chip bytes on v5p-64
-# (bench/MEMORY.md): Qwen3-8B 64 rows 60.9 GB; Llama-3.1-8B 64 rows 53.6 GB; Qwen3-14B 32 rows
-# 45.8 GB (64, about 84 GB, not compiled).
+# train.micro_batch_size at G = 4 (rows; 4 per prompt). Whole groups of 8 prompts or more (one per
+# data x fsdp shard) run each prompt once per group (the shared-prefix layout: 25% fewer tokens
+# than 12,288-token rows); with splash attention the largest that fits with 10% headroom, by the
+# TPU compiler on v5p-64 (bench/MEMORY.md): Qwen3-8B 64 rows 60.9 GB per chip; Llama-3.1-8B 64
+# rows 53.6 GB; Qwen3-14B 32 rows 45.8 GB (64, about 84 GB, not compiled). Other G keep one
+# 12,288-token row per shard (compiled before the kernels; not redone).
 MICRO_ROWS_G4 = {"qwen3_8b": 64, "llama31_8b": 64, "qwen3_14b": 32}
 # sampling.prompts_per_call x G: the TPU compiler on v5p-64 gives 67.7 GB per chip for Qwen3-8B at
 # 1,024 rows, G = 4 (+ 3.1 GB of train state waiting: 31% headroom); at larger G the same rows hold
@@ -217,11 +220,7 @@ def _paper_recipe(model: str, group_size: int) -> ml_collections.ConfigDict:
   config.train.num_steps = -(-PROMPTS_PER_EPOCH // BATCH_PROMPTS)  # 34
   config.train.batch_size = BATCH_PROMPTS  # EBPO.md: 512 prompts per step
   config.train.mini_batch_size = 128  # EBPO.md: mini-batches of 128 (4 updates per step)
-  # Rows per gradient-accumulation chunk. At G = 4, whole groups of 8 prompts or more (one per
-  # data x fsdp shard) run each prompt once per group (the shared-prefix layout: 25% fewer tokens
-  # than 12,288-token rows), and with splash attention the largest that fits with 10% headroom,
-  # by the TPU compiler on v5p-64, is MICRO_ROWS_G4 (bench/MEMORY.md). Other G: one 12,288-token
-  # row per shard (compiled before the kernels; not redone).
+  # G = 4: whole groups of 8+ prompts (MICRO_ROWS_G4); other G: one row per shard (not redone).
   config.train.micro_batch_size = MICRO_ROWS_G4[model] if group_size == 4 else 8
   config.train.learning_rate = 1e-6  # EBPO.md: lr 1e-6 constant
   config.train.warmup_steps = 0  # EBPO.md: constant
