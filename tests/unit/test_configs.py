@@ -122,8 +122,11 @@ def test_full_and_runlocal_configs_pass_the_trainer_checks(arg):
   full = paper.get_config(arg)
   config_lib.check_config(full, paper.TARGET_DEVICES)
   assert config_lib._data_shards(full, paper.TARGET_DEVICES) == 8  # fsdp 8 x tensor 4
-  # 256 rows per sampler call at every G: the KV cache fits (bench/MEMORY.md)
-  assert full.sampling.prompts_per_call * full.rl.group_size == 256
+  # The rows per sampler call the TPU compiler fits (bench/MEMORY.md), at every G
+  model, g = arg.split(",")[0], full.rl.group_size
+  assert full.sampling.prompts_per_call * g == paper.SAMPLER_ROWS[model]
+  # G = 4: micro-batches of whole groups over the 8 batch shards (each prompt once per group)
+  assert g != 4 or (full.train.micro_batch_size // g) % 8 == 0
   config_lib.check_config(paper.get_config(f"{arg},runlocal"), 8)
 
 

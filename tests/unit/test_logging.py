@@ -136,7 +136,7 @@ def test_sample_tables_carry_each_reward_functions_value(tmp_path):
     rewards=np.array([[1.0, 0.25]], np.float32),
     lengths=np.ones(2, np.int32),
     errors=0,
-    **dict.fromkeys(("prompt_ids", "prompt_mask", "tokens", "mask", "old_logps")),  # not read
+    **dict.fromkeys(("prompt_ids", "prompt_mask", "tokens", "mask", "loss_mask", "old_logps")),
     truncated=None,
     nonfinite=None,
     reward_parts=parts,
