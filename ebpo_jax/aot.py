@@ -203,7 +203,7 @@ def train_limit_flops(target: Target) -> float:
     prompts=config.train.batch_size,
     prompt_len=target.prompt_len,
     group_size=config.rl.group_size,
-    response_len=config.sampling.max_new_tokens,
+    response_len=completion_width(config),  # a multi-turn trajectory's, observations included
     passes=passes,
   )
   return flops / target.tpu.chips
