@@ -12,6 +12,7 @@ one error observation (`error_observation`), never the run. An environment count
 calls and failed calls (`tool_calls`, `tool_errors`): the rollouts log them.
 """
 
+import abc
 import inspect
 import typing
 from collections.abc import Callable, Sequence
@@ -22,7 +23,7 @@ from ebpo_jax.tasks import tool_calls
 StepResult = tuple[str | None, float | None, bool]  # (observation, reward, done)
 
 
-class Environment:
+class Environment(abc.ABC):
   """A multi-turn episode over one data row (subclass: `reset` and `step`; picklable)."""
 
   tool_calls: int = 0  # tool calls the model made in this episode
@@ -33,9 +34,9 @@ class Environment:
     """Starts an episode on `row`; returns the first observation, or None for none."""
     return None
 
+  @abc.abstractmethod
   def step(self, model_text: str) -> StepResult:
     """The environment's answer to one model turn: (observation, reward, done)."""
-    raise NotImplementedError
 
   def error_observation(self, message: str) -> str:
     """What the model reads when a step failed outside the environment (timed out, killed its
