@@ -139,6 +139,11 @@ def get_config() -> ml_collections.ConfigDict:
   # long, uneven responses (5x useful tok/s on a long tail, bench/RESULTS.md): the real-model
   # configs turn it on; this job's 4-token answers would only compile longer.
   config.sampling.compact = False  # decode in halving batches of the running rows
+  # Each round of sampler calls decodes from one copy of the weights in the compute dtype, made
+  # before the round and freed after it. True: split over 'tensor' only, replicated over the rows'
+  # axes (data, fsdp), so no decode step gathers a weight; False: split as in training (less
+  # memory, every decode step gathers the fsdp shards): docs/will-it-fit.md.
+  config.sampling.replicate_weights = True  # the round's weights replicated over data and fsdp
 
   # Multi-turn episodes (ebpo_jax/envs): each model turn ends at a stop token (at most
   # sampling.max_new_tokens); the environment answers, its observation's tokens are appended (loss

@@ -53,7 +53,17 @@ import ml_collections
 from absl import app, flags
 from jax.sharding import Mesh
 
-from ebpo_jax import advantages, cli, errors, files, models, roofline, sampling, sharding
+from ebpo_jax import (
+  advantages,
+  cli,
+  errors,
+  files,
+  models,
+  roofline,
+  sampling,
+  sampling_loop,
+  sharding,
+)
 from ebpo_jax.tpu import GIB, NoTpuCompiler, Slice, parse_slice, topology_devices
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import optimizer as optimizer_lib
@@ -231,40 +241,97 @@ def train_step_program(target: Target) -> Program:
   return Program(traced.lower(), dots, extra)
 
 
-def sampler_program(target: Target) -> Program:
-  """One sampler call of the trainer's rollouts (`sampling.prompts_per_call` prompts x G rows,
-  prefill and decode), lowered as `rollouts.Sampler` calls `sampling.generate`."""
+def _sampler_inputs(target: Target) -> tuple[tuple, dict]:
+  """The abstract arguments of one sampler call (`sampling.prompts_per_call` prompts x G rows)
+  and the Sampler's static options, as `rollouts.Sampler` calls `sampling.generate`: the weights
+  in the round's decode layout (`SamplingOptions.decode_params`)."""
   config, mesh, prompt_len = target.config, target.mesh, target.prompt_len
   prompts = config.sampling.prompts_per_call or config.train.batch_size
-  ids = jax.ShapeDtypeStruct((prompts, prompt_len), jnp.int32)
-  rows = sharding.row_sharding(ids.shape, mesh)
+  shape = (prompts, prompt_len)
+  rows = sharding.row_sharding(shape, mesh)
   replicated = sharding.replicated(mesh)
   scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=replicated)
-  tokenizer = _Ids(target.stop_ids, target.pad_id)
-  options = SamplingOptions.from_config(config).generate_options(
-    tokenizer, group_size=config.rl.group_size, greedy=False
-  )
-  traced = _trace_generate(target, ids, rows, replicated, scalar, options)
-  # Every row running to the cap (the worst case): the decode loop runs max_new_tokens - 1 steps;
-  # compacting, that is its first stage's loop, and the later (smaller) stages never run.
-  trips = (config.sampling.max_new_tokens - 1,)
-  dots = roofline.count_dots(traced.jaxpr.jaxpr, trips, target.model.config.attention_block)
-  extra = {"prompts_per_call": prompts, "calls_per_round": -(-config.train.batch_size // prompts)}
-  return Program(traced.lower(), dots, extra)
-
-
-def _trace_generate(target: Target, ids, rows, replicated, scalar, options: dict):
-  return sampling.trace_generate(
-    target.model,
-    target.params,
-    jax.ShapeDtypeStruct(ids.shape, jnp.int32, sharding=rows),
-    jax.ShapeDtypeStruct(ids.shape, jnp.bool_, sharding=rows),
+  args = (
+    jax.eval_shape(_decode_converter(target), target.params),
+    jax.ShapeDtypeStruct(shape, jnp.int32, sharding=rows),
+    jax.ShapeDtypeStruct(shape, jnp.bool_, sharding=rows),
     jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=replicated),
     scalar,
     scalar,
-    mesh=target.mesh,
-    **options,
   )
+  options = SamplingOptions.from_config(config).generate_options(
+    _Ids(target.stop_ids, target.pad_id), group_size=config.rl.group_size, greedy=False
+  )
+  return args, {**options, "mesh": mesh}
+
+
+def _decode_converter(target: Target):
+  """The round's conversion of the weights to the sampler's layout (`sampling.decode_params`)."""
+  options = SamplingOptions.from_config(target.config)
+  rows = sharding.ROW_AXES if options.replicate_weights else ()
+  dtype = target.model.config.dtype
+  return sampling.decode_converter(target.params, dtype=dtype, replicate_over=rows)
+
+
+def rollout_layout_program(target: Target) -> Program:
+  """The conversion of the policy's weights to the sampler's layout, once per round."""
+  convert = _decode_converter(target)
+  traced = convert.trace(target.params)
+  extra = {"copy_bytes": _shard_bytes(jax.eval_shape(convert, target.params))}
+  return Program(traced.lower(), roofline.count_dots(traced.jaxpr.jaxpr, 1), extra)
+
+
+def sampler_program(target: Target) -> Program:
+  """One sampler call of the trainer's rollouts, prefill and decode loop, lowered as
+  `rollouts.Sampler` calls `sampling.generate`: its memory (its costs are its parts',
+  `sampler_costs`)."""
+  args, options = _sampler_inputs(target)
+  traced = sampling.trace_generate(target.model, *args, **options)
+  prompts = args[1].shape[0]
+  calls = -(-target.config.train.batch_size // prompts)
+  extra = {"prompts_per_call": prompts, "calls_per_round": calls}
+  return Program(traced.lower(), roofline.DotCount(), extra)
+
+
+def sampler_part_programs(target: Target) -> tuple[Program, Program]:
+  """`(prefill, decode step)` of a sampler call, each lowered alone (`sampling.trace_parts`)."""
+  args, options = _sampler_inputs(target)
+  block = target.model.config.attention_block
+  parts = sampling.trace_parts(target.model, *args, **options)
+  return tuple(Program(t.lower(), roofline.count_dots(t.jaxpr.jaxpr, 1, block), {}) for t in parts)
+
+
+def sampler_limit_bytes(target: Target) -> float:
+  """`roofline.sampler_limit_bytes` of one sampler call of the target, per chip."""
+  config, mesh = target.config, target.mesh
+  prompts = config.sampling.prompts_per_call or config.train.batch_size
+  return roofline.sampler_limit_bytes(
+    target.model.config,
+    prompts=prompts,
+    group_size=config.rl.group_size,
+    prompt_len=target.prompt_len,
+    new_tokens=config.sampling.max_new_tokens,
+    row_shards=sampling_loop.batch_shards(prompts * config.rl.group_size, mesh),
+    weight_shards=mesh.shape["tensor"],
+    itemsize=jnp.dtype(target.model.config.dtype).itemsize,
+  )
+
+
+def sampler_costs(target: Target, prefill: dict, step: dict) -> dict:
+  """A sampler call's costs from its compiled parts: the prefill once, the decode step
+  `max_new_tokens - 1` times (every row running to the cap: the worst case; compacting, that is
+  its first stage), against the limit from the model's shapes."""
+  trips = target.config.sampling.max_new_tokens - 1
+  costs = roofline.combine([(1, prefill), (trips, step)], target.tpu.chip)
+  limit = sampler_limit_bytes(target)
+  costs["limit_bytes"] = limit
+  costs["limit_s"] = limit / target.tpu.chip.hbm_bandwidth
+  costs["roofline_to_limit"] = costs["roofline_s"] / costs["limit_s"]
+  costs["bytes_to_limit"] = costs["bytes_accessed"] / limit
+  keys = ("flops", "bytes_accessed", "hbm_s", "collectives", "collective_bytes", "collective_s")
+  costs["decode_step"] = {k: step[k] for k in keys}
+  costs["prefill_roofline_s"] = prefill["roofline_s"]
+  return costs
 
 
 def compile_train_step(target: Target) -> dict:
@@ -273,8 +340,19 @@ def compile_train_step(target: Target) -> dict:
 
 
 def compile_sampler(target: Target) -> dict:
-  """`sampler_program` compiled."""
-  return compile_program(sampler_program(target), target.tpu)
+  """A sampler call compiled: the whole program's memory, its parts' costs (`sampler_costs`),
+  and the round's conversion of the weights (`rollout_layout`)."""
+  programs = [sampler_program(target), *sampler_part_programs(target)]
+  whole, prefill, step, layout = (
+    compile_program(p, target.tpu) for p in (*programs, rollout_layout_program(target))
+  )
+  if whole.get("compile_error"):
+    return whole
+  memory = {k: v for k, v in whole.items() if k.endswith(("_bytes", "_per_chip", "compile_s"))}
+  calls = {k: whole[k] for k in ("prompts_per_call", "calls_per_round")}
+  keep = ("bytes_per_chip", "copy_bytes", "collective_bytes", "roofline_s", "compile_s")
+  layout = {k: layout[k] for k in keep}
+  return {**memory, **sampler_costs(target, prefill, step), **calls, "rollout_layout": layout}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,11 +362,11 @@ class _Ids:
 
 
 def resident_while_sampling(target: Target, train: dict) -> int:
-  """Bytes per chip that wait on the device during a sampler call: the train state but its params
-  (the sampler's argument) and up to 1 + `rl.max_refill_rounds` rounds of the step's rollouts."""
-  params = _shard_bytes(target.params)
+  """Bytes per chip that wait on the device during a sampler call: the whole train state (the
+  sampler's argument is the round's copy of the weights) and up to 1 + `rl.max_refill_rounds`
+  rounds of the step's rollouts."""
   rounds = 1 + (target.config.rl.max_refill_rounds if target.config.rl.dynamic_sampling else 0)
-  return train["state_bytes"] - params + rounds * train["batch_bytes"]
+  return train["state_bytes"] + rounds * train["batch_bytes"]
 
 
 # ----------------------------------------------------------------------------- the report
@@ -297,10 +375,11 @@ def resident_while_sampling(target: Target, train: dict) -> int:
 def check(config: ml_collections.ConfigDict, tpu: Slice, prompt_len: int = 0) -> dict:
   """Compiles both programs of `config` for `tpu`; the report (the JSON line of the CLI)."""
   target = make_target(config, tpu, prompt_len)
-  programs = [train_step_program(target), sampler_program(target)]
-  # Two compiles at once: the compiler mostly runs on one thread.
-  with concurrent.futures.ThreadPoolExecutor(2) as pool:
-    train, sampler = pool.map(lambda p: compile_program(p, tpu), programs)
+  # The train step beside the sampler's programs: the compiler mostly runs on one thread.
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    train = pool.submit(compile_train_step, target)
+    sampler = compile_sampler(target)
+    train = train.result()
   resident = resident_while_sampling(target, train)
   sampler["resident_bytes"] = resident
   sampler["program_bytes"] = sampler["bytes_per_chip"]
@@ -358,10 +437,15 @@ def describe(report: dict) -> str:
       f"{_gb(p['temp_bytes'])} + code {_gb(p['code_bytes'])}"
       + (f" + waiting {_gb(p['resident_bytes'])}" if "resident_bytes" in p else "")
     )
+    counted = (
+      f"loop bodies x{p['loop_factor_flops']:.0f} FLOPs, x{p['loop_factor_bytes']:.0f} bytes by "
+      "trip counts"
+      if "loop_factor_flops" in p
+      else "the prefill + the decode loop's trips x one step"
+    )
     lines.append(
       f"  {p['flops'] / 1e12:.1f} TFLOP ({p['kernel_flops'] / 1e12:.1f} in kernels) and "
-      f"{_gb(p['bytes_accessed'])} accessed per chip (loop bodies x{p['loop_factor_flops']:.0f} "
-      f"FLOPs, x{p['loop_factor_bytes']:.0f} bytes by trip counts); "
+      f"{_gb(p['bytes_accessed'])} accessed per chip ({counted}); "
       f"{sum(c['count'] for c in p['collectives'].values()):.0f} collectives sending "
       f"{_gb(p['collective_bytes'])}; compiled in {p['compile_s']:.0f} s"
     )
@@ -370,7 +454,9 @@ def describe(report: dict) -> str:
       f"roofline {p['roofline_s']:.2f} s, {p['bound']}-bound, "
       f"{p['roofline_to_compute'] or 0:.2f}x the compute time"
     )
-    if "limit_s" in p:
+    if "decode_step" in p:
+      lines.extend(_sampler_lines(p))
+    elif "limit_s" in p:
       lines.append(
         f"  limit from the model's shapes {p['limit_s']:.2f} s (each prompt once per group; "
         f"the program runs {p['flops_to_limit']:.2f}x its FLOPs): roofline "
@@ -393,6 +479,22 @@ def describe(report: dict) -> str:
   headroom = report["headroom_bytes"]
   lines.append(f"{verdict}: headroom {_gb(headroom)} per chip" if headroom is not None else verdict)
   return "\n".join(lines)
+
+
+def _sampler_lines(p: dict) -> list[str]:
+  step, layout = p["decode_step"], p["rollout_layout"]
+  gathers = step["collectives"].get("all-gather", {"count": 0, "largest": 0})
+  return [
+    f"  limit from the model's shapes {p['limit_s']:.2f} s (weights once per decode step + the "
+    f"keys and values written; the program moves {p['bytes_to_limit']:.2f}x its bytes): "
+    f"roofline {p['roofline_to_limit']:.2f}x the limit",
+    f"  a decode step: {_gb(step['bytes_accessed'])} accessed, "
+    f"{sum(c['count'] for c in step['collectives'].values()):.0f} collectives sending "
+    f"{_gb(step['collective_bytes'])} ({step['collective_s'] * 1e3:.2f} ms at ICI); "
+    f"{gathers['count']:.0f} all-gathers, the largest {gathers['largest'] / 1e6:.2f} MB",
+    f"  the round's weights in the decode layout: {_gb(layout['copy_bytes'])} per chip, "
+    f"converted in {layout['roofline_s']:.3f} s (roofline)",
+  ]
 
 
 def main(argv: Sequence[str]) -> None:

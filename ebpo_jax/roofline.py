@@ -44,6 +44,13 @@ compute on TPU), and `roofline_to_compute` = roofline_s / compute_s.
    a pair and layer; times the passes the config makes (`train_step_passes`; the paper's recipe:
    forward, remat, backward 2, reference = 5; the head 4, not rematerialised).
    `roofline_to_limit` = roofline_s / limit_s.
+5. The sampler's limit (`sampler_limit_bytes`): decoding is bandwidth-bound, so its limit is the
+   HBM bytes a call must move: every decode step reads each weight once at the compute dtype (its
+   chip's share: weights split over 'tensor') and the keys and values written so far, not the
+   empty slots. A compiler counts a loop's body once, so the sampler is costed in parts
+   (`combine`): its prefill, plus the decode loop's trips x one step compiled alone
+   (`sampling.trace_parts`), each with its own cost analysis, kernels and collectives.
+   `roofline_to_limit` = roofline_s / limit_s; `bytes_to_limit` = bytes / limit bytes.
 """
 
 from __future__ import annotations
@@ -227,6 +234,67 @@ def train_step_limit(
   return float(passes[0] * layers + passes[1] * 2 * head * prompts * g * r)
 
 
+def sampler_limit_bytes(
+  config,
+  *,
+  prompts: int,
+  group_size: int,
+  prompt_len: int,
+  new_tokens: int,
+  row_shards: int,
+  weight_shards: int,
+  itemsize: int,
+) -> float:
+  """HBM bytes per chip that one sampler call must move, counted from shapes (module docstring,
+  part 5): the prefill reads the weights once and writes the prompts' keys and values; each of the
+  `new_tokens - 1` decode steps reads the weights once and the keys and values written so far
+  (step t: the prompt bucket + t - 1 drawn, every row running to the cap), at `itemsize` (the
+  compute dtype). Weights split over `weight_shards` chips, rows over `row_shards`, key/value
+  heads over `weight_shards` where it divides them."""
+  body, head = matmul_params(config)
+  weights = (body + head) * itemsize / weight_shards
+  kv_shards = weight_shards if config.num_kv_heads % weight_shards == 0 else 1
+  per_token = 2 * config.num_layers * config.num_kv_heads // kv_shards * config.head_dim * itemsize
+  rows = prompts * group_size / row_shards
+  steps = new_tokens - 1
+  written = steps * prompt_len + steps * (steps - 1) / 2  # step t reads P + t - 1 slots
+  prefill = weights + prompts / row_shards * prompt_len * per_token
+  return float(prefill + steps * weights + rows * written * per_token)
+
+
+def combine(parts: Sequence[tuple[float, dict]], chip: Chip) -> dict:
+  """The costs (`costs`) of a program run as weighted parts, `[(times it runs, costs), ...]`:
+  FLOPs, bytes and collectives summed, the times and roofline recomputed."""
+  summed = {k: sum(w * p[k] for w, p in parts) for k in ("flops", "bytes_accessed", "kernel_flops")}
+  summed["kernel_bytes"] = sum(w * p["kernel_bytes"] for w, p in parts)
+  ops: dict[str, dict[str, float]] = {}
+  for w, p in parts:
+    for kind, op in p["collectives"].items():
+      acc = ops.setdefault(kind, {"count": 0.0, "bytes": 0.0, "largest": 0.0})
+      acc["count"] += w * op["count"]
+      acc["bytes"] += w * op["bytes"]
+      acc["largest"] = max(acc["largest"], op.get("largest", 0.0))
+  sent = sum(op["bytes"] for op in ops.values())
+  times = {
+    "compute_s": summed["flops"] / chip.peak_flops,
+    "hbm_s": summed["bytes_accessed"] / chip.hbm_bandwidth,
+    "collective_s": sent / chip.ici_bandwidth,
+  }
+  roofline = max(times.values())
+  return {
+    **summed,
+    "uncounted_kernels": sorted({k for _, p in parts for k in p["uncounted_kernels"]}),
+    "collectives": dict(sorted(ops.items())),
+    "collective_bytes": sent,
+    **times,
+    "roofline_s": roofline,
+    "roofline_to_compute": roofline / times["compute_s"] if times["compute_s"] else None,
+    "bound": {"compute_s": "compute", "hbm_s": "HBM", "collective_s": "ICI"}[
+      max(times, key=times.get)
+    ],
+  }
+
+
 # ----------------------------------------------------------------------------- collectives
 
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -288,9 +356,8 @@ def _while_trips(line: str, bodies: dict[str, list[str]]) -> int:
   return bounds[0] if len(bounds) == 1 and len(compares) == 1 else 1
 
 
-def collectives(hlo_text: str, num_devices: int) -> dict[str, dict[str, float]]:
-  """Per collective kind, `count` and `bytes` (sent per chip) in one run of the compiled module,
-  the ops inside while loops weighted by their known trip counts (module docstring)."""
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+  """The HLO module's computations (name -> instruction lines) and the entry's name."""
   bodies: dict[str, list[str]] = {}
   entry, name = None, None
   for line in hlo_text.splitlines():
@@ -301,32 +368,67 @@ def collectives(hlo_text: str, num_devices: int) -> dict[str, dict[str, float]]:
       bodies[name] = []
     elif name is not None:
       bodies[name].append(line)
-  memo: dict[str, dict[str, list[float]]] = {}
+  return bodies, entry
 
-  def total(comp: str) -> dict[str, list[float]]:
-    if comp in memo:
-      return memo[comp]
-    memo[comp] = {}
-    sums: dict[str, list[float]] = {}
-    for line in bodies.get(comp, []):
+
+class _Collectives:
+  """Per computation, per collective kind: `[count, bytes sent per chip, largest payload]` in one
+  run of it, the ops of the loops it calls weighted by their trip counts (module docstring)."""
+
+  def __init__(self, hlo_text: str, num_devices: int):
+    self.bodies, self.entry = _computations(hlo_text)
+    self.num_devices = num_devices
+    self.memo: dict[str, dict[str, list[float]]] = {}
+
+  def total(self, comp: str) -> dict[str, list[float]]:
+    if comp in self.memo:
+      return self.memo[comp]
+    self.memo[comp] = sums = {}
+    for line in self.bodies.get(comp, []):
       op = _OP.search(line)
       if op:
         kind, sizes = op[2], _array_bytes(op[1]) or [0]
         payload = _payload(kind, sizes, asynchronous=bool(op[3]))
-        sent = _sent_bytes(kind, payload, _group_size(line, num_devices))
-        acc = sums.setdefault(kind, [0.0, 0.0])
-        acc[0], acc[1] = acc[0] + 1, acc[1] + sent
-      mult = _while_trips(line, bodies) if " while(" in line else 1
+        sent = _sent_bytes(kind, payload, _group_size(line, self.num_devices))
+        _accumulate(sums, kind, 1, sent, payload)
+      mult = _while_trips(line, self.bodies) if " while(" in line else 1
       for called in _CALLS.findall(line):
         for child in (c.strip().lstrip("%") for c in called.split(",")):
-          for kind, (count, sent) in total(child).items():
-            acc = sums.setdefault(kind, [0.0, 0.0])
-            acc[0], acc[1] = acc[0] + mult * count, acc[1] + mult * sent
-    memo[comp] = sums
+          for kind, (count, sent, largest) in self.total(child).items():
+            _accumulate(sums, kind, mult * count, mult * sent, largest)
     return sums
 
-  found = total(entry) if entry else {}
-  return {kind: {"count": c, "bytes": b} for kind, (c, b) in sorted(found.items())}
+
+def _accumulate(sums: dict, kind: str, count: float, sent: float, payload: float) -> None:
+  acc = sums.setdefault(kind, [0.0, 0.0, 0.0])
+  acc[0], acc[1], acc[2] = acc[0] + count, acc[1] + sent, max(acc[2], payload)
+
+
+def _as_report(sums: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+  return {k: {"count": c, "bytes": b, "largest": m} for k, (c, b, m) in sorted(sums.items())}
+
+
+def collectives(hlo_text: str, num_devices: int) -> dict[str, dict[str, float]]:
+  """Per collective kind, `count`, `bytes` (sent per chip) and `largest` (the largest op's
+  payload) in one run of the compiled module, the ops inside while loops weighted by their trip
+  counts (module docstring)."""
+  found = _Collectives(hlo_text, num_devices)
+  return _as_report(found.total(found.entry)) if found.entry else {}
+
+
+def outer_loop_collectives(hlo_text: str, num_devices: int) -> list[dict[str, dict[str, float]]]:
+  """`collectives` of one trip of each outermost `while` of the program (those whose op name is
+  `jit(<fn>)/while`: a `lax.while_loop` in the jitted function's own body, such as the sampler's
+  decode loop and its compacting stages), in program order: what one decode step sends."""
+  found = _Collectives(hlo_text, num_devices)
+  outer = re.compile(r'body=%?([\w.\-]+).*op_name="jit\([^)/]*\)/while"')
+  loops = []
+  for lines in found.bodies.values():
+    for line in lines:
+      match = outer.search(line) if " while(" in line else None
+      if match:
+        loops.append(_as_report(found.total(match[1])))
+  return loops
 
 
 def costs(compiled, dots: DotCount, chip: Chip, num_devices: int) -> dict:

@@ -224,75 +224,80 @@ def _repeat_rows(cache: KVCache, group_size: int) -> KVCache:
   )
 
 
-@functools.partial(
-  jax.jit,
-  static_argnames=(
-    "model",
-    "group_size",
-    "max_new_tokens",
-    "greedy",
-    "stop_ids",
-    "top_k",
-    "pad_id",
-    "mesh",
-    "compact",
-  ),
-)
-def _generate(
-  params,
-  prompt_ids_bp: jax.Array,
-  prompt_mask_bp: jax.Array,
-  rng: jax.Array,
-  temperature: jax.Array,
-  top_p: jax.Array,
-  *,
-  model: nn.Module,
-  group_size: int,
-  max_new_tokens: int,
-  greedy: bool,
-  stop_ids: tuple[int, ...],
-  top_k: int,
-  pad_id: int,
-  mesh: Mesh | None,
-  compact: bool,
-) -> SampleOutput:
-  num_prompts, prompt_len = prompt_ids_bp.shape
-  rows, width = num_prompts * group_size, max_new_tokens
-  draw_one = functools.partial(
-    draw, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy
-  )
-  # Unstacked once, outside the loop: prefill and decode read each layer's weights in place.
-  per_layer = model.clone(scan_layers=False)
+class _Static(NamedTuple):
+  """`_generate`'s static arguments (`_static_args`)."""
+
+  model: nn.Module
+  group_size: int
+  max_new_tokens: int
+  greedy: bool
+  stop_ids: tuple[int, ...]
+  top_k: int
+  pad_id: int
+  mesh: Mesh | None
+  compact: bool
+
+
+def _apply(params, model: nn.Module):
+  """The per-layer decoder's apply (`scan_layers=False`) with `params` bound, unstacked first
+  when they are stacked (once, outside the loop: prefill and decode read each weight in place)."""
   if not is_decode_params(params):
     params = unstack_layers(params)
-  apply = functools.partial(per_layer.apply, {"params": params})
+  return functools.partial(model.clone(scan_layers=False).apply, {"params": params})
+
+
+def _start(apply, prompt_ids_bp, prompt_mask_bp, rng, temperature, top_p, st: _Static):
+  """Prefill, then the first draw: the decode loop's state before its first step."""
+  width = st.max_new_tokens
   # Under the mesh: the prefill's attention kernel runs per shard (models.attention's shard_map).
+  mesh = st.mesh
   with (
     contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
   ):
-    cache, first_logits_rv = _prefill(apply, model.config, prompt_ids_bp, prompt_mask_bp, width)
-  cache = loop.constrain_cache(_repeat_rows(cache, group_size), mesh)
-  first_logits_rv = sharding.constrain_rows(jnp.repeat(first_logits_rv, group_size, axis=0), mesh)
-  first_position_r = jnp.repeat(prompt_positions(prompt_mask_bp)[:, -1] + 1, group_size)
+    cache, first_logits_bv = _prefill(apply, st.model.config, prompt_ids_bp, prompt_mask_bp, width)
+  g = st.group_size
+  cache = loop.constrain_cache(_repeat_rows(cache, g), mesh)
+  first_logits_rv = sharding.constrain_rows(jnp.repeat(first_logits_bv, g, axis=0), mesh)
+  first_position_r = jnp.repeat(prompt_positions(prompt_mask_bp)[:, -1] + 1, g)
   state = loop.State(
     step=jnp.zeros((), jnp.int32),
     cache=cache,
-    rows=sharding.constrain_rows(loop.initial_rows(first_position_r, width, pad_id), mesh),
+    rows=sharding.constrain_rows(loop.initial_rows(first_position_r, width, st.pad_id), mesh),
   )
+  return _draw_and_record(state, first_logits_rv, rng, temperature, top_p, st)
 
-  def draw_and_record(s: loop.State, logits_rv: jax.Array) -> loop.State:
-    drawn = draw_one(logits_rv, loop.row_uniforms(rng, s.step, s.rows.row_id))
-    return loop.record(s, drawn, stop_ids, pad_id)
 
-  def decode_one(s: loop.State) -> loop.State:
-    positions = (s.rows.first_position + s.step - 1)[:, None]
-    logits_r1v, cache = apply(s.rows.last_token[:, None], positions, cache=s.cache)
-    return draw_and_record(s._replace(cache=loop.constrain_cache(cache, mesh)), logits_r1v[:, 0])
+def _draw_and_record(state: loop.State, logits_rv, rng, temperature, top_p, st: _Static):
+  drawn = draw(
+    logits_rv,
+    loop.row_uniforms(rng, state.step, state.rows.row_id),
+    temperature,
+    top_p,
+    top_k=st.top_k,
+    greedy=st.greedy,
+  )
+  return loop.record(state, drawn, st.stop_ids, st.pad_id)
 
-  state = draw_and_record(state, first_logits_rv)
-  sizes = loop.stage_sizes(rows, compact=compact, shards=loop.batch_shards(rows, mesh))
-  out = loop.decode(state, decode_one, width=width, sizes=sizes, mesh=mesh)
-  mask = jnp.arange(width)[None, :] < out.lengths[:, None]
+
+def _decode_step(apply, state: loop.State, rng, temperature, top_p, st: _Static) -> loop.State:
+  """One step of the decode loop: the last drawn tokens through the cache, then the next draw."""
+  positions = (state.rows.first_position + state.step - 1)[:, None]
+  logits_r1v, cache = apply(state.rows.last_token[:, None], positions, cache=state.cache)
+  state = state._replace(cache=loop.constrain_cache(cache, st.mesh))
+  return _draw_and_record(state, logits_r1v[:, 0], rng, temperature, top_p, st)
+
+
+@functools.partial(jax.jit, static_argnames=("st",))
+def _generate(params, prompt_ids_bp, prompt_mask_bp, rng, temperature, top_p, st: _Static):
+  apply = _apply(params, st.model)
+  state = _start(apply, prompt_ids_bp, prompt_mask_bp, rng, temperature, top_p, st)
+  decode_one = functools.partial(
+    _decode_step, apply, rng=rng, temperature=temperature, top_p=top_p, st=st
+  )
+  rows = state.rows.row_id.shape[0]
+  sizes = loop.stage_sizes(rows, compact=st.compact, shards=loop.batch_shards(rows, st.mesh))
+  out = loop.decode(state, decode_one, width=st.max_new_tokens, sizes=sizes, mesh=st.mesh)
+  mask = jnp.arange(st.max_new_tokens)[None, :] < out.lengths[:, None]
   return SampleOutput(
     tokens=out.tokens,
     logprobs=out.logprobs,
@@ -369,15 +374,82 @@ def generate(
     model, group_size, max_new_tokens, greedy, stop_ids, top_k, pad_id, mesh, compact
   )
   temperature, top_p = _device_scalar(temperature, mesh), _device_scalar(top_p, mesh)
-  return _generate(params, prompt_ids_bp, prompt_mask_bp, rng, temperature, top_p, **static)
+  return _generate(params, prompt_ids_bp, prompt_mask_bp, rng, temperature, top_p, static)
 
 
-def decode_params(params):
-  """The scanned model's params in the layout the sampler decodes with (`layers_0 ...
-  layers_{L-1}`, as `models.decoder.unstack_layers`), each array keeping its sharding; params
-  already in it are returned as they are. `generate` takes either; passing these skips the copy
-  of every layer weight it otherwise makes per call."""
-  return params if is_decode_params(params) else _unstack_layers(params)
+def decode_params(params, *, dtype=None, replicate_over: Sequence[str] = ()):
+  """The params in the layout the sampler decodes with, converted in one program
+  (`decode_converter`): per layer (`layers_0 ... layers_{L-1}`, as
+  `models.decoder.unstack_layers`), floating arrays in `dtype` (the compute dtype, which the
+  decoder casts every weight to anyway; None: as they are), and each array sharded as before
+  without the mesh axes `replicate_over`. The trainer converts once per round of sampler calls
+  (`SamplingOptions.decode_params`) with the rows' axes ('data', 'fsdp'): the rows are split over
+  them, so weights split over them too would be all-gathered by every decode step; replicated
+  there and split over 'tensor' only, a step reads its shard of every weight in place. Params
+  already per-layer are returned as they are. `generate` takes either layout; passing these skips
+  the copy of every layer weight it otherwise makes per call."""
+  if is_decode_params(params):
+    return params
+  return decode_converter(params, dtype=dtype, replicate_over=replicate_over)(params)
+
+
+def decode_converter(params, *, dtype=None, replicate_over: Sequence[str] = ()):
+  """The jitted program `decode_params` converts `params` (arrays or sharded
+  `jax.ShapeDtypeStruct`s: `ebpo_jax.aot` traces it) with."""
+  dtype = None if dtype is None else jnp.dtype(dtype)
+  mesh = _params_mesh(params)
+  if mesh is None:
+    return _converter(None, None, dtype)
+  leaves, treedef = jax.tree.flatten(_decode_shardings(params, mesh, tuple(replicate_over)))
+  return _converter(treedef, tuple(leaves), dtype)
+
+
+def _decode_shardings(params, mesh: Mesh, axes: tuple[str, ...]) -> dict:
+  """The per-layer params' shardings: each array's spec (a stacked one's without its leading
+  layer axis) without the mesh axes `axes`."""
+
+  def target(x, stacked: bool) -> NamedSharding:
+    spec = x.sharding.spec
+    return NamedSharding(mesh, _without_axes(spec[1:] if stacked else spec, axes))
+
+  out = {k: jax.tree.map(lambda x: target(x, False), v) for k, v in params.items() if k != "layers"}
+  layer = jax.tree.map(lambda x: target(x, True), params["layers"])
+  num_layers = jax.tree.leaves(params["layers"])[0].shape[0]
+  return {**out, **{f"layers_{i}": layer for i in range(num_layers)}}
+
+
+def _params_mesh(params) -> Mesh | None:
+  """The mesh the params are sharded over (None: not `NamedSharding`s, e.g. on one device)."""
+  shardings = {getattr(x, "sharding", None) for x in jax.tree.leaves(params)}
+  meshes = {s.mesh for s in shardings if isinstance(s, NamedSharding)}
+  return meshes.pop() if len(meshes) == 1 and None not in shardings else None
+
+
+def _without_axes(spec: PartitionSpec, axes: tuple[str, ...]) -> PartitionSpec:
+  """`spec` with the mesh axes `axes` dropped (those dimensions replicated over them)."""
+  kept = []
+  for entry in spec:
+    names = entry if isinstance(entry, tuple) else (entry,)
+    rest = tuple(n for n in names if n is not None and n not in axes)
+    kept.append(rest if len(rest) > 1 else (rest[0] if rest else None))
+  return PartitionSpec(*kept)
+
+
+@functools.lru_cache(maxsize=16)
+def _converter(treedef, shardings: tuple | None, dtype):
+  """The jitted conversion to the decode layout, `shardings` the flattened leaves of its output's
+  (None: as jit places them): one compile per (params structure, target shardings, dtype)."""
+
+  def convert(params):
+    per_layer = unstack_layers(params)
+    if dtype is None:
+      return per_layer
+    cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
+    return jax.tree.map(cast, per_layer)
+
+  if shardings is None:
+    return jax.jit(convert)
+  return jax.jit(convert, out_shardings=jax.tree.unflatten(treedef, list(shardings)))
 
 
 _unstack_layers = jax.jit(unstack_layers)
@@ -412,24 +484,56 @@ def trace_generate(
   static = _static_args(
     model, group_size, max_new_tokens, greedy, stop_ids, top_k, pad_id, mesh, compact
   )
-  return _generate.trace(params, prompt_ids_bp, prompt_mask_bp, rng, temperature, top_p, **static)
+  return _generate.trace(params, prompt_ids_bp, prompt_mask_bp, rng, temperature, top_p, static)
+
+
+def trace_parts(model, params, prompt_ids_bp, prompt_mask_bp, rng, temperature, top_p, **options):
+  """`trace_generate`'s program in two parts, each traced alone with the same inputs and static
+  options: `(prefill, step)`, the prefill with the first draw, and one step of the decode loop
+  on the state the prefill leaves (abstract, sharded as the loop keeps it). A compiler counts a
+  loop's body once; `ebpo_jax.aot` counts a call as the prefill plus the loop's trips x a step."""
+  st = _static_args(model, **options)
+  args = (rng, temperature, top_p)
+
+  def prefill(params, ids, mask, *args):
+    return _start(_apply(params, st.model), ids, mask, *args, st)
+
+  def step(params, state, *args):
+    return _decode_step(_apply(params, st.model), state, *args, st)
+
+  prefill = jax.jit(prefill)
+  state = jax.eval_shape(prefill, params, prompt_ids_bp, prompt_mask_bp, *args)
+  if st.mesh is not None:
+    state = loop.with_shardings(state, st.mesh)
+  # The state donated, as the loop updates it in place (else the step would copy out the cache).
+  step = jax.jit(step, donate_argnums=1)
+  prefill_traced = prefill.trace(params, prompt_ids_bp, prompt_mask_bp, *args)
+  return prefill_traced, step.trace(params, state, *args)
 
 
 def _static_args(
-  model, group_size, max_new_tokens, greedy, stop_ids, top_k, pad_id, mesh, compact
-) -> dict:
+  model,
+  group_size=1,
+  max_new_tokens=1,
+  greedy=False,
+  stop_ids=(),
+  top_k=0,
+  pad_id=0,
+  mesh=None,
+  compact=True,
+) -> _Static:
   """`_generate`'s static arguments, normalised (hashable Python values: one compile each)."""
-  return {
-    "model": model,
-    "group_size": int(group_size),
-    "max_new_tokens": int(max_new_tokens),
-    "greedy": bool(greedy),
-    "stop_ids": tuple(int(s) for s in stop_ids),
-    "top_k": int(top_k),
-    "pad_id": int(pad_id),
-    "mesh": mesh,
-    "compact": bool(compact),
-  }
+  return _Static(
+    model=model,
+    group_size=int(group_size),
+    max_new_tokens=int(max_new_tokens),
+    greedy=bool(greedy),
+    stop_ids=tuple(int(s) for s in stop_ids),
+    top_k=int(top_k),
+    pad_id=int(pad_id),
+    mesh=mesh,
+    compact=bool(compact),
+  )
 
 
 def _device_scalar(x: float | jax.Array, mesh: Mesh | None) -> jax.Array:

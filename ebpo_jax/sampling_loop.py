@@ -143,6 +143,24 @@ def constrain_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
   )
 
 
+def with_shardings(state: State, mesh: Mesh) -> State:
+  """An abstract `state` (`jax.ShapeDtypeStruct`s) with the shardings the loop keeps it in:
+  the cache as `constrain_cache`, every row's leaf over the batch axes, the step replicated."""
+  c = state.cache
+  names = ("batch", "kv_heads", "length", "head_dim")
+  kv = NamedSharding(mesh, sharding.logical_to_spec(c.k[0].shape, names, mesh))
+  placed = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
+  rows = lambda x: placed(x, sharding.row_sharding(x.shape, mesh))  # noqa: E731
+  whole = lambda x: placed(x, sharding.replicated(mesh))  # noqa: E731
+  cache = c.replace(
+    k=tuple(placed(x, kv) for x in c.k),
+    v=tuple(placed(x, kv) for x in c.v),
+    mask=rows(c.mask),
+    index=whole(c.index),
+  )
+  return State(step=whole(state.step), cache=cache, rows=jax.tree.map(rows, state.rows))
+
+
 def _per_shard(x: jax.Array, shards: int) -> jax.Array:
   """`[R, ...]` -> `[shards, R / shards, ...]`: each device's block of rows on its own index."""
   return x.reshape(shards, x.shape[0] // shards, *x.shape[1:])

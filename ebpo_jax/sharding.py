@@ -17,10 +17,11 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 MESH_AXES = ("data", "fsdp", "tensor")
+ROW_AXES = ("data", "fsdp")  # what rows (the "batch" axis) split over
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
 DEFAULT_RULES: Rules = (
-  ("batch", ("data", "fsdp")),
+  ("batch", ROW_AXES),
   ("layers", None),
   ("vocab", "tensor"),
   ("embed", "fsdp"),

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import ml_collections
 
-from ebpo_jax import envs
+from ebpo_jax import envs, sampling, sharding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -20,10 +20,17 @@ class SamplingOptions:
   top_k: int  # 0: off
   compact: bool  # decode in halving batches of the running rows
   prompts_per_call: int  # prompts per sampler call; 0: all at once
+  replicate_weights: bool = True  # decode with weights replicated over the rows' mesh axes
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> "SamplingOptions":
     return _from_keys(cls, config.sampling)
+
+  def decode_params(self, params, model_config):
+    """The round's weights in the sampler's layout (`sampling.decode_params`): the compute dtype,
+    and with `replicate_weights` split over 'tensor' only."""
+    rows = sharding.ROW_AXES if self.replicate_weights else ()
+    return sampling.decode_params(params, dtype=model_config.dtype, replicate_over=rows)
 
   def generate_options(self, tokenizer, *, group_size: int, greedy: bool) -> dict:
     """The Sampler's static `sampling.generate` options (one compile per set; aot's too)."""

@@ -180,14 +180,14 @@ class Sampler:
 
   def call_plan(self, params, num_rows: int, key: jax.Array):
     """`(params, chunk, [(start, key)])` of `num_rows` rows sampled `sampling.prompts_per_call`
-    (0: all) at a time: over several calls the weights are put in the sampler's layout once
-    (`sampling.decode_params`), and call i samples rows `[start, start + chunk)` with its key."""
+    (0: all) at a time: the weights are put in the sampler's layout once for the round
+    (`SamplingOptions.decode_params`), and call i samples rows `[start, start + chunk)` with its
+    key."""
     chunk = self.options.sampling.prompts_per_call or num_rows
     starts = range(0, num_rows, chunk)
-    if len(starts) == 1:
-      return params, chunk, [(0, key)]
-    keys = _split_keys(key, len(starts))
-    return sampling.decode_params(params), chunk, list(zip(starts, keys, strict=True))
+    keys = [key] if len(starts) == 1 else _split_keys(key, len(starts))
+    params = self.options.sampling.decode_params(params, self.model.config)
+    return params, chunk, list(zip(starts, keys, strict=True))
 
   def _sample_call(
     self, params, ids, mask, key, rows, group_size: int, greedy: bool, training: bool

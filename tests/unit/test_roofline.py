@@ -132,11 +132,23 @@ _HLO = "\n".join(
 def test_collectives_weight_loop_bodies_by_their_known_trip_counts():
   ops = roofline.collectives(_HLO, num_devices=8)
   # all-reduce of 8 KiB over groups of 4: 2 x 3/4 of it per chip, 36 times.
-  assert ops["all-reduce"] == {"count": 36, "bytes": 36 * 2 * 0.75 * 64 * 32 * 4}
+  # `largest`: the largest op's payload (its result; an all-reduce's operand).
+  assert ops["all-reduce"] == {"count": 36, "bytes": 36 * 2 * 0.75 * 64 * 32 * 4, "largest": 8192}
   # all-gather to 2 KiB (bf16) over 4: 3/4 of the result; its -done is not counted again.
-  assert ops["all-gather"] == {"count": 36, "bytes": 36 * 0.75 * 32 * 32 * 2}
+  assert ops["all-gather"] == {"count": 36, "bytes": 36 * 0.75 * 32 * 32 * 2, "largest": 2048}
   # reduce-scatter over all 8 devices to 1 KiB: 7 x the result, once.
-  assert ops["reduce-scatter"] == {"count": 1, "bytes": 7 * 8 * 32 * 4}
+  assert ops["reduce-scatter"] == {"count": 1, "bytes": 7 * 8 * 32 * 4, "largest": 1024}
+
+
+def test_outer_loop_collectives_are_one_trip_of_each_jitted_functions_own_loop():
+  # The decode loop is `jit(<fn>)/while`; a loop nested in it (or in a called function) is not.
+  hlo = _HLO.replace(" body=%body.1,", ' body=%body.1, metadata={op_name="jit(_generate)/while"},')
+  (loop,) = roofline.outer_loop_collectives(hlo, num_devices=8)
+  assert loop["all-reduce"] == {"count": 1, "bytes": 2 * 0.75 * 64 * 32 * 4, "largest": 8192}
+  assert set(loop) == {"all-reduce", "all-gather"}  # the entry's reduce-scatter is outside it
+  nested_name = ' body=%body.1, metadata={op_name="jit(f)/jit(g)/while"},'
+  nested = _HLO.replace(" body=%body.1,", nested_name)
+  assert roofline.outer_loop_collectives(nested, num_devices=8) == []
 
 
 def test_collectives_of_a_compiled_program():
@@ -174,7 +186,8 @@ def test_collectives_take_a_scans_trip_count_from_its_condition():
     ]
   )
   # 3 all-reduces of 16 bytes over the 4 devices of mesh axis b: 2 x 3/4 x 16 each.
-  assert roofline.collectives(hlo, 8) == {"all-reduce": {"count": 3, "bytes": 3 * 24.0}}
+  found = roofline.collectives(hlo, 8)
+  assert found == {"all-reduce": {"count": 3, "bytes": 3 * 24.0, "largest": 16}}
 
 
 def test_the_reported_flops_are_never_under_the_programs_matmuls():
@@ -243,3 +256,51 @@ def test_the_paper_configs_limit_by_hand():
     qwen3_8b, prompts=512, prompt_len=4096, group_size=4, response_len=8192, passes=passes
   )
   assert flops / 32 / 459e12 == pytest.approx(123.4, abs=0.05)
+
+
+def test_the_paper_samplers_bandwidth_limit_by_hand():
+  # Qwen3-8B, one call of 256 prompts x G = 4 (1,024 rows over data x fsdp = 8: 128 a chip), prompt
+  # bucket 4,096, 8,192 new tokens; weights split over tensor = 4, bfloat16. A decode step reads the
+  # weights' share, (6.95e9 + 0.62e9) x 2 / 4 = 3.78 GB, and its rows' keys and values: 2 x 36
+  # layers x 2 of 8 kv heads x 128 x 2 bytes = 36,864 bytes a token, at step t 4,096 + t - 1
+  # tokens. Over 8,191 steps: 3.10e13 + 128 x (8,191 x 4,096 + 8,191 x 8,190 / 2) x 36,864
+  # = 3.10e13 + 3.17e14 bytes (the prefill's 3.8e9 + 32 x 4,096 x 36,864 are a rounding error);
+  # at v5p's 2.765 TB/s, 126 s.
+  from ebpo_jax.models import ModelConfig
+
+  qwen3_8b = ModelConfig(
+    vocab_size=151_936, hidden_size=4096, intermediate_size=12_288, num_layers=36,
+    num_heads=32, num_kv_heads=8, head_dim=128,
+  )  # fmt: skip
+  nbytes = roofline.sampler_limit_bytes(
+    qwen3_8b, prompts=256, group_size=4, prompt_len=4096, new_tokens=8192, row_shards=8,
+    weight_shards=4, itemsize=2,
+  )  # fmt: skip
+  weights = (6_945_767_424 + 622_329_856) * 2 / 4
+  per_token = 2 * 36 * 2 * 128 * 2
+  cache = 128 * (8191 * 4096 + 8191 * 8190 / 2) * per_token
+  prefill = weights + 32 * 4096 * per_token
+  assert nbytes == pytest.approx(prefill + 8191 * weights + cache, rel=1e-12)
+  assert nbytes / 2.765e12 == pytest.approx(126.0, abs=0.5)
+  # kv heads that tensor does not divide are whole on every chip: 4x the cache
+  three = roofline.sampler_limit_bytes(
+    qwen3_8b, prompts=256, group_size=4, prompt_len=4096, new_tokens=8192, row_shards=8,
+    weight_shards=3, itemsize=2,
+  )  # fmt: skip
+  assert three > nbytes + 3 * cache
+
+
+def test_combine_sums_the_parts_and_recomputes_the_roofline():
+  from ebpo_jax.tpu import CHIPS
+
+  chip = CHIPS["v5p"]
+  part = {
+    "flops": 1e12, "bytes_accessed": 1e9, "kernel_flops": 0.0, "kernel_bytes": 5e8,
+    "uncounted_kernels": [],
+    "collectives": {"all-gather": {"count": 2, "bytes": 1e6, "largest": 7}},
+  }  # fmt: skip
+  combined = roofline.combine([(1, part), (99, part)], chip)
+  assert combined["flops"] == 1e14 and combined["bytes_accessed"] == 1e11
+  assert combined["collectives"]["all-gather"] == {"count": 200, "bytes": 1e8, "largest": 7}
+  assert combined["hbm_s"] == pytest.approx(1e11 / chip.hbm_bandwidth)
+  assert combined["roofline_s"] == max(combined[k] for k in ("compute_s", "hbm_s", "collective_s"))

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 from scipy import stats
 
-from ebpo_jax import sampling, sampling_loop, sequences, sharding
+from ebpo_jax import roofline, sampling, sampling_loop, sequences, sharding
 from ebpo_jax.models import Decoder
 from ebpo_jax.sampling import SampleOutput
 from tests.helpers.configs import TINY_MODEL
@@ -387,11 +387,10 @@ def _while_body(hlo: str, carried: str) -> str:
 def test_decode_loop_updates_the_cache_in_place(policy, group_size, compact, stage_rows):
   model, params = policy
   ids, mask = sampling.pad_prompts(PROMPTS, PAD, BUCKETS)
-  static = dict(model=model, group_size=group_size, max_new_tokens=5, greedy=False, stop_ids=(1,))
-  compiled = sampling._generate.lower(
-    params, ids, mask, jax.random.key(0), jnp.float32(1), jnp.float32(1), top_k=0, pad_id=PAD,
-    mesh=None, compact=compact, **static,
-  ).compile()  # fmt: skip
+  compiled = sampling.trace_generate(
+    model, params, ids, mask, jax.random.key(0), jnp.float32(1), jnp.float32(1),
+    group_size=group_size, max_new_tokens=5, stop_ids=(1,), pad_id=PAD, compact=compact,
+  ).lower().compile()  # fmt: skip
   hlo = compiled.as_text()
   for rows in stage_rows:  # one decode loop per stage (`_while_body` finds it or fails)
     # Each carries one cache buffer per layer and k/v: [rows, kv heads, P + N - 1 slots, head
@@ -438,11 +437,10 @@ def test_decode_params_sample_the_same_and_skip_the_per_call_weight_copy(policy)
     np.testing.assert_array_equal(a, b)
 
   def weight_slices(p) -> int:  # slices of the [2, 32, 4, 8] q_proj stack into [1, 32, 4, 8]
-    static = dict(model=model, max_new_tokens=6, greedy=False, stop_ids=(1,), group_size=2)
-    hlo = sampling._generate.lower(
-      p, ids, mask, jax.random.key(0), jnp.float32(1), jnp.float32(1), top_k=0, pad_id=PAD,
-      mesh=None, compact=True, **static,
-    ).as_text()  # fmt: skip
+    hlo = sampling.trace_generate(
+      model, p, ids, mask, jax.random.key(0), jnp.float32(1), jnp.float32(1), group_size=2,
+      max_new_tokens=6, stop_ids=(1,), pad_id=PAD,
+    ).lower().as_text()  # fmt: skip
     return hlo.count("tensor<2x32x4x8xf32>) -> tensor<1x32x4x8xf32>")
 
   assert weight_slices(params) >= TINY_MODEL.num_layers  # the positive control: the copy is there
@@ -462,3 +460,57 @@ def test_decode_params_keep_each_weights_sharding(policy):
     expected = NamedSharding(mesh, PartitionSpec(*stacked_q.sharding.spec[1:]))
     assert q.sharding.is_equivalent_to(expected, q.ndim), (q.sharding, expected)
   assert decoded["embed_tokens"].sharding == placed["embed_tokens"].sharding
+
+
+# ----------------------------------------------------------------------------- the rollout layout
+
+
+def _on_mesh(model, params, mesh):
+  abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+  return jax.device_put(params, sharding.logical_shardings(abstract["params"], mesh))
+
+
+def test_decode_params_replicate_weights_over_the_row_axes_in_the_compute_dtype(policy):
+  model, params = policy
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  placed = _on_mesh(model, params, mesh)
+  converted = sampling.decode_params(placed, dtype="bfloat16", replicate_over=sharding.ROW_AXES)
+  assert sampling.is_decode_params(converted) and not sampling.is_decode_params(placed)
+  before = placed["layers"]["mlp"]["gate_proj"]["kernel"]  # [L, embed (fsdp), mlp (tensor)]
+  after = converted["layers_1"]["mlp"]["gate_proj"]["kernel"]
+  assert before.sharding.spec == PartitionSpec(None, "fsdp", "tensor")
+  assert after.sharding.spec == PartitionSpec(None, "tensor") and after.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(after, before[1].astype(jnp.bfloat16))
+  for leaf in jax.tree.leaves(converted):  # no weight is split over a row axis
+    assert not {"data", "fsdp"} & set(jax.tree.leaves(tuple(leaf.sharding.spec)))
+  assert sampling.decode_params(converted) is converted  # converted once per round
+
+
+def test_sampling_from_the_rollout_layout_equals_the_training_layout(policy):
+  model, params = policy
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  placed = _on_mesh(model, params, mesh)
+  converted = sampling.decode_params(placed, replicate_over=sharding.ROW_AXES)
+  trained = _long_tailed_sample(model, placed, compact=True, mesh=mesh)
+  rollout = _long_tailed_sample(model, converted, compact=True, mesh=mesh)
+  np.testing.assert_array_equal(rollout.tokens, trained.tokens)
+  # Other float32 sums split over other devices: SHARDED_ATOL's reason.
+  np.testing.assert_allclose(rollout.logprobs, trained.logprobs, rtol=1e-5, atol=SHARDED_ATOL)
+
+
+def test_a_decode_step_traced_alone_sends_what_the_decode_loop_sends(policy):
+  """`trace_parts`' step is what aot costs a call by: its collectives are those of one trip of the
+  whole program's decode loop (compacting off: one loop)."""
+  model, params = policy
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  converted = sampling.decode_params(_on_mesh(model, params, mesh), replicate_over=("data", "fsdp"))
+  ids, mask = sampling.pad_prompts([PROMPTS[i % 3] for i in range(8)], PAD, BUCKETS)
+  spec = sharding.row_sharding(ids.shape, mesh)
+  args = (converted, jax.device_put(ids, spec), jax.device_put(mask, spec), jax.random.key(1))
+  args += (jnp.float32(0.9), jnp.float32(0.95))
+  options = dict(group_size=2, max_new_tokens=8, stop_ids=(1,), mesh=mesh, compact=False)
+  whole = sampling.trace_generate(model, *args, **options).lower().compile().as_text()
+  (loop,) = roofline.outer_loop_collectives(whole, 8)
+  _, step = sampling.trace_parts(model, *args, **options)
+  assert roofline.collectives(step.lower().compile().as_text(), 8) == loop
+  assert loop["all-reduce"]["count"] > 0  # the 'tensor' shards' partial sums
