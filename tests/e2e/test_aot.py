@@ -36,6 +36,17 @@ def test_default_job_fits_a_v5e_2x2_slice():
   assert step["shared_prefix"] and step["limit_s"] > 0 and step["flops_to_limit"] >= 1
   assert step["roofline_to_limit"] == pytest.approx(step["roofline_s"] / step["limit_s"])
   assert "fits: headroom" in result.stdout and "limit from the model's shapes" in result.stdout
+  # The sampler: its prefill + the decode loop's trips x one step, against the bandwidth limit
+  # from shapes (weights once a step, the written keys and values): never under it.
+  sampler = report["sampler"]
+  assert sampler["limit_s"] > 0 and sampler["bytes_to_limit"] >= 1
+  assert sampler["roofline_s"] >= sampler["hbm_s"] >= sampler["limit_s"]
+  assert sampler["decode_step"]["bytes_accessed"] * 3 <= sampler["bytes_accessed"]  # 3 steps
+  # The round's weights in the decode layout: a copy per chip (fsdp = 4: replicated, 4x a shard).
+  copy = sampler["rollout_layout"]["copy_bytes"]
+  assert copy >= 4 * report["train_step"]["params_bytes"] * 0.99
+  assert sampler["resident_bytes"] >= report["train_step"]["state_bytes"]
+  assert "a decode step:" in result.stdout and "decode layout" in result.stdout
 
 
 LAYER_SWEEP = textwrap.dedent(
