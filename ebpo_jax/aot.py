@@ -408,10 +408,13 @@ def summarize(config, tpu: Slice, prompt_len: int, train: dict, sampler: dict) -
   if train["roofline_s"] is not None and sampler["roofline_s"] is not None:
     rounds = 1 + (config.rl.max_refill_rounds if config.rl.dynamic_sampling else 0)
     calls = sampler["calls_per_round"]
-    report["rl_step_roofline_s"] = train["roofline_s"] + calls * sampler["roofline_s"]
-    report["rl_step_roofline_s_max_refill"] = (
-      train["roofline_s"] + rounds * calls * sampler["roofline_s"]
-    )
+    # A round: the weights converted to the decode layout once, then its sampler calls.
+    round_s = sampler["rollout_layout"]["roofline_s"] + calls * sampler["roofline_s"]
+    report["rl_step_roofline_s"] = train["roofline_s"] + round_s
+    report["rl_step_roofline_s_max_refill"] = train["roofline_s"] + rounds * round_s
+    if "limit_s" in train and "limit_s" in sampler:  # each program at its limit from shapes
+      report["rl_step_limit_s"] = train["limit_s"] + calls * sampler["limit_s"]
+      report["rl_step_roofline_to_limit"] = report["rl_step_roofline_s"] / report["rl_step_limit_s"]
   return report
 
 
@@ -472,8 +475,14 @@ def describe(report: dict) -> str:
   if "rl_step_roofline_s" in report:
     lines.append(
       f"RL step roofline: {report['rl_step_roofline_s']:.0f} s (train step + "
-      f"{report['sampler']['calls_per_round']} sampler calls; up to "
+      f"the weights' conversion + {report['sampler']['calls_per_round']} sampler calls; up to "
       f"{report['rl_step_roofline_s_max_refill']:.0f} s with every refill round)"
+      + (
+        f"; at the limits {report['rl_step_limit_s']:.0f} s: "
+        f"{report['rl_step_roofline_to_limit']:.2f}x"
+        if "rl_step_limit_s" in report
+        else ""
+      )
     )
   verdict = "fits" if report["fits"] else "DOES NOT FIT"
   headroom = report["headroom_bytes"]
