@@ -3,8 +3,8 @@
 An episode: `reset(row)` gives the first observation (None: the prompt alone), then each model turn
 goes to `step(model_text)`, which returns `(observation or None, reward or None, done)`. The
 observation's tokens are appended to the trajectory (loss mask 0) and the model's next turn
-continues from there. When the episode ends with reward None, the task's verifier (or
-`rewards.fns`) scores the last model turn.
+continues from there. When the episode ends with reward None, the task's verifier scores the last
+model turn (or `rewards.fns`, whose terms also read the whole transcript).
 
 Each step runs in a worker of the verifier pool (`step_in_worker`: the environment object goes to
 the worker and comes back with the step's result), so a step that hangs or kills its worker costs

@@ -59,6 +59,7 @@ class Episodes:
   nonfinite: np.ndarray  # [R] bool
   final_texts: list[str]  # [R] the last model turn: what the verifier scores
   transcripts: list[str]  # [R] every turn, each "[role] text" on its own line
+  messages: list[list[dict[str, str]]]  # [R] every turn as {"role", "content"}, for rewards.fns
   env_rewards: np.ndarray  # [R] float32: the environment's final reward, NaN for none
   turns: np.ndarray  # [R] int32: model turns
   tool_calls: np.ndarray  # [R] int32
@@ -232,6 +233,9 @@ def _assemble(trajectories, max_tokens: int, pad_id: int, env_time: float) -> Ep
     transcripts=[
       "\n".join(f"[{role}] {text}" for role, text in t.transcript) for t in trajectories
     ],
+    messages=[
+      [{"role": role, "content": text} for role, text in t.transcript] for t in trajectories
+    ],
     env_rewards=np.array(
       [np.nan if t.reward is None else t.reward for t in trajectories], np.float32
     ),
@@ -246,8 +250,9 @@ def rollout_fields(sampler, params, ids, mask, key, rows, group_size: int, greed
                    training: bool) -> dict:  # fmt: skip
   """The `rollouts.Rollout` fields of `sampler`'s episodes of `rows` (host prompts `ids`/`mask`
   [M, P], M >= len(rows): the copies that pad a call are dropped): the trajectories on the
-  devices, the final turns scored (the environment's final reward where it gave one), the
-  transcripts as texts, and `stats`, the episodes' sums (`episode_metrics`)."""
+  devices, the final turns scored (the environment's final reward where it gave one; the reward
+  functions also read the whole trajectory, their `transcripts` extra), the transcripts as texts,
+  and `stats`, the episodes' sums (`episode_metrics`)."""
   n, mesh = len(rows), sampler.mesh
   place = lambda x: sharding.place_from_host(x, sharding.row_sharding(x.shape, mesh))  # noqa: E731
   padded = list(rows) + [rows[-1]] * (ids.shape[0] - n)
@@ -259,8 +264,9 @@ def rollout_fields(sampler, params, ids, mask, key, rows, group_size: int, greed
   r = n * group_size
   lengths = ep.mask[:r].sum(axis=1).astype(np.int32)
   scored, reward_parts, errors = sampler.scorer.score(
-    ep.final_texts[:r], list(rows), lengths, group_size, training=training
-  )
+    ep.final_texts[:r], list(rows), lengths, group_size, training=training,
+    transcripts=ep.messages[:r],
+  )  # fmt: skip
   from_env = ep.env_rewards[:r].reshape(scored.shape)
   on_host = {"tokens": ep.tokens, "mask": ep.mask, "loss_mask": ep.loss_mask,
              "old_logps": ep.logps, "truncated": ep.truncated,

@@ -3,6 +3,7 @@ loss equals the single-turn loss when no tool is called); observations sit betwe
 with loss mask 0; limits truncate."""
 
 import dataclasses
+import types
 
 import flax.linen as nn
 import jax
@@ -12,9 +13,9 @@ import pytest
 
 from ebpo_jax import envs, sampling, sharding
 from ebpo_jax.models import Decoder
-from ebpo_jax.tasks import rewards
+from ebpo_jax.tasks import get_task, reward_fns, rewards
 from ebpo_jax.tasks.tokenizers import ByteTokenizer
-from ebpo_jax.trainer import episodes
+from ebpo_jax.trainer import episodes, scoring
 from ebpo_jax.trainer.rollout_options import EnvOptions, SamplingOptions
 from tests.helpers.configs import TINY_MODEL
 
@@ -23,14 +24,14 @@ G, N = 2, 6
 
 
 class Answers(envs.Environment):
-  """Answers every turn with "ok" until `turns` turns, then ends with reward 0.5."""
+  """Answers every turn with "ok" until `turns` turns, then ends with `reward`."""
 
-  def __init__(self, turns: int = 1):
-    self.turns, self.seen = turns, 0
+  def __init__(self, turns: int = 1, reward: float | None = 0.5):
+    self.turns, self.seen, self.reward = turns, 0, reward
 
   def step(self, model_text):
     self.seen += 1
-    return (None, 0.5, True) if self.seen >= self.turns else ("ok", None, False)
+    return (None, self.reward, True) if self.seen >= self.turns else ("ok", None, False)
 
 
 class _ManyStops(ByteTokenizer):
@@ -42,6 +43,15 @@ class _Encoder:
 
   def observation_ids(self, text):
     return self.tokenizer.encode(text)
+
+
+def observations_seen(completions, rows, *, transcripts, **extras):
+  """A reward term that reads the whole transcript (top level: the workers import it): the
+  number of observations, +100 when the transcript's last model turn is the completion scored."""
+  messages = transcripts[0]
+  assistant = [m["content"] for m in messages if m["role"] == "assistant"]
+  bonus = 100.0 if assistant and assistant[-1] == completions[0] else 0.0
+  return [sum(m["role"] == "observation" for m in messages) + bonus]
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +114,31 @@ def test_the_token_limit_truncates(setup):
   assert (ep.mask.sum(1) <= N + 1).all()
   ended = ep.turns > 1
   assert not ended.any() or ep.truncated[ended].all()
+
+
+def test_reward_functions_see_the_whole_transcript(setup):
+  model, params, mesh, pool = setup
+  fn = reward_fns.RewardFn("seen", observations_seen, 1.0, f"{__name__}:observations_seen")
+  task = get_task("arithmetic", ops=("add",), digits=(1,))
+  env = EnvOptions(lambda: Answers(3, None), max_turns=3, max_tokens=30, max_observation_tokens=4)
+  so = SamplingOptions(N, temperature=1.0, top_p=1.0, top_k=0, compact=False, prompts_per_call=0)
+  sampler = types.SimpleNamespace(
+    model=model, mesh=mesh, encoder=_Encoder(), options=types.SimpleNamespace(env=env, sampling=so),
+    scorer=scoring.Scorer(task, pool, [fn], max_new_tokens=N),
+  )  # fmt: skip
+  ids, mask = sampling.pad_prompts(PROMPTS, 0, (6,))
+  rows = [{"prompt": "1+1=", "answer": "2", "cluster": 0}] * len(PROMPTS)
+  out = episodes.rollout_fields(sampler, params, ids, mask, jax.random.key(1), rows, G, False, True)
+  observations = [text.count("[observation] ") for text in out["texts"]]
+  assert max(observations) > 0  # some trajectories read observations
+  np.testing.assert_array_equal(out["rewards"].reshape(-1), np.add(observations, 100.0))
+
+
+def test_a_single_turn_completion_is_a_transcript_of_one_model_turn(setup):
+  _, _, _, pool = setup
+  fn = reward_fns.RewardFn("seen", observations_seen, 1.0, f"{__name__}:observations_seen")
+  scorer = scoring.Scorer(get_task("arithmetic", ops=("add",), digits=(1,)), pool, [fn],
+                          max_new_tokens=N)  # fmt: skip
+  rows = [{"prompt": "1+1=", "answer": "2", "cluster": 0}]
+  rewards_, _, errors = scorer.score(["2", "3"], rows, np.ones(2, np.int32), 2, training=True)
+  assert errors == 0 and rewards_.tolist() == [[100.0, 100.0]]  # no observation; its own text
