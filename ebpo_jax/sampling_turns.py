@@ -69,7 +69,7 @@ def start(params, prompt_ids_bp, prompt_mask_bp, *, model: nn.Module, group_size
 
 @functools.partial(
   jax.jit,
-  static_argnames=("model", "max_new_tokens", "greedy", "top_k", "stop_ids", "pad_id"),
+  static_argnames=("model", "max_new_tokens", "greedy", "top_k", "stop_ids", "stop_seqs", "pad_id"),
   donate_argnames=("state",),
 )
 def turn(
@@ -89,9 +89,12 @@ def turn(
   top_k: int,
   stop_ids: tuple[int, ...],
   pad_id: int,
+  stop_seqs: tuple[tuple[int, ...], ...] = (),
 ) -> tuple[TurnState, TurnOutput]:
   """One model turn of every live row: feeds `pending` then the row's new tokens (`new_ids_rw`,
-  right-padded, `new_mask_rw` valid), then decodes up to `min(max_new_tokens, budget_r)` tokens.
+  right-padded, `new_mask_rw` valid), then decodes up to `min(max_new_tokens, budget_r)` tokens,
+  until a token of `stop_ids` or the last token of a sequence of `stop_seqs` (a stop string that
+  is several tokens, such as a tool-call close tag) drawn this turn.
   Row r draws token t with `fold_in(fold_in(rng, t), r)` (`sampling_loop.row_uniforms`)."""
   apply = functools.partial(model.clone(scan_layers=False).apply, {"params": params})
   chunk_mask = jnp.concatenate([live_r[:, None], new_mask_rw & live_r[:, None]], axis=1)
@@ -111,7 +114,9 @@ def turn(
   def draw_and_record(s: loop.State, logits_rv: jax.Array) -> loop.State:
     drawn = draw(logits_rv, loop.row_uniforms(rng, s.step, s.rows.row_id))
     s = loop.record(s, drawn, stop_ids, pad_id)
-    return s._replace(rows=s.rows._replace(done=s.rows.done | (s.rows.lengths >= budget_r)))
+    r = s.rows
+    done = r.done | (r.lengths >= budget_r) | ends_with_any(r.tokens, r.lengths, stop_seqs)
+    return s._replace(rows=r._replace(done=done))
 
   def decode_one(s: loop.State) -> loop.State:
     # A row's last token enters the cache only while the row runs: a stopped row's stop token
@@ -133,5 +138,19 @@ def turn(
     pending=jnp.where(drew, last, state.pending),
     position=jnp.where(drew, out.first_position + out.lengths - 1, state.position),
   )
-  stopped = drew & jnp.isin(last, jnp.asarray(stop_ids, jnp.int32))
+  stop_token = jnp.isin(last, jnp.asarray(stop_ids, jnp.int32))
+  stopped = drew & (stop_token | ends_with_any(out.tokens, out.lengths, stop_seqs))
   return next_state, TurnOutput(out.tokens, out.logprobs, out.lengths, stopped, out.nonfinite)
+
+
+def ends_with_any(
+  tokens_rn: jax.Array, lengths_r: jax.Array, seqs: tuple[tuple[int, ...], ...]
+) -> jax.Array:
+  """[R] bool: row r's first `lengths_r[r]` tokens end with one of `seqs` (static)."""
+  hit = jnp.zeros(lengths_r.shape, bool)
+  for seq in seqs:
+    k = len(seq)
+    at = jnp.clip(lengths_r[:, None] - k + jnp.arange(k)[None], 0, tokens_rn.shape[1] - 1)
+    tail = jnp.take_along_axis(tokens_rn, at, axis=1)
+    hit |= (lengths_r >= k) & (tail == jnp.asarray(seq, tokens_rn.dtype)).all(axis=1)
+  return hit

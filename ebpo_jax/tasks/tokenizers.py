@@ -41,7 +41,8 @@ class _Own:
     warm start)."""
     return [self.bos_id, *self.encode(plain_prompt(text, system_prompt, history))]  # type: ignore[attr-defined]
 
-  def observation_ids(self, text: str) -> list[int]:
+  def observation_ids(self, text: str, *, after_end_of_turn: bool = True) -> list[int]:
+    """The text's tokens (no chat template: nothing closes a turn)."""
     return self.encode(text)  # type: ignore[attr-defined]
 
 
@@ -200,10 +201,11 @@ class HFTokenizer:
     )
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
-  def observation_ids(self, text: str) -> list[int]:
-    """An environment's answer after a model turn that ended with a stop token: the chat
-    template's tool message and the next turn's generation prompt (less the end-of-turn mark the
-    model drew), else the text's tokens."""
+  def observation_ids(self, text: str, *, after_end_of_turn: bool = True) -> list[int]:
+    """An environment's answer after a model turn: the chat template's tool message and the next
+    turn's generation prompt (less the end-of-turn mark when the model drew it,
+    `after_end_of_turn`; a turn cut at a stop string such as a tool call's close tag has not),
+    else the text's tokens."""
     if not self.use_chat_template:
       return self.encode(text)
     marker = "\ue000"  # a private-use character: where the model's turn ends in the rendering
@@ -211,7 +213,7 @@ class HFTokenizer:
     messages.append({"role": "tool", "content": text})
     rendered = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     tail = rendered.split(marker, 1)[1]
-    for stop in self.stop_ids:
+    for stop in self.stop_ids if after_end_of_turn else ():
       tail = tail.removeprefix(self._tok.decode([stop]))
     return self.encode(tail)
 
@@ -222,6 +224,24 @@ class HFTokenizer:
         ids = ids[:n]
         break
     return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def turn_stops(
+  tokenizer, stop_strings: Sequence[str]
+) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+  """(stop ids, stop sequences) that end a model turn: the tokenizer's stop ids, and each of
+  `stop_strings` (an environment's, e.g. a tool call's close tag) as `tokenizer.encode` gives it:
+  one token joins the stop ids, several make a stop sequence (the decode loop matches the turn's
+  last tokens). A model that spells the string in other tokens than its encoding does not stop
+  there; its turn goes on to its end-of-turn token or its budget."""
+  ids, seqs = list(tokenizer.stop_ids), []
+  for text in stop_strings:
+    encoded = tuple(int(i) for i in tokenizer.encode(text))
+    if len(encoded) == 1 and encoded[0] not in ids:
+      ids.append(encoded[0])
+    elif len(encoded) > 1 and encoded not in seqs:
+      seqs.append(encoded)
+  return tuple(ids), tuple(seqs)
 
 
 def plain_prompt(text: str, system_prompt: str | None, history: Sequence[dict]) -> str:

@@ -9,9 +9,12 @@ error; the episode goes on. The observation's tokens (at most `env.max_observati
 appended to the trajectory with loss mask 0, and the next turn continues after them: the tokens a
 trajectory holds are exactly those the model read and drew, never re-tokenized.
 
-A trajectory ends when its environment says done, at the turn limit, when a turn ends without a
-stop token (truncated: `env.max_tokens` or `sampling.max_new_tokens` reached) or when its next
-observation would not leave room for a model token (truncated). It is trained as one completion:
+A model turn ends at one of the tokenizer's stop tokens or at one of the environment's
+`stop_strings` (a tool call's close tag), encoded as the tokenizer encodes it: one token or a
+sequence that the decode loop matches (`tokenizers.turn_stops`). A trajectory ends when its
+environment says done, at the turn limit, when a turn ends without either (truncated:
+`env.max_tokens` or `sampling.max_new_tokens` reached) or when its next observation would not
+leave room for a model token (truncated). It is trained as one completion:
 `tokens`, `mask` (every token), `loss_mask` (model tokens) and `logps` `[R, env.max_tokens]`.
 """
 
@@ -28,6 +31,7 @@ from jax.sharding import Mesh
 from ebpo_jax import envs, sampling, sampling_turns, sharding
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.tasks import rewards as rewards_lib
+from ebpo_jax.tasks import tokenizers
 from ebpo_jax.trainer.rollout_options import EnvOptions, SamplingOptions
 
 
@@ -42,6 +46,7 @@ class _Trajectory:
   logps: list[float] = dataclasses.field(default_factory=list)
   transcript: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (role, text)
   live: bool = True
+  closed: bool = True  # the last model turn ended with an end-of-turn token (not a stop string)
   truncated: bool = False
   nonfinite: bool = False
   reward: float | None = None  # the environment's final reward
@@ -103,6 +108,7 @@ def run_episodes(
   state = sampling_turns.start(
     params, prompt_ids, prompt_mask, model=model, group_size=group_size, slots=slots
   )
+  stop_ids, stop_seqs = tokenizers.turn_stops(tokenizer, trajectories[0].env.stop_strings)
   scalar = lambda x: sharding.place_from_host(np.float32(x), sharding.replicated(mesh))  # noqa: E731
   settings = dict(
     temperature=scalar(so.temperature),
@@ -111,7 +117,8 @@ def run_episodes(
     max_new_tokens=so.max_new_tokens,
     greedy=greedy,
     top_k=so.top_k,
-    stop_ids=tuple(tokenizer.stop_ids),
+    stop_ids=stop_ids,
+    stop_seqs=stop_seqs,
     pad_id=tokenizer.pad_id,
   )
   env_time = 0.0
@@ -185,6 +192,7 @@ def _record_turn(trajectories: list[_Trajectory], out, tokenizer) -> dict[int, s
     t.logps += out.logprobs[r, :n].tolist()
     text = tokenizer.decode(ids)
     t.transcript.append(("assistant", text))
+    t.closed = ids[-1] in tokenizer.stop_ids
     if out.nonfinite[r]:
       t.live, t.nonfinite = False, True
     elif not out.stopped[r]:
@@ -209,7 +217,7 @@ def _step_envs(trajectories, stepping: dict[int, str], pool, encoder, width: int
       t.live, t.reward = False, reward
       continue
     observation = observation or ""
-    t.observation = encoder.observation_ids(observation)[:width]
+    t.observation = encoder.observation_ids(observation, after_end_of_turn=t.closed)[:width]
     t.transcript.append(("observation", observation))
 
 

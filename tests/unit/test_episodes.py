@@ -38,10 +38,16 @@ class _ManyStops(ByteTokenizer):
   stop_ids = tuple(range(2, 90))  # turns of a random model end early, at different lengths
 
 
+class Tagged(Answers):
+  """`Answers` whose model turns also end at "<tag>"."""
+
+  stop_strings = ("<tag>",)
+
+
 class _Encoder:
   tokenizer = _ManyStops()
 
-  def observation_ids(self, text):
+  def observation_ids(self, text, after_end_of_turn=True):
     return self.tokenizer.encode(text)
 
 
@@ -63,16 +69,17 @@ def setup():
     yield model, nn.meta.unbox(params), mesh, pool
 
 
-def _run(setup, turns: int, *, max_tokens: int = 30, key: int = 0):
+def _run(setup, turns: int, *, max_tokens: int = 30, key: int = 0, env_class=Answers, encoder=None):
   model, params, mesh, pool = setup
   ids, mask = sampling.pad_prompts(PROMPTS, 0, (6,))
-  env = EnvOptions(lambda: Answers(turns), max_turns=3, max_tokens=max_tokens,
+  env = EnvOptions(lambda: env_class(turns), max_turns=3, max_tokens=max_tokens,
                    max_observation_tokens=4)  # fmt: skip
   so = SamplingOptions(N, temperature=1.0, top_p=1.0, top_k=0, compact=False, prompts_per_call=0)
   place = lambda x: sharding.place_from_host(x, sharding.row_sharding(x.shape, mesh))  # noqa: E731
   ep = episodes.run_episodes(
     model, params, place(ids), place(mask), jax.random.key(key), [{}] * len(PROMPTS),
-    group_size=G, greedy=False, encoder=_Encoder(), pool=pool, env=env, so=so, mesh=mesh,
+    group_size=G, greedy=False, encoder=encoder or _Encoder(), pool=pool, env=env, so=so,
+    mesh=mesh,
   )  # fmt: skip
   return ep, (model, params, ids, mask)
 
@@ -142,3 +149,32 @@ def test_a_single_turn_completion_is_a_transcript_of_one_model_turn(setup):
   rows = [{"prompt": "1+1=", "answer": "2", "cluster": 0}]
   rewards_, _, errors = scorer.score(["2", "3"], rows, np.ones(2, np.int32), 2, training=True)
   assert errors == 0 and rewards_.tolist() == [[100.0, 100.0]]  # no observation; its own text
+
+
+def test_an_environments_stop_string_of_several_tokens_ends_the_turn_right_after_it(setup):
+  # Rows draw by (key, step, row) alone: with "<tag>" encoded as two tokens that a row drew, each
+  # first turn is the turn without the stop string, cut right after the tag's first end.
+  free, _ = _run(setup, turns=1)
+  row = int(np.argmax(free.mask.sum(1)))
+  tag = [int(t) for t in free.tokens[row, 1:3]]
+  encoder = _Encoder()
+  encoder.tokenizer = _TagTokenizer(tag)
+  cut, _ = _run(setup, turns=1, env_class=Tagged, encoder=encoder)
+  for r in range(len(PROMPTS) * G):
+    drawn = free.tokens[r, : free.mask[r].sum()].tolist()
+    ends = [i + 2 for i in range(len(drawn) - 1) if drawn[i : i + 2] == tag]
+    n = ends[0] if ends else len(drawn)
+    np.testing.assert_array_equal(cut.tokens[r][cut.mask[r]], drawn[:n])
+    assert cut.truncated[r] == (free.truncated[r] and not ends)
+  assert cut.mask[row].sum() == 3 and not cut.truncated[row]
+
+
+class _TagTokenizer(_ManyStops):
+  """Encodes "<tag>" as the two ids `tag` (a stop string that is several tokens)."""
+
+  def __init__(self, tag):
+    super().__init__()
+    self.tag = tag
+
+  def encode(self, text):
+    return list(self.tag) if text == "<tag>" else super().encode(text)

@@ -62,3 +62,26 @@ def test_a_tool_message_continues_the_transcript_as_the_chat_template_renders_it
   )
   assert hf.decode(transcript) == want
   assert want.endswith("<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_the_tool_call_close_tag_is_a_stop_sequence_and_the_observation_closes_the_turn(model_dir):
+  # SmolLM2 splits "</tool_call>" into 5 tokens: it ends a turn as a stop sequence, and since the
+  # model then has not drawn its end-of-turn token, the observation starts with it.
+  tok = tokenizers.HFTokenizer(model_dir)
+  hf = tok.hf_tokenizer
+  stop_ids, stop_seqs = tokenizers.turn_stops(tok, ("</tool_call>",))
+  assert stop_ids == tok.stop_ids and stop_seqs == (tuple(tok.encode("</tool_call>")),)
+  assert len(stop_seqs[0]) == 5
+  call = '<tool_call>{"name": "calc", "arguments": {"expression": "12*34"}}</tool_call>'
+  prompt = tok.prompt_ids("What is 12*34?")
+  turn = tok.encode(call)
+  assert turn[-5:] == list(stop_seqs[0])  # the close tag ends the call's tokens as encoded alone
+  transcript = prompt + turn + tok.observation_ids("408", after_end_of_turn=False)
+  messages = [
+    {"role": "user", "content": "What is 12*34?"},
+    {"role": "assistant", "content": call},
+    {"role": "tool", "content": "408"},
+  ]
+  want = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+  assert hf.decode(transcript) == want
+  assert tok.observation_ids("408") == tok.observation_ids("408", after_end_of_turn=False)[1:]
