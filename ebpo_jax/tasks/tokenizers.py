@@ -8,11 +8,13 @@ line; `observation_ids(text)` those of an environment's answer between two model
 model's tool message); `decode(ids)` stops at the first stop id and drops pad and BOS.
 """
 
+import functools
 import json
 from collections.abc import Sequence
 from typing import Any
 
 from ebpo_jax import files
+from ebpo_jax.tasks import tool_calls
 
 _SPECIALS = 3  # ids 0, 1, 2: pad, BOS, EOS
 # A model directory's weights: a tokenizer needs none of them (not mirrored from gs://).
@@ -186,8 +188,9 @@ class HFTokenizer:
     history: Sequence[dict] = (),
     tools: Sequence[dict] = (),
   ) -> list[int]:
-    """The chat template's conversation so far (the tool schemas `tools` rendered as the template
-    renders them; a template without tool support leaves them out), else BOS + the texts."""
+    """The chat template's conversation so far, else BOS + the texts. The tool schemas `tools`
+    are rendered as the template renders them; a template that ignores `tools=` (SmolLM2's) gets
+    them in the system prompt instead (`tool_calls.tools_system_prompt`, after the task's)."""
     if not self.use_chat_template:
       bos = [] if self.bos_id is None else [self.bos_id]
       return bos + self.encode(plain_prompt(text, system_prompt, history))
@@ -196,10 +199,23 @@ class HFTokenizer:
       [{"role": "system", "content": system_prompt}] if system_prompt and not has_system else []
     )
     messages += [*history, {"role": "user", "content": text}]
+    if tools and not self._renders_tools():
+      messages, tools = _tools_in_system_prompt(messages, tools), ()
     out = self._tok.apply_chat_template(
       messages, tools=list(tools) or None, add_generation_prompt=True, tokenize=True
     )
     return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+  @functools.cache  # noqa: B019 (one tokenizer per run; the answer never changes)
+  def _renders_tools(self) -> bool:
+    """Whether the chat template renders `tools=`: a conversation with a tool differs."""
+    schema = {
+      "type": "function",
+      "function": {"name": "probe", "description": "", "parameters": {}},
+    }
+    messages = [{"role": "user", "content": "?"}]
+    render = functools.partial(self._tok.apply_chat_template, messages, tokenize=False)
+    return render(tools=[schema]) != render()
 
   def observation_ids(self, text: str, *, after_end_of_turn: bool = True) -> list[int]:
     """An environment's answer after a model turn: the chat template's tool message and the next
@@ -224,6 +240,15 @@ class HFTokenizer:
         ids = ids[:n]
         break
     return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def _tools_in_system_prompt(messages: list[dict], tools: Sequence[dict]) -> list[dict]:
+  """`messages` with the tools' text at the end of the system message (a new one if none)."""
+  text = tool_calls.tools_system_prompt(tools)
+  if messages and messages[0]["role"] == "system":
+    first = {**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}
+    return [first, *messages[1:]]
+  return [{"role": "system", "content": text}, *messages]
 
 
 def turn_stops(
