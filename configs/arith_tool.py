@@ -13,9 +13,10 @@ to copy the numbers, every sampled reward is 0 and RL cannot start (bench/RESULT
   python -m ebpo_jax.train --config=configs/arith_tool.py:runlocal --workdir=/tmp/arith_tool_local
 
 `:smollm2` (or "smollm2,runlocal": one step, tests/e2e/test_arith_tool.py): the same episodes with
-the packaged SmolLM2-135M-Instruct and no warm start; its chat template wraps the prompt (with the
-tool schema, where a template renders `tools=`) and each tool response (a `tool` message, then the
-next assistant turn's header), and its turns end at its end-of-turn token.
+the packaged SmolLM2-135M-Instruct and no warm start; its chat template wraps the prompt and each
+tool response (a `tool` message, then the next assistant turn's header); the template ignores
+`tools=`, so the calc tool's schema goes into the system prompt (`tool_calls.tools_system_prompt`).
+Its turns end at its end-of-turn token or right after `</tool_call>` (5 tokens in its vocabulary).
 
 Results and timing: bench/RESULTS.md, "configs/arith_tool.py".
 """
@@ -64,7 +65,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.env.max_tokens = 192
     config.env.max_observation_tokens = 32  # the template's tool message and assistant header
     config.sampling.max_new_tokens = 64
-    config.sampling.prompt_buckets = (48, 64, 96)
+    config.sampling.prompt_buckets = (224,)  # the tool schema in the system prompt: 207-209
   if arg.runlocal and arg.smollm2:  # one RL step, as small as it runs
     config.task.num_train = 8
     config.task.num_eval = 1
