@@ -138,7 +138,8 @@ def get_config() -> ml_collections.ConfigDict:
   # loop body per stage (~2x the sampler's compile time): ebpo_jax/sampling_loop.py. It pays for
   # long, uneven responses (5x useful tok/s on a long tail, bench/RESULTS.md): the real-model
   # configs turn it on; this job's 4-token answers would only compile longer.
-  config.sampling.compact = False  # decode in halving batches of the running rows
+  config.sampling.compact = False  # decode in halving batches of the running rows (multi-turn:
+  # between turns, only the running trajectories' rows go on, in halving batches)
 
   # Multi-turn episodes (ebpo_jax/envs): each model turn ends at a stop token (at most
   # sampling.max_new_tokens); the environment answers, its observation's tokens are appended (loss

@@ -11,6 +11,8 @@ The cache has one write slot for all rows (`KVCache.index`); rows that feed fewe
 others leave invalid slots, which attention skips (`KVCache.mask`), so slots need not match
 positions. A row that is not live this turn (its episode is over) feeds nothing and draws nothing.
 The caller sizes the cache (`cache_slots`) for all turns; the state is donated from turn to turn.
+Between turns the caller may keep only the rows still running (`compact`, with `row_ids_r` naming
+each row's random stream in `turn`), so that finished trajectories stop costing.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ def turn(
   rng: jax.Array,
   temperature: jax.Array,
   top_p: jax.Array,
+  row_ids_r: jax.Array | None = None,
   *,
   model: nn.Module,
   max_new_tokens: int,
@@ -95,7 +98,8 @@ def turn(
   right-padded, `new_mask_rw` valid), then decodes up to `min(max_new_tokens, budget_r)` tokens,
   until a token of `stop_ids` or the last token of a sequence of `stop_seqs` (a stop string that
   is several tokens, such as a tool-call close tag) drawn this turn.
-  Row r draws token t with `fold_in(fold_in(rng, t), r)` (`sampling_loop.row_uniforms`)."""
+  Row r draws token t with `fold_in(fold_in(rng, t), row_ids_r[r])` (`sampling_loop.row_uniforms`;
+  default: r), so a row draws the same tokens wherever it sits in a compacted batch (`compact`)."""
   apply = functools.partial(model.clone(scan_layers=False).apply, {"params": params})
   chunk_mask = jnp.concatenate([live_r[:, None], new_mask_rw & live_r[:, None]], axis=1)
   chunk_ids = jnp.concatenate([state.pending[:, None], new_ids_rw], axis=1)
@@ -106,6 +110,8 @@ def turn(
     logits_rwv, jnp.maximum(count_r - 1, 0)[:, None, None], axis=1
   )[:, 0]
   rows = loop.initial_rows(state.position + count_r, max_new_tokens, pad_id)
+  if row_ids_r is not None:
+    rows = rows._replace(row_id=row_ids_r.astype(jnp.int32))
   s = loop.State(step=jnp.zeros((), jnp.int32), cache=cache, rows=rows._replace(done=~live_r))
   draw = functools.partial(
     sampling.draw, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy
@@ -141,6 +147,19 @@ def turn(
   stop_token = jnp.isin(last, jnp.asarray(stop_ids, jnp.int32))
   stopped = drew & (stop_token | ends_with_any(out.tokens, out.lengths, stop_seqs))
   return next_state, TurnOutput(out.tokens, out.logprobs, out.lengths, stopped, out.nonfinite)
+
+
+@jax.jit  # no donation: the smaller state cannot reuse the larger one's buffers
+def compact(state: TurnState, take_s: jax.Array) -> TurnState:
+  """The rows `take_s` [S] of `state` (cache, pending token, position), in that order: the
+  trajectories still running, so that finished ones stop costing in the next turns."""
+  rows = functools.partial(jnp.take, indices=take_s, axis=0)
+  cache = state.cache.replace(
+    k=tuple(map(rows, state.cache.k)),
+    v=tuple(map(rows, state.cache.v)),
+    mask=rows(state.cache.mask),
+  )
+  return TurnState(cache, rows(state.pending), rows(state.position))
 
 
 def ends_with_any(

@@ -7,7 +7,9 @@ verifier pool's workers (`envs.step_in_worker`, `rewards.timeout_s` per step). A
 hangs, kills its worker or returns the wrong types gives an error observation and counts as a tool
 error; the episode goes on. The observation's tokens (at most `env.max_observation_tokens`) are
 appended to the trajectory with loss mask 0, and the next turn continues after them: the tokens a
-trajectory holds are exactly those the model read and drew, never re-tokenized.
+trajectory holds are exactly those the model read and drew, never re-tokenized. With
+`sampling.compact`, finished trajectories stop costing: before each turn the state keeps only the
+running rows (in halving batch sizes, `sampling_loop.stage_sizes`), which draw as they would have.
 
 A model turn ends at one of the tokenizer's stop tokens or at one of the environment's
 `stop_strings` (a tool call's close tag), encoded as the tokenizer encodes it: one token or a
@@ -30,6 +32,7 @@ from jax.sharding import Mesh
 
 from ebpo_jax import envs, sampling, sampling_turns, sharding
 from ebpo_jax import metrics as metrics_lib
+from ebpo_jax import sampling_loop as loop
 from ebpo_jax.tasks import rewards as rewards_lib
 from ebpo_jax.tasks import tokenizers
 from ebpo_jax.trainer.rollout_options import EnvOptions, SamplingOptions
@@ -122,14 +125,23 @@ def run_episodes(
     pad_id=tokenizer.pad_id,
   )
   env_time = 0.0
+  place = lambda x: sharding.place_from_host(x, sharding.row_sharding(x.shape, mesh))  # noqa: E731
+  rows = len(trajectories)
+  sizes = loop.stage_sizes(rows, compact=so.compact, shards=loop.batch_shards(rows, mesh))
+  in_state = np.arange(rows)  # the trajectory of each row of `state`; -1: a filler row
   # The first turn draws with `key` itself: an episode of one turn is `sampling.generate`'s sample.
   for turn_key in (key, *_split_keys(key, env.max_turns)[1:]):
     inputs = _next_inputs(trajectories, width, env.max_tokens, tokenizer.pad_id)
     if not inputs[2].any():
       break
-    placed = [sharding.place_from_host(x, sharding.row_sharding(x.shape, mesh)) for x in inputs]
-    state, out = sampling_turns.turn(params, state, *placed, turn_key, **settings)
-    stepping = _record_turn(trajectories, sharding.to_host(out), tokenizer)
+    state, in_state = _compact(state, in_state, inputs[2], sizes, place)
+    ordered = [place(x) for x in _state_order(inputs, in_state)]
+    row_ids = place(np.maximum(in_state, 0).astype(np.int32))
+    state, out = sampling_turns.turn(
+      params, state, *ordered, turn_key, row_ids_r=row_ids, **settings
+    )
+    out = _by_trajectory(sharding.to_host(out), in_state, rows)
+    stepping = _record_turn(trajectories, out, tokenizer)
     started = time.perf_counter()
     _step_envs(trajectories, stepping, pool, encoder, width)
     env_time += time.perf_counter() - started
@@ -176,6 +188,42 @@ def _next_inputs(trajectories: list[_Trajectory], width: int, max_tokens: int, p
     t.observation = []
     live[r], budget[r] = True, room
   return new_ids, new_mask, live, budget
+
+
+def _compact(state, in_state: np.ndarray, live: np.ndarray, sizes: tuple[int, ...], place):
+  """(state, in_state) with only the running trajectories' rows (`sampling.compact`): the
+  smallest of `sizes` (`sampling_loop.stage_sizes`) that holds them, topped up with copies of one
+  (filler rows, never live); unchanged when that is not smaller."""
+  running = np.flatnonzero((in_state >= 0) & live[np.maximum(in_state, 0)])
+  size = min(s for s in sizes if s >= len(running))
+  if size >= len(in_state):
+    return state, in_state
+  filler = size - len(running)
+  take = np.concatenate([running, np.full(filler, running[0])]).astype(np.int32)
+  state = sampling_turns.compact(state, place(take))
+  return state, np.concatenate([in_state[running], np.full(filler, -1)])
+
+
+def _state_order(inputs, in_state: np.ndarray) -> list[np.ndarray]:
+  """`_next_inputs`' arrays [R, ...] by trajectory as rows of the state; filler rows not live."""
+  real = in_state >= 0
+  new_ids, new_mask, live, budget = (x[np.maximum(in_state, 0)] for x in inputs)
+  return [new_ids, new_mask & real[:, None], live & real, budget]
+
+
+def _by_trajectory(out, in_state: np.ndarray, rows: int):
+  """A turn's host outputs [S, ...] by state row as [R, ...] by trajectory (nothing drawn for a
+  trajectory without a row)."""
+  if len(in_state) == rows:  # never compacted: the same order
+    return out
+  real = in_state >= 0
+
+  def spread(x):
+    full = np.zeros((rows, *x.shape[1:]), x.dtype)
+    full[in_state[real]] = x[real]
+    return full
+
+  return jax.tree.map(spread, out)
 
 
 def _record_turn(trajectories: list[_Trajectory], out, tokenizer) -> dict[int, str]:

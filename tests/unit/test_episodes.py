@@ -3,6 +3,7 @@ loss equals the single-turn loss when no tool is called); observations sit betwe
 with loss mask 0; limits truncate."""
 
 import dataclasses
+import functools
 import types
 
 import flax.linen as nn
@@ -11,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ebpo_jax import envs, sampling, sharding
+from ebpo_jax import envs, sampling, sampling_turns, sharding
 from ebpo_jax.models import Decoder
 from ebpo_jax.tasks import get_task, reward_fns, rewards
 from ebpo_jax.tasks.tokenizers import ByteTokenizer
@@ -44,6 +45,13 @@ class Tagged(Answers):
   stop_strings = ("<tag>",)
 
 
+class RowTurns(Answers):
+  """`Answers` with the row's own number of turns (`row["turns"]`)."""
+
+  def reset(self, row):
+    self.turns = row["turns"]
+
+
 class _Encoder:
   tokenizer = _ManyStops()
 
@@ -69,16 +77,18 @@ def setup():
     yield model, nn.meta.unbox(params), mesh, pool
 
 
-def _run(setup, turns: int, *, max_tokens: int = 30, key: int = 0, env_class=Answers, encoder=None):
+def _run(setup, turns: int, *, max_tokens: int = 30, key: int = 0, env_class=Answers, encoder=None,
+         compact=False, group_size=G, rows=None):  # fmt: skip
   model, params, mesh, pool = setup
   ids, mask = sampling.pad_prompts(PROMPTS, 0, (6,))
   env = EnvOptions(lambda: env_class(turns), max_turns=3, max_tokens=max_tokens,
                    max_observation_tokens=4)  # fmt: skip
-  so = SamplingOptions(N, temperature=1.0, top_p=1.0, top_k=0, compact=False, prompts_per_call=0)
+  so = SamplingOptions(N, temperature=1.0, top_p=1.0, top_k=0, compact=compact,
+                       prompts_per_call=0)  # fmt: skip
   place = lambda x: sharding.place_from_host(x, sharding.row_sharding(x.shape, mesh))  # noqa: E731
   ep = episodes.run_episodes(
-    model, params, place(ids), place(mask), jax.random.key(key), [{}] * len(PROMPTS),
-    group_size=G, greedy=False, encoder=encoder or _Encoder(), pool=pool, env=env, so=so,
+    model, params, place(ids), place(mask), jax.random.key(key), rows or [{}] * len(PROMPTS),
+    group_size=group_size, greedy=False, encoder=encoder or _Encoder(), pool=pool, env=env, so=so,
     mesh=mesh,
   )  # fmt: skip
   return ep, (model, params, ids, mask)
@@ -178,3 +188,21 @@ class _TagTokenizer(_ManyStops):
 
   def encode(self, text):
     return list(self.tag) if text == "<tag>" else super().encode(text)
+
+
+def test_finished_trajectories_stop_costing_and_the_episodes_are_unchanged(setup, monkeypatch):
+  # The first prompt's 8 trajectories end after one turn: with `sampling.compact` the next turns
+  # decode only the other prompt's 8 rows (a batch of 8, not 16), drawing as they did.
+  sizes = []
+  gather = sampling_turns.compact
+  monkeypatch.setattr(sampling_turns, "compact", lambda s, take: sizes.append(len(take)) or
+                      gather(s, take))  # fmt: skip
+  rows = [{"turns": 1}, {"turns": 3}]
+  run = functools.partial(_run, setup, 0, env_class=RowTurns, group_size=8, rows=rows, key=2)
+  full, _ = run()
+  compacted, _ = run(compact=True)
+  assert sizes == [8] and (full.turns[8:] > 1).any()
+  for name in ("tokens", "mask", "loss_mask", "truncated", "turns", "env_rewards"):
+    np.testing.assert_array_equal(getattr(compacted, name), getattr(full, name), err_msg=name)
+  np.testing.assert_allclose(compacted.logps, full.logps, atol=1e-5)  # a batch of 8 rounds anew
+  assert compacted.transcripts == full.transcripts
