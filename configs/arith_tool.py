@@ -3,11 +3,11 @@
 The model cannot multiply such numbers itself; it can call the built-in `calc` tool
 (`<tool_call>{"name": "calc", "arguments": {"expression": "123*456"}}</tool_call>`), read the
 `<tool_response>` that the environment appends (tokens out of the loss) and copy the result. The
-warm start's transcripts (600 steps) call the tool in 30% of the rows and answer directly (in
-effect, guess) in the others, so greedy decoding mostly starts out without the tool; RL on whole
-trajectories (EBPO, 50 steps) finds that the tool pays: held-out greedy accuracy 0.10 -> 0.45
-for seed 0 (218 s on 2 busy cores). Seed-fragile: the warm start of seeds 1 and 2 does not learn
-to copy the numbers, every sampled reward is 0 and RL cannot start (bench/RESULTS.md).
+warm start's transcripts (800 steps) call the tool in 40% of the rows and answer directly (in
+effect, guess) in the others, of which only the first digit is trained, so greedy decoding mostly
+starts out without the tool; RL on whole trajectories (EBPO, 50 steps) finds that the tool pays:
+held-out greedy accuracy 0.34 -> 0.65 at step 10 and 0.67 at step 50 for seed 0 (199 CPU-s in
+all), and up by at least 20 points on each of seeds 0-2 (bench/RESULTS.md).
 
   python -m ebpo_jax.train --config=configs/arith_tool.py --workdir=/tmp/arith_tool
   python -m ebpo_jax.train --config=configs/arith_tool.py:runlocal --workdir=/tmp/arith_tool_local
