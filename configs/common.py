@@ -138,7 +138,8 @@ def get_config() -> ml_collections.ConfigDict:
   # loop body per stage (~2x the sampler's compile time): ebpo_jax/sampling_loop.py. It pays for
   # long, uneven responses (5x useful tok/s on a long tail, bench/RESULTS.md): the real-model
   # configs turn it on; this job's 4-token answers would only compile longer.
-  config.sampling.compact = False  # decode in halving batches of the running rows
+  config.sampling.compact = False  # decode in halving batches of the running rows (multi-turn:
+  # between turns, only the running trajectories' rows go on, in halving batches)
   # Each round of sampler calls decodes from one copy of the weights in the compute dtype, made
   # before the round and freed after it. True: split over 'tensor' only, replicated over the rows'
   # axes (data, fsdp), so no decode step gathers a weight; False: split as in training (less

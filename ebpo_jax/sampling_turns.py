@@ -11,6 +11,8 @@ The cache has one write slot for all rows (`KVCache.index`); rows that feed fewe
 others leave invalid slots, which attention skips (`KVCache.mask`), so slots need not match
 positions. A row that is not live this turn (its episode is over) feeds nothing and draws nothing.
 The caller sizes the cache (`cache_slots`) for all turns; the state is donated from turn to turn.
+Between turns the caller may keep only the rows still running (`compact`, with `row_ids_r` naming
+each row's random stream in `turn`), so that finished trajectories stop costing.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def start(params, prompt_ids_bp, prompt_mask_bp, *, model: nn.Module, group_size
 
 @functools.partial(
   jax.jit,
-  static_argnames=("model", "max_new_tokens", "greedy", "top_k", "stop_ids", "pad_id"),
+  static_argnames=("model", "max_new_tokens", "greedy", "top_k", "stop_ids", "stop_seqs", "pad_id"),
   donate_argnames=("state",),
 )
 def turn(
@@ -82,6 +84,7 @@ def turn(
   rng: jax.Array,
   temperature: jax.Array,
   top_p: jax.Array,
+  row_ids_r: jax.Array | None = None,
   *,
   model: nn.Module,
   max_new_tokens: int,
@@ -89,10 +92,14 @@ def turn(
   top_k: int,
   stop_ids: tuple[int, ...],
   pad_id: int,
+  stop_seqs: tuple[tuple[int, ...], ...] = (),
 ) -> tuple[TurnState, TurnOutput]:
   """One model turn of every live row: feeds `pending` then the row's new tokens (`new_ids_rw`,
-  right-padded, `new_mask_rw` valid), then decodes up to `min(max_new_tokens, budget_r)` tokens.
-  Row r draws token t with `fold_in(fold_in(rng, t), r)` (`sampling_loop.row_uniforms`)."""
+  right-padded, `new_mask_rw` valid), then decodes up to `min(max_new_tokens, budget_r)` tokens,
+  until a token of `stop_ids` or the last token of a sequence of `stop_seqs` (a stop string that
+  is several tokens, such as a tool-call close tag) drawn this turn.
+  Row r draws token t with `fold_in(fold_in(rng, t), row_ids_r[r])` (`sampling_loop.row_uniforms`;
+  default: r), so a row draws the same tokens wherever it sits in a compacted batch (`compact`)."""
   apply = functools.partial(model.clone(scan_layers=False).apply, {"params": params})
   chunk_mask = jnp.concatenate([live_r[:, None], new_mask_rw & live_r[:, None]], axis=1)
   chunk_ids = jnp.concatenate([state.pending[:, None], new_ids_rw], axis=1)
@@ -103,6 +110,8 @@ def turn(
     logits_rwv, jnp.maximum(count_r - 1, 0)[:, None, None], axis=1
   )[:, 0]
   rows = loop.initial_rows(state.position + count_r, max_new_tokens, pad_id)
+  if row_ids_r is not None:
+    rows = rows._replace(row_id=row_ids_r.astype(jnp.int32))
   s = loop.State(step=jnp.zeros((), jnp.int32), cache=cache, rows=rows._replace(done=~live_r))
   draw = functools.partial(
     sampling.draw, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy
@@ -111,7 +120,9 @@ def turn(
   def draw_and_record(s: loop.State, logits_rv: jax.Array) -> loop.State:
     drawn = draw(logits_rv, loop.row_uniforms(rng, s.step, s.rows.row_id))
     s = loop.record(s, drawn, stop_ids, pad_id)
-    return s._replace(rows=s.rows._replace(done=s.rows.done | (s.rows.lengths >= budget_r)))
+    r = s.rows
+    done = r.done | (r.lengths >= budget_r) | ends_with_any(r.tokens, r.lengths, stop_seqs)
+    return s._replace(rows=r._replace(done=done))
 
   def decode_one(s: loop.State) -> loop.State:
     # A row's last token enters the cache only while the row runs: a stopped row's stop token
@@ -133,5 +144,32 @@ def turn(
     pending=jnp.where(drew, last, state.pending),
     position=jnp.where(drew, out.first_position + out.lengths - 1, state.position),
   )
-  stopped = drew & jnp.isin(last, jnp.asarray(stop_ids, jnp.int32))
+  stop_token = jnp.isin(last, jnp.asarray(stop_ids, jnp.int32))
+  stopped = drew & (stop_token | ends_with_any(out.tokens, out.lengths, stop_seqs))
   return next_state, TurnOutput(out.tokens, out.logprobs, out.lengths, stopped, out.nonfinite)
+
+
+@jax.jit  # no donation: the smaller state cannot reuse the larger one's buffers
+def compact(state: TurnState, take_s: jax.Array) -> TurnState:
+  """The rows `take_s` [S] of `state` (cache, pending token, position), in that order: the
+  trajectories still running, so that finished ones stop costing in the next turns."""
+  rows = functools.partial(jnp.take, indices=take_s, axis=0)
+  cache = state.cache.replace(
+    k=tuple(map(rows, state.cache.k)),
+    v=tuple(map(rows, state.cache.v)),
+    mask=rows(state.cache.mask),
+  )
+  return TurnState(cache, rows(state.pending), rows(state.position))
+
+
+def ends_with_any(
+  tokens_rn: jax.Array, lengths_r: jax.Array, seqs: tuple[tuple[int, ...], ...]
+) -> jax.Array:
+  """[R] bool: row r's first `lengths_r[r]` tokens end with one of `seqs` (static)."""
+  hit = jnp.zeros(lengths_r.shape, bool)
+  for seq in seqs:
+    k = len(seq)
+    at = jnp.clip(lengths_r[:, None] - k + jnp.arange(k)[None], 0, tokens_rn.shape[1] - 1)
+    tail = jnp.take_along_axis(tokens_rn, at, axis=1)
+    hit |= (lengths_r >= k) & (tail == jnp.asarray(seq, tokens_rn.dtype)).all(axis=1)
+  return hit

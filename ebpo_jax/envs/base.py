@@ -3,8 +3,8 @@
 An episode: `reset(row)` gives the first observation (None: the prompt alone), then each model turn
 goes to `step(model_text)`, which returns `(observation or None, reward or None, done)`. The
 observation's tokens are appended to the trajectory (loss mask 0) and the model's next turn
-continues from there. When the episode ends with reward None, the task's verifier (or
-`rewards.fns`) scores the last model turn.
+continues from there. When the episode ends with reward None, the task's verifier scores the last
+model turn (or `rewards.fns`, whose terms also read the whole transcript).
 
 Each step runs in a worker of the verifier pool (`step_in_worker`: the environment object goes to
 the worker and comes back with the step's result), so a step that hangs or kills its worker costs
@@ -29,6 +29,7 @@ class Environment(abc.ABC):
   tool_calls: int = 0  # tool calls the model made in this episode
   tool_errors: int = 0  # of them, the failed ones (bad call, unknown tool, raised, bad result)
   tools: tuple[Callable[..., str], ...] = ()  # rendered into the prompt by a chat template
+  stop_strings: tuple[str, ...] = ()  # texts that end a model turn, as end-of-turn tokens do
 
   def reset(self, row: dict[str, Any]) -> str | None:
     """Starts an episode on `row`; returns the first observation, or None for none."""
@@ -49,7 +50,10 @@ class ToolEnvironment(Environment):
   `<tool_call>` runs the named tool on its arguments and the result comes back as a
   `<tool_response>` observation; a turn without one ends the episode (the verifier scores it).
   A tool returns text (str); anything else, an exception, a malformed call or an unknown name is an
-  error observation, counted in `tool_errors`."""
+  error observation, counted in `tool_errors`. A model turn ends right after a call's close tag
+  (`stop_strings`), so the model reads the response before it goes on."""
+
+  stop_strings = (tool_calls.CALL_CLOSE,)
 
   def __init__(self, tools: Sequence[Callable[..., str]] = ()):
     self.tools = tuple(tools)

@@ -50,12 +50,12 @@ class ArithToolTask(ArithmeticTask):
 
   def target_turns(self, row: dict[str, Any]) -> list[tuple[str, str]]:
     """The warm start's transcript: a calc call, its response and the answer; or the answer, of
-    which only the first 3 digits are trained (the choice to answer directly, not a multiplication
-    this model cannot learn: fitting those digits crowds out copying the numbers in and out of the
-    tool in the other rows)."""
+    which only the first digit is trained (the choice to answer directly, not a multiplication
+    this model cannot learn: fitting more of its digits crowds out copying the numbers in and out
+    of the tool in the other rows; with 3 digits, 1 of 3 seeds learned to copy)."""
     if not _uses_tool(row["prompt"], self.tool_fraction):
       answer = row["answer"]
-      return [("model", answer[:3]), ("untrained", answer[3:])]
+      return [("model", answer[:1]), ("untrained", answer[1:])]
     expression = row["prompt"].removesuffix("=")
     return [
       ("model", tool_calls.format_call("calc", {"expression": expression})),

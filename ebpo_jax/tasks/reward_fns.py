@@ -6,16 +6,20 @@ A reward function takes a batch and returns one value per completion:
       return [1.0 - len(c) / 100 for c in completions]
 
 `rows` are the completions' data rows (`prompt`, `answer`, `cluster`, ... as the task made them).
-Keyword extras (accept `**extras`; more may be added): `lengths` (list[int], completion tokens,
-the stop token included), `max_new_tokens` (int), `task_score` (the task's own verifier,
-`(completion, row) -> float`). A value is a finite float, or None: "not applicable" to that
-completion. It runs in the verifier process pool (`tasks.rewards.RewardPool`, `rewards.workers`; one
-worker when that is 0) one completion per call, so that each has its own `rewards.timeout_s`: a
-call that raises, hangs, kills its worker or returns anything else scores 0 and counts in
-`reward/errors`. It must be trusted code: `load` imports its module in the trainer process, and
-the workers run it with the trainer's user and files (they isolate crashes and hangs, not a
-hostile module). A function is found by its path, so it must be a module's top-level function
-(the workers import the module; import heavy dependencies at module level, see `rewards`).
+Keyword extras (accept `**extras`; more may be added): `lengths` (list[int], completion tokens, the
+stop token included), `max_new_tokens` (int), `task_score` (the task's own verifier, `(completion,
+row) -> float`), `transcripts` (list[list[dict]]: each completion's whole trajectory after the
+prompt as messages `{"role": "assistant" | "observation", "content": text}`; in multi-turn rollouts
+the completion is the last model turn, and a term that judges the tool use or the earlier turns
+reads them here; a single-turn completion is one assistant message). A value is a finite float, or
+None: "not applicable" to that completion. It runs in the verifier process pool
+(`tasks.rewards.RewardPool`, `rewards.workers`; one worker when that is 0) one completion per call,
+so that each has its own `rewards.timeout_s`: a call that raises, hangs, kills its worker or returns
+anything else scores 0 and counts in `reward/errors`. It must be trusted code: `load` imports its
+module in the trainer process, and the workers run it with the trainer's user and files (they
+isolate crashes and hangs, not a hostile module). A function is found by its path, so it must be a
+module's top-level function (the workers import the module; import heavy dependencies at module
+level, see `rewards`).
 
 `config.rewards.fns` is one string, a comma-separated weighted sum; each term is
 `[NAME=][WEIGHT*]FN`, FN a built-in (`BUILTINS`) or `package.module:function`, WEIGHT 1 when

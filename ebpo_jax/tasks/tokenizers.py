@@ -8,11 +8,13 @@ line; `observation_ids(text)` those of an environment's answer between two model
 model's tool message); `decode(ids)` stops at the first stop id and drops pad and BOS.
 """
 
+import functools
 import json
 from collections.abc import Sequence
 from typing import Any
 
 from ebpo_jax import files
+from ebpo_jax.tasks import tool_calls
 
 _SPECIALS = 3  # ids 0, 1, 2: pad, BOS, EOS
 # A model directory's weights: a tokenizer needs none of them (not mirrored from gs://).
@@ -41,7 +43,8 @@ class _Own:
     warm start)."""
     return [self.bos_id, *self.encode(plain_prompt(text, system_prompt, history))]  # type: ignore[attr-defined]
 
-  def observation_ids(self, text: str) -> list[int]:
+  def observation_ids(self, text: str, *, after_end_of_turn: bool = True) -> list[int]:
+    """The text's tokens (no chat template: nothing closes a turn)."""
     return self.encode(text)  # type: ignore[attr-defined]
 
 
@@ -185,8 +188,9 @@ class HFTokenizer:
     history: Sequence[dict] = (),
     tools: Sequence[dict] = (),
   ) -> list[int]:
-    """The chat template's conversation so far (the tool schemas `tools` rendered as the template
-    renders them; a template without tool support leaves them out), else BOS + the texts."""
+    """The chat template's conversation so far, else BOS + the texts. The tool schemas `tools`
+    are rendered as the template renders them; a template that ignores `tools=` (SmolLM2's) gets
+    them in the system prompt instead (`tool_calls.tools_system_prompt`, after the task's)."""
     if not self.use_chat_template:
       bos = [] if self.bos_id is None else [self.bos_id]
       return bos + self.encode(plain_prompt(text, system_prompt, history))
@@ -195,15 +199,29 @@ class HFTokenizer:
       [{"role": "system", "content": system_prompt}] if system_prompt and not has_system else []
     )
     messages += [*history, {"role": "user", "content": text}]
+    if tools and not self._renders_tools():
+      messages, tools = _tools_in_system_prompt(messages, tools), ()
     out = self._tok.apply_chat_template(
       messages, tools=list(tools) or None, add_generation_prompt=True, tokenize=True
     )
     return list(out["input_ids"] if hasattr(out, "keys") else out)
 
-  def observation_ids(self, text: str) -> list[int]:
-    """An environment's answer after a model turn that ended with a stop token: the chat
-    template's tool message and the next turn's generation prompt (less the end-of-turn mark the
-    model drew), else the text's tokens."""
+  @functools.cache  # noqa: B019 (one tokenizer per run; the answer never changes)
+  def _renders_tools(self) -> bool:
+    """Whether the chat template renders `tools=`: a conversation with a tool differs."""
+    schema = {
+      "type": "function",
+      "function": {"name": "probe", "description": "", "parameters": {}},
+    }
+    messages = [{"role": "user", "content": "?"}]
+    render = functools.partial(self._tok.apply_chat_template, messages, tokenize=False)
+    return render(tools=[schema]) != render()
+
+  def observation_ids(self, text: str, *, after_end_of_turn: bool = True) -> list[int]:
+    """An environment's answer after a model turn: the chat template's tool message and the next
+    turn's generation prompt (less the end-of-turn mark when the model drew it,
+    `after_end_of_turn`; a turn cut at a stop string such as a tool call's close tag has not),
+    else the text's tokens."""
     if not self.use_chat_template:
       return self.encode(text)
     marker = "\ue000"  # a private-use character: where the model's turn ends in the rendering
@@ -211,7 +229,7 @@ class HFTokenizer:
     messages.append({"role": "tool", "content": text})
     rendered = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     tail = rendered.split(marker, 1)[1]
-    for stop in self.stop_ids:
+    for stop in self.stop_ids if after_end_of_turn else ():
       tail = tail.removeprefix(self._tok.decode([stop]))
     return self.encode(tail)
 
@@ -222,6 +240,33 @@ class HFTokenizer:
         ids = ids[:n]
         break
     return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def _tools_in_system_prompt(messages: list[dict], tools: Sequence[dict]) -> list[dict]:
+  """`messages` with the tools' text at the end of the system message (a new one if none)."""
+  text = tool_calls.tools_system_prompt(tools)
+  if messages and messages[0]["role"] == "system":
+    first = {**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}
+    return [first, *messages[1:]]
+  return [{"role": "system", "content": text}, *messages]
+
+
+def turn_stops(
+  tokenizer, stop_strings: Sequence[str]
+) -> tuple[tuple[int, ...], tuple[tuple[int, ...], ...]]:
+  """(stop ids, stop sequences) that end a model turn: the tokenizer's stop ids, and each of
+  `stop_strings` (an environment's, e.g. a tool call's close tag) as `tokenizer.encode` gives it:
+  one token joins the stop ids, several make a stop sequence (the decode loop matches the turn's
+  last tokens). A model that spells the string in other tokens than its encoding does not stop
+  there; its turn goes on to its end-of-turn token or its budget."""
+  ids, seqs = list(tokenizer.stop_ids), []
+  for text in stop_strings:
+    encoded = tuple(int(i) for i in tokenizer.encode(text))
+    if len(encoded) == 1 and encoded[0] not in ids:
+      ids.append(encoded[0])
+    elif len(encoded) > 1 and encoded not in seqs:
+      seqs.append(encoded)
+  return tuple(ids), tuple(seqs)
 
 
 def plain_prompt(text: str, system_prompt: str | None, history: Sequence[dict]) -> str:

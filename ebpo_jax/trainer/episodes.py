@@ -7,11 +7,16 @@ verifier pool's workers (`envs.step_in_worker`, `rewards.timeout_s` per step). A
 hangs, kills its worker or returns the wrong types gives an error observation and counts as a tool
 error; the episode goes on. The observation's tokens (at most `env.max_observation_tokens`) are
 appended to the trajectory with loss mask 0, and the next turn continues after them: the tokens a
-trajectory holds are exactly those the model read and drew, never re-tokenized.
+trajectory holds are exactly those the model read and drew, never re-tokenized. With
+`sampling.compact`, finished trajectories stop costing: before each turn the state keeps only the
+running rows (in halving batch sizes, `sampling_loop.stage_sizes`), which draw as they would have.
 
-A trajectory ends when its environment says done, at the turn limit, when a turn ends without a
-stop token (truncated: `env.max_tokens` or `sampling.max_new_tokens` reached) or when its next
-observation would not leave room for a model token (truncated). It is trained as one completion:
+A model turn ends at one of the tokenizer's stop tokens or at one of the environment's
+`stop_strings` (a tool call's close tag), encoded as the tokenizer encodes it: one token or a
+sequence that the decode loop matches (`tokenizers.turn_stops`). A trajectory ends when its
+environment says done, at the turn limit, when a turn ends without either (truncated:
+`env.max_tokens` or `sampling.max_new_tokens` reached) or when its next observation would not
+leave room for a model token (truncated). It is trained as one completion:
 `tokens`, `mask` (every token), `loss_mask` (model tokens) and `logps` `[R, env.max_tokens]`.
 """
 
@@ -27,7 +32,9 @@ from jax.sharding import Mesh
 
 from ebpo_jax import envs, sampling, sampling_turns, sharding
 from ebpo_jax import metrics as metrics_lib
+from ebpo_jax import sampling_loop as loop
 from ebpo_jax.tasks import rewards as rewards_lib
+from ebpo_jax.tasks import tokenizers
 from ebpo_jax.trainer.rollout_options import EnvOptions, SamplingOptions
 
 
@@ -42,6 +49,7 @@ class _Trajectory:
   logps: list[float] = dataclasses.field(default_factory=list)
   transcript: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (role, text)
   live: bool = True
+  closed: bool = True  # the last model turn ended with an end-of-turn token (not a stop string)
   truncated: bool = False
   nonfinite: bool = False
   reward: float | None = None  # the environment's final reward
@@ -59,6 +67,7 @@ class Episodes:
   nonfinite: np.ndarray  # [R] bool
   final_texts: list[str]  # [R] the last model turn: what the verifier scores
   transcripts: list[str]  # [R] every turn, each "[role] text" on its own line
+  messages: list[list[dict[str, str]]]  # [R] every turn as {"role", "content"}, for rewards.fns
   env_rewards: np.ndarray  # [R] float32: the environment's final reward, NaN for none
   turns: np.ndarray  # [R] int32: model turns
   tool_calls: np.ndarray  # [R] int32
@@ -102,6 +111,7 @@ def run_episodes(
   state = sampling_turns.start(
     params, prompt_ids, prompt_mask, model=model, group_size=group_size, slots=slots
   )
+  stop_ids, stop_seqs = tokenizers.turn_stops(tokenizer, trajectories[0].env.stop_strings)
   scalar = lambda x: sharding.place_from_host(np.float32(x), sharding.replicated(mesh))  # noqa: E731
   settings = dict(
     temperature=scalar(so.temperature),
@@ -110,18 +120,28 @@ def run_episodes(
     max_new_tokens=so.max_new_tokens,
     greedy=greedy,
     top_k=so.top_k,
-    stop_ids=tuple(tokenizer.stop_ids),
+    stop_ids=stop_ids,
+    stop_seqs=stop_seqs,
     pad_id=tokenizer.pad_id,
   )
   env_time = 0.0
+  place = lambda x: sharding.place_from_host(x, sharding.row_sharding(x.shape, mesh))  # noqa: E731
+  rows = len(trajectories)
+  sizes = loop.stage_sizes(rows, compact=so.compact, shards=loop.batch_shards(rows, mesh))
+  in_state = np.arange(rows)  # the trajectory of each row of `state`; -1: a filler row
   # The first turn draws with `key` itself: an episode of one turn is `sampling.generate`'s sample.
   for turn_key in (key, *_split_keys(key, env.max_turns)[1:]):
     inputs = _next_inputs(trajectories, width, env.max_tokens, tokenizer.pad_id)
     if not inputs[2].any():
       break
-    placed = [sharding.place_from_host(x, sharding.row_sharding(x.shape, mesh)) for x in inputs]
-    state, out = sampling_turns.turn(params, state, *placed, turn_key, **settings)
-    stepping = _record_turn(trajectories, sharding.to_host(out), tokenizer)
+    state, in_state = _compact(state, in_state, inputs[2], sizes, place)
+    ordered = [place(x) for x in _state_order(inputs, in_state)]
+    row_ids = place(np.maximum(in_state, 0).astype(np.int32))
+    state, out = sampling_turns.turn(
+      params, state, *ordered, turn_key, row_ids_r=row_ids, **settings
+    )
+    out = _by_trajectory(sharding.to_host(out), in_state, rows)
+    stepping = _record_turn(trajectories, out, tokenizer)
     started = time.perf_counter()
     _step_envs(trajectories, stepping, pool, encoder, width)
     env_time += time.perf_counter() - started
@@ -170,6 +190,42 @@ def _next_inputs(trajectories: list[_Trajectory], width: int, max_tokens: int, p
   return new_ids, new_mask, live, budget
 
 
+def _compact(state, in_state: np.ndarray, live: np.ndarray, sizes: tuple[int, ...], place):
+  """(state, in_state) with only the running trajectories' rows (`sampling.compact`): the
+  smallest of `sizes` (`sampling_loop.stage_sizes`) that holds them, topped up with copies of one
+  (filler rows, never live); unchanged when that is not smaller."""
+  running = np.flatnonzero((in_state >= 0) & live[np.maximum(in_state, 0)])
+  size = min(s for s in sizes if s >= len(running))
+  if size >= len(in_state):
+    return state, in_state
+  filler = size - len(running)
+  take = np.concatenate([running, np.full(filler, running[0])]).astype(np.int32)
+  state = sampling_turns.compact(state, place(take))
+  return state, np.concatenate([in_state[running], np.full(filler, -1)])
+
+
+def _state_order(inputs, in_state: np.ndarray) -> list[np.ndarray]:
+  """`_next_inputs`' arrays [R, ...] by trajectory as rows of the state; filler rows not live."""
+  real = in_state >= 0
+  new_ids, new_mask, live, budget = (x[np.maximum(in_state, 0)] for x in inputs)
+  return [new_ids, new_mask & real[:, None], live & real, budget]
+
+
+def _by_trajectory(out, in_state: np.ndarray, rows: int):
+  """A turn's host outputs [S, ...] by state row as [R, ...] by trajectory (nothing drawn for a
+  trajectory without a row)."""
+  if len(in_state) == rows:  # never compacted: the same order
+    return out
+  real = in_state >= 0
+
+  def spread(x):
+    full = np.zeros((rows, *x.shape[1:]), x.dtype)
+    full[in_state[real]] = x[real]
+    return full
+
+  return jax.tree.map(spread, out)
+
+
 def _record_turn(trajectories: list[_Trajectory], out, tokenizer) -> dict[int, str]:
   """Appends each live trajectory's model turn; returns {row: turn text} of those that go on to
   an environment step (the turn ended with a stop token)."""
@@ -184,6 +240,7 @@ def _record_turn(trajectories: list[_Trajectory], out, tokenizer) -> dict[int, s
     t.logps += out.logprobs[r, :n].tolist()
     text = tokenizer.decode(ids)
     t.transcript.append(("assistant", text))
+    t.closed = ids[-1] in tokenizer.stop_ids
     if out.nonfinite[r]:
       t.live, t.nonfinite = False, True
     elif not out.stopped[r]:
@@ -208,7 +265,7 @@ def _step_envs(trajectories, stepping: dict[int, str], pool, encoder, width: int
       t.live, t.reward = False, reward
       continue
     observation = observation or ""
-    t.observation = encoder.observation_ids(observation)[:width]
+    t.observation = encoder.observation_ids(observation, after_end_of_turn=t.closed)[:width]
     t.transcript.append(("observation", observation))
 
 
@@ -232,6 +289,9 @@ def _assemble(trajectories, max_tokens: int, pad_id: int, env_time: float) -> Ep
     transcripts=[
       "\n".join(f"[{role}] {text}" for role, text in t.transcript) for t in trajectories
     ],
+    messages=[
+      [{"role": role, "content": text} for role, text in t.transcript] for t in trajectories
+    ],
     env_rewards=np.array(
       [np.nan if t.reward is None else t.reward for t in trajectories], np.float32
     ),
@@ -246,8 +306,9 @@ def rollout_fields(sampler, params, ids, mask, key, rows, group_size: int, greed
                    training: bool) -> dict:  # fmt: skip
   """The `rollouts.Rollout` fields of `sampler`'s episodes of `rows` (host prompts `ids`/`mask`
   [M, P], M >= len(rows): the copies that pad a call are dropped): the trajectories on the
-  devices, the final turns scored (the environment's final reward where it gave one), the
-  transcripts as texts, and `stats`, the episodes' sums (`episode_metrics`)."""
+  devices, the final turns scored (the environment's final reward where it gave one; the reward
+  functions also read the whole trajectory, their `transcripts` extra), the transcripts as texts,
+  and `stats`, the episodes' sums (`episode_metrics`)."""
   n, mesh = len(rows), sampler.mesh
   place = lambda x: sharding.place_from_host(x, sharding.row_sharding(x.shape, mesh))  # noqa: E731
   padded = list(rows) + [rows[-1]] * (ids.shape[0] - n)
@@ -259,8 +320,9 @@ def rollout_fields(sampler, params, ids, mask, key, rows, group_size: int, greed
   r = n * group_size
   lengths = ep.mask[:r].sum(axis=1).astype(np.int32)
   scored, reward_parts, errors = sampler.scorer.score(
-    ep.final_texts[:r], list(rows), lengths, group_size, training=training
-  )
+    ep.final_texts[:r], list(rows), lengths, group_size, training=training,
+    transcripts=ep.messages[:r],
+  )  # fmt: skip
   from_env = ep.env_rewards[:r].reshape(scored.shape)
   on_host = {"tokens": ep.tokens, "mask": ep.mask, "loss_mask": ep.loss_mask,
              "old_logps": ep.logps, "truncated": ep.truncated,

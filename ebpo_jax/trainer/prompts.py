@@ -57,9 +57,10 @@ class PromptEncoder:
       trained += [role == "model"] * len(part)
     return ids, trained
 
-  def observation_ids(self, text: str) -> list[int]:
-    """An environment's observation as the tokens appended to a trajectory."""
-    return self.tokenizer.observation_ids(text)
+  def observation_ids(self, text: str, *, after_end_of_turn: bool = True) -> list[int]:
+    """An environment's observation as the tokens appended to a trajectory (`after_end_of_turn`:
+    the model's turn ended with one of the tokenizer's stop ids, not at a stop string)."""
+    return self.tokenizer.observation_ids(text, after_end_of_turn=after_end_of_turn)
 
   def prompts(self, rows: Sequence[dict]) -> tuple[np.ndarray, np.ndarray]:
     """Host `(ids, mask)` [N, P] of the rows' prompts, left-padded to a length bucket."""

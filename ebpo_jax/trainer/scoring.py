@@ -53,19 +53,25 @@ class Scorer:
     group_size: int,
     *,
     training: bool,
+    transcripts: Sequence[list[dict[str, str]]] | None = None,
   ) -> tuple[np.ndarray, dict[str, np.ndarray], int]:
     """(rewards [N, G] float32, each reward function's values {name: [N, G]}, failed calls) of the
     N rows' G completions each (prompt-major): for `training`, the weighted sum of the reward
-    functions (when configured), else the task's verifier."""
+    functions (when configured), else the task's verifier. `transcripts`: each completion's whole
+    trajectory as messages `{"role", "content"}` (multi-turn), which the reward functions receive
+    as their `transcripts` extra; None: each completion is one model turn."""
     fns = self.reward_fns if training else ()
     rows_g = [row for row in rows for _ in range(group_size)]
     share = -(-len(texts) // jax.process_count())
     mine = slice(jax.process_index() * share, (jax.process_index() + 1) * share)
     if fns:
+      if transcripts is None:
+        transcripts = [[{"role": "assistant", "content": text}] for text in texts]
       extras = [
-        {"lengths": [int(n)], "max_new_tokens": self.max_new_tokens, "task_score": self.task.score}
-        for n in lengths[mine]
-      ]
+        {"lengths": [int(n)], "max_new_tokens": self.max_new_tokens, "task_score": self.task.score,
+         "transcripts": [messages]}
+        for n, messages in zip(lengths[mine], transcripts[mine], strict=True)
+      ]  # fmt: skip
       named = [(f.name, f.fn) for f in fns]
       values, errors = self.pool.score_rewards(named, texts[mine], rows_g[mine], extras)
     else:

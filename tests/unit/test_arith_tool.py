@@ -34,6 +34,8 @@ def test_the_warm_start_trains_model_tokens_only():
     assert text == "".join(t for _, t in turns)  # EOS ends the decoded text
     trained = tok.decode(i[lm])
     assert trained == "".join(t for role, t in turns if role == "model")
+    if len(turns) == 2:  # answered directly: only the choice (the first digit) is trained
+      assert turns[0] == ("model", row["answer"][:1]) and len(tok.encode(trained)) == 1
   response_open = tok.encode(tool_calls.RESPONSE_OPEN)
   assert len(response_open) == 1 and not loss_mask[ids == response_open[0]].any()
   assert loss_mask.sum() < mask.sum()

@@ -76,7 +76,7 @@ def test_environments_and_tools_are_named_in_the_config():
 class _Encoder:
   """`PromptEncoder.observation_ids` for the host loop: one id per character."""
 
-  def observation_ids(self, text):
+  def observation_ids(self, text, after_end_of_turn=True):
     return [ord(c) for c in text]
 
 

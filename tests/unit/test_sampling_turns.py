@@ -87,3 +87,37 @@ def test_a_row_not_live_draws_nothing_and_a_budget_cuts_its_turn(policy):
   stopped = np.asarray(first.stopped)
   ends = np.asarray(first.tokens)[np.arange(4), np.asarray(first.lengths) - 1]
   np.testing.assert_array_equal(stopped, np.isin(ends, STOPS))
+
+
+def _one_turn(policy, *, stop_ids, stop_seqs=(), width=12):
+  model, params = policy
+  ids, mask = sampling.pad_prompts(PROMPTS, PAD, (6,))
+  slots = sampling_turns.cache_slots(6, max_turns=1, chunk_width=1, max_new_tokens=width)
+  dparams = sampling.decode_params(params)
+  state = sampling_turns.start(dparams, ids, mask, model=model, group_size=G, slots=slots)
+  rows = len(PROMPTS) * G
+  _, out = sampling_turns.turn(
+    dparams, state, np.zeros((rows, 0), np.int32), np.zeros((rows, 0), bool),
+    np.ones(rows, bool), np.full(rows, width, np.int32), jax.random.key(3), jnp.float32(1.0),
+    jnp.float32(1.0), model=model, max_new_tokens=width, greedy=False, top_k=0,
+    stop_ids=stop_ids, stop_seqs=stop_seqs, pad_id=PAD,
+  )  # fmt: skip
+  return jax.tree.map(np.asarray, out)
+
+
+def test_a_stop_sequence_of_several_tokens_ends_the_turn_right_after_it(policy):
+  # A tool-call close tag that the tokenizer splits into several tokens (SmolLM2: "</tool_call>"
+  # is 5) must end the turn as a stop token does. Rows draw by (key, step, row) alone, so the turn
+  # with the stop sequence is the turn without it, cut right after the sequence's first end.
+  free = _one_turn(policy, stop_ids=(PAD,))
+  seq = tuple(int(t) for t in free.tokens[0, 2:5])  # row 0 draws it at steps 2-4
+  cut = _one_turn(policy, stop_ids=(PAD,), stop_seqs=(seq,))
+  for r in range(len(PROMPTS) * G):
+    drawn = free.tokens[r, : free.lengths[r]].tolist()
+    ends = [i + 3 for i in range(len(drawn) - 2) if tuple(drawn[i : i + 3]) == seq]
+    n = ends[0] if ends else len(drawn)
+    assert cut.lengths[r] == n and cut.stopped[r] == (bool(ends) or bool(free.stopped[r]))
+    np.testing.assert_array_equal(cut.tokens[r, :n], drawn[:n])
+    np.testing.assert_allclose(cut.logprobs[r, :n], free.logprobs[r, :n], atol=1e-6)
+    assert (cut.tokens[r, n:] == PAD).all()
+  assert cut.lengths[0] == 5 and cut.stopped[0] and not free.stopped[0]

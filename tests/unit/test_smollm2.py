@@ -3,12 +3,16 @@
 at set difficulties, the held-out avg@k) for 1 RL step on a CPU and its evaluation, as
 docs/models.md documents them."""
 
+import json
 import os
+import shutil
 
 import pytest
 
 from ebpo_jax import models
-from ebpo_jax.tasks import tokenizers
+from ebpo_jax.envs import tool_schema
+from ebpo_jax.envs.tools import calc
+from ebpo_jax.tasks import tokenizers, tool_calls
 
 
 @pytest.fixture(scope="module")
@@ -53,12 +57,61 @@ def test_a_tool_message_continues_the_transcript_as_the_chat_template_renders_it
   prompt = tok.prompt_ids("What is 12*34?", tools=[schema])
   transcript = prompt + tok.encode(call) + [tok.eos_id] + tok.observation_ids("408")
   messages = [
+    {"role": "system", "content": tool_calls.tools_system_prompt([schema])},  # see below
     {"role": "user", "content": "What is 12*34?"},
     {"role": "assistant", "content": call},
     {"role": "tool", "content": "408"},
   ]
-  want = hf.apply_chat_template(
-    messages, tools=[schema], add_generation_prompt=True, tokenize=False
-  )
+  want = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
   assert hf.decode(transcript) == want
   assert want.endswith("<|im_start|>tool\n408<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_the_tool_call_close_tag_is_a_stop_sequence_and_the_observation_closes_the_turn(model_dir):
+  # SmolLM2 splits "</tool_call>" into 5 tokens: it ends a turn as a stop sequence, and since the
+  # model then has not drawn its end-of-turn token, the observation starts with it.
+  tok = tokenizers.HFTokenizer(model_dir)
+  hf = tok.hf_tokenizer
+  stop_ids, stop_seqs = tokenizers.turn_stops(tok, ("</tool_call>",))
+  assert stop_ids == tok.stop_ids and stop_seqs == (tuple(tok.encode("</tool_call>")),)
+  assert len(stop_seqs[0]) == 5
+  call = '<tool_call>{"name": "calc", "arguments": {"expression": "12*34"}}</tool_call>'
+  prompt = tok.prompt_ids("What is 12*34?")
+  turn = tok.encode(call)
+  assert turn[-5:] == list(stop_seqs[0])  # the close tag ends the call's tokens as encoded alone
+  transcript = prompt + turn + tok.observation_ids("408", after_end_of_turn=False)
+  messages = [
+    {"role": "user", "content": "What is 12*34?"},
+    {"role": "assistant", "content": call},
+    {"role": "tool", "content": "408"},
+  ]
+  want = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+  assert hf.decode(transcript) == want
+  assert tok.observation_ids("408") == tok.observation_ids("408", after_end_of_turn=False)[1:]
+
+
+def test_a_template_that_drops_tools_gets_their_schema_in_the_system_prompt(model_dir):
+  # SmolLM2's template ignores `tools=`: the schema goes into the system prompt (Hermes/Qwen's
+  # wording), after the task's own system prompt, so the model can read how to call `calc`.
+  tok = tokenizers.HFTokenizer(model_dir)
+  hf, schema = tok.hf_tokenizer, tool_schema(calc)
+  plain = hf.decode(tok.prompt_ids("What is 12*34?"))
+  with_tools = hf.decode(tok.prompt_ids("What is 12*34?", "Be brief.", tools=[schema]))
+  assert "<tools>" not in plain and "calc" not in plain
+  system = with_tools.split("<|im_end|>")[0]
+  assert system.startswith("<|im_start|>system\nBe brief.\n\n")
+  assert json.dumps(schema) in system and "<tool_call>" in system
+  assert with_tools.endswith("<|im_start|>user\nWhat is 12*34?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_a_template_that_renders_tools_renders_them_itself(model_dir, tmp_path):
+  for name in ("tokenizer.json", "tokenizer_config.json"):
+    shutil.copy(os.path.join(model_dir, name), tmp_path / name)
+  (tmp_path / "chat_template.jinja").write_text(
+    "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+  )
+  tok = tokenizers.HFTokenizer(str(tmp_path))
+  text = tok.hf_tokenizer.decode(tok.prompt_ids("Q", tools=[tool_schema(calc)]))
+  assert text.startswith("TOOLS:calc;") and "<tools>" not in text and "system" not in text
