@@ -255,7 +255,7 @@ def sampler_program(target: Target) -> Program:
 
 def _trace_generate(target: Target, ids, rows, replicated, scalar, options: dict):
   return sampling.trace_generate(
-    target.model,
+    models.build.with_compute_dtype(target.model, target.config.sampling.dtype),
     target.params,
     jax.ShapeDtypeStruct(ids.shape, jnp.int32, sharding=rows),
     jax.ShapeDtypeStruct(ids.shape, jnp.bool_, sharding=rows),
