@@ -126,9 +126,20 @@ def get_config() -> ml_collections.ConfigDict:
   config.rl.loss.kl_coef = 0.0  # KL to the frozen start model; 0: no reference model
   config.rl.loss.kl_kind = "k3"  # KL estimator: k1 | k2 | k3
   config.rl.loss.entropy_coef = 0.0  # entropy bonus; 0: off
+  # The sampler-trainer mismatch correction (docs/configs.md#sampler-trainer-mismatch): weights on
+  # the policy-gradient terms from the first-pass / sampler probability ratio of each token.
+  config.rl.loss.rollout_is = "none"  # none | token_tis (min(r, cap)) | seq_mask (geo. mean ratio)
+  config.rl.loss.rollout_is_cap = 2.0  # token_tis: the weights' cap; seq_mask: kept in [1/cap, cap]
+  # PPO's old log-probs from the train step's first pass (its params before any update; verl's
+  # default), not the sampler's. Free with one update per step (that update's forward); else one
+  # forward more per step (bench/recompute.py). A correction (rl.loss.rollout_is) implies it.
+  config.rl.recompute_old_logps = False  # True: old log-probs the trainer's, not the sampler's
 
   config.sampling = ml_collections.ConfigDict()  # rollouts
   config.sampling.temperature = 1.0  # > 0
+  # The sampler's compute dtype: "" is model.dtype; bfloat16 under a float32 trainer makes the
+  # sampler's log-probs differ from the trainer's (mismatch/* metrics; rl.loss.rollout_is).
+  config.sampling.dtype = ""  # "" | float32 | bfloat16
   config.sampling.top_p = 1.0  # nucleus mass in (0, 1]; 1: off
   config.sampling.top_k = 0  # keep the k most likely tokens; 0: off
   config.sampling.max_new_tokens = 4  # response length cap, tokens

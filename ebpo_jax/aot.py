@@ -265,11 +265,16 @@ def _sampler_inputs(target: Target) -> tuple[tuple, dict]:
   return args, {**options, "mesh": mesh}
 
 
+def _sampler_model(target: Target) -> models.Decoder:
+  """The decoder the Sampler runs: the policy's at `sampling.dtype` (`rollouts.make_sampler`)."""
+  return models.build.with_compute_dtype(target.model, target.config.sampling.dtype)
+
+
 def _decode_converter(target: Target):
   """The round's conversion of the weights to the sampler's layout (`sampling.decode_params`)."""
   options = SamplingOptions.from_config(target.config)
   rows = sharding.ROW_AXES if options.replicate_weights else ()
-  dtype = target.model.config.dtype
+  dtype = _sampler_model(target).config.dtype
   return sampling.decode_converter(target.params, dtype=dtype, replicate_over=rows)
 
 
@@ -286,7 +291,7 @@ def sampler_program(target: Target) -> Program:
   `rollouts.Sampler` calls `sampling.generate`: its memory (its costs are its parts',
   `sampler_costs`)."""
   args, options = _sampler_inputs(target)
-  traced = sampling.trace_generate(target.model, *args, **options)
+  traced = sampling.trace_generate(_sampler_model(target), *args, **options)
   prompts = args[1].shape[0]
   calls = -(-target.config.train.batch_size // prompts)
   extra = {"prompts_per_call": prompts, "calls_per_round": calls}
@@ -297,7 +302,7 @@ def sampler_part_programs(target: Target) -> tuple[Program, Program]:
   """`(prefill, decode step)` of a sampler call, each lowered alone (`sampling.trace_parts`)."""
   args, options = _sampler_inputs(target)
   block = target.model.config.attention_block
-  parts = sampling.trace_parts(target.model, *args, **options)
+  parts = sampling.trace_parts(_sampler_model(target), *args, **options)
   return tuple(Program(t.lower(), roofline.count_dots(t.jaxpr.jaxpr, 1, block), {}) for t in parts)
 
 
@@ -313,7 +318,7 @@ def sampler_limit_bytes(target: Target) -> float:
     new_tokens=config.sampling.max_new_tokens,
     row_shards=sampling_loop.batch_shards(prompts * config.rl.group_size, mesh),
     weight_shards=mesh.shape["tensor"],
-    itemsize=jnp.dtype(target.model.config.dtype).itemsize,
+    itemsize=jnp.dtype(_sampler_model(target).config.dtype).itemsize,
   )
 
 

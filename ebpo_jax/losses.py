@@ -22,6 +22,9 @@ AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"
 
 AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3")
+ROLLOUT_IS_MODES: tuple[str, ...] = ("none", "token_tis", "seq_mask")
+# A token's trainer/sampler probability ratio outside these bounds counts in `ratio_out_frac`.
+MISMATCH_RATIO_BOUNDS = (0.5, 2.0)
 
 # exp() of a log-ratio beyond this overflows float32 soon after; such tokens are pathological and
 # clamping keeps one of them from turning the whole loss into inf.
@@ -176,6 +179,7 @@ def policy_loss(
   num_tokens: Array | int | None = None,
   num_seqs: Array | int | None = None,
   max_len: int | None = None,
+  is_weights_bt: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
   """Token-level PPO-clip loss with clip-higher, dual clip, KL and entropy terms.
 
@@ -184,16 +188,19 @@ def policy_loss(
     pg    = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))   (Schulman et al. 2017;
                                                                   clip-higher: DAPO, Yu et al. 2025)
     pg    = min(pg, -A c)  where A < 0                            (dual clip, Ye et al. 2020)
+    pg    = w pg   with `is_weights_bt` w (the rollout correction, `rollout_is_weights`)
     loss  = agg(pg) + kl_coef * agg(kl_k(pi || pi_ref)) - entropy_coef * agg(H)
 
   `agg` is one of `aggregate`'s modes, normalised by the global counts `num_tokens` / `num_seqs`
   and the generation length `max_len` (defaults: counted on this batch). `kl_coef` and
   `entropy_coef` are Python floats: with 0 the term is dropped, and no reference log-probs are
   needed. Returns (loss, metrics); every metric uses the same global normaliser as the loss, so
-  summing micro-batch metrics gives the mini-batch value. Metrics: `pg_loss`, `kl` (0 without
-  reference log-probs), `entropy` (only with `entropy_bt`), `clipfrac` (tokens where the clip is
-  active, `clipfrac_low` / `clipfrac_high` by side), `dual_clipfrac`, `ratio_mean`, `approx_kl`
-  (k3 of the old policy from the new one: how far the update has moved).
+  summing micro-batch metrics gives the mini-batch value. `is_weights_bt` (constants: no gradient
+  flows through them) scale each token's policy-gradient term only, not the KL or entropy terms,
+  and leave the normaliser as it is (a weight-0 token still counts in N_tok). Metrics: `pg_loss`,
+  `kl` (0 without reference log-probs), `entropy` (only with `entropy_bt`), `clipfrac` (tokens
+  where the clip is active, `clipfrac_low` / `clipfrac_high` by side), `dual_clipfrac`,
+  `ratio_mean`, `approx_kl` (k3 of the old policy from the new one: how far the update has moved).
   """
   _check_hparams(
     clip_low, clip_high, dual_clip, agg, kl_coef, kl_kind, entropy_coef, ref_logps_bt, entropy_bt
@@ -217,6 +224,8 @@ def policy_loss(
   pg_bt, is_clipped_bt, dual_clipped_bt = _clipped_surrogate(
     adv_bt, ratio_bt, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip
   )
+  if is_weights_bt is not None:
+    pg_bt = pg_bt * _zero_padding(jax.lax.stop_gradient(is_weights_bt), mask_bt)
   loss = agg_loss(pg_bt)
   metrics = {
     "pg_loss": loss,
@@ -238,6 +247,81 @@ def policy_loss(
       loss = loss - entropy_coef * metrics["entropy"]
   metrics["loss"] = loss
   return loss, metrics
+
+
+def sampler_mismatch(logps_bt: Array, sampler_logps_bt: Array, mask_bt: Array) -> dict[str, Array]:
+  """How far the trainer's log-probs of the sampled tokens are from the sampler's, at the masked
+  (model) tokens: `mismatch/kl`, `mismatch/max_abs`, `mismatch/ratio_out_frac`.
+
+  With d = logps - sampler_logps and r = exp(d) = pi_train / pi_sampler per token:
+
+    kl              = mean(r - 1 - d)    k3 (`kl_penalty`) on the sampler's samples: an estimate of
+                                         KL(pi_sampler || pi_train), >= 0 (verl's convention)
+    max_abs         = max |d|
+    ratio_out_frac  = share of tokens whose r lies outside MISMATCH_RATIO_BOUNDS = [0.5, 2]
+
+  Means over the batch's masked tokens (0 when there are none); padding never counts, whatever
+  its values (inf, NaN).
+  """
+  mask_bt = mask_bt.astype(bool)
+  d_bt = _zero_padding(logps_bt, mask_bt) - _zero_padding(sampler_logps_bt, mask_bt)
+  low, high = np.log(MISMATCH_RATIO_BOUNDS[0]), np.log(MISMATCH_RATIO_BOUNDS[1])
+
+  def mean(values_bt):
+    return aggregate(values_bt, mask_bt, "token-mean")
+
+  return {
+    "mismatch/kl": mean(kl_penalty(jnp.zeros_like(d_bt), d_bt, "k3")),
+    "mismatch/max_abs": jnp.max(jnp.abs(d_bt)),
+    "mismatch/ratio_out_frac": mean((d_bt < low) | (d_bt > high)),
+  }
+
+
+def rollout_is_weights(
+  logps_bt: Array, sampler_logps_bt: Array, mask_bt: Array, *, mode: str, cap: float
+) -> tuple[Array, dict[str, Array]]:
+  """The rollout correction's per-token weights [B, T] (0 at padding, no gradient), and their
+  metrics `rollout_is/mean_weight`, `rollout_is/clipped_frac` (means over the masked tokens).
+
+  `logps_bt` are the trainer's log-probs of the sampled tokens under the step's params before any
+  update (the first pass), `sampler_logps_bt` the sampler's; r_t = exp(logps - sampler_logps):
+
+    none       w_t = 1
+    token_tis  w_t = min(r_t, cap)       truncated importance sampling per token (verl's
+                                         `rollout_is: token`, TRL's `token_truncate`); clipped:
+                                         the tokens with r_t > cap
+    seq_mask   w_t = 1[1/cap <= g <= cap] with g = exp(mean_t log r_t) the sequence's geometric-
+                                         mean ratio (verl's `rollout_rs: geometric` with its lower
+                                         bound 1/upper): a sequence outside weighs 0; clipped: the
+                                         tokens of those sequences
+
+  The geometric mean does not grow with the length, as the product would (verl's `sequence`), so
+  one cap means the same for short and long responses; verl's typical geometric thresholds are
+  1.0002 - 1.001, far tighter than a per-token cap of about 2.
+  """
+  if mode not in ROLLOUT_IS_MODES:
+    raise ValueError(f"rollout_is must be one of {ROLLOUT_IS_MODES}, got {mode!r}")
+  if not cap > 1.0:
+    raise ValueError(f"rollout_is_cap must be > 1, got {cap!r}")
+  mask_bt = mask_bt.astype(bool)
+  d_bt = _zero_padding(logps_bt, mask_bt) - _zero_padding(sampler_logps_bt, mask_bt)
+  d_bt = jax.lax.stop_gradient(jnp.clip(d_bt, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+  if mode == "none":
+    weights_bt, clipped_bt = jnp.ones_like(d_bt), jnp.zeros_like(mask_bt)
+  elif mode == "token_tis":
+    ratio_bt = jnp.exp(d_bt)
+    weights_bt, clipped_bt = jnp.minimum(ratio_bt, cap), ratio_bt > cap
+  else:
+    log_geo_b = jnp.sum(d_bt, axis=-1) / jnp.maximum(jnp.sum(mask_bt, axis=-1), 1)
+    kept_b = jnp.abs(log_geo_b) <= np.log(cap)
+    weights_bt = jnp.broadcast_to(kept_b[:, None], mask_bt.shape).astype(jnp.float32)
+    clipped_bt = ~jnp.broadcast_to(kept_b[:, None], mask_bt.shape)
+  weights_bt = _zero_padding(weights_bt, mask_bt)
+  metrics = {
+    "rollout_is/mean_weight": aggregate(weights_bt, mask_bt, "token-mean"),
+    "rollout_is/clipped_frac": aggregate(clipped_bt, mask_bt, "token-mean"),
+  }
+  return weights_bt, metrics
 
 
 def overlong_penalty(

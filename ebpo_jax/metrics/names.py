@@ -58,6 +58,14 @@ APPROX_KL = "approx_kl"  # k3 of the old policy from the new one: how far the up
 GRAD_NORM = "grad_norm"
 LEARNING_RATE = "lr"  # the schedule's value, mean over the step's updates (one: its value)
 BAD_UPDATES = "bad_updates"  # updates skipped for a non-finite loss or grad norm
+# The sampler-trainer mismatch at the loss-mask tokens, first pass (the step's params before any
+# update) against the sampler's log-probs: losses.sampler_mismatch; r = pi_train / pi_sampler.
+MISMATCH_KL = "mismatch/kl"  # k3 = r - 1 - log r: KL(pi_sampler || pi_train), token mean
+MISMATCH_MAX_ABS = "mismatch/max_abs"  # max |log r|
+MISMATCH_RATIO_OUT_FRAC = "mismatch/ratio_out_frac"  # share of tokens with r outside [0.5, 2]
+# The rollout correction's weights (rl.loss.rollout_is != none): losses.rollout_is_weights.
+ROLLOUT_IS_MEAN_WEIGHT = "rollout_is/mean_weight"  # token mean of the weights
+ROLLOUT_IS_CLIPPED_FRAC = "rollout_is/clipped_frac"  # tokens capped (token_tis), masked (seq_mask)
 
 # Bookkeeping and wall-clock time.
 COMPILES_TRAIN_STEP = "compiles/train_step"  # times the train step was traced (1 = no retrace)
@@ -98,6 +106,8 @@ KEYS = frozenset(
     COMPILES_TRAIN_STEP,
     *TIMING_KEYS,
   }
+  | {MISMATCH_KL, MISMATCH_MAX_ABS, MISMATCH_RATIO_OUT_FRAC}
+  | {ROLLOUT_IS_MEAN_WEIGHT, ROLLOUT_IS_CLIPPED_FRAC}
   | {EVAL_ACCURACY, EVAL_VERIFIER_ERRORS, SFT_LOSS}
 )
 

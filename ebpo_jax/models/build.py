@@ -120,6 +120,14 @@ def with_lora(model_config: ModelConfig, lc: ml_collections.ConfigDict) -> Model
   )
 
 
+def with_compute_dtype(model: Decoder, dtype: str) -> Decoder:
+  """`model` computing in `dtype` (its params cast to it as each layer reads them; "": unchanged):
+  the sampler's `sampling.dtype`."""
+  if not dtype or dtype == model.config.dtype:
+    return model
+  return model.clone(config=dataclasses.replace(model.config, dtype=dtype))
+
+
 def lora_enabled(config: ml_collections.ConfigDict) -> bool:
   """Whether the policy trains LoRA adapters only (`model.lora.rank > 0`)."""
   return config.model.lora.rank > 0

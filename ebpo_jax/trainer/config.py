@@ -45,6 +45,12 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
     raise ConfigError(str(e)) from None
   _choice(config, "rl.loss.aggregation", losses.AGG_MODES)
   _choice(config, "rl.loss.kl_kind", losses.KL_KINDS)
+  _choice(config, "rl.loss.rollout_is", losses.ROLLOUT_IS_MODES)
+  cap = config.rl.loss.rollout_is_cap
+  _require(math.isfinite(cap) and cap > 1, config, "rl.loss.rollout_is_cap", "must be finite, > 1")
+  _choice(config, "rl.recompute_old_logps", (True, False))
+  dtype_rule = "must be '' (model.dtype), float32 or bfloat16"
+  _require(config.sampling.dtype in ("", *_DTYPES), config, "sampling.dtype", dtype_rule)
   _choice(config, "data.order", data.ORDERS)
   _check_data_columns(config)
   _check_env(config)

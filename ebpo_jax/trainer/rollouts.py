@@ -459,8 +459,8 @@ def join_batches(batches: Sequence[ScoredBatch]) -> tuple[list[list[str]], np.nd
 
 def make_sampler(model, task, tokenizer, config: ml_collections.ConfigDict, mesh) -> Sampler:
   """The Sampler of `config` (the one place the rollouts read it): its options, the prompt encoder,
-  and a scorer with its own verifier pool (`sampler.scorer.pool.close()`) and `config.rewards.fns`.
-  """
+  a scorer with its own verifier pool (`sampler.scorer.pool.close()`) and `config.rewards.fns`,
+  and `model` computing in `sampling.dtype` (default: the model's own)."""
   options = RolloutOptions.from_config(config)
   encoder = prompts_lib.PromptEncoder.from_config(config, task, tokenizer)
   fns = reward_fns_lib.load(config.rewards.fns)
@@ -472,4 +472,5 @@ def make_sampler(model, task, tokenizer, config: ml_collections.ConfigDict, mesh
     max_new_tokens=options.completion_width,
     max_error_frac=config.rewards.max_error_frac,
   )
-  return Sampler(model, encoder, scorer, options, mesh)
+  sampler_model = models.build.with_compute_dtype(model, config.sampling.dtype)
+  return Sampler(sampler_model, encoder, scorer, options, mesh)

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from ebpo_jax import advantages, losses, models, sequences, sharding
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.trainer.optimizer import learning_rate, learning_rate_schedule
-from ebpo_jax.trainer.state import TrainState, step_keys
+from ebpo_jax.trainer.state import TrainState, policy_params, step_keys
 
 # ----------------------------------------------------------------------------- static options
 
@@ -40,6 +40,8 @@ class LossOptions:
   kl_coef: float
   kl_kind: str
   entropy_coef: float
+  rollout_is: str  # the rollout correction: none | token_tis | seq_mask (losses.rollout_is_weights)
+  rollout_is_cap: float
 
   @classmethod
   def from_config(cls, loss: ml_collections.ConfigDict) -> "LossOptions":
@@ -62,6 +64,11 @@ class StepLayout:
   @property
   def num_rows(self) -> int:
     return self.num_prompts * self.group_size
+
+  @property
+  def num_updates(self) -> int:
+    """Optimizer updates per step: `epochs` x mini-batches."""
+    return self.epochs * self.num_rows // self.mini_rows
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict, mesh: Mesh | None) -> "StepLayout":
@@ -88,6 +95,7 @@ class StepOptions:
   loss: LossOptions
   layout: StepLayout
   schedule: optax.Schedule  # the learning rate by update count (`optimizer.learning_rate`)
+  recompute_old_logps: bool = False  # rl.recompute_old_logps: PPO's old log-probs the step's own
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict, mesh: Mesh | None) -> "StepOptions":
@@ -95,7 +103,24 @@ class StepOptions:
       loss=LossOptions.from_config(config.rl.loss),
       layout=StepLayout.from_config(config, mesh),
       schedule=learning_rate_schedule(config),
+      recompute_old_logps=bool(config.rl.recompute_old_logps),
     )
+
+  @property
+  def old_from_first_pass(self) -> bool:
+    """Whether PPO's old log-probs are the step's first pass (its params before any update), not
+    the sampler's: with `recompute_old_logps`, and with the rollout correction (verl's decoupled
+    mode: the correction handles the sampler, PPO's ratio the update's movement)."""
+    return self.recompute_old_logps or self.loss.rollout_is != "none"
+
+  def first_pass_forward(self, lora_dropout: float) -> bool:
+    """Whether the step runs a forward of its own before the updates for the first pass (no
+    dropout): when it needs the first pass and its first update's forward is not it for every
+    row (more than one update, or LoRA dropout). With one update and no dropout, that update's
+    forward is the first pass at no extra cost (its log-probs, gradient stopped, are the old
+    ones: TRL's way); the mismatch metrics always come from it when there is no forward apart."""
+    one_clean_update = self.layout.num_updates == 1 and lora_dropout == 0
+    return self.old_from_first_pass and not one_clean_update
 
 
 class StepAux(flax.struct.PyTreeNode):
@@ -188,9 +213,10 @@ def _packed_group_size(layout: StepLayout) -> int | None:
   return layout.group_size if layout.shared_prefix else None
 
 
-def _reference_logps(model, ref_params, seqs: dict, layout: StepLayout, mesh) -> jax.Array:
-  """log pi_ref of the completions [R, N], one micro-batch at a time (bounded memory); `seqs` in
-  the step's layout (a packed micro-batch holds micro_rows / G prompts)."""
+def _forward_logps(model, params, seqs: dict, layout: StepLayout, mesh) -> jax.Array:
+  """log pi(completion token) [R, N] under `params` (the reference's, or the policy's before the
+  updates), one micro-batch at a time (bounded memory), without dropout; `seqs` in the step's
+  layout (a packed micro-batch holds micro_rows / G prompts)."""
   keys = ("input_ids", "positions", "attention_mask", "targets")
   num_chunks = seqs["targets"].shape[0] // layout.micro_rows
   chunks = {k: seqs[k].reshape(num_chunks, -1, *seqs[k].shape[1:]) for k in keys}
@@ -198,7 +224,7 @@ def _reference_logps(model, ref_params, seqs: dict, layout: StepLayout, mesh) ->
 
   def one(mb):
     mb = sharding.constrain_rows(mb, mesh)
-    return completion_logprobs(model, ref_params, mb, packed_group_size=packed)
+    return completion_logprobs(model, params, mb, packed_group_size=packed)
 
   return jax.lax.map(one, chunks).reshape(seqs["targets"].shape)
 
@@ -208,15 +234,29 @@ def _loss_fn(
 ):
   """The policy loss of a micro-batch as a function of the trained params only: under LoRA
   (`base` given) the adapters, so no weight gradient of the frozen base is ever computed.
-  `dropout_key`: the micro-batch's LoRA dropout key, or None (no dropout)."""
+  `dropout_key`: the micro-batch's LoRA dropout key, or None (no dropout). Aux: the loss's
+  metrics and the forward's log-probs [rows, N] (no gradient: the first update's are the step's
+  first pass). Where PPO's old log-probs are the first pass (`options.old_from_first_pass`), they
+  and the rollout correction's weights are `mb["old_logps"]` and `mb["is_weights"]` when the step
+  ran the first pass apart, else this forward's own (the step's one update)."""
   loss = options.loss
   mb = sharding.constrain_rows(mb, mesh)
   full = params if base is None else models.lora.combine(params, base)
   packed = _packed_group_size(options.layout)
   logits = completion_logits(model, full, mb, packed_group_size=packed, dropout_key=dropout_key)
-  return losses.policy_loss(
-    losses.token_logprobs(logits, mb["targets"]),
-    mb["old_logps"],
+  logps = losses.token_logprobs(logits, mb["targets"])
+  old_logps, is_weights = mb["old_logps"], mb.get("is_weights")
+  if options.old_from_first_pass and not options.first_pass_forward(model.config.lora_dropout):
+    # The step's one update, without dropout: this forward is the first pass, and mb["old_logps"]
+    # are still the sampler's.
+    if loss.rollout_is != "none":
+      is_weights, _ = losses.rollout_is_weights(
+        logps, old_logps, mb["loss_mask"], mode=loss.rollout_is, cap=loss.rollout_is_cap
+      )
+    old_logps = jax.lax.stop_gradient(logps)
+  loss_value, metrics = losses.policy_loss(
+    logps,
+    old_logps,
     mb["adv"],
     mb["loss_mask"],
     clip_low=loss.clip_low,
@@ -231,12 +271,15 @@ def _loss_fn(
     num_tokens=num_tokens,
     num_seqs=num_seqs,
     max_len=mb["targets"].shape[1],
+    is_weights_bt=is_weights,
   )
+  return loss_value, (metrics, jax.lax.stop_gradient(logps))
 
 
 def _accumulated_grads(params, mini: dict, dropout_key, *, num_micro: int, loss_fn):
-  """Gradients of a mini-batch summed over micro-batches (the loss is normalised globally);
-  `dropout_key` (or None) is split into one key per micro-batch."""
+  """Gradients of a mini-batch summed over micro-batches (the loss is normalised globally), the
+  loss's metrics summed and the forward's log-probs [mini_rows, N]; `dropout_key` (or None) is
+  split into one key per micro-batch."""
   num_tokens = mini["loss_mask"].sum()
   num_seqs = mini["loss_mask"].shape[0]
   micro = jax.tree.map(lambda x: x.reshape(num_micro, -1, *x.shape[1:]), mini)
@@ -251,8 +294,9 @@ def _accumulated_grads(params, mini: dict, dropout_key, *, num_micro: int, loss_
     return jax.tree.map(jnp.add, acc, (loss, grads)), aux
 
   zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-  (loss, grads), aux = jax.lax.scan(body, zeros, (micro, micro_keys))
-  return loss, grads, jax.tree.map(jnp.sum, aux)  # each chunk holds its share of the total
+  (loss, grads), (aux, logps) = jax.lax.scan(body, zeros, (micro, micro_keys))
+  logps = logps.reshape(-1, logps.shape[-1])
+  return loss, grads, jax.tree.map(jnp.sum, aux), logps  # each chunk: its share of the total
 
 
 def _update_order(shuffle_key: jax.Array, num_rows: int, mini_rows: int, epochs: int):
@@ -306,19 +350,34 @@ def train_step(
   optimizer state kept); a batch whose sampling met non-finite logits skips every update and the
   prior's. A step with any skipped update is bad: `bad_updates` counts them, `state.bad_steps`
   counts bad steps in a row (reset by a good step).
+
+  Sampler-trainer mismatch: every step logs `losses.sampler_mismatch` of the first-pass log-probs
+  (this step's params before any update) against the sampler's (`batch["old_logps"]`) at the
+  loss-mask tokens; with `rl.loss.rollout_is` the policy-gradient terms are weighted by
+  `losses.rollout_is_weights` of the same two. With the correction or `rl.recompute_old_logps`,
+  PPO's old log-probs are the first pass. The first pass is a forward of its own before the
+  updates where `options.first_pass_forward` says so (it then covers every row), else the first
+  update's forward (every row when the step makes one update; else that update's mini-batch).
   """
   layout = options.layout
   rollout_finite = ~batch["nonfinite"].any()
   adv_bg, prior, adv_metrics = estimator(batch["rewards"], None, batch["cluster_ids"], state.prior)
   prior = jax.tree.map(lambda new, old: jnp.where(rollout_finite, new, old), prior, state.prior)
   seqs, prompts = _sequences(batch, layout)
-  seqs["old_logps"] = batch["old_logps"]
+  sampler_logps = batch["old_logps"]
+  seqs["old_logps"] = sampler_logps
   seqs["adv"] = adv_bg.reshape(-1)
   if state.ref_params is not None:
-    seqs["ref_logps"] = _reference_logps(model, state.ref_params, seqs | prompts, layout, mesh)
+    seqs["ref_logps"] = _forward_logps(model, state.ref_params, seqs | prompts, layout, mesh)
   elif state.base is not None and options.loss.kl_coef > 0:  # LoRA: the base, no adapters
     base_model = models.lora.base_model(model)
-    seqs["ref_logps"] = _reference_logps(base_model, state.base, seqs | prompts, layout, mesh)
+    seqs["ref_logps"] = _forward_logps(base_model, state.base, seqs | prompts, layout, mesh)
+  first_logps = None  # the first pass [R, N], when the step runs it on its own
+  if options.first_pass_forward(model.config.lora_dropout):
+    first_logps = _forward_logps(model, policy_params(state), seqs | prompts, layout, mesh)
+    seqs["old_logps"] = first_logps
+    if options.loss.rollout_is != "none":
+      seqs["is_weights"], _ = _rollout_is(first_logps, sampler_logps, seqs["loss_mask"], options)
   keys = step_keys(state.rng, state.step)
   order = _update_order(keys.shuffle, seqs["adv"].shape[0], layout.mini_rows, layout.epochs)
   g = layout.group_size
@@ -331,11 +390,21 @@ def train_step(
   loss_fn = functools.partial(_loss_fn, model=model, options=options, base=state.base, mesh=mesh)
   scanned = (order, prompt_order, dropout_keys)
   update = functools.partial(_updates, optimizer=optimizer, options=options, loss_fn=loss_fn)
-  (params, opt_state), upd = update(state, seqs, prompts, scanned, rollout_finite)
+  (params, opt_state, first_update_logps), upd = update(
+    state, seqs, prompts, scanned, rollout_finite
+  )
   bad = upd.pop("bad")
   metrics = {k: v.mean() for k, v in upd.items()}
   metrics[metrics_lib.BAD_UPDATES] = bad.sum()
   bad_steps = jnp.where(bad.sum() > 0, state.bad_steps + 1, 0)
+  if first_logps is None:  # the first update's forward: the rows of its mini-batch
+    rows = order[0]
+    first = (first_update_logps, sampler_logps[rows], seqs["loss_mask"][rows])
+  else:
+    first = (first_logps, sampler_logps, seqs["loss_mask"])
+  metrics.update(losses.sampler_mismatch(*first))
+  if options.loss.rollout_is != "none":
+    metrics.update(_rollout_is(*first, options)[1])
   metrics.update(_rollout_metrics(batch, adv_bg))
   metrics.update(adv_metrics)
   new_state = state.replace(
@@ -344,10 +413,18 @@ def train_step(
   return new_state, metrics, StepAux(advantages=adv_bg, layout=layout)
 
 
+def _rollout_is(logps, sampler_logps, mask, options: StepOptions):
+  loss = options.loss
+  return losses.rollout_is_weights(
+    logps, sampler_logps, mask, mode=loss.rollout_is, cap=loss.rollout_is_cap
+  )
+
+
 def _updates(state, seqs, prompts, scanned, rollout_finite, *, optimizer, options, loss_fn):
   """The step's optimizer updates from `state`'s params and optimizer state, one per (row
-  indices, prompt indices, dropout key) of `scanned`: `((params, opt_state), per-update
-  metrics)`. An update is applied only when its loss, its grad norm and the rollout are finite."""
+  indices, prompt indices, dropout key) of `scanned`: `((params, opt_state, the first update's
+  forward log-probs [mini_rows, N]), per-update metrics)`. An update is applied only when its
+  loss, its grad norm and the rollout are finite."""
   layout = options.layout
 
   def apply_update(params, opt_state, grads):
@@ -355,19 +432,22 @@ def _updates(state, seqs, prompts, scanned, rollout_finite, *, optimizer, option
     return optax.apply_updates(params, updates), new_opt_state
 
   def update(carry, indices_and_key):
-    params, opt_state = carry
+    params, opt_state, first_logps, count = carry
     idx, prompt_idx, dropout_key = indices_and_key
     take = lambda tree, i: jax.tree.map(lambda x: jnp.take(x, i, axis=0), tree)  # noqa: E731
     mini = take(seqs, idx) | take(prompts, prompt_idx)
-    loss, grads, aux = _accumulated_grads(
+    loss, grads, aux, logps = _accumulated_grads(
       params, mini, dropout_key, num_micro=layout.mini_rows // layout.micro_rows, loss_fn=loss_fn
     )
     grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & rollout_finite
     # A branch, not a select over the new and old trees: a select reads params and both Adam
     # moments twice more per update (0.5 s of a SmolLM2-shape step on a 2-core CPU).
-    carry = jax.lax.cond(finite, apply_update, lambda p, o, g: (p, o), params, opt_state, grads)
-    return carry, {
+    params, opt_state = jax.lax.cond(
+      finite, apply_update, lambda p, o, g: (p, o), params, opt_state, grads
+    )
+    first_logps = jnp.where(count == 0, logps, first_logps)  # the params before any update
+    return (params, opt_state, first_logps, count + 1), {
       metrics_lib.LOSS: loss,
       metrics_lib.GRAD_NORM: grad_norm,
       metrics_lib.LEARNING_RATE: learning_rate(options.schedule, opt_state),  # this update's
@@ -375,7 +455,10 @@ def _updates(state, seqs, prompts, scanned, rollout_finite, *, optimizer, option
       **aux,
     }
 
-  return jax.lax.scan(update, (state.params, state.opt_state), scanned)
+  first_logps = jnp.zeros((layout.mini_rows, seqs["targets"].shape[1]), jnp.float32)
+  carry = (state.params, state.opt_state, first_logps, jnp.zeros((), jnp.int32))
+  (params, opt_state, first_logps, _), metrics = jax.lax.scan(update, carry, scanned)
+  return (params, opt_state, first_logps), metrics
 
 
 def jit_train_step(

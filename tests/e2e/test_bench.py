@@ -17,6 +17,7 @@ SMOKE_RUNS = {
   "sampler": ["--quick", "--reps=1", "--new-tokens=8"],
   "compact": ["--quick"],  # compacting vs plain decode, long-tailed lengths
   "train_step": ["--quick"],
+  "recompute": ["--quick"],  # rl.recompute_old_logps and rl.loss.rollout_is vs the default step
   "gpu": ["--dry-run"],
   "lora": ["--quick", "--ranks=8"],  # full vs LoRA rank 8 on the one-layer smoke shape
   "memory": ["--quick"],  # the TPU compiler on a runlocal config for v5p:2x2x1

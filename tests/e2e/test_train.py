@@ -35,6 +35,9 @@ REQUIRED_KEYS = {
   "clipfrac",
   "response_len/mean",
   "reward/errors",
+  "mismatch/kl",
+  "mismatch/max_abs",
+  "mismatch/ratio_out_frac",
 }
 
 
@@ -63,6 +66,8 @@ def test_cli_run_writes_metrics_checkpoints_and_summary(arith_run):
   elapsed = [m[metrics_lib.TIME_ELAPSED_S] for m in evals]  # the x axis of accuracy vs wall time
   assert 0 < elapsed[0] < elapsed[1] < elapsed[2]
   assert 0.0 <= train_lines[0]["adv/zero_frac"] <= 1.0
+  # float32 sampler and trainer on the CPU: their log-probs agree to rounding.
+  assert all(m["mismatch/kl"] < 1e-5 and m["mismatch/max_abs"] < 1e-5 for m in train_lines)
   assert (workdir / "checkpoints").is_dir()
   assert "held-out accuracy" in result.stdout
   assert (workdir / "plots" / "overview.png").stat().st_size > 1000

@@ -63,6 +63,12 @@ BAD_VALUES = [
   ({"model.num_kv_heads": 3}, "config.model.num_kv_heads=3: must divide model.num_heads=2"),
   ({"train.learning_rate": float("inf")}, "config.train.learning_rate=inf: must be finite"),
   ({"rl.loss.clip_low": 2.0}, "config.rl.loss.clip_low=2.0: must lie in [0, 1)"),
+  ({"rl.loss.rollout_is": "token"}, "config.rl.loss.rollout_is='token': must be one of none, "),
+  ({"rl.loss.rollout_is_cap": 1.0}, "config.rl.loss.rollout_is_cap=1.0: must be finite, > 1"),
+  (
+    {"sampling.dtype": "float16"},
+    "config.sampling.dtype='float16': must be '' (model.dtype), float32",
+  ),
   ({"model.rope_theta": 0.0}, "config.model.rope_theta=0.0: must be > 0"),
   ({"model.vocab_size": -5}, "config.model.vocab_size=-5: must be >= 0"),
   ({"seed": -1}, "config.seed=-1: must be >= 0"),

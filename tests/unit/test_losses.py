@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from ebpo_jax import losses
+from tests.helpers.rollout_is import np_rollout_is
 
 MODES = losses.AGG_MODES
 
@@ -386,3 +387,82 @@ def test_policy_loss_jits_with_static_settings():
   got, _ = fn(_LOGPS, _OLD, _ADV, _MASK)
   want, _ = losses.policy_loss(_LOGPS, _OLD, _ADV, _MASK, clip_high=0.28, agg="seq-mean-token-mean")
   assert float(got) == pytest.approx(float(want), rel=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# sampler-trainer mismatch and the rollout correction
+
+
+def test_sampler_mismatch_by_hand():
+  # d = trainer - sampler at the masked tokens: 0.1, -0.2, log 3 (r = 3: outside [0.5, 2]); the
+  # fourth token is padding, its values inf/NaN, and counts nowhere.
+  trainer = np.array([[-1.0, -2.0], [np.log(3.0) - 1.0, np.nan]], np.float32)
+  sampler = np.array([[-1.1, -1.8], [-1.0, np.inf]], np.float32)
+  mask = np.array([[True, True], [True, False]])
+  m = losses.sampler_mismatch(trainer, sampler, mask)
+  # k3 = r - 1 - d: 0.105171 - 0.1 = 0.005171; 0.818731 - 1 + 0.2 = 0.018731; 2 - 1.098612.
+  want = (0.0051709 + 0.0187308 + (2.0 - np.log(3.0))) / 3
+  assert float(m["mismatch/kl"]) == pytest.approx(want, rel=1e-5)
+  assert float(m["mismatch/max_abs"]) == pytest.approx(np.log(3.0), rel=1e-6)
+  assert float(m["mismatch/ratio_out_frac"]) == pytest.approx(1 / 3)
+  # The sampler's own log-probs: no mismatch at all (a sign error would make k3 negative).
+  same = losses.sampler_mismatch(trainer, np.where(mask, trainer, 0.0), mask)
+  assert [float(v) for v in same.values()] == [0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("mode", losses.ROLLOUT_IS_MODES)
+def test_rollout_is_weights_match_numpy_reference(mode):
+  rng = np.random.default_rng(3)
+  b, t, cap = 64, 7, 1.5
+  logps = np.log(rng.uniform(0.05, 1.0, (b, t))).astype(np.float32)
+  # Per-token log-ratios of up to +-1, and per-sequence offsets, so both modes cut some but not all.
+  offsets = rng.normal(0.0, 0.4, (b, 1))
+  sampler = (logps - rng.uniform(-1.0, 1.0, (b, t)) * 0.5 - offsets).astype(np.float32)
+  mask = rng.uniform(size=(b, t)) < 0.8
+  mask[0] = False  # an empty row
+  sampler[~mask] = np.nan  # padding never counts
+  weights, metrics = losses.rollout_is_weights(logps, sampler, mask, mode=mode, cap=cap)
+  want, clipped = np_rollout_is(logps, sampler, mask, mode, cap)
+  np.testing.assert_allclose(np.asarray(weights), want, rtol=1e-5, atol=1e-6)
+  assert float(metrics["rollout_is/mean_weight"]) == pytest.approx(want[mask].mean(), rel=1e-5)
+  assert float(metrics["rollout_is/clipped_frac"]) == pytest.approx(clipped[mask].mean(), abs=1e-7)
+  if mode != "none":
+    assert 0.05 < clipped[mask].mean() < 0.95  # the reference is exercised on both sides
+
+
+def test_rollout_is_weights_check_their_arguments():
+  x = np.zeros((2, 3), np.float32)
+  with pytest.raises(ValueError, match="rollout_is must be one of"):
+    losses.rollout_is_weights(x, x, x > -1, mode="token", cap=2.0)
+  with pytest.raises(ValueError, match="rollout_is_cap must be > 1"):
+    losses.rollout_is_weights(x, x, x > -1, mode="token_tis", cap=1.0)
+
+
+def test_is_weights_scale_the_policy_gradient_terms_only():
+  rng = np.random.default_rng(4)
+  logps = jnp.asarray(np.log(rng.uniform(0.1, 0.9, (4, 5))), jnp.float32)
+  old = logps - 0.05
+  adv = jnp.array([1.0, -1.0, 0.5, -2.0])
+  mask = np.ones((4, 5), bool)
+  mask[2, 3:] = False
+  w = jnp.asarray(rng.uniform(0.0, 2.0, (4, 5)), jnp.float32)
+  kw = dict(ref_logps_bt=logps + 0.1, kl_coef=0.1, entropy_bt=-logps, entropy_coef=0.01)
+
+  def loss(lp, weights):
+    return losses.policy_loss(lp, old, adv, mask, is_weights_bt=weights, **kw)
+
+  plain, m_plain = losses.policy_loss(logps, old, adv, mask, **kw)
+  ones, _ = loss(logps, jnp.ones_like(w))
+  assert float(ones) == pytest.approx(float(plain), rel=1e-6)
+  weighted, m = loss(logps, w)
+  # pg = token-mean of w * pg_t: the pg term reweighted, the KL and entropy terms unchanged.
+  ratio = np.exp(np.asarray(logps - old))
+  pg_t = np.maximum(
+    -np.asarray(adv)[:, None] * ratio, -np.asarray(adv)[:, None] * np.clip(ratio, 0.8, 1.2)
+  )
+  assert float(m["pg_loss"]) == pytest.approx((np.asarray(w) * pg_t)[mask].mean(), rel=1e-5)
+  assert float(m["kl"]) == pytest.approx(float(m_plain["kl"]), rel=1e-6)
+  assert float(m["entropy"]) == pytest.approx(float(m_plain["entropy"]), rel=1e-6)
+  # The weights are constants: no gradient flows into them.
+  grad_w = jax.grad(lambda weights: loss(logps, weights)[0])(w)
+  assert not np.asarray(grad_w).any()

@@ -1,4 +1,5 @@
 """train_step in process: gradient accumulation, the prior in the carry, the non-finite policy;
+the sampler-trainer mismatch metrics, the rollout correction and rl.recompute_old_logps;
 LoRA: only adapters train; adapter dropout in the training forward only (8 sharded devices equal
 1: e2e/test_train_step.py)."""
 
@@ -11,13 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ebpo_jax import sequences
+from ebpo_jax import losses, models, sampling, sequences
 from ebpo_jax.models import Decoder, ModelConfig, lora
 from ebpo_jax.trainer import optimizer as optimizer_lib
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer import step as step_lib
 from tests.helpers.configs import TINY_LORA
 from tests.helpers.lora import trained_lora
+from tests.helpers.rollout_is import np_rollout_is
 from tests.helpers.tiny_step import tiny_steps
 
 
@@ -238,3 +240,127 @@ def test_observation_tokens_are_out_of_the_loss_and_their_gradient_is_zero():
     np.testing.assert_array_equal(a, b)
   unmasked, m_unmasked, _ = tiny_step(batch, state)
   assert float(m_unmasked["loss"]) != float(m_first["loss"])
+
+
+# ----------------------------------------------------------------------------- sampler mismatch
+
+
+def _sampled_batch(step, state, dtype: str) -> dict:
+  """`step.batch()` with completions, masks and log-probs from the sampler, computing in `dtype`
+  with `state`'s params."""
+  batch = step.batch()
+  model = models.build.with_compute_dtype(step.model, dtype)
+  out = sampling.generate(
+    model, state_lib.policy_params(state), batch["prompt_ids"], batch["prompt_mask"],
+    jax.random.key(0), group_size=step.G, max_new_tokens=step.N, stop_ids=(2,),
+  )  # fmt: skip
+  mask = np.asarray(out.mask)
+  fields = {"tokens": out.tokens, "old_logps": out.logprobs}
+  return (
+    batch
+    | {k: np.asarray(v) for k, v in fields.items()}
+    | {
+      "completion_mask": mask,
+      "loss_mask": mask,
+    }
+  )
+
+
+def test_mismatch_metrics_are_zero_for_a_float32_sampler_and_not_for_bfloat16():
+  # A sharper policy than the random init (logits x ~4, as after training), where bfloat16's
+  # rounding of the logits shows in the log-probs of the sampled tokens.
+  tiny_step = tiny_steps()
+  state = tiny_step.fresh_state()
+  state = state.replace(params=jax.tree.map(lambda x: 4.0 * x, state.params))
+  _, m32, _ = tiny_step(_sampled_batch(tiny_step, state, "float32"), state)
+  _, m16, _ = tiny_step(_sampled_batch(tiny_step, state, "bfloat16"), state)
+  # float32: the KV-cached decode and the training forward agree to rounding (seen: k3 ~ 4e-13,
+  # max |d| ~ 4e-6); a bfloat16 sampler: k3 ~ 2e-4, max |d| ~ 0.16.
+  assert float(m32["mismatch/kl"]) < 1e-5 and float(m32["mismatch/max_abs"]) < 1e-5
+  assert float(m16["mismatch/kl"]) > 1e-5 and float(m16["mismatch/max_abs"]) > 1e-2
+  assert float(m32["mismatch/ratio_out_frac"]) == 0.0
+
+
+def _off_policy(step, state, seed: int = 1) -> tuple[dict, np.ndarray]:
+  """(a batch whose old_logps are the policy's own moved per token and per row, the policy's own
+  log-probs [R, N]): the trainer's first pass and a sampler that disagrees with it."""
+  batch = _on_policy(step, state, step.batch(seed))
+  first = batch["old_logps"]
+  rng = np.random.default_rng(seed)
+  shift = rng.uniform(-0.6, 0.6, first.shape) + rng.normal(0.0, 0.3, (first.shape[0], 1))
+  return {**batch, "old_logps": (first + shift).astype(np.float32)}, first
+
+
+def _np_mismatch(first, sampler, mask):
+  d = (first - sampler)[mask].astype(np.float64)
+  out = (d < np.log(0.5)) | (d > np.log(2.0))
+  return {"kl": np.mean(np.expm1(d) - d), "max_abs": np.abs(d).max(), "out": out.mean()}
+
+
+@pytest.mark.parametrize(
+  "mode, mini_batch_size", [("token_tis", 8), ("token_tis", 4), ("seq_mask", 8), ("none", 4)]
+)
+def test_the_rollout_correction_weights_the_steps_loss_as_numpy_does(mode, mini_batch_size):
+  # One update (mini-batch = batch): the weights come from that update's forward; two updates:
+  # from a first-pass forward before them. The same weights either way, NumPy's; without the
+  # correction and two updates, the mismatch metrics cover the first update's rows only.
+  cap = 1.5
+  step = tiny_steps({
+    "rl.loss.rollout_is": mode, "rl.loss.rollout_is_cap": cap,
+    "train.mini_batch_size": mini_batch_size,
+  })  # fmt: skip
+  state = step.fresh_state()
+  batch, first = _off_policy(step, state)
+  _, m, aux = step(batch, state)
+  mask = batch["loss_mask"]
+  rows = slice(None) if mode != "none" or mini_batch_size == 8 else slice(0, 4 * step.G)
+  want = _np_mismatch(first[rows], batch["old_logps"][rows], mask[rows])
+  assert float(m["mismatch/kl"]) == pytest.approx(want["kl"], rel=1e-4)
+  assert float(m["mismatch/max_abs"]) == pytest.approx(want["max_abs"], rel=1e-4)
+  assert float(m["mismatch/ratio_out_frac"]) == pytest.approx(want["out"], abs=1e-6)
+  if mode == "none":
+    assert "rollout_is/mean_weight" not in m
+    return
+  w, clipped = np_rollout_is(first, batch["old_logps"], mask, mode, cap)
+  assert 0.05 < clipped[mask].mean() < 0.95
+  assert float(m["rollout_is/mean_weight"]) == pytest.approx(w[mask].mean(), rel=1e-4)
+  assert float(m["rollout_is/clipped_frac"]) == pytest.approx(clipped[mask].mean(), abs=1e-6)
+  # PPO's old log-probs are the first pass (ratio 1 at the first update), the weights NumPy's.
+  assert float(m["approx_kl"]) < 1e-9 if mini_batch_size == 8 else float(m["approx_kl"]) > 0
+  if mini_batch_size == 8:  # one update: its pg loss is the weighted one
+    pg, _ = losses.policy_loss(
+      jnp.asarray(first), first, np.asarray(aux.advantages).reshape(-1), mask,
+      is_weights_bt=jnp.asarray(w, jnp.float32),
+    )  # fmt: skip
+    assert float(m["pg_loss"]) == pytest.approx(float(pg), rel=1e-4, abs=1e-6)
+    unweighted = losses.policy_loss(first, first, np.asarray(aux.advantages).reshape(-1), mask)
+    assert float(m["pg_loss"]) != pytest.approx(float(unweighted[0]), rel=1e-3)
+
+
+@pytest.mark.parametrize("mini_batch_size", [8, 4])
+def test_recompute_old_logps_makes_the_step_on_policy(mini_batch_size):
+  # With rl.recompute_old_logps the step's own first pass is PPO's old log-probs: an off-policy
+  # batch trains as its on-policy copy does without it (ratio 1 at the first update), and the
+  # mismatch metrics still compare the first pass with the sampler's. One update: that update's
+  # forward is the first pass; two: a forward before them.
+  layout = {"train.mini_batch_size": mini_batch_size}
+  plain, recompute = tiny_steps(layout), tiny_steps(layout | {"rl.recompute_old_logps": True})
+  state = plain.fresh_state()
+  batch, first = _off_policy(plain, state)
+  new_recomputed, m_recomputed, _ = recompute(batch, state)
+  new_on_policy, m_on_policy, _ = plain({**batch, "old_logps": first}, state)
+  assert float(m_recomputed["approx_kl"]) == pytest.approx(
+    float(m_on_policy["approx_kl"]), abs=1e-9
+  )
+  assert float(m_recomputed["loss"]) == pytest.approx(float(m_on_policy["loss"]), rel=1e-5)
+  for a, b in zip(
+    jax.tree.leaves(new_recomputed.params), jax.tree.leaves(new_on_policy.params), strict=True
+  ):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+  _, m_plain, _ = plain(batch, state)  # the sampler's old log-probs: off policy
+  assert float(m_plain["approx_kl"]) > 1e-2
+  rows = slice(None) if mini_batch_size == 8 else slice(0, mini_batch_size * plain.G)
+  want = _np_mismatch(first, batch["old_logps"], batch["loss_mask"])
+  assert float(m_recomputed["mismatch/kl"]) == pytest.approx(want["kl"], rel=1e-4)
+  want = _np_mismatch(first[rows], batch["old_logps"][rows], batch["loss_mask"][rows])
+  assert float(m_plain["mismatch/kl"]) == pytest.approx(want["kl"], rel=1e-4)

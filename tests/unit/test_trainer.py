@@ -130,3 +130,26 @@ def test_lora_sampler_logps_equal_the_trainers_on_the_first_ppo_iteration():
   _, metrics, _ = tiny.step(state, batch)  # the first (only) PPO iteration on these old_logps
   assert float(metrics["ratio_mean"]) == pytest.approx(1.0, abs=1e-4)
   assert float(metrics["clipfrac"]) == 0.0
+
+
+def test_sampling_dtype_is_the_samplers_alone_and_its_mismatch_is_logged():
+  """sampling.dtype=bfloat16 under a float32 trainer: the trainer's own rollout (make_sampler,
+  collect_batch) then the step; its mismatch metrics show the bfloat16 sampler, float32's do not."""
+  tiny = tiny_steps()
+  state = tiny.fresh_state()
+  state = state.replace(params=jax.tree.map(lambda x: 4.0 * x, state.params))  # a sharper policy
+  found = {}
+  for dtype in ("", "bfloat16"):
+    config = tiny.config.copy_and_resolve_references()
+    config.sampling.dtype = dtype
+    task, rows, _, _, _ = task_rows.load_task_and_rows(config)
+    tokenizer = task_rows.load_tokenizer(config, task)
+    sampler = rollouts_lib.make_sampler(tiny.model, task, tokenizer, config, tiny.mesh)
+    assert sampler.model.config.dtype == (dtype or "float32")
+    batches = data.make_batches(rows, batch_size=config.train.batch_size, order="shuffle", seed=0)
+    keys = state_lib.step_keys(state.rng, state.step, config.rl.max_refill_rounds)
+    batch, _, _ = rollouts_lib.collect_batch(sampler, state.params, keys, rows, batches)
+    sampler.scorer.pool.close()
+    found[dtype] = jax.device_get(tiny.step(state, batch)[1])
+  assert found[""]["mismatch/max_abs"] < 1e-5 and found[""]["mismatch/kl"] < 1e-5
+  assert found["bfloat16"]["mismatch/max_abs"] > 1e-3
