@@ -173,6 +173,7 @@ class Program:
   lowered: jax.stages.Lowered
   dots: roofline.DotCount
   extra: dict
+  list_collectives: bool = False  # the report lists its collective ops (`collective_shapes`)
 
 
 def compile_program(program: Program, tpu: Slice) -> dict:
@@ -193,6 +194,8 @@ def compile_program(program: Program, tpu: Slice) -> dict:
   costs = roofline.costs(compiled, program.dots, tpu.chip, tpu.chips)
   result = {**_memory(compiled), **costs, **program.extra}
   result["compile_s"] = time.perf_counter() - t0
+  if program.list_collectives:
+    result["collective_shapes"] = roofline.collective_shapes(compiled.as_text())
   if "limit_flops" in result:  # the work the shapes ask for, against what the program does
     result["limit_s"] = result["limit_flops"] / tpu.chip.peak_flops
     result["roofline_to_limit"] = result["roofline_s"] / result["limit_s"]
@@ -302,8 +305,11 @@ def sampler_part_programs(target: Target) -> tuple[Program, Program]:
   """`(prefill, decode step)` of a sampler call, each lowered alone (`sampling.trace_parts`)."""
   args, options = _sampler_inputs(target)
   block = target.model.config.attention_block
-  parts = sampling.trace_parts(_sampler_model(target), *args, **options)
-  return tuple(Program(t.lower(), roofline.count_dots(t.jaxpr.jaxpr, 1, block), {}) for t in parts)
+  prefill, step = sampling.trace_parts(_sampler_model(target), *args, **options)
+  count = lambda t: roofline.count_dots(t.jaxpr.jaxpr, 1, block)  # noqa: E731
+  return Program(prefill.lower(), count(prefill), {}), Program(
+    step.lower(), count(step), {}, list_collectives=True
+  )
 
 
 def sampler_limit_bytes(target: Target) -> float:
@@ -335,8 +341,22 @@ def sampler_costs(target: Target, prefill: dict, step: dict) -> dict:
   costs["bytes_to_limit"] = costs["bytes_accessed"] / limit
   keys = ("flops", "bytes_accessed", "hbm_s", "collectives", "collective_bytes", "collective_s")
   costs["decode_step"] = {k: step[k] for k in keys}
+  costs["decode_step"]["weight_gathers"] = weight_sized_gathers(target, step["collective_shapes"])
   costs["prefill_roofline_s"] = prefill["roofline_s"]
   return costs
+
+
+def weight_sized_gathers(target: Target, ops: list[dict]) -> list[dict]:
+  """The all-gathers among `ops` (`roofline.collective_shapes`) whose result is as large as a
+  weight matrix of the model, whole or its 'tensor' shard: in a decode step, a weight gathered
+  for every token."""
+  tensor = target.mesh.shape["tensor"]
+  stacked = jax.tree.leaves(target.params.get("layers", {}))
+  rest = [x for k, v in target.params.items() if k != "layers" for x in jax.tree.leaves(v)]
+  sizes = {math.prod(x.shape[1:]) for x in stacked if x.ndim >= 3}
+  sizes |= {math.prod(x.shape) for x in rest if x.ndim >= 2}
+  sizes |= {n // tensor for n in sizes}
+  return [op for op in ops if op["kind"] == "all-gather" and sizes & set(op["elements"])]
 
 
 def compile_train_step(target: Target) -> dict:
@@ -505,7 +525,8 @@ def _sampler_lines(p: dict) -> list[str]:
     f"  a decode step: {_gb(step['bytes_accessed'])} accessed, "
     f"{sum(c['count'] for c in step['collectives'].values()):.0f} collectives sending "
     f"{_gb(step['collective_bytes'])} ({step['collective_s'] * 1e3:.2f} ms at ICI); "
-    f"{gathers['count']:.0f} all-gathers, the largest {gathers['largest'] / 1e6:.2f} MB",
+    f"{gathers['count']:.0f} all-gathers, the largest {gathers['largest'] / 1e6:.2f} MB, "
+    f"{len(step['weight_gathers'])} of a weight's size",
     f"  the round's weights in the decode layout: {_gb(layout['copy_bytes'])} per chip, "
     f"converted in {layout['roofline_s']:.3f} s (roofline)",
   ]

@@ -416,6 +416,20 @@ def collectives(hlo_text: str, num_devices: int) -> dict[str, dict[str, float]]:
   return _as_report(found.total(found.entry)) if found.entry else {}
 
 
+def collective_shapes(hlo_text: str) -> list[dict]:
+  """Every collective op of the module's text (each once, loops not weighted): its kind and the
+  element counts of the arrays of its result (an async start's `(operand, result)` both)."""
+  found = []
+  for line in hlo_text.splitlines():
+    op = _OP.search(line)
+    if op:
+      elements = [
+        math.prod(int(x) for x in dims.split(",") if x) for _, dims in _ARRAY.findall(op[1])
+      ]
+      found.append({"kind": op[2], "elements": elements, "shape": op[1].strip()})
+  return found
+
+
 def outer_loop_collectives(hlo_text: str, num_devices: int) -> list[dict[str, dict[str, float]]]:
   """`collectives` of one trip of each outermost `while` of the program (those whose op name is
   `jit(<fn>)/while`: a `lax.while_loop` in the jitted function's own body, such as the sampler's
