@@ -266,10 +266,8 @@ def _generate(
   if not is_decode_params(params):
     params = unstack_layers(params)
   apply = functools.partial(per_layer.apply, {"params": params})
-  # Under the mesh: the prefill's attention kernel runs per shard (models.attention's shard_map).
-  with (
-    contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
-  ):
+  # Under the mesh: the attention kernels of prefill and decode run per shard (shard_map).
+  with _kernel_mesh(mesh):
     cache, first_logits_rv = _prefill(apply, model.config, prompt_ids_bp, prompt_mask_bp, width)
   cache = loop.constrain_cache(_repeat_rows(cache, group_size), mesh)
   first_logits_rv = sharding.constrain_rows(jnp.repeat(first_logits_rv, group_size, axis=0), mesh)
@@ -286,7 +284,8 @@ def _generate(
 
   def decode_one(s: loop.State) -> loop.State:
     positions = (s.rows.first_position + s.step - 1)[:, None]
-    logits_r1v, cache = apply(s.rows.last_token[:, None], positions, cache=s.cache)
+    with _kernel_mesh(mesh):
+      logits_r1v, cache = apply(s.rows.last_token[:, None], positions, cache=s.cache)
     return draw_and_record(s._replace(cache=loop.constrain_cache(cache, mesh)), logits_r1v[:, 0])
 
   state = draw_and_record(state, first_logits_rv)
@@ -300,6 +299,13 @@ def _generate(
     lengths=out.lengths,
     truncated=~out.done,
     nonfinite=out.nonfinite,
+  )
+
+
+def _kernel_mesh(mesh: Mesh | None):
+  """The context under which `models.attention`'s kernels run per shard of `mesh` (none without)."""
+  return (
+    contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
   )
 
 
