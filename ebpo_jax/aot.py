@@ -247,8 +247,11 @@ def sampler_program(target: Target) -> Program:
   traced = _trace_generate(target, ids, rows, replicated, scalar, options)
   # Every row running to the cap (the worst case): the decode loop runs max_new_tokens - 1 steps;
   # compacting, that is its first stage's loop, and the later (smaller) stages never run.
-  trips = (config.sampling.max_new_tokens - 1,)
-  dots = roofline.count_dots(traced.jaxpr.jaxpr, trips, target.model.config.attention_block)
+  # Its step t (1 .. N - 1) attends to the P + t slots written after a prompt bucket of P.
+  new_tokens = config.sampling.max_new_tokens
+  trips, written = (new_tokens - 1,), range(prompt_len + 1, prompt_len + new_tokens)
+  block = target.model.config.attention_block
+  dots = roofline.count_dots(traced.jaxpr.jaxpr, trips, block, decode_lengths=written)
   extra = {"prompts_per_call": prompts, "calls_per_round": -(-config.train.batch_size // prompts)}
   return Program(traced.lower(), dots, extra)
 
