@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ebpo_jax import models, sampling
+from ebpo_jax import models, sampling, sharding
 from ebpo_jax.models import Decoder, attention, decode_attention
 from tests.helpers.tiny_decoder import BASE, init_params
 
@@ -95,3 +95,22 @@ def test_the_decode_step_runs_the_kernel():
     {"params": p}, jnp.ones((2, 1), jnp.int32), cache=cache
   )
   assert str(jax.make_jaxpr(step)(params)).count(f"name={decode_attention.NAME}") == BASE.num_layers
+
+
+def test_generate_with_the_kernel_per_shard_equals_xla():
+  """Under a mesh of 8 CPU devices (conftest) the kernel runs per shard: rows over data x fsdp,
+  the 2 kv heads over tensor."""
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  abstract = jax.eval_shape(Decoder(BASE).init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
+  params = init_params(BASE, noise=0.1)
+  params = jax.device_put(params, sharding.logical_shardings(abstract["params"], mesh))
+  ids, mask = _prompts()
+  args = (params, ids, mask, jax.random.key(3))
+  kwargs = dict(group_size=2, max_new_tokens=4, greedy=False, compact=False, mesh=mesh)
+  want = sampling.generate(Decoder(BASE), *args, **kwargs)
+  got = sampling.generate(Decoder(SPLASH), *args, **kwargs)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=ATOL, rtol=0)
+  temperature = top_p = jnp.float32(1.0)
+  traced = sampling.trace_generate(Decoder(SPLASH), *args, temperature, top_p, **kwargs)
+  assert f"name={decode_attention.NAME}" in str(traced.jaxpr) and "shard_map" in str(traced.jaxpr)
