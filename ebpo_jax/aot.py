@@ -306,9 +306,12 @@ def sampler_part_programs(target: Target) -> tuple[Program, Program]:
   args, options = _sampler_inputs(target)
   block = target.model.config.attention_block
   prefill, step = sampling.trace_parts(_sampler_model(target), *args, **options)
-  count = lambda t: roofline.count_dots(t.jaxpr.jaxpr, 1, block)  # noqa: E731
-  return Program(prefill.lower(), count(prefill), {}), Program(
-    step.lower(), count(step), {}, list_collectives=True
+  # The step stands for every step of the loop: step t (1 .. N - 1) attends to the P + t slots
+  # written after a prompt bucket of P, so its decode kernel is counted at their mean.
+  p, n = target.prompt_len, target.config.sampling.max_new_tokens
+  step_dots = roofline.count_dots(step.jaxpr.jaxpr, 1, block, decode_lengths=range(p + 1, p + n))
+  return Program(prefill.lower(), roofline.count_dots(prefill.jaxpr.jaxpr, 1, block), {}), Program(
+    step.lower(), step_dots, {}, list_collectives=True
   )
 
 

@@ -22,7 +22,14 @@ under `nn.scan`, the micro-batches, the decode `while_loop`), and about nothing 
    kernel (QK^T, P^T dO, dO V^T, dS^T Q). Its HBM bytes: the query-side blocks (q, o, dO, dq: per q
    head, read or written once) plus one key-side block pair (k and v, or q and dO for dkv) per
    computed block (dkv: also k and v read, dk and dv written, per q head). A kernel of another
-   name is listed in `uncounted_kernels`.
+   name is listed in `uncounted_kernels`. The decode kernel (`models.decode_attention`) reads,
+   per row and kv head, the blocks of `bkv` slots up to the written length w (at most S):
+   `r(w) = min(ceil(w / bkv) bkv, S)` slots of keys, values and the slot mask (int32; fetched
+   again for each kv head), and computes `4 x G x D x r(w)` FLOPs over its G query heads; plus the
+   queries read and the float32 outputs written once. w changes every step: `count_dots` takes
+   the written lengths of the decode loop's steps (`decode_lengths`; aot's sampler: `P + t` at step
+   t = 1 .. N - 1 after a prompt bucket of P) and counts each call at their mean of `r(w)`, else at
+   `r(S)` (never under what it reads).
 3. Collectives. Every all-reduce, all-gather, reduce-scatter, all-to-all and collective-permute in
    the compiled HLO (the `-start` of an async pair), times the trip counts of the while loops
    around it (`known_trip_count`, or the bound of the condition's `i < N`; else 1; a conditional's
@@ -56,6 +63,7 @@ compute on TPU), and `roofline_to_compute` = roofline_s / compute_s.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import re
@@ -64,7 +72,7 @@ from collections.abc import Iterator, Sequence
 import jax.numpy as jnp
 from jax.extend import core as jax_core
 
-from ebpo_jax.models import attention
+from ebpo_jax.models import attention, decode_attention
 from ebpo_jax.tpu import Chip
 
 # FLOPs per (bq x bkv x D) block of each splash kernel, by the name its pallas_call carries.
@@ -116,17 +124,23 @@ def _sub_jaxprs(value) -> list:
 
 
 def count_dots(
-  jaxpr: jax_core.Jaxpr, while_trips: int | Sequence[int], attention_block: int = 512
+  jaxpr: jax_core.Jaxpr,
+  while_trips: int | Sequence[int],
+  attention_block: int = 512,
+  decode_lengths: Sequence[int] = (),
 ) -> DotCount:
   """`DotCount` of `jaxpr` and everything nested in it. A `while` body runs `while_trips` times;
   with a sequence, the k-th while loop met in program order runs `while_trips[k]` times (0 after
-  the sequence ends). Splash kernels are counted with blocks of at most `attention_block`."""
+  the sequence ends). Splash and decode kernels are counted with blocks of at most
+  `attention_block`; a decode kernel's call at the mean over `decode_lengths` (the written slots
+  of each decode step; none: the whole cache) of what it reads (module docstring)."""
   trips = itertools.repeat(while_trips) if isinstance(while_trips, int) else None
   trips = trips or itertools.chain(while_trips, itertools.repeat(0))
-  return _count_dots(jaxpr, trips, attention_block)
+  kernel = functools.partial(_kernel_count, block=attention_block, lengths=tuple(decode_lengths))
+  return _count_dots(jaxpr, trips, kernel)
 
 
-def _count_dots(jaxpr: jax_core.Jaxpr, while_trips: Iterator[int], block: int) -> DotCount:
+def _count_dots(jaxpr: jax_core.Jaxpr, while_trips: Iterator[int], kernel) -> DotCount:
   total = DotCount()
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
@@ -138,9 +152,9 @@ def _count_dots(jaxpr: jax_core.Jaxpr, while_trips: Iterator[int], block: int) -
       nbytes = float(sum(_nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars)))
       total.add(DotCount(flops, flops, nbytes, nbytes), 1)
     elif name == "pallas_call":  # its body is the kernel's, not run once: counted from shapes
-      total.add(_kernel_count(eqn, block), 1)
+      total.add(kernel(eqn), 1)
     elif name == "cond":  # one branch runs: the costliest
-      branches = [_count_dots(j, while_trips, block) for j in _sub_jaxprs(eqn.params["branches"])]
+      branches = [_count_dots(j, while_trips, kernel) for j in _sub_jaxprs(eqn.params["branches"])]
       total.add(max(branches, key=lambda c: c.flops + c.kernel_flops), 1)
     else:
       trips = {"scan": eqn.params.get("length", 1)}.get(name, 1)
@@ -149,13 +163,19 @@ def _count_dots(jaxpr: jax_core.Jaxpr, while_trips: Iterator[int], block: int) -
       copies = min(int(eqn.params.get("unroll", 1)), trips) if name == "scan" else 1
       for value in eqn.params.values():
         for sub in _sub_jaxprs(value):
-          total.add(_count_dots(sub, while_trips, block), trips, copies)
+          total.add(_count_dots(sub, while_trips, kernel), trips, copies)
   return total
 
 
-def _kernel_count(eqn, block: int) -> DotCount:
+def _kernel_count(eqn, block: int, lengths: tuple[int, ...]) -> DotCount:
   kernel = str(eqn.params.get("name", "?"))
   floats = [v.aval for v in eqn.invars if _floating(v.aval.dtype) and len(v.aval.shape) >= 3]
+  if kernel == decode_attention.NAME:
+    q, k = floats[0], floats[1]
+    flops, nbytes = decode_cost(
+      q.shape, k.shape, q.dtype.itemsize, k.dtype.itemsize, block, lengths
+    )
+    return DotCount(kernel_flops=flops, kernel_bytes=nbytes, kernels=1)
   kind = kernel.split("_")[2] if kernel.startswith(("splash_mha_", "splash_mqa_")) else None
   if kind not in _SPLASH_MATMULS or len(floats) < 2:
     return DotCount(kernels=1, uncounted_kernels=[kernel])
@@ -189,6 +209,22 @@ def kernel_cost(kind: str, q_shape, k_shape, itemsize: int, block: int) -> tuple
   streamed = blocks * 2 * d * (bq if kind == "dkv" else bkv)
   written_kv = 4 * math.prod(rows) * heads * kv_len * d if kind == "dkv" else 0  # k, v; dk, dv
   return float(flops), float(itemsize * (query_side + streamed + written_kv))
+
+
+def decode_cost(
+  q_shape, k_shape, q_itemsize: int, kv_itemsize: int, block: int, lengths: Sequence[int] = ()
+) -> tuple[float, float]:
+  """`(FLOPs, HBM bytes)` of one decode-kernel call on queries `[B, Hkv, G, D]` and a cache
+  `[B, Hkv, S, D]`, at the mean over the written `lengths` (none: all S) of the slots it reads."""
+  rows, kv_heads, groups, d = q_shape
+  slots = k_shape[2]
+  bkv = decode_attention.kv_block(slots, block)
+  read = [min(-(-w // bkv) * bkv, slots) for w in lengths] or [slots]
+  mean_read = sum(read) / len(read)
+  flops = 4 * rows * kv_heads * groups * d * mean_read
+  streamed = rows * kv_heads * mean_read * (2 * d * kv_itemsize + 4)  # keys, values, slot mask
+  query_side = rows * kv_heads * groups * d * (q_itemsize + 4)  # queries in, float32 out
+  return float(flops), float(streamed + query_side)
 
 
 # ----------------------------------------------------------------------------- the limit

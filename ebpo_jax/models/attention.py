@@ -1,7 +1,6 @@
 """The one attention entry point without a KV cache, over three backends (`config.model.attention`).
 
-- `xla`: einsum + softmax over the materialised `[B, Hkv, G, T, S]` scores; the reference, and the
-  only backend of decoding over the KV cache.
+- `xla`: einsum + softmax over the materialised `[B, Hkv, G, T, S]` scores; the reference.
 - `splash`: Pallas TPU splash attention (`jax.experimental.pallas.ops.tpu.splash_attention`, in
   the pinned jax: no extra package; tokamax, which MaxText uses, needs jax >= 0.9.2 and adds
   nothing this decoder needs). The scores never leave the chip's VMEM: memory is O(T) per head, and
@@ -23,6 +22,13 @@
 the layout `layout` builds (query/key token masks for splash, allowed (query, key) pairs for the
 others) over full rows or the shared-prefix layout (`models.shared_prefix`); the sampler's prefill
 (a cache exactly as long as the prompt, so empty before it) takes the same path (`fresh_prefill`).
+
+Decoding over the KV cache (`decode`, one query per row): splash runs `models.decode_attention`'s
+flash-decoding kernel, which reads only the slots written so far; xla and cudnn run `xla_attention`
+over all S slots. For cudnn that is a choice made without a GPU to time on: cuDNN's fused attention
+is a prefill kernel (its mask an O(T S) bias), and a blockwise XLA loop that stops at the written
+length would be an untimed guess; the XLA path is the reference and is known to be right.
+Prefill chunks over a cache (multi-turn continuation, T > 1) run `xla_attention`.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 from jax.sharding import PartitionSpec
 
-from ebpo_jax.models import shared_prefix
+from ebpo_jax.models import decode_attention, shared_prefix
 from ebpo_jax.models.config import ATTENTION_BACKENDS, ModelConfig
 
 CHOICES = ("auto", *ATTENTION_BACKENDS)
@@ -111,6 +117,25 @@ def attend(q_bthd, k_btkd, v_btkd, valid, config: ModelConfig) -> jax.Array:
   prefixed = shared_prefix.prefixed
   out_c = core(q_c, prefixed(k_p, k_c), prefixed(v_p, v_c), valid.completions)
   return shared_prefix.merge(out_p, out_c)
+
+
+def decode(q_b1hd, k_bksd, v_bksd, slot_mask_bs, written, config: ModelConfig) -> jax.Array:
+  """Attention of one new query per row over a cache its key is already written to: slots
+  `[0, written)` whose `slot_mask_bs [B, S]` is true (the new slot included) of heads-first
+  `[B, Hkv, S, D]` buffers, on `config.attention`'s backend (module docstring). Returns
+  [B,1,H,D] float32."""
+  if config.attention == "splash":
+    return decode_attention.flash_decode(
+      q_b1hd,
+      k_bksd,
+      v_bksd,
+      slot_mask_bs,
+      written,
+      block=config.attention_block,
+      interpret=config.attention_emulate,
+    )
+  written_bs = slot_mask_bs & (jnp.arange(slot_mask_bs.shape[1]) < written)
+  return xla_attention(q_b1hd, k_bksd, v_bksd, written_bs[:, None])
 
 
 def xla_attention(q_bthd, k_bksd, v_bksd, valid_bts) -> jax.Array:

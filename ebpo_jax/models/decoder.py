@@ -211,7 +211,11 @@ class Attention(nn.Module):
       # The attention reads the written buffer, so it runs after the write and XLA updates the
       # per-layer buffer in place (a read of the old buffer beside the write would force a copy).
       new_kv = _write_all(layer_cache, k, v)
-      out = attention.xla_attention(q, *new_kv, valid_bts)
+      if q.shape[1] == 1:  # decode: the written slots only, on the configured backend
+        written = layer_cache[2] + 1
+        out = attention.decode(q, *new_kv, valid_bts[:, 0], written, c)
+      else:
+        out = attention.xla_attention(q, *new_kv, valid_bts)
     # One flat (h d) contraction: with two contracting axes XLA CPU transposed the o_proj kernel
     # on every call (inside the decode loop too).
     out = out.astype(x_bte.dtype).reshape(*out.shape[:2], h * d)

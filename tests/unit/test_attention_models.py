@@ -41,15 +41,16 @@ def test_prefill_runs_the_kernel_and_samples_as_xla():
   got = sampling.generate(Decoder(SPLASH), *args, **kwargs)
   np.testing.assert_array_equal(got.tokens, want.tokens)
   np.testing.assert_allclose(got.logprobs, want.logprobs, atol=ATOL, rtol=0)
-  # The prefill (a cache as long as the prompt) goes through the kernel, the decode does not.
+  # The prefill (a cache as long as the prompt) goes through splash; a decode step through the
+  # decode kernel (test_decode_attention.py); a chunk of T > 1 over a cache through neither.
   per_layer = Decoder(SPLASH, scan_layers=False)
   flat = models.decoder.unstack_layers(params)
   cache = models.init_cache(SPLASH, 2, 7)
   prefill = jax.make_jaxpr(lambda p: per_layer.apply({"params": p}, ids, None, mask, cache=cache))
   assert "pallas_call" in str(prefill(flat))
   cache = models.init_cache(SPLASH, 2, 8)
-  decode = jax.make_jaxpr(lambda p: per_layer.apply({"params": p}, ids[:, :1], cache=cache))
-  assert "pallas_call" not in str(decode(flat))
+  chunk = jax.make_jaxpr(lambda p: per_layer.apply({"params": p}, ids[:, :2], cache=cache))
+  assert "pallas_call" not in str(chunk(flat))
 
 
 def test_train_step_params_after_two_steps_equal_xla():

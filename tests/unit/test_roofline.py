@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from ebpo_jax import roofline
-from ebpo_jax.models import attention
+from ebpo_jax.models import attention, decode_attention
 
 # ----------------------------------------------------------------------------- loop correction
 
@@ -304,3 +304,53 @@ def test_combine_sums_the_parts_and_recomputes_the_roofline():
   assert combined["collectives"]["all-gather"] == {"count": 200, "bytes": 1e8, "largest": 7}
   assert combined["hbm_s"] == pytest.approx(1e11 / chip.hbm_bandwidth)
   assert combined["roofline_s"] == max(combined[k] for k in ("compute_s", "hbm_s", "collective_s"))
+
+
+def _decode_jaxpr(b, heads, kv_heads, slots, d, dtype=jnp.bfloat16, block=128):
+  q = jnp.ones((b, 1, heads, d), dtype)
+  k = jnp.ones((b, kv_heads, slots, d), dtype)
+  mask = jnp.ones((b, slots), bool)
+
+  def step(q, k, v, written):
+    return decode_attention.flash_decode(q, k, v, mask, written, block=block, interpret=True)
+
+  return jax.make_jaxpr(step)(q, k, k, jnp.int32(1)).jaxpr
+
+
+def test_decode_kernel_counts_the_written_blocks_at_their_mean():
+  # 2 rows, 2 kv heads of 4 query heads, D = 64, a cache of 300 slots in blocks of 128, bf16.
+  # Written 100, 130 and 290 slots: it reads 128, 256 and 300 (the last block ends at the cache's
+  # end), 228 on average. FLOPs: 4 x 2 rows x 8 q heads x 64 x 228 = 933,888. Bytes: keys and
+  # values 2 x 2 x 2 x 228 x 64 x 2 = 233,472, the int32 mask once per kv head 2 x 2 x 228 x 4 =
+  # 3,648, queries 2 x 8 x 64 x 2 = 2,048 and float32 outputs 2 x 8 x 64 x 4 = 4,096: 243,264.
+  jaxpr = _decode_jaxpr(2, 8, 2, 300, 64)
+  count = roofline.count_dots(jaxpr, 1, attention_block=128, decode_lengths=(100, 130, 290))
+  assert (count.kernels, count.uncounted_kernels) == (1, [])
+  assert count.kernel_flops == 933_888
+  assert count.kernel_bytes == 243_264
+  # Without the lengths, every call reads the whole cache: never under what it reads.
+  full = roofline.count_dots(jaxpr, 1, attention_block=128)
+  assert full.kernel_bytes == 2 * 2 * 2 * 300 * 64 * 2 + 2 * 2 * 300 * 4 + 2_048 + 4_096
+  # The XLA path's two matmuls over all 300 slots, for comparison: 4 x 2 x 8 x 64 x 300.
+  assert full.kernel_flops == 4 * 2 * 8 * 64 * 300
+
+
+def test_decode_kernel_in_a_loop_is_weighted_by_its_trips():
+  jaxpr = _decode_jaxpr(1, 2, 1, 256, 16, dtype=jnp.float32)
+  once = roofline.count_dots(jaxpr, 1, attention_block=128, decode_lengths=(1, 129))
+  loop = jax.make_jaxpr(
+    lambda q, k: jax.lax.while_loop(
+      lambda c: c[1] < 5,
+      lambda c: (
+        c[0]
+        + decode_attention.flash_decode(
+          c[0], k, k, jnp.ones((1, 256), bool), c[1], block=128, interpret=True
+        ),
+        c[1] + 1,
+      ),
+      (q, jnp.int32(1)),
+    )
+  )(jnp.ones((1, 1, 2, 16)), jnp.ones((1, 1, 256, 16))).jaxpr
+  looped = roofline.count_dots(loop, 4, attention_block=128, decode_lengths=(1, 129))
+  # (128 + 256) / 2 = 192 slots a call: 4 x 2 q heads x 16 x 192, four times.
+  assert looped.kernel_flops == 4 * once.kernel_flops == 4 * 4 * 2 * 16 * 192

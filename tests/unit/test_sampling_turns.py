@@ -1,6 +1,8 @@
 """Multi-turn decoding: continuing from the KV cache gives the log-probs of one prefill of the whole
 transcript; rows not live draw nothing; budgets cut turns."""
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -121,3 +123,16 @@ def test_a_stop_sequence_of_several_tokens_ends_the_turn_right_after_it(policy):
     np.testing.assert_allclose(cut.logprobs[r, :n], free.logprobs[r, :n], atol=1e-6)
     assert (cut.tokens[r, n:] == PAD).all()
   assert cut.lengths[0] == 5 and cut.stopped[0] and not free.stopped[0]
+
+
+def test_decoding_turns_with_the_decode_kernel_equals_xla(policy):
+  """The decode kernel (splash, interpreted) over a cache with holes: the observations' padding
+  and the slots of rows that fed fewer tokens stay invalid (`KVCache.mask`)."""
+  model, params = policy
+  kernel = Decoder(dataclasses.replace(TINY_MODEL, attention="splash", attention_emulate=True))
+  want, got = _two_turns(policy), _two_turns((kernel, params))
+  for w, g in ((want[1], got[1]), (want[4], got[4])):
+    np.testing.assert_array_equal(g.tokens, w.tokens)
+    np.testing.assert_array_equal(g.lengths, w.lengths)
+    np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5, rtol=0)
+  assert int(np.asarray(want[4].lengths).sum()) > 4  # the second turn decoded after the holes
