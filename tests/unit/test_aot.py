@@ -1,8 +1,13 @@
 """ebpo_jax.aot: slice names and bad input (the TPU compiler's verdict on the default job:
 e2e/test_aot.py; the cost counting: test_roofline.py)."""
 
+import types
+
+import jax
+import jax.numpy as jnp
 import pytest
 
+from ebpo_jax import aot
 from ebpo_jax import tpu as tpu_lib
 from tests.helpers.processes import run_python
 
@@ -55,3 +60,24 @@ def test_bad_input_exits_with_one_line(flags, message):
   assert result.returncode == 2  # cli.BAD_INPUT_STATUS, as every entry point
   assert result.stderr.strip().splitlines()[-1].startswith(message)
   assert "Traceback" not in result.stderr
+
+
+def test_weight_sized_gathers_are_those_of_a_weight_whole_or_its_tensor_shard():
+  sds = jax.ShapeDtypeStruct
+  params = {
+    "layers": {
+      "q_proj": sds((36, 4096, 32, 128), jnp.float32),
+      "scale": sds((36, 4096), jnp.float32),
+    },
+    "embed_tokens": sds((151_936, 4096), jnp.float32),
+  }
+  target = types.SimpleNamespace(mesh=types.SimpleNamespace(shape={"tensor": 4}), params=params)
+  q, q_shard, logits = 4096 * 32 * 128, 4096 * 8 * 128, 128 * 151_936
+  ops = [
+    {"kind": "all-gather", "elements": [q_shard // 8, q_shard]},  # an async start: (in, out)
+    {"kind": "all-gather", "elements": [q]},
+    {"kind": "all-gather", "elements": [logits]},  # the vocab-split logits: not a weight
+    {"kind": "all-reduce", "elements": [q]},  # a reduction, not a gather
+    {"kind": "all-gather", "elements": [4096]},  # the size of a norm scale: vectors are not counted
+  ]
+  assert aot.weight_sized_gathers(target, ops) == ops[:2]
