@@ -251,7 +251,7 @@ def _start(apply, prompt_ids_bp, prompt_mask_bp, rng, temperature, top_p, st: _S
   width = st.max_new_tokens
   # Under the mesh: the attention kernels of prefill and decode run per shard (shard_map).
   mesh = st.mesh
-  with _kernel_mesh(mesh):
+  with kernel_mesh(mesh):
     cache, first_logits_bv = _prefill(apply, st.model.config, prompt_ids_bp, prompt_mask_bp, width)
   g = st.group_size
   cache = loop.constrain_cache(_repeat_rows(cache, g), mesh)
@@ -280,14 +280,15 @@ def _draw_and_record(state: loop.State, logits_rv, rng, temperature, top_p, st: 
 def _decode_step(apply, state: loop.State, rng, temperature, top_p, st: _Static) -> loop.State:
   """One step of the decode loop: the last drawn tokens through the cache, then the next draw."""
   positions = (state.rows.first_position + state.step - 1)[:, None]
-  with _kernel_mesh(st.mesh):
+  with kernel_mesh(st.mesh):
     logits_r1v, cache = apply(state.rows.last_token[:, None], positions, cache=state.cache)
   state = state._replace(cache=loop.constrain_cache(cache, st.mesh))
   return _draw_and_record(state, logits_r1v[:, 0], rng, temperature, top_p, st)
 
 
-def _kernel_mesh(mesh: Mesh | None):
-  """The context under which `models.attention`'s kernels run per shard of `mesh` (none without)."""
+def kernel_mesh(mesh: Mesh | None):
+  """The context under which `models.attention`'s kernels run per shard of `mesh` (none without):
+  every cached forward of a sampler runs under it."""
   return (
     contextlib.nullcontext() if mesh is None else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
   )

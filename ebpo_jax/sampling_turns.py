@@ -23,6 +23,7 @@ from typing import NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from ebpo_jax import sampling
 from ebpo_jax import sampling_loop as loop
@@ -53,11 +54,32 @@ def cache_slots(prompt_len: int, *, max_turns: int, chunk_width: int, max_new_to
   return prompt_len - 1 + max_turns * (chunk_width + max_new_tokens)
 
 
-@functools.partial(jax.jit, static_argnames=("model", "group_size", "slots"))
-def start(params, prompt_ids_bp, prompt_mask_bp, *, model: nn.Module, group_size: int, slots: int):
+def _cached_forward(params, model: nn.Module, mesh: Mesh | None):
+  """The per-layer decoder's apply with `params` bound, its kernels per shard of `mesh`."""
+  per_layer = model.clone(scan_layers=False)
+
+  def apply(*args, **kwargs):
+    with sampling.kernel_mesh(mesh):
+      return per_layer.apply({"params": params}, *args, **kwargs)
+
+  return apply
+
+
+@functools.partial(jax.jit, static_argnames=("model", "group_size", "slots", "mesh"))
+def start(
+  params,
+  prompt_ids_bp,
+  prompt_mask_bp,
+  *,
+  model: nn.Module,
+  group_size: int,
+  slots: int,
+  mesh: Mesh | None = None,
+):
   """`TurnState` of G rows per left-padded prompt: all but its last token cached (`slots` slots);
-  `params` in the sampler's per-layer layout (`sampling.decode_params`)."""
-  apply = functools.partial(model.clone(scan_layers=False).apply, {"params": params})
+  `params` in the sampler's per-layer layout (`sampling.decode_params`); under `mesh` the
+  attention kernels run per shard (`sampling.kernel_mesh`)."""
+  apply = _cached_forward(params, model, mesh)
   positions_bp = prompt_positions(prompt_mask_bp)
   cache = init_cache(model.config, prompt_ids_bp.shape[0], slots)
   if prompt_ids_bp.shape[1] > 1:
@@ -71,7 +93,16 @@ def start(params, prompt_ids_bp, prompt_mask_bp, *, model: nn.Module, group_size
 
 @functools.partial(
   jax.jit,
-  static_argnames=("model", "max_new_tokens", "greedy", "top_k", "stop_ids", "stop_seqs", "pad_id"),
+  static_argnames=(
+    "model",
+    "max_new_tokens",
+    "greedy",
+    "top_k",
+    "stop_ids",
+    "stop_seqs",
+    "pad_id",
+    "mesh",
+  ),
   donate_argnames=("state",),
 )
 def turn(
@@ -93,14 +124,16 @@ def turn(
   stop_ids: tuple[int, ...],
   pad_id: int,
   stop_seqs: tuple[tuple[int, ...], ...] = (),
+  mesh: Mesh | None = None,
 ) -> tuple[TurnState, TurnOutput]:
   """One model turn of every live row: feeds `pending` then the row's new tokens (`new_ids_rw`,
   right-padded, `new_mask_rw` valid), then decodes up to `min(max_new_tokens, budget_r)` tokens,
   until a token of `stop_ids` or the last token of a sequence of `stop_seqs` (a stop string that
   is several tokens, such as a tool-call close tag) drawn this turn.
   Row r draws token t with `fold_in(fold_in(rng, t), row_ids_r[r])` (`sampling_loop.row_uniforms`;
-  default: r), so a row draws the same tokens wherever it sits in a compacted batch (`compact`)."""
-  apply = functools.partial(model.clone(scan_layers=False).apply, {"params": params})
+  default: r), so a row draws the same tokens wherever it sits in a compacted batch (`compact`).
+  Under `mesh` the attention kernels run per shard."""
+  apply = _cached_forward(params, model, mesh)
   chunk_mask = jnp.concatenate([live_r[:, None], new_mask_rw & live_r[:, None]], axis=1)
   chunk_ids = jnp.concatenate([state.pending[:, None], new_ids_rw], axis=1)
   positions = state.position[:, None] + jnp.arange(chunk_ids.shape[1])[None]

@@ -109,7 +109,7 @@ def run_episodes(
     max_new_tokens=so.max_new_tokens,
   )
   state = sampling_turns.start(
-    params, prompt_ids, prompt_mask, model=model, group_size=group_size, slots=slots
+    params, prompt_ids, prompt_mask, model=model, group_size=group_size, slots=slots, mesh=mesh
   )
   stop_ids, stop_seqs = tokenizers.turn_stops(tokenizer, trajectories[0].env.stop_strings)
   scalar = lambda x: sharding.place_from_host(np.float32(x), sharding.replicated(mesh))  # noqa: E731
@@ -123,6 +123,7 @@ def run_episodes(
     stop_ids=stop_ids,
     stop_seqs=stop_seqs,
     pad_id=tokenizer.pad_id,
+    mesh=mesh,
   )
   env_time = 0.0
   place = lambda x: sharding.place_from_host(x, sharding.row_sharding(x.shape, mesh))  # noqa: E731

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ebpo_jax import sampling, sampling_turns, sequences
+from ebpo_jax import sampling, sampling_turns, sequences, sharding
 from ebpo_jax.models import Decoder
 from tests.helpers.configs import TINY_MODEL
 
@@ -25,26 +25,31 @@ def policy():
   return model, nn.meta.unbox(params)  # the init's scale: near-uniform draws, stops now and then
 
 
-def _turn(model, params, state, new_ids, live, budget, key):
+def _turn(model, params, state, new_ids, live, budget, key, mesh=None):
   new_ids = np.asarray(new_ids, np.int32)
   return sampling_turns.turn(
     params, state, new_ids, new_ids > 0, np.asarray(live), np.asarray(budget, np.int32),
     jax.random.key(key), jnp.float32(1.0), jnp.float32(1.0), model=model, max_new_tokens=N,
-    greedy=False, top_k=0, stop_ids=STOPS, pad_id=PAD,
+    greedy=False, top_k=0, stop_ids=STOPS, pad_id=PAD, mesh=mesh,
   )  # fmt: skip
 
 
-def _two_turns(policy):
+def _two_turns(policy, mesh=None):
   model, params = policy
   ids, mask = sampling.pad_prompts(PROMPTS, PAD, (6,))
   slots = sampling_turns.cache_slots(6, max_turns=2, chunk_width=4, max_new_tokens=N)
   dparams = sampling.decode_params(params)
-  state = sampling_turns.start(dparams, ids, mask, model=model, group_size=G, slots=slots)
+  if mesh is not None:  # the weights replicated, the rows' arrays placed by jit
+    dparams = jax.device_put(dparams, sharding.replicated(mesh))
+  state = sampling_turns.start(
+    dparams, ids, mask, model=model, group_size=G, slots=slots, mesh=mesh
+  )
   rows = len(PROMPTS) * G
-  state, first = _turn(model, dparams, state, np.zeros((rows, 3)), [True] * rows, [9] * rows, 1)
+  first_inputs = (np.zeros((rows, 3)), [True] * rows, [9] * rows, 1, mesh)
+  state, first = _turn(model, dparams, state, *first_inputs)
   observations = [[20, 21, 22], [23, 0, 0], [0, 0, 0], [24, 25, 0]]
   live = [True, True, True, False]
-  state, second = _turn(model, dparams, state, observations, live, [9, 9, 2, 9], 2)
+  state, second = _turn(model, dparams, state, observations, live, [9, 9, 2, 9], 2, mesh)
   return (ids, mask), first, observations, live, second
 
 
@@ -125,14 +130,29 @@ def test_a_stop_sequence_of_several_tokens_ends_the_turn_right_after_it(policy):
   assert cut.lengths[0] == 5 and cut.stopped[0] and not free.stopped[0]
 
 
-def test_decoding_turns_with_the_decode_kernel_equals_xla(policy):
+@pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "per_shard"])
+def test_decoding_turns_with_the_decode_kernel_equals_xla(policy, sharded):
   """The decode kernel (splash, interpreted) over a cache with holes: the observations' padding
-  and the slots of rows that fed fewer tokens stay invalid (`KVCache.mask`)."""
+  and the slots of rows that fed fewer tokens stay invalid (`KVCache.mask`). Under a mesh the
+  kernels run per shard: rows over data x fsdp, kv heads over tensor (without the mesh context a
+  Mosaic kernel is not partitioned)."""
   model, params = policy
   kernel = Decoder(dataclasses.replace(TINY_MODEL, attention="splash", attention_emulate=True))
-  want, got = _two_turns(policy), _two_turns((kernel, params))
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}) if sharded else None
+  want, got = _two_turns(policy), _two_turns((kernel, params), mesh)
   for w, g in ((want[1], got[1]), (want[4], got[4])):
     np.testing.assert_array_equal(g.tokens, w.tokens)
     np.testing.assert_array_equal(g.lengths, w.lengths)
     np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5, rtol=0)
   assert int(np.asarray(want[4].lengths).sum()) > 4  # the second turn decoded after the holes
+  if sharded:  # the decode kernel ran per shard: the traced turn holds it inside shard_map
+    ids, mask = sampling.pad_prompts(PROMPTS, PAD, (6,))
+    dparams = sampling.decode_params(params)
+    state = sampling_turns.start(dparams, ids, mask, model=kernel, group_size=G, slots=20)
+    rows, no_ids = len(PROMPTS) * G, np.zeros((len(PROMPTS) * G, 1), np.int32)
+    traced = sampling_turns.turn.trace(
+      dparams, state, no_ids, no_ids > 0, np.ones(rows, bool), np.full(rows, 3, np.int32),
+      jax.random.key(0), jnp.float32(1.0), jnp.float32(1.0), model=kernel, max_new_tokens=3,
+      greedy=False, top_k=0, stop_ids=STOPS, pad_id=PAD, mesh=mesh,
+    )  # fmt: skip
+    assert "shard_map" in str(traced.jaxpr)
