@@ -514,24 +514,22 @@ def trace_parts(model, params, prompt_ids_bp, prompt_mask_bp, rng, temperature, 
   if st.mesh is not None:
     state = loop.with_shardings(state, st.mesh)
   # The state donated, as the loop updates it in place (else the step would copy out the cache),
-  # and under a mesh its cache in the layout the compiler picks for the step, as the loop carries
-  # it in the whole program (an entry parameter's default layout would add a copy in and out).
+  # and under a mesh in the layouts the compiler picks for the step, as the loop carries it in the
+  # whole program (an entry parameter's default layout added a copy of the cache in and out).
   if st.mesh is None:
     step = jax.jit(step, donate_argnums=1)
   else:
-    formats = _auto_cache(state)
+    formats = _auto_layouts(state)
     ins = (None, formats, None, None, None)
     step = jax.jit(step, donate_argnums=1, in_shardings=ins, out_shardings=formats)
   prefill_traced = prefill.trace(params, prompt_ids_bp, prompt_mask_bp, *args)
   return prefill_traced, step.trace(params, state, *args)
 
 
-def _auto_cache(state: loop.State) -> loop.State:
-  """`state`'s shardings, its cache's keys and values in the compiler's choice of layout."""
-  shardings = jax.tree.map(lambda x: x.sharding, state)
-  auto = lambda s: Format(Layout.AUTO, s)  # noqa: E731
-  c = shardings.cache
-  return shardings._replace(cache=c.replace(k=tuple(map(auto, c.k)), v=tuple(map(auto, c.v))))
+def _auto_layouts(state: loop.State):
+  """`state`'s shardings, each leaf in the compiler's choice of layout (the same in and out, so
+  that the donated state is updated in place)."""
+  return jax.tree.map(lambda x: Format(Layout.AUTO, x.sharding), state)
 
 
 def _static_args(

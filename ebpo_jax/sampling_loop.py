@@ -132,8 +132,7 @@ def constrain_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
   """Shards a per-layer cache's rows over the mesh's batch axes."""
   if mesh is None:
     return cache
-  names = ("batch", "kv_heads", "length", "head_dim")
-  kv = NamedSharding(mesh, sharding.logical_to_spec(cache.k[0].shape, names, mesh))
+  kv = _kv_sharding(cache.k[0].shape, mesh)
   rows = sharding.row_sharding(cache.mask.shape, mesh)
   constrain = functools.partial(jax.lax.with_sharding_constraint, shardings=kv)
   return cache.replace(
@@ -143,12 +142,17 @@ def constrain_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
   )
 
 
+def _kv_sharding(shape, mesh: Mesh) -> NamedSharding:
+  """A per-layer cache buffer's `[B, Hkv, S, D]`: rows over the batch axes, heads over tensor."""
+  names = ("batch", "kv_heads", "length", "head_dim")
+  return NamedSharding(mesh, sharding.logical_to_spec(shape, names, mesh))
+
+
 def with_shardings(state: State, mesh: Mesh) -> State:
   """An abstract `state` (`jax.ShapeDtypeStruct`s) with the shardings the loop keeps it in:
   the cache as `constrain_cache`, every row's leaf over the batch axes, the step replicated."""
   c = state.cache
-  names = ("batch", "kv_heads", "length", "head_dim")
-  kv = NamedSharding(mesh, sharding.logical_to_spec(c.k[0].shape, names, mesh))
+  kv = _kv_sharding(c.k[0].shape, mesh)
   placed = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
   rows = lambda x: placed(x, sharding.row_sharding(x.shape, mesh))  # noqa: E731
   whole = lambda x: placed(x, sharding.replicated(mesh))  # noqa: E731

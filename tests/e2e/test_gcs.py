@@ -105,15 +105,22 @@ def _train(processes: int, workdir, num_steps: int, cwd, env: dict) -> subproces
   )
 
 
+NOISE = "mismatch/"
+
+
 def _same_metrics(got: list[dict], expected: list[dict]) -> None:
   """Line for line the same keys and values (to float32 reduction-order noise), timings aside."""
   assert [m["step"] for m in got] == [m["step"] for m in expected]
   for want, have in zip(expected, got, strict=True):
     assert have.keys() == want.keys()
-    keys = sorted(k for k in want if not k.startswith("time/"))
+    keys = sorted(k for k in want if not k.startswith(("time/", NOISE)))
     np.testing.assert_allclose(
       [have[k] for k in keys], [want[k] for k in keys], rtol=1e-5, atol=1e-7, err_msg=str(keys)
     )
+    # The sampler-trainer mismatch of a float32 run is itself float noise (about 1e-7 here), and
+    # two processes sum in another order than one: equal to the bound it stays under, 1e-5.
+    noise = sorted(k for k in want if k.startswith(NOISE))
+    np.testing.assert_allclose([have[k] for k in noise], [want[k] for k in noise], atol=1e-5)
 
 
 def test_two_processes_train_into_a_bucket_resume_from_it_and_equal_one_process(gcs_dir, tmp_path):
