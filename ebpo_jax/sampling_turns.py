@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from ebpo_jax import sampling
+from ebpo_jax import sampling, sampling_draw
 from ebpo_jax import sampling_loop as loop
 from ebpo_jax.models import KVCache, init_cache
 from ebpo_jax.sequences import prompt_positions
@@ -147,7 +147,7 @@ def turn(
     rows = rows._replace(row_id=row_ids_r.astype(jnp.int32))
   s = loop.State(step=jnp.zeros((), jnp.int32), cache=cache, rows=rows._replace(done=~live_r))
   draw = functools.partial(
-    sampling.draw, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy
+    sampling_draw.draw, temperature=temperature, top_p=top_p, top_k=top_k, greedy=greedy
   )
 
   def draw_and_record(s: loop.State, logits_rv: jax.Array) -> loop.State:

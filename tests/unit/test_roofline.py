@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from ebpo_jax import roofline
+from ebpo_jax import hlo_collectives, roofline
 from ebpo_jax.models import attention, decode_attention
 
 # ----------------------------------------------------------------------------- loop correction
@@ -130,7 +130,7 @@ _HLO = "\n".join(
 
 
 def test_collectives_weight_loop_bodies_by_their_known_trip_counts():
-  ops = roofline.collectives(_HLO, num_devices=8)
+  ops = hlo_collectives.collectives(_HLO, num_devices=8)
   # all-reduce of 8 KiB over groups of 4: 2 x 3/4 of it per chip, 36 times.
   # `largest`: the largest op's payload (its result; an all-reduce's operand).
   assert ops["all-reduce"] == {"count": 36, "bytes": 36 * 2 * 0.75 * 64 * 32 * 4, "largest": 8192}
@@ -143,12 +143,12 @@ def test_collectives_weight_loop_bodies_by_their_known_trip_counts():
 def test_outer_loop_collectives_are_one_trip_of_each_jitted_functions_own_loop():
   # The decode loop is `jit(<fn>)/while`; a loop nested in it (or in a called function) is not.
   hlo = _HLO.replace(" body=%body.1,", ' body=%body.1, metadata={op_name="jit(_generate)/while"},')
-  (loop,) = roofline.outer_loop_collectives(hlo, num_devices=8)
+  (loop,) = hlo_collectives.outer_loop_collectives(hlo, num_devices=8)
   assert loop["all-reduce"] == {"count": 1, "bytes": 2 * 0.75 * 64 * 32 * 4, "largest": 8192}
   assert set(loop) == {"all-reduce", "all-gather"}  # the entry's reduce-scatter is outside it
   nested_name = ' body=%body.1, metadata={op_name="jit(f)/jit(g)/while"},'
   nested = _HLO.replace(" body=%body.1,", nested_name)
-  assert roofline.outer_loop_collectives(nested, num_devices=8) == []
+  assert hlo_collectives.outer_loop_collectives(nested, num_devices=8) == []
 
 
 def test_collectives_of_a_compiled_program():
@@ -163,7 +163,7 @@ def test_collectives_of_a_compiled_program():
     (8, 256), np.float32, sharding=jax.NamedSharding(mesh, PartitionSpec("d"))
   )
   text = jax.jit(summed).lower(x).compile().as_text()  # one all-reduce of a [1, 256] shard
-  ops = roofline.collectives(text, num_devices=8)
+  ops = hlo_collectives.collectives(text, num_devices=8)
   assert ops["all-reduce"]["count"] == 1
   assert ops["all-reduce"]["bytes"] == 2 * 7 / 8 * 256 * 4
 
@@ -186,7 +186,7 @@ def test_collectives_take_a_scans_trip_count_from_its_condition():
     ]
   )
   # 3 all-reduces of 16 bytes over the 4 devices of mesh axis b: 2 x 3/4 x 16 each.
-  found = roofline.collectives(hlo, 8)
+  found = hlo_collectives.collectives(hlo, 8)
   assert found == {"all-reduce": {"count": 3, "bytes": 3 * 24.0, "largest": 16}}
 
 

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 from scipy import stats
 
-from ebpo_jax import roofline, sampling, sampling_loop, sequences, sharding
+from ebpo_jax import hlo_collectives, sampling, sampling_draw, sampling_loop, sequences, sharding
 from ebpo_jax.models import Decoder
 from ebpo_jax.sampling import SampleOutput
 from tests.helpers.configs import TINY_MODEL
@@ -204,7 +204,7 @@ def _draw_counts(logits_v, num_draws, *, temperature=1.0, top_k=0, top_p=1.0, vo
   """Token counts of `num_draws` draws from one row of logits (each row its own uniform)."""
   logits = jnp.broadcast_to(jnp.asarray(logits_v, jnp.float32), (num_draws, len(logits_v)))
   uniforms = jax.random.uniform(jax.random.key(0), (num_draws,))
-  drawn = jax.jit(sampling.draw, static_argnames=("top_k", "greedy"))(
+  drawn = jax.jit(sampling_draw.draw, static_argnames=("top_k", "greedy"))(
     logits, uniforms, jnp.float32(temperature), jnp.float32(top_p), top_k=top_k, greedy=False
   )
   return np.bincount(np.asarray(drawn.token), minlength=len(logits_v))
@@ -254,7 +254,7 @@ def test_inverse_cdf_draw_never_returns_a_zero_probability_token():
   # u at the edges: 0 picks the first nonzero token, u -> 1 the last nonzero one.
   probs = jnp.array([[0.0, 0.0, 0.5, 0.0, 0.5, 0.0]] * 3)
   u = jnp.array([0.0, 0.5, np.nextafter(np.float32(1), np.float32(0))])
-  np.testing.assert_array_equal(sampling.inverse_cdf_draw(probs, u), [2, 4, 4])
+  np.testing.assert_array_equal(sampling_draw.inverse_cdf_draw(probs, u), [2, 4, 4])
 
 
 # ----------------------------------------------------------------------------- compiles, sharding
@@ -510,7 +510,7 @@ def test_a_decode_step_traced_alone_sends_what_the_decode_loop_sends(policy):
   args += (jnp.float32(0.9), jnp.float32(0.95))
   options = dict(group_size=2, max_new_tokens=8, stop_ids=(1,), mesh=mesh, compact=False)
   whole = sampling.trace_generate(model, *args, **options).lower().compile().as_text()
-  (loop,) = roofline.outer_loop_collectives(whole, 8)
+  (loop,) = hlo_collectives.outer_loop_collectives(whole, 8)
   _, step = sampling.trace_parts(model, *args, **options)
-  assert roofline.collectives(step.lower().compile().as_text(), 8) == loop
+  assert hlo_collectives.collectives(step.lower().compile().as_text(), 8) == loop
   assert loop["all-reduce"]["count"] > 0  # the 'tensor' shards' partial sums
