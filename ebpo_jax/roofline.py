@@ -312,17 +312,24 @@ def combine(parts: Sequence[tuple[float, dict]], chip: Chip) -> dict:
       acc["bytes"] += w * op["bytes"]
       acc["largest"] = max(acc["largest"], op.get("largest", 0.0))
   sent = sum(op["bytes"] for op in ops.values())
-  times = {
-    "compute_s": summed["flops"] / chip.peak_flops,
-    "hbm_s": summed["bytes_accessed"] / chip.hbm_bandwidth,
-    "collective_s": sent / chip.ici_bandwidth,
-  }
-  roofline = max(times.values())
   return {
     **summed,
     "uncounted_kernels": sorted({k for _, p in parts for k in p["uncounted_kernels"]}),
     "collectives": dict(sorted(ops.items())),
     "collective_bytes": sent,
+    **_roofline(summed["flops"], summed["bytes_accessed"], sent, chip),
+  }
+
+
+def _roofline(flops: float, nbytes: float, sent: float, chip: Chip) -> dict:
+  """The compute-, HBM- and ICI-bound times of a program's counts, its roofline and bound."""
+  times = {
+    "compute_s": flops / chip.peak_flops,
+    "hbm_s": nbytes / chip.hbm_bandwidth,
+    "collective_s": sent / chip.ici_bandwidth,
+  }
+  roofline = max(times.values())
+  return {
     **times,
     "roofline_s": roofline,
     "roofline_to_compute": roofline / times["compute_s"] if times["compute_s"] else None,
@@ -345,12 +352,6 @@ def costs(compiled, dots: DotCount, chip: Chip, num_devices: int) -> dict:
   nbytes = float(cost.get("bytes accessed", 0.0)) * bytes_factor + dots.kernel_bytes
   ops = hlo_collectives.collectives(compiled.as_text(), num_devices)
   sent = sum(op["bytes"] for op in ops.values())
-  times = {
-    "compute_s": flops / chip.peak_flops,
-    "hbm_s": nbytes / chip.hbm_bandwidth,
-    "collective_s": sent / chip.ici_bandwidth,
-  }
-  roofline = max(times.values())
   return {
     "flops": flops,
     "bytes_accessed": nbytes,
@@ -366,10 +367,5 @@ def costs(compiled, dots: DotCount, chip: Chip, num_devices: int) -> dict:
     "jaxpr_dots": dataclasses.asdict(dots),
     "collectives": ops,
     "collective_bytes": sent,
-    **times,
-    "roofline_s": roofline,
-    "roofline_to_compute": roofline / times["compute_s"] if times["compute_s"] else None,
-    "bound": {"compute_s": "compute", "hbm_s": "HBM", "collective_s": "ICI"}[
-      max(times, key=times.get)
-    ],
+    **_roofline(flops, nbytes, sent, chip),
   }
