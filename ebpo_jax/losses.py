@@ -227,15 +227,8 @@ def policy_loss(
   if is_weights_bt is not None:
     pg_bt = pg_bt * _zero_padding(jax.lax.stop_gradient(is_weights_bt), mask_bt)
   loss = agg_loss(pg_bt)
-  metrics = {
-    "pg_loss": loss,
-    "clipfrac": tok_mean(is_clipped_bt),
-    "clipfrac_low": tok_mean(is_clipped_bt & (ratio_bt < 1.0)),
-    "clipfrac_high": tok_mean(is_clipped_bt & (ratio_bt > 1.0)),
-    "dual_clipfrac": tok_mean(dual_clipped_bt),
-    "ratio_mean": tok_mean(ratio_bt),
-    "approx_kl": tok_mean(kl_penalty(jnp.zeros_like(log_ratio_bt), log_ratio_bt, "k3")),
-  }
+  ratio_metrics = _ratio_metrics(tok_mean, log_ratio_bt, is_clipped_bt, dual_clipped_bt)
+  metrics = {"pg_loss": loss, **ratio_metrics}
   metrics["kl"] = jnp.zeros((), jnp.float32)
   if ref_logps_bt is not None:
     metrics["kl"] = agg_loss(kl_penalty(logps_bt, _zero_padding(ref_logps_bt, mask_bt), kl_kind))
@@ -247,6 +240,19 @@ def policy_loss(
       loss = loss - entropy_coef * metrics["entropy"]
   metrics["loss"] = loss
   return loss, metrics
+
+
+def _ratio_metrics(tok_mean, log_ratio_bt, is_clipped_bt, dual_clipped_bt) -> dict[str, Array]:
+  """`policy_loss`'s token means of where the clip acted and how far the ratio moved."""
+  ratio_bt = jnp.exp(jnp.clip(log_ratio_bt, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+  return {
+    "clipfrac": tok_mean(is_clipped_bt),
+    "clipfrac_low": tok_mean(is_clipped_bt & (ratio_bt < 1.0)),
+    "clipfrac_high": tok_mean(is_clipped_bt & (ratio_bt > 1.0)),
+    "dual_clipfrac": tok_mean(dual_clipped_bt),
+    "ratio_mean": tok_mean(ratio_bt),
+    "approx_kl": tok_mean(kl_penalty(jnp.zeros_like(log_ratio_bt), log_ratio_bt, "k3")),
+  }
 
 
 def sampler_mismatch(logps_bt: Array, sampler_logps_bt: Array, mask_bt: Array) -> dict[str, Array]:

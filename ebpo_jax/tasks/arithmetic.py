@@ -12,14 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ebpo_jax.tasks.base import (
-  Task,
-  check_fraction,
-  check_split,
-  cluster_quotas,
-  interleave,
-  take_split,
-)
+from ebpo_jax.tasks.base import Task, check_fraction, generated_rows
 from ebpo_jax.tasks.tokenizers import CharTokenizer
 
 OPS = {"add": "+", "sub": "-", "mul": "*"}
@@ -56,18 +49,10 @@ class ArithmeticTask(Task):
     self.tokenizer = CharTokenizer()
 
   def rows(self, split: str, n: int, seed: int) -> list[dict[str, Any]]:
-    check_split(split, n)
-    per_cluster = [
-      take_split(
-        self._candidates(k, seed),
-        split,
-        quota,
-        eval_fraction=self.eval_fraction,
-        where=f"arithmetic {self.cluster_names[k]}",
-      )
-      for k, quota in enumerate(cluster_quotas(n, len(self.clusters)))
-    ]
-    return interleave(per_cluster)
+    candidates = lambda k: self._candidates(k, seed)  # noqa: E731
+    return generated_rows(
+      candidates, self.cluster_names, split, n, eval_fraction=self.eval_fraction, where="arithmetic"
+    )
 
   def _candidates(self, k: int, seed: int) -> Iterator[dict[str, Any]]:
     """An endless stream of problems of cluster k, the same for both splits."""

@@ -4,7 +4,7 @@ import abc
 import hashlib
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -92,6 +92,28 @@ def take_split(
       if misses > max_misses:
         raise ValueError(f"{where}: found only {len(out)} of {n} {split} prompts")
   return out
+
+
+def generated_rows(
+  candidates: Callable[[int], Iterator[dict[str, Any]]],
+  cluster_names: Sequence[str],
+  split: str,
+  n: int,
+  *,
+  eval_fraction: float,
+  where: str,
+) -> list[dict[str, Any]]:
+  """n rows of a generated task's `split`, spread evenly over its clusters (`candidates(k)`
+  yields cluster k's rows) and interleaved; errors name `where` and the cluster."""
+  check_split(split, n)
+  quotas = cluster_quotas(n, len(cluster_names))
+  per_cluster = [
+    take_split(
+      candidates(k), split, quotas[k], eval_fraction=eval_fraction, where=f"{where} {name}"
+    )
+    for k, name in enumerate(cluster_names)
+  ]
+  return interleave(per_cluster)
 
 
 def shuffled_rows(rows: list[dict[str, Any]], n: int, seed: int) -> list[dict[str, Any]]:

@@ -22,11 +22,8 @@ from reasoning_gym.coaching.base_curriculum import DefaultCurriculumContext, Ran
 from ebpo_jax.tasks.base import (
   Task,
   check_fraction,
-  check_split,
-  cluster_quotas,
   extract_final_answer,
-  interleave,
-  take_split,
+  generated_rows,
 )
 from ebpo_jax.tasks.tokenizers import ByteTokenizer
 
@@ -104,18 +101,15 @@ class ReasoningGymTask(Task):
       self._check_scoring_round_trip(k)
 
   def rows(self, split: str, n: int, seed: int) -> list[dict[str, Any]]:
-    check_split(split, n)
-    per_cluster = [
-      take_split(
-        self._candidates(k, seed),
-        split,
-        quota,
-        eval_fraction=self.eval_fraction,
-        where=f"{self.name} cluster {self.cluster_names[k]}",
-      )
-      for k, quota in enumerate(cluster_quotas(n, len(self.clusters)))
-    ]
-    return interleave(per_cluster)
+    candidates = lambda k: self._candidates(k, seed)  # noqa: E731
+    return generated_rows(
+      candidates,
+      self.cluster_names,
+      split,
+      n,
+      eval_fraction=self.eval_fraction,
+      where=f"{self.name} cluster",
+    )
 
   def check_row(self, row: dict[str, Any]) -> str | None:
     if isinstance(row.get("meta"), dict):

@@ -261,11 +261,9 @@ def train_step(
   sampler_logps = batch["old_logps"]
   seqs["old_logps"] = sampler_logps
   seqs["adv"] = adv_bg.reshape(-1)
-  if state.ref_params is not None:
-    seqs["ref_logps"] = _forward_logps(model, state.ref_params, seqs | prompts, layout, mesh)
-  elif state.base is not None and options.loss.kl_coef > 0:  # LoRA: the base, no adapters
-    base_model = models.lora.base_model(model)
-    seqs["ref_logps"] = _forward_logps(base_model, state.base, seqs | prompts, layout, mesh)
+  ref_logps = _reference_logps(state, seqs | prompts, model=model, options=options, mesh=mesh)
+  if ref_logps is not None:
+    seqs["ref_logps"] = ref_logps
   first_logps = None  # the first pass [R, N], when the step runs it on its own
   if options.first_pass_forward(model.config.lora_dropout):
     first_logps = _forward_logps(model, policy_params(state), seqs | prompts, layout, mesh)
@@ -296,15 +294,31 @@ def train_step(
     first = (first_update_logps, sampler_logps[rows], seqs["loss_mask"][rows])
   else:
     first = (first_logps, sampler_logps, seqs["loss_mask"])
-  metrics.update(losses.sampler_mismatch(*first))
-  if options.loss.rollout_is != "none":
-    metrics.update(_rollout_is(*first, options)[1])
+  metrics.update(_mismatch_metrics(*first, options))
   metrics.update(_rollout_metrics(batch, adv_bg))
   metrics.update(adv_metrics)
   new_state = state.replace(
     step=state.step + 1, params=params, opt_state=opt_state, prior=prior, bad_steps=bad_steps
   )
   return new_state, metrics, StepAux(advantages=adv_bg, layout=layout)
+
+
+def _reference_logps(state: TrainState, rows: dict, *, model, options: StepOptions, mesh):
+  """The KL reference's log-probs of `rows`: the reference params' forward, or with LoRA the
+  base's (no adapters) where the KL term is on; None without a reference."""
+  if state.ref_params is not None:
+    return _forward_logps(model, state.ref_params, rows, options.layout, mesh)
+  if state.base is not None and options.loss.kl_coef > 0:
+    return _forward_logps(models.lora.base_model(model), state.base, rows, options.layout, mesh)
+  return None
+
+
+def _mismatch_metrics(logps, sampler_logps, mask, options: StepOptions) -> dict:
+  """The sampler-trainer mismatch of the first pass, and the correction's metrics when it is on."""
+  metrics = losses.sampler_mismatch(logps, sampler_logps, mask)
+  if options.loss.rollout_is != "none":
+    metrics.update(_rollout_is(logps, sampler_logps, mask, options)[1])
+  return metrics
 
 
 def _rollout_is(logps, sampler_logps, mask, options: StepOptions):
