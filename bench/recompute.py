@@ -1,7 +1,7 @@
 """The cost of `rl.recompute_old_logps` (and of `rl.loss.rollout_is`) in the default job's step.
 
     python bench/recompute.py [--repeats 20]   # configs/arith_ebpo.py's step, as the trainer's
-    python bench/recompute.py --quick          # CI smoke run: one layer, two timed rounds
+    python bench/recompute.py --quick          # CI smoke: 1 layer, 4 updates, 2 timed rounds
 
 Compiled train steps of the same config and batch, in two layouts: the default job's (one update
 per step) and `train.mini_batch_size=8` (4 updates). In each, the default (PPO's old log-probs the
@@ -35,11 +35,16 @@ CORRECTIONS = {
   "token_tis": {"rl.loss.rollout_is": "token_tis"},
 }
 LAYOUTS = {"1_update": {}, "4_updates": {"train.mini_batch_size": 8}}
-VARIANTS = {
-  f"{layout}/{name}": layout_overrides | overrides
-  for layout, layout_overrides in LAYOUTS.items()
-  for name, overrides in CORRECTIONS.items()
-}
+
+
+def variants(quick: bool) -> dict[str, dict]:
+  """Each correction in each layout ("layout/correction": overrides); --quick: 4 updates only."""
+  layouts = {"4_updates": LAYOUTS["4_updates"]} if quick else LAYOUTS
+  return {
+    f"{layout}/{name}": layout_overrides | overrides
+    for layout, layout_overrides in layouts.items()
+    for name, overrides in CORRECTIONS.items()
+  }
 
 
 def compiled(overrides: dict, args):
@@ -70,7 +75,7 @@ def main() -> None:
   if args.quick:
     args.repeats = 2
   print(f"devices: {jax.device_count()} x {jax.devices()[0].platform}")
-  runs = {name: compiled(overrides, args) for name, overrides in VARIANTS.items()}
+  runs = {name: compiled(overrides, args) for name, overrides in variants(args.quick).items()}
   names = list(runs)
   times = {name: [] for name in names}
   for repeat in range(args.repeats + 1):  # the first round warms up
