@@ -10,9 +10,15 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from ebpo_jax import hlo_collectives, roofline
-from ebpo_jax.models import attention, decode_attention
+from ebpo_jax.models import ModelConfig, attention, decode_attention
 
 # ----------------------------------------------------------------------------- loop correction
+
+
+QWEN3_8B = ModelConfig(
+  vocab_size=151_936, hidden_size=4096, intermediate_size=12_288, num_layers=36,
+  num_heads=32, num_kv_heads=8, head_dim=128,
+)  # fmt: skip
 
 
 def test_count_dots_weights_loop_bodies_by_their_trip_counts():
@@ -242,18 +248,13 @@ def test_the_paper_configs_limit_by_hand():
   # 18.9 M tokens + the head's 0.62e9 x 16.8 M completion tokens, and 1.415e11 causal pairs x
   # 4 x 32 x 128 x 36: 123.4 s (the head at every token and rematerialised, as the issue counted
   # it: 125.7 s; the head at every token: 124.1 s).
-  from ebpo_jax.models import ModelConfig
 
-  qwen3_8b = ModelConfig(
-    vocab_size=151_936, hidden_size=4096, intermediate_size=12_288, num_layers=36,
-    num_heads=32, num_kv_heads=8, head_dim=128,
-  )  # fmt: skip
-  assert roofline.matmul_params(qwen3_8b) == (6_945_767_424, 622_329_856)
+  assert roofline.matmul_params(QWEN3_8B) == (6_945_767_424, 622_329_856)
   passes = roofline.train_step_passes(remat="full", lora=False, reference=True)
   assert passes == (5, 4)
   assert roofline.train_step_passes(remat="none", lora=True, reference=False, epochs=2) == (4, 4)
   flops = roofline.train_step_limit(
-    qwen3_8b, prompts=512, prompt_len=4096, group_size=4, response_len=8192, passes=passes
+    QWEN3_8B, prompts=512, prompt_len=4096, group_size=4, response_len=8192, passes=passes
   )
   assert flops / 32 / 459e12 == pytest.approx(123.4, abs=0.05)
 
@@ -266,14 +267,9 @@ def test_the_paper_samplers_bandwidth_limit_by_hand():
   # tokens. Over 8,191 steps: 3.10e13 + 128 x (8,191 x 4,096 + 8,191 x 8,190 / 2) x 36,864
   # = 3.10e13 + 3.17e14 bytes (the prefill's 3.8e9 + 32 x 4,096 x 36,864 are a rounding error);
   # at v5p's 2.765 TB/s, 126 s.
-  from ebpo_jax.models import ModelConfig
 
-  qwen3_8b = ModelConfig(
-    vocab_size=151_936, hidden_size=4096, intermediate_size=12_288, num_layers=36,
-    num_heads=32, num_kv_heads=8, head_dim=128,
-  )  # fmt: skip
   nbytes = roofline.sampler_limit_bytes(
-    qwen3_8b, prompts=256, group_size=4, prompt_len=4096, new_tokens=8192, row_shards=8,
+    QWEN3_8B, prompts=256, group_size=4, prompt_len=4096, new_tokens=8192, row_shards=8,
     weight_shards=4, itemsize=2,
   )  # fmt: skip
   weights = (6_945_767_424 + 622_329_856) * 2 / 4
@@ -284,7 +280,7 @@ def test_the_paper_samplers_bandwidth_limit_by_hand():
   assert nbytes / 2.765e12 == pytest.approx(126.0, abs=0.5)
   # kv heads that tensor does not divide are whole on every chip: 4x the cache
   three = roofline.sampler_limit_bytes(
-    qwen3_8b, prompts=256, group_size=4, prompt_len=4096, new_tokens=8192, row_shards=8,
+    QWEN3_8B, prompts=256, group_size=4, prompt_len=4096, new_tokens=8192, row_shards=8,
     weight_shards=3, itemsize=2,
   )  # fmt: skip
   assert three > nbytes + 3 * cache
