@@ -114,9 +114,9 @@ def run_params(run_dir: str, step: int, abstract: Any) -> Any:
 def initial_params(config: ml_collections.ConfigDict, model, mesh) -> Any:
   """A fresh run's params: the latest checkpoint's of the run `config.model.init_from` (e.g. an
   ablation's shared warm start), else `state.init_params` (`config.model.path` or random). Under
-  LoRA: that base (`lora_base`) with fresh adapters."""
+  LoRA: `lora_base` with `initial_adapters`."""
   if model.config.lora_rank > 0:
-    adapters = models.build.fresh_adapters(config, model, mesh)
+    adapters = initial_adapters(config, model, mesh)
     return models.lora.combine(adapters, lora_base(config, model, mesh))
   run_dir = config.model.init_from
   if not run_dir:
@@ -125,10 +125,39 @@ def initial_params(config: ml_collections.ConfigDict, model, mesh) -> Any:
   return run_params(run_dir, step, models.build.abstract_params(model, mesh))
 
 
+def initial_adapters(config: ml_collections.ConfigDict, model, mesh) -> Any:
+  """A fresh LoRA run's adapters: those of the latest checkpoint of `model.init_from` when that is
+  a LoRA run (an ablation's warm start of a LoRA config), else fresh ones."""
+  init_run = _lora_init_run(config)
+  if init_run is None:
+    return models.build.fresh_adapters(config, model, mesh)
+  run_dir, step, _ = init_run
+  abstract = models.lora.split(models.build.abstract_params(model, mesh))[0]
+  return run_params(run_dir, step, abstract)
+
+
 def lora_base(config: ml_collections.ConfigDict, model, mesh) -> Any:
   """A LoRA run's frozen base: the params a full run of `config` starts from (model.path,
-  model.init_from or random), in the base's dtype. Rebuilt, never checkpointed."""
+  model.init_from or random), in the base's dtype. Rebuilt, never checkpointed. When
+  `model.init_from` is itself a LoRA run, whose checkpoints hold adapters only, its base is built
+  as that run built it (its own `model.init_from`, and its seed for a random base)."""
+  init_run = _lora_init_run(config)
+  if init_run is not None:
+    run_config = init_run[2]
+    config = ml_collections.ConfigDict(config.to_dict())
+    config.model.init_from = run_config.model.init_from
+    config.seed = run_config.seed
   return initial_params(config, models.lora.base_model(model), mesh)
+
+
+def _lora_init_run(config: ml_collections.ConfigDict):
+  """(run_dir, latest step, saved config) when `model.init_from` is a LoRA run; else None."""
+  run_dir = config.model.init_from
+  if not run_dir:
+    return None
+  step = checkpoint_step(run_dir, None)
+  run_config = saved_config(run_dir, step)
+  return (run_dir, step, run_config) if run_config.model.lora.rank > 0 else None
 
 
 def policy_config(config, run_dir: str | None, step: int | None):
