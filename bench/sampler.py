@@ -109,7 +109,7 @@ def _ours(model, params, prompts: np.ndarray, new_tokens: int):
   once (`sampling.decode_params`), as a caller sampling several times from the same weights does
   and as transformers and tunix hold theirs; stacked params would add a copy per call."""
   ids, mask = jnp.asarray(prompts), jnp.ones(prompts.shape, bool)
-  params = sampling.decode_params(params)
+  params = sampling.decode_params(params, model.config)
 
   def run(seed: int) -> None:
     key = jax.random.key(seed)

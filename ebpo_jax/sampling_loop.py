@@ -50,7 +50,7 @@ class Rows(NamedTuple):
 
 class State(NamedTuple):
   step: jax.Array  # int32: index of the token drawn next
-  cache: KVCache  # row-major buffers; one write slot (`index`) shared by all rows
+  cache: KVCache  # row-major buffers (per layer or stacked); one write slot (`index`) for all rows
   rows: Rows
 
 
@@ -129,22 +129,23 @@ def stage_sizes(rows: int, *, compact: bool, shards: int = 1) -> tuple[int, ...]
 
 
 def constrain_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
-  """Shards a per-layer cache's rows over the mesh's batch axes."""
+  """Shards a cache's rows over the mesh's batch axes (kv heads over tensor, a stack's layers
+  whole)."""
   if mesh is None:
     return cache
-  kv = _kv_sharding(cache.k[0].shape, mesh)
+  constrain = lambda x: jax.lax.with_sharding_constraint(x, _kv_sharding(x.shape, mesh))  # noqa: E731
   rows = sharding.row_sharding(cache.mask.shape, mesh)
-  constrain = functools.partial(jax.lax.with_sharding_constraint, shardings=kv)
   return cache.replace(
-    k=tuple(map(constrain, cache.k)),
-    v=tuple(map(constrain, cache.v)),
+    k=jax.tree.map(constrain, cache.k),
+    v=jax.tree.map(constrain, cache.v),
     mask=jax.lax.with_sharding_constraint(cache.mask, rows),
   )
 
 
 def _kv_sharding(shape, mesh: Mesh) -> NamedSharding:
-  """A per-layer cache buffer's `[B, Hkv, S, D]`: rows over the batch axes, heads over tensor."""
-  names = ("batch", "kv_heads", "length", "head_dim")
+  """A cache buffer's `[B, Hkv, S, D]` (or a stack's `[L, B, Hkv, S, D]`): rows over the batch
+  axes, heads over tensor, layers whole."""
+  names = ("layers", "batch", "kv_heads", "length", "head_dim")[-len(shape) :]
   return NamedSharding(mesh, sharding.logical_to_spec(shape, names, mesh))
 
 
@@ -152,15 +153,12 @@ def with_shardings(state: State, mesh: Mesh) -> State:
   """An abstract `state` (`jax.ShapeDtypeStruct`s) with the shardings the loop keeps it in:
   the cache as `constrain_cache`, every row's leaf over the batch axes, the step replicated."""
   c = state.cache
-  kv = _kv_sharding(c.k[0].shape, mesh)
   placed = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
+  kv = lambda x: placed(x, _kv_sharding(x.shape, mesh))  # noqa: E731
   rows = lambda x: placed(x, sharding.row_sharding(x.shape, mesh))  # noqa: E731
   whole = lambda x: placed(x, sharding.replicated(mesh))  # noqa: E731
   cache = c.replace(
-    k=tuple(placed(x, kv) for x in c.k),
-    v=tuple(placed(x, kv) for x in c.v),
-    mask=rows(c.mask),
-    index=whole(c.index),
+    k=jax.tree.map(kv, c.k), v=jax.tree.map(kv, c.v), mask=rows(c.mask), index=whole(c.index)
   )
   return State(step=whole(state.step), cache=cache, rows=jax.tree.map(rows, state.rows))
 
@@ -185,8 +183,7 @@ def _gather_running(state: State, size: int, shards: int, mesh: Mesh | None) -> 
   def take(x):
     return jax.vmap(take_one)(_per_shard(x, shards), order_dk).reshape(size, *x.shape[1:])
 
-  c = state.cache
-  cache = c.replace(k=tuple(map(take, c.k)), v=tuple(map(take, c.v)), mask=take(c.mask))
+  cache = state.cache.map_layers(take).replace(mask=take(state.cache.mask))
   rows = sharding.constrain_rows(jax.tree.map(take, state.rows), mesh)
   return State(step=state.step, cache=constrain_cache(cache, mesh), rows=rows)
 

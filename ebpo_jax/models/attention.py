@@ -24,7 +24,8 @@ others) over full rows or the shared-prefix layout (`models.shared_prefix`); the
 (a cache exactly as long as the prompt, so empty before it) takes the same path (`fresh_prefill`).
 
 Decoding over the KV cache (`decode`, one query per row): splash runs `models.decode_attention`'s
-flash-decoding kernel, which reads only the slots written so far; xla and cudnn run `xla_attention`
+flash-decoding kernel, which reads only the slots written so far (of a stacked cache, only the
+layer's, in place); xla and cudnn run `xla_attention`
 over all S slots. For cudnn that is a choice made without a GPU to time on: cuDNN's fused attention
 is a prefill kernel (its mask an O(T S) bias), and a blockwise XLA loop that stops at the written
 length would be an untimed guess; the XLA path is the reference and is known to be right.
@@ -119,11 +120,13 @@ def attend(q_bthd, k_btkd, v_btkd, valid, config: ModelConfig) -> jax.Array:
   return shared_prefix.merge(out_p, out_c)
 
 
-def decode(q_b1hd, k_bksd, v_bksd, slot_mask_bs, written, config: ModelConfig) -> jax.Array:
+def decode(
+  q_b1hd, k_bksd, v_bksd, slot_mask_bs, written, config: ModelConfig, *, layer=None
+) -> jax.Array:
   """Attention of one new query per row over a cache its key is already written to: slots
   `[0, written)` whose `slot_mask_bs [B, S]` is true (the new slot included) of heads-first
-  `[B, Hkv, S, D]` buffers, on `config.attention`'s backend (module docstring). Returns
-  [B,1,H,D] float32."""
+  `[B, Hkv, S, D]` buffers, or of layer `layer` of stacked `[L, B, Hkv, S, D]` ones, on
+  `config.attention`'s backend (module docstring). Returns [B,1,H,D] float32."""
   if config.attention == "splash":
     return decode_attention.flash_decode(
       q_b1hd,
@@ -131,11 +134,20 @@ def decode(q_b1hd, k_bksd, v_bksd, slot_mask_bs, written, config: ModelConfig) -
       v_bksd,
       slot_mask_bs,
       written,
+      layer=layer,
       block=config.attention_block,
       interpret=config.attention_emulate,
     )
   written_bs = slot_mask_bs & (jnp.arange(slot_mask_bs.shape[1]) < written)
-  return xla_attention(q_b1hd, k_bksd, v_bksd, written_bs[:, None])
+  return xla_attention(q_b1hd, *layer_of((k_bksd, v_bksd), layer), written_bs[:, None])
+
+
+def layer_of(kv: tuple[jax.Array, jax.Array], layer) -> tuple[jax.Array, jax.Array]:
+  """`(k, v)` of one layer: the buffers themselves (`layer` None), or layer `layer` of stacked
+  `[L, B, Hkv, S, D]` ones (a dynamic slice: the XLA reference path may copy it)."""
+  if layer is None:
+    return kv
+  return tuple(jax.lax.dynamic_index_in_dim(x, layer, 0, keepdims=False) for x in kv)
 
 
 def xla_attention(q_bthd, k_bksd, v_bksd, valid_bts) -> jax.Array:
