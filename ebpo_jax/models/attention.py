@@ -25,11 +25,12 @@ others) over full rows or the shared-prefix layout (`models.shared_prefix`); the
 
 Decoding over the KV cache (`decode`, one query per row): splash runs `models.decode_attention`'s
 flash-decoding kernel, which reads only the slots written so far (of a stacked cache, only the
-layer's, in place); xla and cudnn run `xla_attention`
-over all S slots. For cudnn that is a choice made without a GPU to time on: cuDNN's fused attention
-is a prefill kernel (its mask an O(T S) bias), and a blockwise XLA loop that stops at the written
-length would be an untimed guess; the XLA path is the reference and is known to be right.
-Prefill chunks over a cache (multi-turn continuation, T > 1) run `xla_attention`.
+layer's, in place); xla and cudnn run `xla_attention` over all S slots (of a stacked cache, the
+layer's slice: the reference may copy it). For cudnn that is a choice made without a GPU to time
+on: cuDNN's fused attention is a prefill kernel (its mask an O(T S) bias), and a blockwise XLA loop
+that stops at the written length would be an untimed guess; the XLA path is the reference and is
+known to be right. Prefill chunks over a cache (multi-turn continuation, T > 1) run
+`xla_attention`.
 """
 
 from __future__ import annotations

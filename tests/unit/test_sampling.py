@@ -569,3 +569,26 @@ def test_the_rolled_decode_loop_carries_the_stacked_cache_in_place(policy):
   assert "dynamic-update-slice" in {op for _, op in on_stack}, on_stack
   for name, op in on_stack:
     assert op != "copy" and "copy" not in name and "transpose" not in name, (name, op)
+
+
+def test_the_rolled_samplers_decode_params_stay_stacked(policy):
+  """For the rolled loop `decode_params` keeps the stack (cast, and replicated over the rows'
+  axes), and `generate` refuses per-layer params, which that loop cannot read."""
+  model, params = policy
+  rolled = Decoder(TINY_MODEL)
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  placed = _on_mesh(model, params, mesh)
+  converted = sampling.decode_params(
+    placed, rolled.config, dtype="bfloat16", replicate_over=sharding.ROW_AXES
+  )
+  after = converted["layers"]["mlp"]["gate_proj"]["kernel"]  # [L, embed, mlp (tensor)]
+  assert after.sharding.spec == PartitionSpec(None, None, "tensor") and after.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(
+    after, placed["layers"]["mlp"]["gate_proj"]["kernel"].astype(after.dtype)
+  )
+  ids, mask = sampling.pad_prompts(PROMPTS, PAD, BUCKETS)
+  per_layer = sampling.decode_params(params, model.config)
+  with pytest.raises(
+    ValueError, match="per-layer params given for a model with unroll_layers=False"
+  ):
+    sampling.generate(rolled, per_layer, ids, mask, jax.random.key(0), max_new_tokens=2)
