@@ -46,10 +46,14 @@ class KVCache(flax.struct.PyTreeNode):
   attention matmuls read them, in one of two layouts (module docstring): per layer, a tuple of L
   buffers for `Decoder(scan_layers=False)`, or `stacked`, one array for the rolled loop."""
 
-  k: tuple[jax.Array, ...] | jax.Array  # L x [B, Hkv, S, D], or stacked [L, B, Hkv, S, D]
+  k: tuple[jax.Array, ...] | jax.Array  # L x [B, Hkv, S, D], or stacked [L, R >= B, Hkv, S, D]
   v: tuple[jax.Array, ...] | jax.Array  # as k
   mask: jax.Array  # [B, S] bool: slot holds a valid (non-pad) key
   index: jax.Array  # int32 scalar: next slot to write
+  # A stacked cache may hold R > B rows, in `row_blocks` equal blocks (a mesh's row shards) whose
+  # first B / row_blocks rows are the batch's: the compacting decode moves the running rows to the
+  # front of each block in place rather than into a smaller copy (old and new at once: 1.5x).
+  row_blocks: int = flax.struct.field(pytree_node=False, default=1)
 
   @property
   def stacked(self) -> bool:
@@ -87,10 +91,11 @@ class LayerCache(NamedTuple):
   """What one layer reads and writes of a `KVCache`: its own buffers (`layer` None), or the stacked
   arrays and the layer's index in them."""
 
-  k: jax.Array  # [B, Hkv, S, D], or [L, B, Hkv, S, D] when `layer` is given
+  k: jax.Array  # [B, Hkv, S, D], or [L, R >= B, Hkv, S, D] when `layer` is given
   v: jax.Array
   index: jax.Array  # int32 scalar: the slot the first new token goes to
   layer: jax.Array | None  # int32 scalar: this layer's place in stacked k and v
+  row_blocks: int = 1  # `KVCache.row_blocks`
 
 
 def unstack_layers(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -244,12 +249,13 @@ class Attention(nn.Module):
       # The attention reads the written buffer, so it runs after the write and XLA updates the
       # buffer in place (a read of the old buffer beside the write would force a copy).
       new_kv = _write_all(layer_cache, k, v)
-      layer = layer_cache.layer
+      where = dict(layer=layer_cache.layer, row_blocks=layer_cache.row_blocks)
       if q.shape[1] == 1:  # decode: the written slots only, on the configured backend
         written = layer_cache.index + 1
-        out = attention.decode(q, *new_kv, valid_bts[:, 0], written, c, layer=layer)
+        out = attention.decode(q, *new_kv, valid_bts[:, 0], written, c, **where)
       else:
-        out = attention.xla_attention(q, *attention.layer_of(new_kv, layer), valid_bts)
+        kv = attention.layer_of(new_kv, rows=q.shape[0], **where)
+        out = attention.xla_attention(q, *kv, valid_bts)
     # One flat (h d) contraction: with two contracting axes XLA CPU transposed the o_proj kernel
     # on every call (inside the decode loop too).
     out = out.astype(x_bte.dtype).reshape(*out.shape[:2], h * d)
@@ -404,7 +410,7 @@ class Decoder(nn.Module):
 
     def body(layer: nn.Module, carry, context):
       x_bte, k, v, i = carry
-      x_bte, (k, v) = layer(x_bte, context, LayerCache(k, v, cache.index, i))
+      x_bte, (k, v) = layer(x_bte, context, LayerCache(k, v, cache.index, i, cache.row_blocks))
       return (x_bte, k, v, i + 1), None
 
     scanned = nn.scan(body, **self._scan_options())
@@ -430,7 +436,7 @@ class Decoder(nn.Module):
 
 def _written(cache: KVCache, k, v, attention_mask_bt: jax.Array) -> KVCache:
   """`cache` with the layers' written `k` and `v` and the T new tokens' slots marked."""
-  return KVCache(
+  return cache.replace(
     k=k,
     v=v,
     mask=_written_mask(cache, attention_mask_bt),
@@ -441,15 +447,25 @@ def _written(cache: KVCache, k, v, attention_mask_bt: jax.Array) -> KVCache:
 def _write_all(layer_cache: LayerCache, k_btkd, v_btkd) -> tuple[jax.Array, jax.Array]:
   """The layer's `(k, v)` cache buffers (or stacked arrays) with the T new keys and values in
   their slots."""
-  write = functools.partial(_write_slots, index=layer_cache.index, layer=layer_cache.layer)
+  write = functools.partial(
+    _write_slots,
+    index=layer_cache.index,
+    layer=layer_cache.layer,
+    row_blocks=layer_cache.row_blocks,
+  )
   return write(layer_cache.k, k_btkd), write(layer_cache.v, v_btkd)
 
 
-def _write_slots(old, new_btkd: jax.Array, index: jax.Array, layer: jax.Array | None) -> jax.Array:
+def _write_slots(old, new_btkd: jax.Array, index, layer, row_blocks: int) -> jax.Array:
   """Writes `[B, T, Hkv, D]` keys or values into slots `[index, index + T)` of one layer's
-  `[B, Hkv, S, D]` buffer, or of layer `layer` of a stacked `[L, B, Hkv, S, D]` cache (only the
-  new slots: in a loop XLA updates the carried stack in place)."""
+  `[B, Hkv, S, D]` buffer, or of layer `layer` of a stacked `[L, R, Hkv, S, D]` cache, the B rows
+  the first of each of its `row_blocks` blocks (`KVCache.row_blocks`). Only the new slots: in a
+  loop XLA updates the carried stack in place."""
   new_bktd = jnp.swapaxes(new_btkd, 1, 2).astype(old.dtype)
   if layer is None:
     return jax.lax.dynamic_update_slice(old, new_bktd, (0, 0, index, 0))
-  return jax.lax.dynamic_update_slice(old, new_bktd[None], (layer, 0, 0, index, 0))
+  num_layers, rows, *rest = old.shape
+  blocked = old.reshape(num_layers, row_blocks, rows // row_blocks, *rest)
+  new = new_bktd.reshape(1, row_blocks, new_bktd.shape[0] // row_blocks, *new_bktd.shape[1:])
+  written = jax.lax.dynamic_update_slice(blocked, new, (layer, 0, 0, 0, index, 0))
+  return written.reshape(old.shape)

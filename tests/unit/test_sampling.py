@@ -358,10 +358,13 @@ def _collective_sizes(hlo: str) -> list[int]:
   return [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(ops, hlo)]
 
 
-def test_compacting_under_a_mesh_moves_no_row_between_devices(policy):
+@pytest.mark.parametrize("rolled", [False, True], ids=["unrolled", "rolled"])
+def test_compacting_under_a_mesh_moves_no_row_between_devices(policy, rolled):
   """Each device compacts its own block of rows: no collective beyond the plain loop's. (A global
-  gather moved cache rows, tokens and log-probs between devices.)"""
+  gather moved cache rows, tokens and log-probs between devices.) Rolled, the rows move to the
+  front of each device's block of the stacked cache."""
   model, params = policy  # replicated weights: the only collectives are the sampler's own
+  model = Decoder(TINY_MODEL) if rolled else model
   mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
   prompts = [PROMPTS[i % 3][: 1 + i % 5] for i in range(8)]
   ids, mask = sampling.pad_prompts(prompts, PAD, BUCKETS)
@@ -553,19 +556,22 @@ def test_the_rolled_layer_loop_samples_as_the_unrolled_one(policy, sharded):
 
 
 def test_the_rolled_decode_loop_carries_the_stacked_cache_in_place(policy):
-  """The decode loop carries one `[L, R, Hkv, S, D]` stack of keys and one of values; each layer
-  writes its new slot into the stack (a dynamic-update-slice, in place in a loop) and nothing
-  copies a whole stack (the XLA path may slice out the layer it reads; the kernel does not)."""
+  """The decode loops carry one `[L, R, Hkv, S, D]` stack of keys and one of values; each layer
+  writes its new slot into the stack (a dynamic-update-slice, in place in a loop), nothing copies
+  a whole stack (the XLA path may slice out the layer it reads; the kernel does not), and the
+  compacting stages keep the first stage's stack (no smaller copy beside it: 1.5x the cache)."""
   _, params = policy
   ids, mask = sampling.pad_prompts(PROMPTS, PAD, BUCKETS)
   hlo = sampling.trace_generate(
     Decoder(TINY_MODEL), params, ids, mask, jax.random.key(0), jnp.float32(1), jnp.float32(1),
-    group_size=2, max_new_tokens=5, stop_ids=(1,), pad_id=PAD, compact=False,
+    group_size=8, max_new_tokens=5, stop_ids=(1,), pad_id=PAD, compact=True,
   ).lower().compile().as_text()  # fmt: skip
-  stack = "f32[2,6,2,12,8]"  # L = 2, 6 rows, 2 kv heads, P + N - 1 = 12 slots, D = 8
-  assert _while_body(hlo, stack).count(stack) >= 2  # the decode loop carries k and v stacked
+  stack = "f32[2,24,2,12,8]"  # L = 2, 24 rows, 2 kv heads, P + N - 1 = 12 slots, D = 8
+  loops = [line for line in hlo.splitlines() if " while(" in line and stack in line]
+  assert len(loops) >= 2 and _while_body(hlo, stack).count(stack) >= 2  # both stages carry it
+  assert "f32[2,12,2,12,8]" not in hlo  # the second stage's 12 rows: no stack of them
   ops = re.findall(r"(%[\w.\-]+) = f32\[([\d,]*)\]\S* (\w[\w-]*)\(", hlo)
-  on_stack = [(name, op) for name, dims, op in ops if dims == "2,6,2,12,8"]
+  on_stack = [(name, op) for name, dims, op in ops if dims == "2,24,2,12,8"]
   assert "dynamic-update-slice" in {op for _, op in on_stack}, on_stack
   for name, op in on_stack:
     assert op != "copy" and "copy" not in name and "transpose" not in name, (name, op)
