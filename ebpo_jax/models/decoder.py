@@ -29,7 +29,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import flax.linen as nn
 import flax.struct
@@ -87,15 +87,16 @@ def init_cache(
   )
 
 
-class LayerCache(NamedTuple):
+class LayerCache(flax.struct.PyTreeNode):
   """What one layer reads and writes of a `KVCache`: its own buffers (`layer` None), or the stacked
-  arrays and the layer's index in them."""
+  arrays and the layer's index in them (a pytree with `row_blocks` static: it passes through
+  `nn.remat` as a Python int)."""
 
   k: jax.Array  # [B, Hkv, S, D], or [L, R >= B, Hkv, S, D] when `layer` is given
   v: jax.Array
   index: jax.Array  # int32 scalar: the slot the first new token goes to
   layer: jax.Array | None  # int32 scalar: this layer's place in stacked k and v
-  row_blocks: int = 1  # `KVCache.row_blocks`
+  row_blocks: int = flax.struct.field(pytree_node=False, default=1)  # `KVCache.row_blocks`
 
 
 def unstack_layers(params: Mapping[str, Any]) -> dict[str, Any]:
