@@ -96,27 +96,38 @@ def empty_cache(config: ModelConfig, batch_size: int, slots: int) -> KVCache:
   return init_cache(config, batch_size, slots, stacked=not config.unroll_layers)
 
 
-def _prefill(apply, config, prompt_ids_bp, prompt_mask_bp, max_new_tokens: int):
-  """Caches the prompts once; returns `(cache with P + N - 1 slots, next-token logits [B, V])`.
+def _prefill(apply, prompt_ids_bp, prompt_mask_bp, st: _Static):
+  """Caches the prompts once; returns `(cache of B * G rows with P + N - 1 slots, next-token
+  logits [B * G, V])`, rows prompt-major, sharded as the decode loop keeps them.
 
   `apply` is `cached_decoder`'s apply with its params bound.
   All but the last prompt token go through a cache of just P - 1 slots (attention over the prompt,
   not over the empty slots to come) and their logits go unused, so XLA drops the [B, P, V] LM head.
   The cache then grows to P + N - 1 slots (the last drawn token never enters it) and the last
-  prompt token runs alone for the first draw.
+  prompt token runs alone for the first draw. The rows repeat G times after it; a stacked cache
+  repeats before it, so that the grown stack is built in one pass from the small one (a repeat of
+  the grown stack holds both at once: 1.25x the cache at G = 4; per-layer buffers go one by one).
   """
   num_prompts, prompt_len = prompt_ids_bp.shape
+  g, mesh = st.group_size, st.mesh
   positions_bp = prompt_positions(prompt_mask_bp)
-  cache = empty_cache(config, num_prompts, prompt_len - 1)
+  cache = empty_cache(st.model.config, num_prompts, prompt_len - 1)
   if prompt_len > 1:
     head = slice(None), slice(None, -1)
-    _, cache = apply(prompt_ids_bp[head], positions_bp[head], prompt_mask_bp[head], cache=cache)
-  cache = _grow_cache(cache, max_new_tokens)
-  tail = slice(None), slice(-1, None)
-  logits_b1v, cache = apply(
-    prompt_ids_bp[tail], positions_bp[tail], prompt_mask_bp[tail], cache=cache
-  )
-  return cache, logits_b1v[:, 0]
+    with kernel_mesh(mesh):  # the attention kernels run per shard (shard_map)
+      _, cache = apply(prompt_ids_bp[head], positions_bp[head], prompt_mask_bp[head], cache=cache)
+  cache = _grow_cache(cache, st.max_new_tokens)
+  tail = [x[:, -1:] for x in (prompt_ids_bp, positions_bp, prompt_mask_bp)]
+  if cache.stacked:
+    cache = loop.constrain_cache(repeat_rows(cache, g), mesh)
+    tail = [jnp.repeat(x, g, axis=0) for x in tail]
+  with kernel_mesh(mesh):
+    logits_r1v, cache = apply(*tail, cache=cache)
+  logits_rv = logits_r1v[:, 0]
+  if not cache.stacked:
+    cache = loop.constrain_cache(repeat_rows(cache, g), mesh)
+    logits_rv = jnp.repeat(logits_rv, g, axis=0)
+  return cache, sharding.constrain_rows(logits_rv, mesh)
 
 
 def _grow_cache(cache: KVCache, extra_slots: int) -> KVCache:
@@ -162,14 +173,8 @@ def _apply(params, model: nn.Module):
 
 def _start(apply, prompt_ids_bp, prompt_mask_bp, rng, temperature, top_p, st: _Static):
   """Prefill, then the first draw: the decode loop's state before its first step."""
-  width = st.max_new_tokens
-  # Under the mesh: the attention kernels of prefill and decode run per shard (shard_map).
-  mesh = st.mesh
-  with kernel_mesh(mesh):
-    cache, first_logits_bv = _prefill(apply, st.model.config, prompt_ids_bp, prompt_mask_bp, width)
-  g = st.group_size
-  cache = loop.constrain_cache(repeat_rows(cache, g), mesh)
-  first_logits_rv = sharding.constrain_rows(jnp.repeat(first_logits_bv, g, axis=0), mesh)
+  width, mesh, g = st.max_new_tokens, st.mesh, st.group_size
+  cache, first_logits_rv = _prefill(apply, prompt_ids_bp, prompt_mask_bp, st)
   first_position_r = jnp.repeat(prompt_positions(prompt_mask_bp)[:, -1] + 1, g)
   state = loop.State(
     step=jnp.zeros((), jnp.int32),
