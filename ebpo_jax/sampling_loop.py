@@ -7,13 +7,15 @@ have long tails, so most of its row-steps decode rows that have already stopped.
 Compacting: the same loop in stages of static, halving row counts (`stage_sizes`: R, R/2, ...,
 down to a minimum bucket). Stage k decodes while more rows run than stage k + 1 holds; then its
 running rows (KV cache rows, last token, position, id, outputs so far) are gathered into the next,
-smaller batch, topped up with finished rows (done: they write only padding). At the end of each
-stage its rows are written back to their output rows (`Rows.row_id`). With a mesh the rows are
-split over devices, and each device compacts its own block (no row moves between devices, so no
-cache crosses the interconnect): a stage ends when no device runs more rows than its block of the
-next stage holds. All in one program: no host round trip, one loop body per stage. Rows draw from
-per-row random streams (`row_uniforms`, by output row, not by place in the batch), so both give
-the same tokens for the same key.
+smaller batch, topped up with finished rows (done: they write only padding). A stacked cache (the
+rolled layer loop's) keeps its rows: the running ones move to the front of each device's block in
+place (`models.KVCache.row_blocks`), as a smaller copy beside it would hold 1.5x the cache.
+At the end of each stage its rows are written back to their output rows (`Rows.row_id`). With a
+mesh the rows are split over devices, and each device compacts its own block (no row moves between
+devices, so no cache crosses the interconnect): a stage ends when no device runs more rows than its
+block of the next stage holds. All in one program: no host round trip, one loop body per stage.
+Rows draw from per-row random streams (`row_uniforms`, by output row, not by place in the batch),
+so both give the same tokens for the same key.
 """
 
 from __future__ import annotations
