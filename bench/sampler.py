@@ -107,9 +107,12 @@ def load_torch(path: str) -> torch.nn.Module:
 def _ours(model, params, prompts: np.ndarray, new_tokens: int):
   """A call of our sampler over `prompts`. The weights are put in the sampler's per-layer layout
   once (`sampling.decode_params`), as a caller sampling several times from the same weights does
-  and as transformers and tunix hold theirs; stacked params would add a copy per call."""
+  and as transformers and tunix hold theirs; stacked params would add a copy per call. The layer
+  loop unrolled, as the CPU configs run it (`configs/common.py`; `from_pretrained`'s default is the
+  rolled loop of the TPU configs, slower on a CPU)."""
   ids, mask = jnp.asarray(prompts), jnp.ones(prompts.shape, bool)
-  params = sampling.decode_params(params)
+  model = model.clone(config=dataclasses.replace(model.config, unroll_layers=True))
+  params = sampling.decode_params(params, model.config)
 
   def run(seed: int) -> None:
     key = jax.random.key(seed)

@@ -279,8 +279,8 @@ def _decode_converter(target: Target):
   """The round's conversion of the weights to the sampler's layout (`sampling.decode_params`)."""
   options = SamplingOptions.from_config(target.config)
   rows = sharding.ROW_AXES if options.replicate_weights else ()
-  dtype = _sampler_model(target).config.dtype
-  return sampling.decode_converter(target.params, dtype=dtype, replicate_over=rows)
+  config = _sampler_model(target).config
+  return sampling.decode_converter(target.params, config, dtype=config.dtype, replicate_over=rows)
 
 
 def rollout_layout_program(target: Target) -> Program:

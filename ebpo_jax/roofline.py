@@ -216,9 +216,10 @@ def decode_cost(
   q_shape, k_shape, q_itemsize: int, kv_itemsize: int, block: int, lengths: Sequence[int] = ()
 ) -> tuple[float, float]:
   """`(FLOPs, HBM bytes)` of one decode-kernel call on queries `[B, Hkv, G, D]` and a cache
-  `[B, Hkv, S, D]`, at the mean over the written `lengths` (none: all S) of the slots it reads."""
+  `[..., B, Hkv, S, D]` (a stack: one layer read), at the mean over the written `lengths` (none:
+  all S) of the slots it reads."""
   rows, kv_heads, groups, d = q_shape
-  slots = k_shape[2]
+  slots = k_shape[-2]
   bkv = decode_attention.kv_block(slots, block)
   read = [min(-(-w // bkv) * bkv, slots) for w in lengths] or [slots]
   mean_read = sum(read) / len(read)

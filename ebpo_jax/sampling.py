@@ -11,11 +11,14 @@ handful of times, and `compile_count` lets a test check that. The KV cache
 never crosses the jit boundary: it is built by the prefill and then carried by the while loop, which
 XLA updates in place, so there is no cache buffer for a caller to donate.
 
-Prefill and decode both run `Decoder(scan_layers=False)` on per-layer params, outside the loop,
-with the decoder's one (per-layer) cache layout: XLA CPU copies every stacked weight slice on every
-scanned step, which cost ~40% of a decode step at the tiny config. Stacked params are unstacked once
-per call (a copy of every layer weight, 7% of a SmolLM2 call on CPU); a caller that samples several
-times from the same weights converts them once with `decode_params` and passes those instead.
+Prefill and decode run the layer loop that `model.unroll_layers` picks, as training does
+(`models.decoder`'s module docstring): rolled, the scanned decoder on the stacked params over a
+stacked cache, one layer's code to compile (the TPU configs); unrolled, `Decoder(scan_layers=False)`
+on per-layer params over a per-layer cache (XLA CPU copies every stacked weight slice on every
+scanned step, which cost ~40% of a decode step at the tiny config). There the stacked params are
+unstacked once per call (a copy of every layer weight, 7% of a SmolLM2 call on CPU); a caller that
+samples several times from the same weights converts them once with `decode_params` and passes
+those instead.
 
 Each token is drawn by `sampling_draw.draw` (temperature, top-k, top-p, inverse CDF).
 """
@@ -36,7 +39,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ebpo_jax import sampling_loop as loop
 from ebpo_jax import sharding
-from ebpo_jax.models import KVCache, init_cache
+from ebpo_jax.models import KVCache, ModelConfig, init_cache
 from ebpo_jax.models.decoder import unstack_layers
 from ebpo_jax.sampling_draw import draw
 from ebpo_jax.sequences import prompt_positions
@@ -82,45 +85,61 @@ def pad_prompts(
 # ----------------------------------------------------------------------------- the decode loop
 
 
-def _prefill(apply, config, prompt_ids_bp, prompt_mask_bp, max_new_tokens: int):
-  """Caches the prompts once; returns `(cache with P + N - 1 slots, next-token logits [B, V])`.
+def cached_decoder(model: nn.Module) -> nn.Module:
+  """The decoder that prefill and decode run (module docstring): the scanned one (a rolled loop
+  over a stacked cache) unless `model.unroll_layers`, then the per-layer one."""
+  return model.clone(scan_layers=not model.config.unroll_layers)
 
-  `apply` is the per-layer decoder's (`scan_layers=False`) apply with its params bound.
+
+def empty_cache(config: ModelConfig, batch_size: int, slots: int) -> KVCache:
+  """An empty cache in the layout of `cached_decoder`'s loop."""
+  return init_cache(config, batch_size, slots, stacked=not config.unroll_layers)
+
+
+def _prefill(apply, prompt_ids_bp, prompt_mask_bp, st: _Static):
+  """Caches the prompts once; returns `(cache of B * G rows with P + N - 1 slots, next-token
+  logits [B * G, V])`, rows prompt-major, sharded as the decode loop keeps them.
+
+  `apply` is `cached_decoder`'s apply with its params bound.
   All but the last prompt token go through a cache of just P - 1 slots (attention over the prompt,
   not over the empty slots to come) and their logits go unused, so XLA drops the [B, P, V] LM head.
   The cache then grows to P + N - 1 slots (the last drawn token never enters it) and the last
-  prompt token runs alone for the first draw.
+  prompt token runs alone for the first draw. The rows repeat G times after it; a stacked cache
+  repeats before it, so that the grown stack is built in one pass from the small one (a repeat of
+  the grown stack holds both at once: 1.25x the cache at G = 4; per-layer buffers go one by one).
   """
   num_prompts, prompt_len = prompt_ids_bp.shape
+  g, mesh = st.group_size, st.mesh
   positions_bp = prompt_positions(prompt_mask_bp)
-  cache = init_cache(config, num_prompts, prompt_len - 1)
+  cache = empty_cache(st.model.config, num_prompts, prompt_len - 1)
   if prompt_len > 1:
     head = slice(None), slice(None, -1)
-    _, cache = apply(prompt_ids_bp[head], positions_bp[head], prompt_mask_bp[head], cache=cache)
-  cache = _grow_cache(cache, max_new_tokens)
-  tail = slice(None), slice(-1, None)
-  logits_b1v, cache = apply(
-    prompt_ids_bp[tail], positions_bp[tail], prompt_mask_bp[tail], cache=cache
-  )
-  return cache, logits_b1v[:, 0]
+    with kernel_mesh(mesh):  # the attention kernels run per shard (shard_map)
+      _, cache = apply(prompt_ids_bp[head], positions_bp[head], prompt_mask_bp[head], cache=cache)
+  cache = _grow_cache(cache, st.max_new_tokens)
+  tail = [x[:, -1:] for x in (prompt_ids_bp, positions_bp, prompt_mask_bp)]
+  if cache.stacked:
+    cache = loop.constrain_cache(repeat_rows(cache, g), mesh)
+    tail = [jnp.repeat(x, g, axis=0) for x in tail]
+  with kernel_mesh(mesh):
+    logits_r1v, cache = apply(*tail, cache=cache)
+  logits_rv = logits_r1v[:, 0]
+  if not cache.stacked:
+    cache = loop.constrain_cache(repeat_rows(cache, g), mesh)
+    logits_rv = jnp.repeat(logits_rv, g, axis=0)
+  return cache, sharding.constrain_rows(logits_rv, mesh)
 
 
 def _grow_cache(cache: KVCache, extra_slots: int) -> KVCache:
   """Appends empty (invalid) slots to every layer's `[B, Hkv, S, D]` buffer."""
   grow = functools.partial(jnp.pad, pad_width=((0, 0), (0, 0), (0, extra_slots), (0, 0)))
-  return cache.replace(
-    k=tuple(map(grow, cache.k)),
-    v=tuple(map(grow, cache.v)),
-    mask=jnp.pad(cache.mask, ((0, 0), (0, extra_slots))),
-  )
+  return cache.map_layers(grow).replace(mask=jnp.pad(cache.mask, ((0, 0), (0, extra_slots))))
 
 
-def _repeat_rows(cache: KVCache, group_size: int) -> KVCache:
-  """Repeats each row of a per-layer cache `group_size` times (prompt-major)."""
+def repeat_rows(cache: KVCache, group_size: int) -> KVCache:
+  """Repeats each row of a cache `group_size` times (prompt-major)."""
   repeat = functools.partial(jnp.repeat, repeats=group_size, axis=0)
-  return cache.replace(
-    k=tuple(map(repeat, cache.k)), v=tuple(map(repeat, cache.v)), mask=repeat(cache.mask)
-  )
+  return cache.map_layers(repeat).replace(mask=repeat(cache.mask))
 
 
 class _Static(NamedTuple):
@@ -138,23 +157,24 @@ class _Static(NamedTuple):
 
 
 def _apply(params, model: nn.Module):
-  """The per-layer decoder's apply (`scan_layers=False`) with `params` bound, unstacked first
-  when they are stacked (once, outside the loop: prefill and decode read each weight in place)."""
-  if not is_decode_params(params):
+  """`cached_decoder(model)`'s apply with `params` bound; for the per-layer decoder, stacked
+  params are unstacked first (once, outside the loop: prefill and decode read each weight in
+  place)."""
+  decoder = cached_decoder(model)
+  if not decoder.scan_layers and not is_decode_params(params):
     params = unstack_layers(params)
-  return functools.partial(model.clone(scan_layers=False).apply, {"params": params})
+  elif decoder.scan_layers and "layers" not in params:
+    raise ValueError(
+      "per-layer params given for a model with unroll_layers=False, whose sampler runs the rolled "
+      "loop on the stacked params: pass them stacked (decode_params(params, model.config))"
+    )
+  return functools.partial(decoder.apply, {"params": params})
 
 
 def _start(apply, prompt_ids_bp, prompt_mask_bp, rng, temperature, top_p, st: _Static):
   """Prefill, then the first draw: the decode loop's state before its first step."""
-  width = st.max_new_tokens
-  # Under the mesh: the attention kernels of prefill and decode run per shard (shard_map).
-  mesh = st.mesh
-  with kernel_mesh(mesh):
-    cache, first_logits_bv = _prefill(apply, st.model.config, prompt_ids_bp, prompt_mask_bp, width)
-  g = st.group_size
-  cache = loop.constrain_cache(_repeat_rows(cache, g), mesh)
-  first_logits_rv = sharding.constrain_rows(jnp.repeat(first_logits_bv, g, axis=0), mesh)
+  width, mesh, g = st.max_new_tokens, st.mesh, st.group_size
+  cache, first_logits_rv = _prefill(apply, prompt_ids_bp, prompt_mask_bp, st)
   first_position_r = jnp.repeat(prompt_positions(prompt_mask_bp)[:, -1] + 1, g)
   state = loop.State(
     step=jnp.zeros((), jnp.int32),
@@ -283,43 +303,49 @@ def generate(
   return _generate(params, prompt_ids_bp, prompt_mask_bp, rng, temperature, top_p, static)
 
 
-def decode_params(params, *, dtype=None, replicate_over: Sequence[str] = ()):
-  """The params in the layout the sampler decodes with, converted in one program
-  (`decode_converter`): per layer (`layers_0 ... layers_{L-1}`, as
-  `models.decoder.unstack_layers`), floating arrays in `dtype` (the compute dtype, which the
-  decoder casts every weight to anyway; None: as they are), and each array sharded as before
-  without the mesh axes `replicate_over`. The trainer converts once per round of sampler calls
-  (`SamplingOptions.decode_params`) with the rows' axes ('data', 'fsdp'): the rows are split over
-  them, so weights split over them too would be all-gathered by every decode step; replicated
-  there and split over 'tensor' only, a step reads its shard of every weight in place. Params
-  already per-layer are returned as they are. `generate` takes either layout; passing these skips
-  the copy of every layer weight it otherwise makes per call."""
-  if is_decode_params(params):
+def decode_params(params, config: ModelConfig, *, dtype=None, replicate_over: Sequence[str] = ()):
+  """The params in the layout the sampler decodes `config`'s model with, converted in one program
+  (`decode_converter`): stacked for the rolled loop, per layer for an unrolled one
+  (`layers_0 ... layers_{L-1}`, as `models.decoder.unstack_layers`); floating arrays in `dtype`
+  (the compute dtype, which the decoder casts every weight to anyway; None: as they are), and each
+  array sharded as before without the mesh axes `replicate_over`. The trainer converts once per
+  round of sampler calls (`SamplingOptions.decode_params`) with the rows' axes ('data', 'fsdp'):
+  the rows are split over them, so weights split over them too would be all-gathered by every
+  decode step; replicated there and split over 'tensor' only, a step reads its shard of every
+  weight in place. Params already per-layer are returned as they are. `generate` takes stacked
+  params either way; per-layer ones skip the copy of every layer weight it otherwise makes per
+  call."""
+  if config.unroll_layers and is_decode_params(params):
     return params
-  return decode_converter(params, dtype=dtype, replicate_over=replicate_over)(params)
+  return decode_converter(params, config, dtype=dtype, replicate_over=replicate_over)(params)
 
 
-def decode_converter(params, *, dtype=None, replicate_over: Sequence[str] = ()):
+def decode_converter(
+  params, config: ModelConfig, *, dtype=None, replicate_over: Sequence[str] = ()
+):
   """The jitted program `decode_params` converts `params` (arrays or sharded
   `jax.ShapeDtypeStruct`s: `ebpo_jax.aot` traces it) with."""
-  dtype = None if dtype is None else jnp.dtype(dtype)
+  dtype, per_layer = None if dtype is None else jnp.dtype(dtype), bool(config.unroll_layers)
   mesh = _params_mesh(params)
   if mesh is None:
-    return _converter(None, None, dtype)
-  leaves, treedef = jax.tree.flatten(_decode_shardings(params, mesh, tuple(replicate_over)))
-  return _converter(treedef, tuple(leaves), dtype)
+    return _converter(None, None, dtype, per_layer)
+  targets = _decode_shardings(params, mesh, tuple(replicate_over), per_layer)
+  leaves, treedef = jax.tree.flatten(targets)
+  return _converter(treedef, tuple(leaves), dtype, per_layer)
 
 
-def _decode_shardings(params, mesh: Mesh, axes: tuple[str, ...]) -> dict:
-  """The per-layer params' shardings: each array's spec (a stacked one's without its leading
-  layer axis) without the mesh axes `axes`."""
+def _decode_shardings(params, mesh: Mesh, axes: tuple[str, ...], per_layer: bool) -> dict:
+  """The decode params' shardings: each array's spec (per layer, a stacked one's without its
+  leading layer axis) without the mesh axes `axes`."""
 
-  def target(x, stacked: bool) -> NamedSharding:
+  def target(x, unstacked: bool) -> NamedSharding:
     spec = x.sharding.spec
-    return NamedSharding(mesh, _without_axes(spec[1:] if stacked else spec, axes))
+    return NamedSharding(mesh, _without_axes(spec[1:] if unstacked else spec, axes))
 
   out = {k: jax.tree.map(lambda x: target(x, False), v) for k, v in params.items() if k != "layers"}
-  layer = jax.tree.map(lambda x: target(x, True), params["layers"])
+  layer = jax.tree.map(lambda x: target(x, per_layer), params["layers"])
+  if not per_layer:
+    return {**out, "layers": layer}
   num_layers = jax.tree.leaves(params["layers"])[0].shape[0]
   return {**out, **{f"layers_{i}": layer for i in range(num_layers)}}
 
@@ -342,27 +368,25 @@ def _without_axes(spec: PartitionSpec, axes: tuple[str, ...]) -> PartitionSpec:
 
 
 @functools.lru_cache(maxsize=16)
-def _converter(treedef, shardings: tuple | None, dtype):
+def _converter(treedef, shardings: tuple | None, dtype, per_layer: bool):
   """The jitted conversion to the decode layout, `shardings` the flattened leaves of its output's
-  (None: as jit places them): one compile per (params structure, target shardings, dtype)."""
+  (None: as jit places them): one compile per (params structure, target shardings, dtype,
+  layout)."""
 
   def convert(params):
-    per_layer = unstack_layers(params)
+    out = unstack_layers(params) if per_layer else params
     if dtype is None:
-      return per_layer
+      return out
     cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
-    return jax.tree.map(cast, per_layer)
+    return jax.tree.map(cast, out)
 
   if shardings is None:
     return jax.jit(convert)
   return jax.jit(convert, out_shardings=jax.tree.unflatten(treedef, list(shardings)))
 
 
-_unstack_layers = jax.jit(unstack_layers)
-
-
 def is_decode_params(params) -> bool:
-  """Whether `params` are in `decode_params`' per-layer layout (else stacked)."""
+  """Whether `params` are in the unrolled sampler's per-layer layout (else stacked)."""
   return "layers" not in params and "layers_0" in params
 
 

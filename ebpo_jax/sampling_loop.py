@@ -7,13 +7,15 @@ have long tails, so most of its row-steps decode rows that have already stopped.
 Compacting: the same loop in stages of static, halving row counts (`stage_sizes`: R, R/2, ...,
 down to a minimum bucket). Stage k decodes while more rows run than stage k + 1 holds; then its
 running rows (KV cache rows, last token, position, id, outputs so far) are gathered into the next,
-smaller batch, topped up with finished rows (done: they write only padding). At the end of each
-stage its rows are written back to their output rows (`Rows.row_id`). With a mesh the rows are
-split over devices, and each device compacts its own block (no row moves between devices, so no
-cache crosses the interconnect): a stage ends when no device runs more rows than its block of the
-next stage holds. All in one program: no host round trip, one loop body per stage. Rows draw from
-per-row random streams (`row_uniforms`, by output row, not by place in the batch), so both give
-the same tokens for the same key.
+smaller batch, topped up with finished rows (done: they write only padding). A stacked cache (the
+rolled layer loop's) keeps its rows: the running ones move to the front of each device's block in
+place (`models.KVCache.row_blocks`), as a smaller copy beside it would hold 1.5x the cache.
+At the end of each stage its rows are written back to their output rows (`Rows.row_id`). With a
+mesh the rows are split over devices, and each device compacts its own block (no row moves between
+devices, so no cache crosses the interconnect): a stage ends when no device runs more rows than its
+block of the next stage holds. All in one program: no host round trip, one loop body per stage.
+Rows draw from per-row random streams (`row_uniforms`, by output row, not by place in the batch),
+so both give the same tokens for the same key.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class Rows(NamedTuple):
 
 class State(NamedTuple):
   step: jax.Array  # int32: index of the token drawn next
-  cache: KVCache  # row-major buffers; one write slot (`index`) shared by all rows
+  cache: KVCache  # row-major buffers (per layer or stacked); one write slot (`index`) for all rows
   rows: Rows
 
 
@@ -129,22 +131,23 @@ def stage_sizes(rows: int, *, compact: bool, shards: int = 1) -> tuple[int, ...]
 
 
 def constrain_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
-  """Shards a per-layer cache's rows over the mesh's batch axes."""
+  """Shards a cache's rows over the mesh's batch axes (kv heads over tensor, a stack's layers
+  whole)."""
   if mesh is None:
     return cache
-  kv = _kv_sharding(cache.k[0].shape, mesh)
+  constrain = lambda x: jax.lax.with_sharding_constraint(x, _kv_sharding(x.shape, mesh))  # noqa: E731
   rows = sharding.row_sharding(cache.mask.shape, mesh)
-  constrain = functools.partial(jax.lax.with_sharding_constraint, shardings=kv)
   return cache.replace(
-    k=tuple(map(constrain, cache.k)),
-    v=tuple(map(constrain, cache.v)),
+    k=jax.tree.map(constrain, cache.k),
+    v=jax.tree.map(constrain, cache.v),
     mask=jax.lax.with_sharding_constraint(cache.mask, rows),
   )
 
 
 def _kv_sharding(shape, mesh: Mesh) -> NamedSharding:
-  """A per-layer cache buffer's `[B, Hkv, S, D]`: rows over the batch axes, heads over tensor."""
-  names = ("batch", "kv_heads", "length", "head_dim")
+  """A cache buffer's `[B, Hkv, S, D]` (or a stack's `[L, B, Hkv, S, D]`): rows over the batch
+  axes, heads over tensor, layers whole."""
+  names = ("layers", "batch", "kv_heads", "length", "head_dim")[-len(shape) :]
   return NamedSharding(mesh, sharding.logical_to_spec(shape, names, mesh))
 
 
@@ -152,15 +155,12 @@ def with_shardings(state: State, mesh: Mesh) -> State:
   """An abstract `state` (`jax.ShapeDtypeStruct`s) with the shardings the loop keeps it in:
   the cache as `constrain_cache`, every row's leaf over the batch axes, the step replicated."""
   c = state.cache
-  kv = _kv_sharding(c.k[0].shape, mesh)
   placed = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
+  kv = lambda x: placed(x, _kv_sharding(x.shape, mesh))  # noqa: E731
   rows = lambda x: placed(x, sharding.row_sharding(x.shape, mesh))  # noqa: E731
   whole = lambda x: placed(x, sharding.replicated(mesh))  # noqa: E731
   cache = c.replace(
-    k=tuple(placed(x, kv) for x in c.k),
-    v=tuple(placed(x, kv) for x in c.v),
-    mask=rows(c.mask),
-    index=whole(c.index),
+    k=jax.tree.map(kv, c.k), v=jax.tree.map(kv, c.v), mask=rows(c.mask), index=whole(c.index)
   )
   return State(step=whole(state.step), cache=cache, rows=jax.tree.map(rows, state.rows))
 
@@ -186,9 +186,31 @@ def _gather_running(state: State, size: int, shards: int, mesh: Mesh | None) -> 
     return jax.vmap(take_one)(_per_shard(x, shards), order_dk).reshape(size, *x.shape[1:])
 
   c = state.cache
-  cache = c.replace(k=tuple(map(take, c.k)), v=tuple(map(take, c.v)), mask=take(c.mask))
+  if c.stacked:  # the running rows to the front of each device's block, in place
+    move = functools.partial(_to_front, order_dk=order_dk, shards=shards)
+    cache = c.replace(k=move(c.k), v=move(c.v), mask=take(c.mask), row_blocks=shards)
+  else:
+    cache = c.map_layers(take).replace(mask=take(c.mask))
   rows = sharding.constrain_rows(jax.tree.map(take, state.rows), mesh)
   return State(step=state.step, cache=constrain_cache(cache, mesh), rows=rows)
+
+
+def _to_front(stack: jax.Array, order_dk: jax.Array, shards: int) -> jax.Array:
+  """A stacked cache `[L, R, Hkv, S, D]` with, in each of the `shards` blocks of rows, the block's
+  rows `order_dk[d]` moved to its front: one layer at a time in a loop that updates the stack in
+  place, so that the peak holds one layer more, not a smaller copy of the whole stack (as a
+  gather into the next stage's rows would: 1.5x the cache at the first stage's end). Rows past
+  the front keep stale values that the next stages never read (`KVCache.row_blocks`)."""
+  num_layers, rows, *rest = stack.shape
+  blocked = stack.reshape(num_layers, shards, rows // shards, *rest)
+  take_one = functools.partial(jnp.take, axis=0, unique_indices=True)
+
+  def move_layer(i, blocked):
+    layer = jax.lax.dynamic_index_in_dim(blocked, i, 0, keepdims=False)
+    front = jax.vmap(take_one)(layer, order_dk)  # [shards, n, Hkv, S, D]
+    return jax.lax.dynamic_update_slice(blocked, front[None], (i, 0, 0, 0, 0, 0))
+
+  return jax.lax.fori_loop(0, num_layers, move_layer, blocked).reshape(stack.shape)
 
 
 def _write_back(out: Rows, rows: Rows, shards: int, mesh: Mesh | None) -> Rows:

@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 
 from ebpo_jax import sampling, sampling_draw
 from ebpo_jax import sampling_loop as loop
-from ebpo_jax.models import KVCache, init_cache
+from ebpo_jax.models import KVCache
 from ebpo_jax.sequences import prompt_positions
 
 
@@ -55,12 +55,13 @@ def cache_slots(prompt_len: int, *, max_turns: int, chunk_width: int, max_new_to
 
 
 def _cached_forward(params, model: nn.Module, mesh: Mesh | None):
-  """The per-layer decoder's apply with `params` bound, its kernels per shard of `mesh`."""
-  per_layer = model.clone(scan_layers=False)
+  """The sampler's cached decoder (`sampling.cached_decoder`) with `params` bound, its kernels per
+  shard of `mesh`."""
+  decoder = sampling.cached_decoder(model)
 
   def apply(*args, **kwargs):
     with sampling.kernel_mesh(mesh):
-      return per_layer.apply({"params": params}, *args, **kwargs)
+      return decoder.apply({"params": params}, *args, **kwargs)
 
   return apply
 
@@ -77,17 +78,16 @@ def start(
   mesh: Mesh | None = None,
 ):
   """`TurnState` of G rows per left-padded prompt: all but its last token cached (`slots` slots);
-  `params` in the sampler's per-layer layout (`sampling.decode_params`); under `mesh` the
+  `params` in the sampler's layout (`sampling.decode_params`); under `mesh` the
   attention kernels run per shard (`sampling.kernel_mesh`)."""
   apply = _cached_forward(params, model, mesh)
   positions_bp = prompt_positions(prompt_mask_bp)
-  cache = init_cache(model.config, prompt_ids_bp.shape[0], slots)
+  cache = sampling.empty_cache(model.config, prompt_ids_bp.shape[0], slots)
   if prompt_ids_bp.shape[1] > 1:
     head = slice(None), slice(None, -1)
     _, cache = apply(prompt_ids_bp[head], positions_bp[head], prompt_mask_bp[head], cache=cache)
   repeat = functools.partial(jnp.repeat, repeats=group_size, axis=0)
-  cache = cache.replace(k=tuple(map(repeat, cache.k)), v=tuple(map(repeat, cache.v)),
-                        mask=repeat(cache.mask))  # fmt: skip
+  cache = sampling.repeat_rows(cache, group_size)
   return TurnState(cache, repeat(prompt_ids_bp[:, -1]), repeat(positions_bp[:, -1]))
 
 
@@ -187,11 +187,7 @@ def compact(state: TurnState, take_s: jax.Array) -> TurnState:
   """The rows `take_s` [S] of `state` (cache, pending token, position), in that order: the
   trajectories still running, so that finished ones stop costing in the next turns."""
   rows = functools.partial(jnp.take, indices=take_s, axis=0)
-  cache = state.cache.replace(
-    k=tuple(map(rows, state.cache.k)),
-    v=tuple(map(rows, state.cache.v)),
-    mask=rows(state.cache.mask),
-  )
+  cache = state.cache.map_layers(rows).replace(mask=rows(state.cache.mask))
   return TurnState(cache, rows(state.pending), rows(state.position))
 
 

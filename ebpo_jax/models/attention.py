@@ -24,11 +24,13 @@ others) over full rows or the shared-prefix layout (`models.shared_prefix`); the
 (a cache exactly as long as the prompt, so empty before it) takes the same path (`fresh_prefill`).
 
 Decoding over the KV cache (`decode`, one query per row): splash runs `models.decode_attention`'s
-flash-decoding kernel, which reads only the slots written so far; xla and cudnn run `xla_attention`
-over all S slots. For cudnn that is a choice made without a GPU to time on: cuDNN's fused attention
-is a prefill kernel (its mask an O(T S) bias), and a blockwise XLA loop that stops at the written
-length would be an untimed guess; the XLA path is the reference and is known to be right.
-Prefill chunks over a cache (multi-turn continuation, T > 1) run `xla_attention`.
+flash-decoding kernel, which reads only the slots written so far (of a stacked cache, only the
+layer's, in place); xla and cudnn run `xla_attention` over all S slots (of a stacked cache, the
+layer's slice: the reference may copy it). For cudnn that is a choice made without a GPU to time
+on: cuDNN's fused attention is a prefill kernel (its mask an O(T S) bias), and a blockwise XLA loop
+that stops at the written length would be an untimed guess; the XLA path is the reference and is
+known to be right. Prefill chunks over a cache (multi-turn continuation, T > 1) run
+`xla_attention`.
 """
 
 from __future__ import annotations
@@ -119,11 +121,14 @@ def attend(q_bthd, k_btkd, v_btkd, valid, config: ModelConfig) -> jax.Array:
   return shared_prefix.merge(out_p, out_c)
 
 
-def decode(q_b1hd, k_bksd, v_bksd, slot_mask_bs, written, config: ModelConfig) -> jax.Array:
+def decode(
+  q_b1hd, k_bksd, v_bksd, slot_mask_bs, written, config: ModelConfig, *, layer=None, row_blocks=1
+) -> jax.Array:
   """Attention of one new query per row over a cache its key is already written to: slots
   `[0, written)` whose `slot_mask_bs [B, S]` is true (the new slot included) of heads-first
-  `[B, Hkv, S, D]` buffers, on `config.attention`'s backend (module docstring). Returns
-  [B,1,H,D] float32."""
+  `[B, Hkv, S, D]` buffers, or of layer `layer` of stacked `[L, R, Hkv, S, D]` ones (the B rows
+  the first of each of `row_blocks` blocks: `models.KVCache`), on `config.attention`'s backend
+  (module docstring). Returns [B,1,H,D] float32."""
   if config.attention == "splash":
     return decode_attention.flash_decode(
       q_b1hd,
@@ -131,11 +136,30 @@ def decode(q_b1hd, k_bksd, v_bksd, slot_mask_bs, written, config: ModelConfig) -
       v_bksd,
       slot_mask_bs,
       written,
+      layer=layer,
       block=config.attention_block,
       interpret=config.attention_emulate,
     )
   written_bs = slot_mask_bs & (jnp.arange(slot_mask_bs.shape[1]) < written)
-  return xla_attention(q_b1hd, k_bksd, v_bksd, written_bs[:, None])
+  kv = layer_of((k_bksd, v_bksd), layer, rows=q_b1hd.shape[0], row_blocks=row_blocks)
+  return xla_attention(q_b1hd, *kv, written_bs[:, None])
+
+
+def layer_of(kv: tuple[jax.Array, jax.Array], layer, *, rows: int, row_blocks: int = 1):
+  """`(k, v)` `[B, Hkv, S, D]` of one layer: the buffers themselves (`layer` None), or the `rows`
+  rows of layer `layer` of stacked `[L, R, Hkv, S, D]` ones (the first of each of `row_blocks`
+  blocks), sliced out (the XLA reference path may copy them)."""
+  if layer is None:
+    return kv
+
+  def one(x):
+    x = jax.lax.dynamic_index_in_dim(x, layer, 0, keepdims=False)
+    if x.shape[0] == rows:
+      return x
+    blocked = x.reshape(row_blocks, x.shape[0] // row_blocks, *x.shape[1:])
+    return blocked[:, : rows // row_blocks].reshape(rows, *x.shape[1:])
+
+  return one(kv[0]), one(kv[1])
 
 
 def xla_attention(q_bthd, k_bksd, v_bksd, valid_bts) -> jax.Array:

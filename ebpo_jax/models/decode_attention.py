@@ -7,7 +7,10 @@ on every step: over a decode of N tokens after a prompt of P that is about S / (
 the bytes the keys and values written so far hold.
 
 The kernel runs on the cache's own layout, over the grid (rows, kv heads, kv blocks of `bkv`
-slots). `written` is scalar-prefetched: the key, value and mask blocks' index maps clamp the block
+slots). A stacked cache `[L, B, Hkv, S, D]` (the rolled layer loop's) is read in place at the
+layer's index, which is scalar-prefetched into the key and value index maps, so the loop body never
+copies a layer's slice out of the stack; one layer's buffer runs as a stack of one. `written` is
+scalar-prefetched too: the key, value and mask blocks' index maps clamp the block
 index to the last written block, so blocks past it are never fetched (the pipeline skips the copy
 when a block index repeats) and `pl.when` skips their compute. The G = H / Hkv query heads of one
 kv head run together as the `[G, D]` rows of one matmul (GQA: nothing repeated). Softmax is online
@@ -47,42 +50,49 @@ def kv_block(slots: int, block: int) -> int:
   return slots if slots <= block else block
 
 
-def flash_decode(q_bthd, k_bksd, v_bksd, slot_mask_bs, written, *, block: int, interpret: bool):
+def flash_decode(
+  q_bthd, k_bksd, v_bksd, slot_mask_bs, written, *, layer=None, block: int, interpret: bool
+):
   """Attention of one query per row (`q [B, 1, H, D]`) over the written slots `[0, written)` of
-  heads-first `[B, Hkv, S, D]` keys and values whose `slot_mask_bs [B, S]` is true (module
-  docstring); per shard under a context mesh. Returns `[B, 1, H, D]` float32."""
+  heads-first `[B, Hkv, S, D]` keys and values, or of layer `layer` of stacked `[L, B, Hkv, S, D]`
+  ones, whose `slot_mask_bs [B, S]` is true (module docstring); per shard under a context mesh.
+  Returns `[B, 1, H, D]` float32."""
   b, t, h, d = q_bthd.shape
   if t != 1:
     raise ValueError(f"flash_decode takes one query per row, got T={t}")
-  kv_heads = k_bksd.shape[1]
+  if layer is None:  # one layer's buffers: a stack of one (a bitcast, no copy)
+    k_bksd, v_bksd, layer = k_bksd[None], v_bksd[None], 0
+  kv_heads = k_bksd.shape[2]
   q_bkgd = q_bthd.reshape(b, kv_heads, h // kv_heads, d).astype(k_bksd.dtype)
-  written_1 = jnp.reshape(written, (1,)).astype(jnp.int32)
+  scalars = jnp.stack([jnp.asarray(written, jnp.int32), jnp.asarray(layer, jnp.int32)])
   mask_b1s = slot_mask_bs.astype(jnp.int32)[:, None, :]
   call = functools.partial(_decode_call, block=block, interpret=interpret)
   mesh = jax.sharding.get_abstract_mesh()
   if not mesh.empty and math.prod(mesh.shape.values()) > 1:
     call = _per_shard(call, mesh, b, kv_heads)
-  out_bkgd = call(written_1, q_bkgd, k_bksd, v_bksd, mask_b1s)
+  out_bkgd = call(scalars, q_bkgd, k_bksd, v_bksd, mask_b1s)
   return out_bkgd.reshape(b, 1, h, d)
 
 
-def _decode_call(written_1, q_bkgd, k_bksd, v_bksd, mask_b1s, *, block: int, interpret: bool):
-  """The `pallas_call` over (rows, kv heads, kv blocks); `[B, Hkv, G, D]` float32 out."""
+def _decode_call(scalars, q_bkgd, k_lbksd, v_lbksd, mask_b1s, *, block: int, interpret: bool):
+  """The `pallas_call` over (rows, kv heads, kv blocks) of layer `scalars[1]` of the stacked
+  cache; `[B, Hkv, G, D]` float32 out. The layer index, like `written` (`scalars[0]`), is
+  scalar-prefetched into the key and value index maps: the kernel reads the stack in place."""
   b, kv_heads, groups, d = q_bkgd.shape
-  slots = k_bksd.shape[2]
+  slots = k_lbksd.shape[3]
   bkv = kv_block(slots, block)
 
-  def last_written(written_ref):
-    return jnp.maximum(written_ref[0] - 1, 0) // bkv
+  def last_written(scalars_ref):
+    return jnp.maximum(scalars_ref[0] - 1, 0) // bkv
 
-  def kv_map(i, k, j, written_ref):
-    return i, k, jnp.minimum(j, last_written(written_ref)), 0
+  def kv_map(i, k, j, scalars_ref):
+    return scalars_ref[1], i, k, jnp.minimum(j, last_written(scalars_ref)), 0
 
-  def mask_map(i, k, j, written_ref):
-    return i, 0, jnp.minimum(j, last_written(written_ref))
+  def mask_map(i, k, j, scalars_ref):
+    return i, 0, jnp.minimum(j, last_written(scalars_ref))
 
-  query_spec = pl.BlockSpec((None, None, groups, d), lambda i, k, j, w: (i, k, 0, 0))
-  kv_spec = pl.BlockSpec((None, None, bkv, d), kv_map)
+  query_spec = pl.BlockSpec((None, None, groups, d), lambda i, k, j, s: (i, k, 0, 0))
+  kv_spec = pl.BlockSpec((None, None, None, bkv, d), kv_map)
   grid_spec = pltpu.PrefetchScalarGridSpec(
     num_scalar_prefetch=1,
     grid=(b, kv_heads, pl.cdiv(slots, bkv)),
@@ -101,15 +111,15 @@ def _decode_call(written_1, q_bkgd, k_bksd, v_bksd, mask_b1s, *, block: int, int
     compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
     interpret=interpret,
     name=NAME,
-  )(written_1, q_bkgd, k_bksd, v_bksd, mask_b1s)
+  )(scalars, q_bkgd, k_lbksd, v_lbksd, mask_b1s)
 
 
 def _kernel(
-  written_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, m_ref, l_ref, acc_ref, *, bkv, scale
+  scalars_ref, q_ref, k_ref, v_ref, mask_ref, o_ref, m_ref, l_ref, acc_ref, *, bkv, scale
 ):
   """One (row, kv head, kv block) step of the online softmax (module docstring)."""
   j = pl.program_id(2)
-  written = written_ref[0]
+  written = scalars_ref[0]
 
   @pl.when(j == 0)
   def _init():
@@ -144,17 +154,18 @@ def _kernel(
 
 def _per_shard(call, mesh, batch: int, kv_heads: int):
   """`call` in `shard_map`: rows over the mesh's ('data', 'fsdp') and kv heads (with their query
-  heads) over 'tensor', each only where the mesh has the axes and they divide; `written` whole."""
+  heads) over 'tensor', each only where the mesh has the axes and they divide; the stacked cache's
+  layers and the scalars whole."""
   sizes = dict(mesh.shape)
   row_axes = tuple(a for a in ("data", "fsdp") if sizes.get(a, 1) > 1)
   rows = row_axes if row_axes and batch % math.prod(sizes[a] for a in row_axes) == 0 else None
   tensor = sizes.get("tensor", 1)
   heads = "tensor" if tensor > 1 and kv_heads % tensor == 0 else None
-  spec = PartitionSpec(rows, heads)
+  spec, stacked = PartitionSpec(rows, heads), PartitionSpec(None, rows, heads)
   return jax.shard_map(
     call,
     mesh=mesh,
-    in_specs=(PartitionSpec(), spec, spec, spec, PartitionSpec(rows)),
+    in_specs=(PartitionSpec(), spec, stacked, stacked, PartitionSpec(rows)),
     out_specs=spec,
     check_vma=False,
   )

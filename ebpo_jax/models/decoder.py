@@ -1,14 +1,20 @@
 """One config-driven decoder-only transformer: Llama 3, Qwen2, Qwen3 and SmolLM2.
 
 Layers are scanned (`nn.scan`): every per-layer parameter carries a leading `layers` axis, the
-layout of checkpoints and training. The scanned decoder runs only the full forward, without a KV
-cache (training, reference log-probs); `ModelConfig.unroll_layers` unrolls its loop (same params,
-one program per layer: slower to compile, faster on XLA:CPU, which fuses across layers). Cached
-prefill and decode run `Decoder(config, scan_layers=False)`: the same math over modules
-`layers_0 ... layers_{L-1}` (`unstack_layers` converts the params once) with one KV-cache layout, a
-buffer `[B, Hkv, S, D]` per layer that each step updates in place (XLA CPU copies every stacked
-weight or cache slice on every scanned step). The full forward also runs the shared-prefix layout
-(`models.shared_prefix`: each prompt once, then its G completions) for training.
+layout of checkpoints and training. `ModelConfig.unroll_layers` unrolls the loop (same params, one
+program per layer: slower to compile, faster on XLA:CPU, which fuses across layers). Cached prefill
+and decode follow the same switch, each with its own `KVCache` layout (`KVCache.stacked`):
+- rolled (`unroll_layers=False`, the TPU configs): the scanned decoder runs one loop body over the
+  stacked params and carries a stacked cache `[L, B, Hkv, S, D]`; layer i writes only its new slots
+  of the carried stack in place (at `[i, :, :, index, :]`), and the decode kernel reads the stack at
+  layer i (`models.decode_attention`), so neither weights nor cache are copied per layer, and the
+  program holds one layer's code, not L (36 unrolled layers took minutes to compile, twice).
+- unrolled: `Decoder(config, scan_layers=False)`, the same math over modules `layers_0 ...
+  layers_{L-1}` (`unstack_layers` converts the params once) and a buffer `[B, Hkv, S, D]` per layer
+  that each step updates in place (XLA CPU copies every stacked weight or cache slice on every
+  scanned step).
+The full forward also runs the shared-prefix layout (`models.shared_prefix`: each prompt once, then
+its G completions) for training.
 
 Parameter layout (HF name -> ours):
   embed_tokens.weight [V, E]            -> embed_tokens/embedding      (vocab, embed)
@@ -20,6 +26,7 @@ Parameter layout (HF name -> ours):
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -35,29 +42,61 @@ from ebpo_jax.models.config import REMAT_POLICIES, ModelConfig
 
 
 class KVCache(flax.struct.PyTreeNode):
-  """Keys and values of every layer for `S` slots; slots `< index` are written.
+  """Keys and values of every layer for `S` slots; slots `< index` are written. Heads first, as the
+  attention matmuls read them, in one of two layouts (module docstring): per layer, a tuple of L
+  buffers for `Decoder(scan_layers=False)`, or `stacked`, one array for the rolled loop."""
 
-  One buffer per layer, heads first as the attention matmuls read them, for
-  `Decoder(scan_layers=False)`.
-  """
-
-  k: tuple[jax.Array, ...]  # L x [B, Hkv, S, D]
-  v: tuple[jax.Array, ...]  # L x [B, Hkv, S, D]
+  k: tuple[jax.Array, ...] | jax.Array  # L x [B, Hkv, S, D], or stacked [L, R >= B, Hkv, S, D]
+  v: tuple[jax.Array, ...] | jax.Array  # as k
   mask: jax.Array  # [B, S] bool: slot holds a valid (non-pad) key
   index: jax.Array  # int32 scalar: next slot to write
+  # A stacked cache may hold R > B rows, in `row_blocks` equal blocks (a mesh's row shards) whose
+  # first B / row_blocks rows are the batch's: the compacting decode moves the running rows to the
+  # front of each block in place rather than into a smaller copy (old and new at once: 1.5x).
+  row_blocks: int = flax.struct.field(pytree_node=False, default=1)
+
+  @property
+  def stacked(self) -> bool:
+    """Whether k and v are one `[L, B, Hkv, S, D]` array each (else a tuple of L buffers)."""
+    return not isinstance(self.k, tuple)
+
+  def map_layers(self, fn) -> KVCache:
+    """The cache with `fn` applied to every layer's `[B, Hkv, S, D]` key and value buffer (vmapped
+    over a stacked cache's layers); the mask and index as they are."""
+    if self.stacked:
+      return self.replace(k=jax.vmap(fn)(self.k), v=jax.vmap(fn)(self.v))
+    return self.replace(k=tuple(map(fn, self.k)), v=tuple(map(fn, self.v)))
 
 
-def init_cache(config: ModelConfig, batch_size: int, max_len: int, dtype: Any = None) -> KVCache:
-  """An empty cache of `max_len` slots (dtype defaults to the compute dtype)."""
+def init_cache(
+  config: ModelConfig, batch_size: int, max_len: int, dtype: Any = None, *, stacked: bool = False
+) -> KVCache:
+  """An empty cache of `max_len` slots (dtype defaults to the compute dtype), per layer or
+  `stacked` (the layout of `Decoder(scan_layers=True)`, the rolled loop)."""
   shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)
   dtype = jnp.dtype(dtype or config.dtype)
-  buffers = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))  # noqa: E731
+  if stacked:
+    buffers = lambda: jnp.zeros((config.num_layers, *shape), dtype)  # noqa: E731
+  else:
+    buffers = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))  # noqa: E731
   return KVCache(
     k=buffers(),
     v=buffers(),
     mask=jnp.zeros((batch_size, max_len), bool),
     index=jnp.zeros((), jnp.int32),
   )
+
+
+class LayerCache(flax.struct.PyTreeNode):
+  """What one layer reads and writes of a `KVCache`: its own buffers (`layer` None), or the stacked
+  arrays and the layer's index in them (a pytree with `row_blocks` static: it passes through
+  `nn.remat` as a Python int)."""
+
+  k: jax.Array  # [B, Hkv, S, D], or [L, R >= B, Hkv, S, D] when `layer` is given
+  v: jax.Array
+  index: jax.Array  # int32 scalar: the slot the first new token goes to
+  layer: jax.Array | None  # int32 scalar: this layer's place in stacked k and v
+  row_blocks: int = flax.struct.field(pytree_node=False, default=1)  # `KVCache.row_blocks`
 
 
 def unstack_layers(params: Mapping[str, Any]) -> dict[str, Any]:
@@ -182,14 +221,14 @@ class Projection(nn.Module):
 
 
 class Attention(nn.Module):
-  """GQA self-attention with RoPE. With a cache, `layer_cache` is `(k, v, index)`: the new keys and
-  values go into their slots, attention reads the written cache, and the updated `(k, v)` is
-  returned (else None)."""
+  """GQA self-attention with RoPE. With a cache (`LayerCache`), the new keys and values go into
+  their slots, attention reads the written cache, and the updated `(k, v)` is returned (else
+  None)."""
 
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x_bte, sin_btd, cos_btd, valid_bts, layer_cache):
+  def __call__(self, x_bte, sin_btd, cos_btd, valid_bts, layer_cache: LayerCache | None):
     c = self.config
     e, h, kv, d = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
     bias = c.attention_bias
@@ -203,19 +242,21 @@ class Attention(nn.Module):
       q = RMSNorm(c, "head_dim", name="q_norm")(q)
       k = RMSNorm(c, "head_dim", name="k_norm")(k)
     q, k = apply_rope(q, sin_btd, cos_btd), apply_rope(k, sin_btd, cos_btd)
-    slots = None if layer_cache is None else layer_cache[0].shape[2]
+    slots = None if layer_cache is None else layer_cache.k.shape[-2]
     if slots is None or attention.fresh_prefill(c.attention, slots, q.shape[1]):
       out = attention.attend(q, k, v, valid_bts, c)
       new_kv = None if layer_cache is None else _write_all(layer_cache, k, v)
     else:
       # The attention reads the written buffer, so it runs after the write and XLA updates the
-      # per-layer buffer in place (a read of the old buffer beside the write would force a copy).
+      # buffer in place (a read of the old buffer beside the write would force a copy).
       new_kv = _write_all(layer_cache, k, v)
+      where = dict(layer=layer_cache.layer, row_blocks=layer_cache.row_blocks)
       if q.shape[1] == 1:  # decode: the written slots only, on the configured backend
-        written = layer_cache[2] + 1
-        out = attention.decode(q, *new_kv, valid_bts[:, 0], written, c)
+        written = layer_cache.index + 1
+        out = attention.decode(q, *new_kv, valid_bts[:, 0], written, c, **where)
       else:
-        out = attention.xla_attention(q, *new_kv, valid_bts)
+        kv = attention.layer_of(new_kv, rows=q.shape[0], **where)
+        out = attention.xla_attention(q, *kv, valid_bts)
     # One flat (h d) contraction: with two contracting axes XLA CPU transposed the o_proj kernel
     # on every call (inside the decode loop too).
     out = out.astype(x_bte.dtype).reshape(*out.shape[:2], h * d)
@@ -269,8 +310,9 @@ def _valid_slots(attention_mask_bt: jax.Array, cache: KVCache) -> jax.Array:
 class Decoder(nn.Module):
   """Causal LM: `(input_ids [B,T], positions, attention_mask, cache) -> logits [B,T,V] float32`.
 
-  `scan_layers=True` (stacked params) runs only without a cache; `scan_layers=False` is the same
-  model with per-layer params, with or without a cache (see the module docstring).
+  `scan_layers=True` (stacked params) scans its layers, over a stacked cache when given one (the
+  rolled loop); `scan_layers=False` is the same model with per-layer params, with or without a
+  per-layer cache (see the module docstring).
   """
 
   config: ModelConfig
@@ -286,10 +328,11 @@ class Decoder(nn.Module):
     logits_slice: tuple[int, int] | None = None,
     prefix_groups: shared_prefix.PrefixGroups | None = None,
   ):
-    """Without a cache returns logits; with one (`scan_layers=False` only) also the cache with the
-    T tokens written. `logits_slice=(start, stop)` computes the logits of those positions only
-    (`[B, stop - start, V]`): the LM head is a large share of a small model's work, and training
-    needs it only where completion tokens are predicted.
+    """Without a cache returns logits; with one (stacked for `scan_layers=True`, per layer for
+    `scan_layers=False`) also the cache with the T tokens written. `logits_slice=(start, stop)`
+    computes the logits of those positions only (`[B, stop - start, V]`): the LM head is a large
+    share of a small model's work, and training needs it only where completion tokens are
+    predicted.
 
     `prefix_groups` (no cache): the rows are packed, each a prompt then its G completions
     (`models.shared_prefix`), and the logits are those that predict the completions' N tokens,
@@ -301,10 +344,12 @@ class Decoder(nn.Module):
     c = self.config
     if cache is not None and prefix_groups is not None:
       raise ValueError("prefix_groups is a full forward's layout: no KV cache with it")
-    if cache is not None and self.scan_layers:
+    if cache is not None and cache.stacked != self.scan_layers:
       raise ValueError(
-        "a KV cache given to the scanned Decoder (scan_layers=True), which runs only the full "
-        "forward; decode with Decoder(config, scan_layers=False) on unstack_layers(params)"
+        f"a {'stacked' if cache.stacked else 'per-layer'} KV cache given to "
+        f"Decoder(scan_layers={self.scan_layers}): the scanned decoder takes a stacked cache "
+        "(init_cache(..., stacked=True)), the per-layer one (scan_layers=False, on "
+        "unstack_layers(params)) a per-layer cache"
       )
     b, t = input_ids.shape
     if attention_mask is None:
@@ -321,8 +366,10 @@ class Decoder(nn.Module):
       valid = _valid_slots(attention_mask, cache)
     else:
       valid = attention.layout(c.attention, attention_mask, prefix_groups)
-    if self.scan_layers:
+    if self.scan_layers and cache is None:
       x, new_cache = self._scanned_layers()(x, (sin, cos, valid))[0], None
+    elif self.scan_layers:
+      x, new_cache = self._rolled_loop(x, (sin, cos, valid), cache, attention_mask)
     else:
       x, new_cache = self._layer_loop(x, (sin, cos, valid), cache, attention_mask)
     x = RMSNorm(c, name="norm")(x)
@@ -348,7 +395,7 @@ class Decoder(nn.Module):
     """The layers one by one over a per-layer cache: `(x, the written cache or None)`."""
     layer_cls, new_k, new_v = self._layer_cls(), [], []
     for i in range(self.config.num_layers):
-      layer_cache = None if cache is None else (cache.k[i], cache.v[i], cache.index)
+      layer_cache = None if cache is None else LayerCache(cache.k[i], cache.v[i], cache.index, None)
       layer = layer_cls(self.config, name=f"layers_{i}")
       x_bte, kv = layer(x_bte, context, layer_cache)
       if cache is not None:
@@ -356,17 +403,26 @@ class Decoder(nn.Module):
         new_v.append(kv[1])
     if cache is None:
       return x_bte, None
-    return x_bte, KVCache(
-      k=tuple(new_k),
-      v=tuple(new_v),
-      mask=_written_mask(cache, attention_mask_bt),
-      index=cache.index + attention_mask_bt.shape[1],
-    )
+    return x_bte, _written(cache, tuple(new_k), tuple(new_v), attention_mask_bt)
 
-  def _scanned_layers(self) -> nn.Module:
+  def _rolled_loop(self, x_bte, context, cache: KVCache, attention_mask_bt):
+    """The scanned layers over a stacked cache, carried through the loop with the layer's index
+    (each layer writes its new slots in place): `(x, the written cache)`."""
+
+    def body(layer: nn.Module, carry, context):
+      x_bte, k, v, i = carry
+      x_bte, (k, v) = layer(x_bte, context, LayerCache(k, v, cache.index, i, cache.row_blocks))
+      return (x_bte, k, v, i + 1), None
+
+    scanned = nn.scan(body, **self._scan_options())
+    carry = (x_bte, cache.k, cache.v, jnp.zeros((), jnp.int32))
+    (x_bte, k, v, _), _ = scanned(self._layer_cls()(self.config, name="layers"), carry, context)
+    return x_bte, _written(cache, k, v, attention_mask_bt)
+
+  def _scan_options(self) -> dict:
+    """`nn.scan`'s options of the layer loop: stacked params, unrolled as the config says."""
     c = self.config
-    scanned = nn.scan(
-      self._layer_cls(),
+    return dict(
       variable_axes={"params": 0},
       split_rngs={"params": True, lora.DROPOUT_RNG: True},  # each layer its own dropout masks
       in_axes=(nn.broadcast,),
@@ -374,17 +430,43 @@ class Decoder(nn.Module):
       unroll=c.num_layers if c.unroll_layers else 1,
       metadata_params={nn.PARTITION_NAME: "layers"},
     )
-    return scanned(c, name="layers")
+
+  def _scanned_layers(self) -> nn.Module:
+    return nn.scan(self._layer_cls(), **self._scan_options())(self.config, name="layers")
 
 
-def _write_all(layer_cache, k_btkd: jax.Array, v_btkd: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """One layer's `(k, v)` cache buffers with the T new keys and values in their slots."""
-  cache_k, cache_v, index = layer_cache
-  return _write_slots(cache_k, k_btkd, index), _write_slots(cache_v, v_btkd, index)
+def _written(cache: KVCache, k, v, attention_mask_bt: jax.Array) -> KVCache:
+  """`cache` with the layers' written `k` and `v` and the T new tokens' slots marked."""
+  return cache.replace(
+    k=k,
+    v=v,
+    mask=_written_mask(cache, attention_mask_bt),
+    index=cache.index + attention_mask_bt.shape[1],
+  )
 
 
-def _write_slots(old_bksd: jax.Array, new_btkd: jax.Array, index: jax.Array) -> jax.Array:
+def _write_all(layer_cache: LayerCache, k_btkd, v_btkd) -> tuple[jax.Array, jax.Array]:
+  """The layer's `(k, v)` cache buffers (or stacked arrays) with the T new keys and values in
+  their slots."""
+  write = functools.partial(
+    _write_slots,
+    index=layer_cache.index,
+    layer=layer_cache.layer,
+    row_blocks=layer_cache.row_blocks,
+  )
+  return write(layer_cache.k, k_btkd), write(layer_cache.v, v_btkd)
+
+
+def _write_slots(old, new_btkd: jax.Array, index, layer, row_blocks: int) -> jax.Array:
   """Writes `[B, T, Hkv, D]` keys or values into slots `[index, index + T)` of one layer's
-  `[B, Hkv, S, D]` cache buffer."""
-  new_bktd = jnp.swapaxes(new_btkd, 1, 2).astype(old_bksd.dtype)
-  return jax.lax.dynamic_update_slice(old_bksd, new_bktd, (0, 0, index, 0))
+  `[B, Hkv, S, D]` buffer, or of layer `layer` of a stacked `[L, R, Hkv, S, D]` cache, the B rows
+  the first of each of its `row_blocks` blocks (`KVCache.row_blocks`). Only the new slots: in a
+  loop XLA updates the carried stack in place."""
+  new_bktd = jnp.swapaxes(new_btkd, 1, 2).astype(old.dtype)
+  if layer is None:
+    return jax.lax.dynamic_update_slice(old, new_bktd, (0, 0, index, 0))
+  num_layers, rows, *rest = old.shape
+  blocked = old.reshape(num_layers, row_blocks, rows // row_blocks, *rest)
+  new = new_bktd.reshape(1, row_blocks, new_bktd.shape[0] // row_blocks, *new_bktd.shape[1:])
+  written = jax.lax.dynamic_update_slice(blocked, new, (layer, 0, 0, 0, index, 0))
+  return written.reshape(old.shape)

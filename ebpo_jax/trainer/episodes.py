@@ -101,7 +101,7 @@ def run_episodes(
   `encoder`: the rollouts' `PromptEncoder` (observations are encoded with it)."""
   tokenizer, width = encoder.tokenizer, env.max_observation_tokens
   trajectories = _reset(rows, group_size, env, encoder)
-  params = sampling.decode_params(params)
+  params = sampling.decode_params(params, model.config)
   slots = sampling_turns.cache_slots(
     prompt_ids.shape[1],
     max_turns=env.max_turns,

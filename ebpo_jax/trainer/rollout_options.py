@@ -30,7 +30,9 @@ class SamplingOptions:
     """The round's weights in the sampler's layout (`sampling.decode_params`): the compute dtype,
     and with `replicate_weights` split over 'tensor' only."""
     rows = sharding.ROW_AXES if self.replicate_weights else ()
-    return sampling.decode_params(params, dtype=model_config.dtype, replicate_over=rows)
+    return sampling.decode_params(
+      params, model_config, dtype=model_config.dtype, replicate_over=rows
+    )
 
   def generate_options(self, tokenizer, *, group_size: int, greedy: bool) -> dict:
     """The Sampler's static `sampling.generate` options (one compile per set; aot's too)."""

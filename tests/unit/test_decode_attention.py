@@ -1,7 +1,8 @@
 """Decode attention over the written cache (models.decode_attention, Pallas interpret mode on the
 CPU) against the XLA reference in float32: the kernel alone (left padding, holes in the slot
-mask, GQA, a last block the cache does not fill, slots past the written length that hold NaN),
-and the sampler decoding with it (greedy and sampled, compacting and not)."""
+mask, GQA, a last block the cache does not fill, slots past the written length that hold NaN, a
+layer of a stacked cache), and the sampler decoding with it (greedy and sampled, compacting and
+not; the rolled layer loop of BASE, and unrolled)."""
 
 import dataclasses
 
@@ -51,6 +52,40 @@ def test_kernel_equals_xla_over_the_written_slots(case):
   assert float(jnp.abs(careless - want).max()) > 100 * ATOL
 
 
+def test_kernel_reads_its_layer_of_a_stacked_cache_in_place():
+  """Given the rolled loop's stacked `[L, B, Hkv, S, D]` cache and a (traced) layer index, the
+  kernel reads that layer's blocks from the stack (the index map, not a slice out of it)."""
+  q, k, v, mask = _inputs(2, 4, 2, 200, [0, 30])
+  want = attention.xla_attention(q, k, v, jnp.asarray(mask & (np.arange(200) < 150))[:, None])
+  # Layer 1 of 3; the other layers hold NaN: a read of the wrong layer poisons the output.
+  stack = lambda x: jnp.stack([jnp.full_like(x, jnp.nan), x, jnp.full_like(x, jnp.nan)])  # noqa: E731
+  decode = jax.jit(
+    lambda *a: decode_attention.flash_decode(*a[:5], layer=a[5], block=128, interpret=True)
+  )
+  args = (q, stack(k), stack(v), jnp.asarray(mask), jnp.int32(150), jnp.int32(1))
+  np.testing.assert_allclose(decode(*args), want, atol=ATOL, rtol=0)
+  kernel_inputs, outside = _pallas_inputs_and_other_ops(jax.make_jaxpr(decode)(*args).jaxpr)
+  assert (3, 2, 2, 200, 16) in kernel_inputs and "dynamic_slice" not in outside
+  for config in (BASE, SPLASH):  # the dispatch, whose XLA path slices the layer out
+    got = attention.decode(q, *args[1:5], config, layer=jnp.int32(1))
+    np.testing.assert_allclose(got, want, atol=ATOL, rtol=0, err_msg=config.attention)
+
+
+def _pallas_inputs_and_other_ops(jaxpr) -> tuple[list, set]:
+  """The shapes of the pallas_call's operands, and the primitives outside any kernel."""
+  shapes, others = [], set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      shapes += [v.aval.shape for v in eqn.invars]
+      continue
+    others.add(eqn.primitive.name)
+    if "jaxpr" in eqn.params:  # jit, shard_map
+      inner_jaxpr = getattr(eqn.params["jaxpr"], "jaxpr", eqn.params["jaxpr"])
+      inner = _pallas_inputs_and_other_ops(inner_jaxpr)
+      shapes, others = shapes + inner[0], others | inner[1]
+  return shapes, others
+
+
 def test_decode_dispatch_reads_only_written_slots_on_every_backend():
   q, k, v, mask = _inputs(2, 4, 2, 64, [0, 3])
   written = jnp.int32(20)
@@ -88,13 +123,32 @@ def test_generate_with_the_kernel_equals_xla(greedy, compact):
     assert len({tuple(row) for row in np.asarray(want.tokens)}) > 2
 
 
-def test_the_decode_step_runs_the_kernel():
-  params = models.decoder.unstack_layers(init_params(BASE))
-  cache = models.init_cache(SPLASH, 2, 8)
-  step = lambda p: Decoder(SPLASH, scan_layers=False).apply(  # noqa: E731
+@pytest.mark.parametrize("rolled", [False, True], ids=["per_layer", "rolled"])
+def test_the_decode_step_runs_the_kernel(rolled):
+  """Once per layer unrolled; once in the rolled loop's body, on the whole stacked cache."""
+  params = init_params(BASE)
+  if not rolled:
+    params = models.decoder.unstack_layers(params)
+  cache = models.init_cache(SPLASH, 2, 8, stacked=rolled)
+  step = lambda p: Decoder(SPLASH, scan_layers=rolled).apply(  # noqa: E731
     {"params": p}, jnp.ones((2, 1), jnp.int32), cache=cache
   )
-  assert str(jax.make_jaxpr(step)(params)).count(f"name={decode_attention.NAME}") == BASE.num_layers
+  jaxpr = str(jax.make_jaxpr(step)(params))
+  assert jaxpr.count(f"name={decode_attention.NAME}") == (1 if rolled else BASE.num_layers)
+  if rolled:
+    assert "f32[2,2,2,8,8]" in jaxpr.split("pallas_call")[1]  # [L, B, Hkv, S, D] goes in
+
+
+def test_rolled_generate_with_the_kernel_equals_the_unrolled_one():
+  """The rolled loop (BASE: unroll_layers False) against the unrolled one, both on the kernel."""
+  params = init_params(BASE, noise=0.1)
+  ids, mask = _prompts()
+  kwargs = dict(group_size=4, max_new_tokens=4, greedy=False, compact=False, stop_ids=(0, 20, 54))
+  unrolled = Decoder(dataclasses.replace(SPLASH, unroll_layers=True))
+  want = sampling.generate(unrolled, params, ids, mask, jax.random.key(3), **kwargs)
+  got = sampling.generate(Decoder(SPLASH), params, ids, mask, jax.random.key(3), **kwargs)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=ATOL, rtol=0)
 
 
 def test_generate_with_the_kernel_per_shard_equals_xla():

@@ -102,11 +102,37 @@ def test_per_layer_decode_equals_scanned_full_forward():
   assert np.abs(np.asarray(cache.k[1])[:, :, 8:]).max() == 0  # nothing written past the index
 
 
-def test_scanned_decoder_rejects_a_cache():
+def test_rolled_decode_over_a_stacked_cache_equals_the_per_layer_decode():
+  """The scanned decoder over a stacked cache (the rolled layer loop) gives the per-layer
+  decoder's logits and cache, and writes nothing past the index (layers rematerialised, as the
+  paper configs run them)."""
+  config = dataclasses.replace(TINY, architecture="qwen3", num_layers=3, remat="full")
+  model, params = _init(config)
+  unscanned, layer_params = _per_layer(model, params)
+  mask = np.arange(8)[None] >= np.array([[0], [3]])
+  ids = np.random.default_rng(4).integers(0, config.vocab_size, (2, 8)).astype(np.int32)
+  ids, positions = np.where(mask, ids, 0), _positions(mask)
+  run = functools.partial(prefill_then_decode, ids=ids, positions=positions, mask=mask,
+                          prefill=5, end=8)  # fmt: skip
+  stacked = init_cache(config, batch_size=2, max_len=10, stacked=True)
+  assert stacked.stacked and stacked.k.shape == (3, 2, 2, 10, 8)  # [L, B, Hkv, S, D]
+  rolled, rolled_cache = run(jax.jit(model.apply), params, cache=stacked)
+  per_layer, cache = run(jax.jit(unscanned.apply), layer_params, cache=init_cache(config, 2, 10))
+  np.testing.assert_allclose(rolled[mask], per_layer[mask], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(rolled_cache.k, np.stack(cache.k), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(rolled_cache.v, np.stack(cache.v), rtol=1e-5, atol=1e-6)
+  assert int(rolled_cache.index) == 8 and np.abs(np.asarray(rolled_cache.k)[..., 8:, :]).max() == 0
+
+
+def test_decoder_rejects_a_cache_of_the_other_layout():
   model, params = _init(TINY)
   ids = jnp.ones((2, 3), jnp.int32)
-  with pytest.raises(ValueError, match=r"KV cache given to the scanned Decoder.*scan_layers=False"):
+  with pytest.raises(ValueError, match=r"per-layer KV cache given to Decoder\(scan_layers=True\)"):
     model.apply({"params": params}, ids, cache=init_cache(TINY, batch_size=2, max_len=8))
+  stacked = init_cache(TINY, batch_size=2, max_len=8, stacked=True)
+  unscanned, layer_params = _per_layer(model, params)
+  with pytest.raises(ValueError, match=r"stacked KV cache given to Decoder\(scan_layers=False\)"):
+    unscanned.apply({"params": layer_params}, ids, cache=stacked)
 
 
 def test_left_padding_does_not_change_real_token_logits():

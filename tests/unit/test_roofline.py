@@ -1,16 +1,19 @@
 """ebpo_jax.roofline: the loop correction of the compiler's cost analysis, the splash kernels
 counted from their shapes (against the XLA path's matmuls), and the collectives of compiled HLO."""
 
+import dataclasses
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from ebpo_jax import hlo_collectives, roofline
-from ebpo_jax.models import ModelConfig, attention, decode_attention
+from ebpo_jax import hlo_collectives, roofline, sampling
+from ebpo_jax.models import Decoder, ModelConfig, attention, decode_attention
+from tests.helpers.configs import TINY_MODEL
 
 # ----------------------------------------------------------------------------- loop correction
 
@@ -350,3 +353,32 @@ def test_decode_kernel_in_a_loop_is_weighted_by_its_trips():
   looped = roofline.count_dots(loop, 4, attention_block=128, decode_lengths=(1, 129))
   # (128 + 256) / 2 = 192 slots a call: 4 x 2 q heads x 16 x 192, four times.
   assert looped.kernel_flops == 4 * once.kernel_flops == 4 * 4 * 2 * 16 * 192
+
+
+@pytest.mark.parametrize("backend", ["xla", "splash"])
+def test_a_rolled_decode_step_counts_as_the_unrolled_one(backend):
+  """The sampler's decode step with its layers rolled (one body, a scan of L trips, over a stacked
+  cache) counts the unrolled step's matmuls and decode kernels: each body L times."""
+  counts = {}
+  for unroll in (False, True):
+    config = dataclasses.replace(
+      TINY_MODEL, attention=backend, attention_emulate=True, unroll_layers=unroll
+    )
+    model = Decoder(config)
+    ids = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+    params = jax.eval_shape(model.init, jax.random.key(0), ids)["params"]
+    args = (nn.meta.unbox(params), ids, jax.ShapeDtypeStruct((2, 8), bool), jax.random.key(0))
+    _, step = sampling.trace_parts(
+      model, *args, jnp.float32(1), jnp.float32(1), group_size=2, max_new_tokens=4
+    )
+    counts[unroll] = roofline.count_dots(step.jaxpr.jaxpr, 1, 128, decode_lengths=range(9, 12))
+  rolled, unrolled = counts[False], counts[True]
+  assert rolled.flops == unrolled.flops > 0 and rolled.bytes == unrolled.bytes
+  assert (rolled.kernel_flops, rolled.kernel_bytes) == (
+    unrolled.kernel_flops,
+    unrolled.kernel_bytes,
+  )
+  # The kernel's code appears once in the rolled program, once per layer in the unrolled one.
+  splash = backend == "splash"
+  assert (rolled.kernels, unrolled.kernels) == ((1, TINY_MODEL.num_layers) if splash else (0, 0))
+  assert rolled.kernel_bytes > 0 if splash else rolled.kernel_bytes == 0

@@ -2,7 +2,6 @@
 
 import re
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,23 +9,24 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 from scipy import stats
 
-from ebpo_jax import hlo_collectives, sampling, sampling_draw, sampling_loop, sequences, sharding
+from ebpo_jax import sampling, sampling_draw, sampling_loop, sequences, sharding
 from ebpo_jax.models import Decoder
 from ebpo_jax.sampling import SampleOutput
 from tests.helpers.configs import TINY_MODEL
-
-PROMPTS = [[5, 9, 2, 7, 11, 3], [8], [12, 4, 4]]
-BUCKETS = (4, 8)
-PAD = 0
+from tests.helpers.sampler import (
+  BUCKETS,
+  PAD,
+  PROMPTS,
+  SHARDED_ATOL,
+  long_tailed_sample,
+  tiny_policy,
+  while_body,
+)
 
 
 @pytest.fixture(scope="module")
 def policy():
-  model = Decoder(TINY_MODEL)
-  params = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"]
-  params = nn.meta.unbox(params)
-  # A larger scale than the init's 0.02 gives peaked next-token distributions (few near-ties).
-  return model, jax.jit(lambda p: jax.tree.map(lambda x: 6.0 * x, p))(params)  # one compile
+  return tiny_policy()
 
 
 def _full_forward_logits(model, params, ids_bt, mask_bt):
@@ -275,16 +275,6 @@ def test_compiles_once_per_bucket(policy):
   assert sampling.compile_count() == before + 1
 
 
-# Log-probs of one sampler program split over 8 devices (data = 2 x fsdp = 4) against another
-# layout: the fsdp-sharded contractions of the decoder's float32 matmuls add their partial sums in
-# another order (log2(4) = 2 more levels of rounding, each up to half an ulp of the running sum),
-# and every layer carries the difference on to the logits. A log-softmax shifts a row's entries
-# alike, so the error is absolute, not relative to the log-prob: measured up to 2.0e-5 (x86, a
-# fresh clone; atol 1e-5 failed there) on log-probs down to about -6. 1e-4 is 5x that, still 1,000
-# times below what a wrong token or a wrong position changes (O(0.1) and more).
-SHARDED_ATOL = 1e-4
-
-
 def test_sharded_over_eight_devices_equals_single_device(policy):
   model, params = policy
   assert jax.device_count() == 8, "conftest forces 8 CPU devices"
@@ -307,17 +297,6 @@ def test_sharded_over_eight_devices_equals_single_device(policy):
 # ----------------------------------------------------------------------------- compacting
 
 
-def _long_tailed_sample(model, params, *, compact, mesh=None):
-  """32 rows (8 prompts x G = 4) with a few stop tokens: lengths from 1 to the cap of 16."""
-  prompts = [PROMPTS[i % 3][: 1 + i % 5] for i in range(8)]
-  ids, mask = sampling.pad_prompts(prompts, PAD, BUCKETS)
-  return sampling.generate(
-    model, params, ids, mask, jax.random.key(4), group_size=4, max_new_tokens=16,
-    temperature=0.9, top_p=0.95, stop_ids=tuple(range(1, 64, 6)), pad_id=PAD, mesh=mesh,
-    compact=compact,
-  )  # fmt: skip
-
-
 def test_stage_sizes_halve_down_to_the_minimum_in_multiples_of_the_shards():
   assert sampling_loop.stage_sizes(64, compact=False) == (64,)
   assert sampling_loop.stage_sizes(64, compact=True) == (64, 32, 16, 8)
@@ -334,8 +313,8 @@ def test_compacting_decode_equals_the_plain_loop(policy, sharded):
     mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
     abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
     params = jax.device_put(params, sharding.logical_shardings(abstract["params"], mesh))
-  plain = _long_tailed_sample(model, params, compact=False, mesh=mesh)
-  compact = _long_tailed_sample(model, params, compact=True, mesh=mesh)
+  plain = long_tailed_sample(model, params, compact=False, mesh=mesh)
+  compact = long_tailed_sample(model, params, compact=True, mesh=mesh)
   # The last stage (8 rows) decodes something: the 9th longest row ends before the longest.
   lengths = np.sort(np.asarray(plain.lengths))[::-1]
   assert lengths[8] < lengths[0] and lengths[-1] < 5 and len(set(lengths)) > 5, lengths
@@ -354,10 +333,13 @@ def _collective_sizes(hlo: str) -> list[int]:
   return [int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(ops, hlo)]
 
 
-def test_compacting_under_a_mesh_moves_no_row_between_devices(policy):
+@pytest.mark.parametrize("rolled", [False, True], ids=["unrolled", "rolled"])
+def test_compacting_under_a_mesh_moves_no_row_between_devices(policy, rolled):
   """Each device compacts its own block of rows: no collective beyond the plain loop's. (A global
-  gather moved cache rows, tokens and log-probs between devices.)"""
+  gather moved cache rows, tokens and log-probs between devices.) Rolled, the rows move to the
+  front of each device's block of the stacked cache."""
   model, params = policy  # replicated weights: the only collectives are the sampler's own
+  model = Decoder(TINY_MODEL) if rolled else model
   mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
   prompts = [PROMPTS[i % 3][: 1 + i % 5] for i in range(8)]
   ids, mask = sampling.pad_prompts(prompts, PAD, BUCKETS)
@@ -370,14 +352,6 @@ def test_compacting_under_a_mesh_moves_no_row_between_devices(policy):
   }  # fmt: skip
   assert max(_collective_sizes(hlo[True])) <= max(_collective_sizes(hlo[False]))
   assert "collective-permute(" not in hlo[True]
-
-
-def _while_body(hlo: str, carried: str) -> str:
-  """The text of the body computation of the while loop whose carry holds `carried`."""
-  loop = next(line for line in hlo.splitlines() if " while(" in line and carried in line)
-  body = re.search(r"body=(%[\w.\-]+)", loop).group(1)
-  start = hlo.index(f"\n{body} ") + 1
-  return hlo[start : hlo.index("\n}", start)]
 
 
 @pytest.mark.parametrize(
@@ -397,7 +371,7 @@ def test_decode_loop_updates_the_cache_in_place(policy, group_size, compact, sta
     # dim] = [rows, 2, 12, 8], and per-layer weights (q_proj [32, 4, 8], read as its 2-D
     # [32, 32] matmul operand) instead of the stack.
     shape = [str(rows), "2", "12", "8"]
-    body = _while_body(hlo, f"f32[{','.join(shape)}]")
+    body = while_body(hlo, f"f32[{','.join(shape)}]")
     assert body.count(f"f32[{','.join(shape)}]") >= 2 * TINY_MODEL.num_layers
     assert "f32[32,32]" in body
     assert "f32[2,32,4,8]" not in body and "f32[2,32,32]" not in body
@@ -428,9 +402,9 @@ def test_decode_params_sample_the_same_and_skip_the_per_call_weight_copy(policy)
   model, params = policy
   ids, mask = sampling.pad_prompts(PROMPTS, PAD, BUCKETS)
   common = dict(group_size=2, max_new_tokens=6, temperature=0.8, stop_ids=(1,), pad_id=PAD)
-  decoded = sampling.decode_params(params)
+  decoded = sampling.decode_params(params, model.config)
   assert sampling.is_decode_params(decoded) and not sampling.is_decode_params(params)
-  assert sampling.decode_params(decoded) is decoded
+  assert sampling.decode_params(decoded, model.config) is decoded
   stacked_out = sampling.generate(model, params, ids, mask, jax.random.key(3), **common)
   decoded_out = sampling.generate(model, decoded, ids, mask, jax.random.key(3), **common)
   for a, b in zip(stacked_out, decoded_out, strict=True):
@@ -452,7 +426,7 @@ def test_decode_params_keep_each_weights_sharding(policy):
   mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
   abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
   placed = jax.device_put(params, sharding.logical_shardings(abstract["params"], mesh))
-  decoded = sampling.decode_params(placed)
+  decoded = sampling.decode_params(placed, model.config)
   stacked_q = placed["layers"]["self_attn"]["q_proj"]["kernel"]
   assert stacked_q.sharding.spec[1] is not None  # split over the mesh: the check below can fail
   for i in range(TINY_MODEL.num_layers):
@@ -460,59 +434,3 @@ def test_decode_params_keep_each_weights_sharding(policy):
     expected = NamedSharding(mesh, PartitionSpec(*stacked_q.sharding.spec[1:]))
     assert q.sharding.is_equivalent_to(expected, q.ndim), (q.sharding, expected)
   assert decoded["embed_tokens"].sharding == placed["embed_tokens"].sharding
-
-
-# ----------------------------------------------------------------------------- the rollout layout
-
-
-def _on_mesh(model, params, mesh):
-  abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
-  return jax.device_put(params, sharding.logical_shardings(abstract["params"], mesh))
-
-
-def test_decode_params_replicate_weights_over_the_row_axes_in_the_compute_dtype(policy):
-  model, params = policy
-  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-  placed = _on_mesh(model, params, mesh)
-  converted = sampling.decode_params(placed, dtype="bfloat16", replicate_over=sharding.ROW_AXES)
-  assert sampling.is_decode_params(converted) and not sampling.is_decode_params(placed)
-  before = placed["layers"]["mlp"]["gate_proj"]["kernel"]  # [L, embed (fsdp), mlp (tensor)]
-  after = converted["layers_1"]["mlp"]["gate_proj"]["kernel"]
-  assert before.sharding.spec == PartitionSpec(None, "fsdp", "tensor")
-  assert after.sharding.spec == PartitionSpec(None, "tensor") and after.dtype == jnp.bfloat16
-  np.testing.assert_array_equal(after, before[1].astype(jnp.bfloat16))
-  for leaf in jax.tree.leaves(converted):  # no weight is split over a row axis
-    assert not {"data", "fsdp"} & set(jax.tree.leaves(tuple(leaf.sharding.spec)))
-  assert sampling.decode_params(converted) is converted  # converted once per round
-
-
-def test_sampling_from_the_rollout_layout_equals_the_training_layout(policy):
-  model, params = policy
-  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-  placed = _on_mesh(model, params, mesh)
-  converted = sampling.decode_params(placed, replicate_over=sharding.ROW_AXES)
-  # One decode loop (compacting off): the weights' layout is the point; compacting on a mesh is
-  # test_compacting_decode_equals_the_plain_loop's.
-  trained = _long_tailed_sample(model, placed, compact=False, mesh=mesh)
-  rollout = _long_tailed_sample(model, converted, compact=False, mesh=mesh)
-  np.testing.assert_array_equal(rollout.tokens, trained.tokens)
-  # Other float32 sums split over other devices: SHARDED_ATOL's reason.
-  np.testing.assert_allclose(rollout.logprobs, trained.logprobs, rtol=1e-5, atol=SHARDED_ATOL)
-
-
-def test_a_decode_step_traced_alone_sends_what_the_decode_loop_sends(policy):
-  """`trace_parts`' step is what aot costs a call by: its collectives are those of one trip of the
-  whole program's decode loop (compacting off: one loop)."""
-  model, params = policy
-  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-  converted = sampling.decode_params(_on_mesh(model, params, mesh), replicate_over=("data", "fsdp"))
-  ids, mask = sampling.pad_prompts([PROMPTS[i % 3] for i in range(8)], PAD, BUCKETS)
-  spec = sharding.row_sharding(ids.shape, mesh)
-  args = (converted, jax.device_put(ids, spec), jax.device_put(mask, spec), jax.random.key(1))
-  args += (jnp.float32(0.9), jnp.float32(0.95))
-  options = dict(group_size=2, max_new_tokens=8, stop_ids=(1,), mesh=mesh, compact=False)
-  whole = sampling.trace_generate(model, *args, **options).lower().compile().as_text()
-  (loop,) = hlo_collectives.outer_loop_collectives(whole, 8)
-  _, step = sampling.trace_parts(model, *args, **options)
-  assert hlo_collectives.collectives(step.lower().compile().as_text(), 8) == loop
-  assert loop["all-reduce"]["count"] > 0  # the 'tensor' shards' partial sums

@@ -25,20 +25,22 @@ def policy():
   return model, nn.meta.unbox(params)  # the init's scale: near-uniform draws, stops now and then
 
 
-def _turn(model, params, state, new_ids, live, budget, key, mesh=None):
+def _turn(model, params, state, new_ids, live, budget, key, mesh=None, row_ids=None):
   new_ids = np.asarray(new_ids, np.int32)
   return sampling_turns.turn(
     params, state, new_ids, new_ids > 0, np.asarray(live), np.asarray(budget, np.int32),
-    jax.random.key(key), jnp.float32(1.0), jnp.float32(1.0), model=model, max_new_tokens=N,
-    greedy=False, top_k=0, stop_ids=STOPS, pad_id=PAD, mesh=mesh,
+    jax.random.key(key), jnp.float32(1.0), jnp.float32(1.0), row_ids, model=model,
+    max_new_tokens=N, greedy=False, top_k=0, stop_ids=STOPS, pad_id=PAD, mesh=mesh,
   )  # fmt: skip
 
 
-def _two_turns(policy, mesh=None):
+def _two_turns(policy, mesh=None, keep=None):
+  """Two turns of every row; with `keep`, the second of those rows only (`sampling_turns.compact`
+  between the turns)."""
   model, params = policy
   ids, mask = sampling.pad_prompts(PROMPTS, PAD, (6,))
   slots = sampling_turns.cache_slots(6, max_turns=2, chunk_width=4, max_new_tokens=N)
-  dparams = sampling.decode_params(params)
+  dparams = sampling.decode_params(params, model.config)
   if mesh is not None:  # the weights replicated, the rows' arrays placed by jit
     dparams = jax.device_put(dparams, sharding.replicated(mesh))
   state = sampling_turns.start(
@@ -48,8 +50,13 @@ def _two_turns(policy, mesh=None):
   first_inputs = (np.zeros((rows, 3)), [True] * rows, [9] * rows, 1, mesh)
   state, first = _turn(model, dparams, state, *first_inputs)
   observations = [[20, 21, 22], [23, 0, 0], [0, 0, 0], [24, 25, 0]]
-  live = [True, True, True, False]
-  state, second = _turn(model, dparams, state, observations, live, [9, 9, 2, 9], 2, mesh)
+  live, budget = [True, True, True, False], [9, 9, 2, 9]
+  if keep is None:
+    state, second = _turn(model, dparams, state, observations, live, budget, 2, mesh)
+  else:
+    state = sampling_turns.compact(state, jnp.asarray(keep, jnp.int32))
+    kept = [[x[r] for r in keep] for x in (observations, live, budget)]
+    state, second = _turn(model, dparams, state, *kept, 2, mesh, jnp.asarray(keep, jnp.int32))
   return (ids, mask), first, observations, live, second
 
 
@@ -100,7 +107,7 @@ def _one_turn(policy, *, stop_ids, stop_seqs=(), width=12):
   model, params = policy
   ids, mask = sampling.pad_prompts(PROMPTS, PAD, (6,))
   slots = sampling_turns.cache_slots(6, max_turns=1, chunk_width=1, max_new_tokens=width)
-  dparams = sampling.decode_params(params)
+  dparams = sampling.decode_params(params, model.config)
   state = sampling_turns.start(dparams, ids, mask, model=model, group_size=G, slots=slots)
   rows = len(PROMPTS) * G
   _, out = sampling_turns.turn(
@@ -130,6 +137,19 @@ def test_a_stop_sequence_of_several_tokens_ends_the_turn_right_after_it(policy):
   assert cut.lengths[0] == 5 and cut.stopped[0] and not free.stopped[0]
 
 
+def test_turns_of_the_rolled_layer_loop_equal_the_unrolled_ones(policy):
+  """TINY_MODEL's rolled loop (stacked params and cache) against the unrolled one (per layer):
+  the same turns, the second continuing from the first's cache after a compaction."""
+  model, params = policy
+  unrolled = Decoder(dataclasses.replace(TINY_MODEL, unroll_layers=True))
+  assert not model.config.unroll_layers
+  want, got = _two_turns((unrolled, params), keep=[0, 1, 3]), _two_turns(policy, keep=[0, 1, 3])
+  for w, g in ((want[1], got[1]), (want[4], got[4])):
+    np.testing.assert_array_equal(g.tokens, w.tokens)
+    np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-5, rtol=0)
+  assert int(np.asarray(want[4].lengths).sum()) > 3  # the second turn decoded
+
+
 @pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "per_shard"])
 def test_decoding_turns_with_the_decode_kernel_equals_xla(policy, sharded):
   """The decode kernel (splash, interpreted) over a cache with holes: the observations' padding
@@ -147,7 +167,7 @@ def test_decoding_turns_with_the_decode_kernel_equals_xla(policy, sharded):
   assert int(np.asarray(want[4].lengths).sum()) > 4  # the second turn decoded after the holes
   if sharded:  # the decode kernel ran per shard: the traced turn holds it inside shard_map
     ids, mask = sampling.pad_prompts(PROMPTS, PAD, (6,))
-    dparams = sampling.decode_params(params)
+    dparams = sampling.decode_params(params, model.config)
     state = sampling_turns.start(dparams, ids, mask, model=kernel, group_size=G, slots=20)
     rows, no_ids = len(PROMPTS) * G, np.zeros((len(PROMPTS) * G, 1), np.int32)
     traced = sampling_turns.turn.trace(
