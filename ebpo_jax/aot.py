@@ -380,6 +380,10 @@ def compile_sampler(target: Target) -> dict:
     return whole
   memory = {k: v for k, v in whole.items() if k.endswith(("_bytes", "_per_chip", "compile_s"))}
   calls = {k: whole[k] for k in ("prompts_per_call", "calls_per_round")}
+  for name, part in (("prefill", prefill), ("decode step", step), ("weights' conversion", layout)):
+    if part.get("compile_error"):  # the call fits; what costs it did not compile alone
+      error = f"the sampler's {name}, compiled alone, does not fit: {part['compile_error']}"
+      return {**memory, **calls, "flops": None, "roofline_s": None, "costs_error": error}
   keep = ("bytes_per_chip", "copy_bytes", "collective_bytes", "roofline_s", "compile_s")
   layout = {k: layout[k] for k in keep}
   return {**memory, **sampler_costs(target, prefill, step), **calls, "rollout_layout": layout}

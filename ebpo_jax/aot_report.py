@@ -25,6 +25,9 @@ def describe(report: dict) -> str:
       f"{_gb(p['temp_bytes'])} + code {_gb(p['code_bytes'])}"
       + (f" + waiting {_gb(p['resident_bytes'])}" if "resident_bytes" in p else "")
     )
+    if p.get("costs_error"):
+      lines.append(f"  no costs: {p['costs_error']}")
+      continue
     counted = (
       f"loop bodies x{p['loop_factor_flops']:.0f} FLOPs, x{p['loop_factor_bytes']:.0f} bytes by "
       "trip counts"

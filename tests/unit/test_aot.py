@@ -7,8 +7,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from ebpo_jax import aot
+from ebpo_jax import aot, aot_report, cli
 from ebpo_jax import tpu as tpu_lib
+from tests.helpers import ROOT
 from tests.helpers.processes import run_python
 
 # ----------------------------------------------------------------------------- slice names
@@ -81,3 +82,33 @@ def test_weight_sized_gathers_are_those_of_a_weight_whole_or_its_tensor_shard():
     {"kind": "all-gather", "elements": [4096]},  # the size of a norm scale: vectors are not counted
   ]
   assert aot.weight_sized_gathers(target, ops) == ops[:2]
+
+
+def test_a_sampler_part_that_does_not_fit_alone_leaves_the_call_uncosted(monkeypatch):
+  # The call fits; its prefill, compiled alone to cost it, does not: the report says so and keeps
+  # the call's memory, with no costs (and no RL step roofline), instead of failing.
+  whole = {"bytes_per_chip": 50e9, "argument_bytes": 1e9, "output_bytes": 1e9, "alias_bytes": 0,
+           "temp_bytes": 48e9, "code_bytes": 0, "compile_s": 1.0, "prompts_per_call": 64,
+           "calls_per_round": 8}  # fmt: skip
+  # compile_program's result for a program that does not fit, and two that compiled
+  error = {"bytes_per_chip": 120e9, "compile_error": "RESOURCE_EXHAUSTED: 112G", "flops": None,
+           "roofline_s": None}  # fmt: skip
+  part = dict(bytes_per_chip=1, copy_bytes=0, collective_bytes=0, roofline_s=1.0, compile_s=1)
+  results = iter([whole, error, part, part])
+  monkeypatch.setattr(aot, "sampler_program", lambda target: None)
+  monkeypatch.setattr(aot, "sampler_part_programs", lambda target: (None, None))
+  monkeypatch.setattr(aot, "rollout_layout_program", lambda target: None)
+  monkeypatch.setattr(aot, "compile_program", lambda program, tpu: next(results))
+  sampler = aot.compile_sampler(types.SimpleNamespace(tpu=None))
+  assert sampler["bytes_per_chip"] == 50e9 and sampler["roofline_s"] is None
+  assert "prefill, compiled alone, does not fit: RESOURCE_EXHAUSTED" in sampler["costs_error"]
+  train = dict(
+    bytes_per_chip=40e9, argument_bytes=0, output_bytes=0, alias_bytes=0, temp_bytes=0,
+    code_bytes=0, flops=1e12, kernel_flops=0, bytes_accessed=1e9, collectives={},
+    collective_bytes=0, compile_s=1, compute_s=2.0, hbm_s=1.0, collective_s=0, roofline_s=2.0,
+    bound="compute", roofline_to_compute=1.0,
+  )  # fmt: skip
+  config = cli.load_config(str(ROOT / "configs" / "arith_ebpo.py"))
+  report = aot.summarize(config, tpu_lib.parse_slice("v5p-8"), 8, train, sampler)
+  assert report["fits"] and "rl_step_roofline_s" not in report
+  assert "  no costs: the sampler's prefill" in aot_report.describe(report)
