@@ -431,17 +431,17 @@ def trace_parts(model, params, prompt_ids_bp, prompt_mask_bp, rng, temperature, 
   def step(params, state, *args):
     return _decode_step(_apply(params, st.model), state, *args, st)
 
-  prefill = jax.jit(prefill)
   state = jax.eval_shape(prefill, params, prompt_ids_bp, prompt_mask_bp, *args)
-  if st.mesh is not None:
-    state = loop.with_shardings(state, st.mesh)
   # The state donated, as the loop updates it in place (else the step would copy out the cache),
-  # and under a mesh in the layouts the compiler picks for the step, as the loop carries it in the
-  # whole program (an entry parameter's default layout added a copy of the cache in and out).
+  # and under a mesh in the layouts the compiler picks, as the loop carries it in the whole program:
+  # an entry parameter's or a result's default layout added a copy of the cache (the step's in and
+  # out; the prefill's result, a second stacked cache at once for the rolled layer loop).
   if st.mesh is None:
-    step = jax.jit(step, donate_argnums=1)
+    prefill, step = jax.jit(prefill), jax.jit(step, donate_argnums=1)
   else:
+    state = loop.with_shardings(state, st.mesh)
     formats = _auto_layouts(state)
+    prefill = jax.jit(prefill, out_shardings=formats)
     ins = (None, formats, None, None, None)
     step = jax.jit(step, donate_argnums=1, in_shardings=ins, out_shardings=formats)
   prefill_traced = prefill.trace(params, prompt_ids_bp, prompt_mask_bp, *args)
