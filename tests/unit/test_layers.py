@@ -1,6 +1,9 @@
 """Who may import whom: the import-linter contracts of pyproject.toml hold (`lint-imports`), and
-no file imports the trainer's entry point `ebpo_jax.train` (it is run as `python -m`)."""
+no file imports the trainer's entry point `ebpo_jax.train` (it is run as `python -m`). And the
+house's size rules (issue 31): no Python file over 500 lines, no function over 80 but the configs'
+`get_config` key listings."""
 
+import ast
 import json
 import os
 import pathlib
@@ -81,3 +84,24 @@ def test_nothing_imports_the_trainer_entry_point(folder):
   assert paths or folder == "notebooks"
   found = {str(p.relative_to(ROOT)): imports_train(python_sources(p)) for p in paths}
   assert not {p: s for p, s in found.items() if s}, "run it as `python -m ebpo_jax.train` instead"
+
+
+MAX_FILE_LINES, MAX_FUNCTION_LINES = 500, 80
+
+
+def test_no_file_over_500_lines_and_no_function_over_80():
+  too_long = []
+  for folder in ("ebpo_jax", "tests", "bench", "configs", "launch"):
+    for path in sorted((ROOT / folder).rglob("*.py")):
+      source = path.read_text()
+      name = path.relative_to(ROOT)
+      if len(source.splitlines()) > MAX_FILE_LINES:
+        too_long.append(f"{name}: {len(source.splitlines())} lines")
+      for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+          continue
+        lines = node.end_lineno - node.lineno + 1
+        listing = folder == "configs" and node.name == "get_config"
+        if lines > MAX_FUNCTION_LINES and not listing:
+          too_long.append(f"{name}:{node.lineno} {node.name}: {lines} lines")
+  assert not too_long, too_long
