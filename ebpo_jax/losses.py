@@ -227,7 +227,7 @@ def policy_loss(
   if is_weights_bt is not None:
     pg_bt = pg_bt * _zero_padding(jax.lax.stop_gradient(is_weights_bt), mask_bt)
   loss = agg_loss(pg_bt)
-  ratio_metrics = _ratio_metrics(tok_mean, log_ratio_bt, is_clipped_bt, dual_clipped_bt)
+  ratio_metrics = _ratio_metrics(tok_mean, ratio_bt, log_ratio_bt, is_clipped_bt, dual_clipped_bt)
   metrics = {"pg_loss": loss, **ratio_metrics}
   metrics["kl"] = jnp.zeros((), jnp.float32)
   if ref_logps_bt is not None:
@@ -242,9 +242,8 @@ def policy_loss(
   return loss, metrics
 
 
-def _ratio_metrics(tok_mean, log_ratio_bt, is_clipped_bt, dual_clipped_bt) -> dict[str, Array]:
+def _ratio_metrics(tok_mean, ratio_bt, log_ratio_bt, is_clipped_bt, dual_clipped_bt) -> dict:
   """`policy_loss`'s token means of where the clip acted and how far the ratio moved."""
-  ratio_bt = jnp.exp(jnp.clip(log_ratio_bt, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
   return {
     "clipfrac": tok_mean(is_clipped_bt),
     "clipfrac_low": tok_mean(is_clipped_bt & (ratio_bt < 1.0)),
