@@ -205,12 +205,15 @@ def _warm_dir(workdir: str, seed: int) -> str:
 def _ensure_warm_start(config, workdir, seed, base_args, env) -> str:
   """The step-0 checkpoint (warm start + first evaluation) of `seed`, trained once per config: a
   warm start of another config is trained again, and the runs of its seed, which started from the
-  old one, are deleted first."""
+  old one, are deleted first. One kept without its checkpoint (a committed ablation keeps a run's
+  config, summary and metrics only) is trained again, the same config: its seed's runs stay."""
   warm = _warm_dir(workdir, seed)
   args = [*base_args, f"--config.seed={seed}", "--config.train.num_steps=0"]
   if _ran_with(warm, config, args):
     if files.exists(files.join(warm, RESULT_FILE)):
-      return warm
+      if files.isdir(files.join(warm, workdir_lib.CHECKPOINTS_DIR)):
+        return warm
+      files.remove_tree(warm)
   else:
     for run_dir in _seed_runs(workdir, seed):
       files.remove_tree(run_dir)

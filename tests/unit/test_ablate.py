@@ -1,6 +1,7 @@
 """ebpo_jax.ablate: the plan, the report arithmetic, the plots (a real run: e2e/test_ablate.py)."""
 
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -146,3 +147,34 @@ def test_ablation_plot_shades_the_seed_range_around_the_mean(tmp_path):
 def test_hardest_cluster_ties_go_to_the_later_cluster():
   results = [fake_result("grpo", 0, [0.0, 0.0], [0.0, 0.0])]
   assert ablate.build_report(results)["hard_cluster"] == "hard"
+
+
+def test_warm_start_without_its_checkpoint_is_trained_again_and_keeps_the_seeds_runs(
+  tmp_path, monkeypatch
+):
+  """A warm start kept as its summary only (config.json and result.json, as a committed ablation
+  keeps it) is trained again before a variant starts from it; the seed's finished runs stay."""
+  from ebpo_jax.trainer import workdir as workdir_lib
+
+  trained = []
+
+  def fake_train(config, workdir, args, env):
+    trained.append(workdir)
+    workdir_lib.save_config(workdir, workdir_lib.resolved_config(config, args))
+    os.makedirs(os.path.join(workdir, workdir_lib.CHECKPOINTS_DIR, "0"))
+
+  monkeypatch.setattr(ablate, "_train", fake_train)
+  config, seed = "configs/arith_ebpo.py:runlocal", 0
+  warm = ablate._ensure_warm_start(config, str(tmp_path), seed, [], {})
+  assert trained == [warm]
+  assert ablate._ensure_warm_start(config, str(tmp_path), seed, [], {}) == warm
+  assert trained == [warm]  # finished, checkpoint there: not trained again
+
+  finished_run = tmp_path / "runs" / f"grpo_G8_s{seed}"
+  finished_run.mkdir(parents=True)
+  (finished_run / ablate.RESULT_FILE).write_text("{}\n")
+  shutil.rmtree(os.path.join(warm, workdir_lib.CHECKPOINTS_DIR))
+  assert ablate._ensure_warm_start(config, str(tmp_path), seed, [], {}) == warm
+  assert trained == [warm, warm]
+  assert os.path.isdir(os.path.join(warm, workdir_lib.CHECKPOINTS_DIR))
+  assert (finished_run / ablate.RESULT_FILE).exists()
