@@ -29,14 +29,14 @@ def arith_run(tmp_path_factory):
   (eval and checkpoints every 2 steps; sample tables every 2 steps and wandb offline:
   runs.ARITH_LOGGING), shared by the trainer's and the tools' e2e tests (which only read it)."""
   overrides = ("--config.train.num_steps=4", *runs.ARITH_LOGGING)
-  return runs.session_run(tmp_path_factory, "arith_run", *overrides)
+  return runs.session_run(tmp_path_factory, "arith_run", *overrides, devices=8)
 
 
 @pytest.fixture(scope="session")
 def lora_run(tmp_path_factory):
   """(workdir, CompletedProcess) of 4 RL steps of configs/arith_ebpo.py:runlocal with
-  runs.LORA_RUN, on 8 devices (eval and checkpoints every 2 steps); shared, read only, like
-  arith_run."""
+  runs.LORA_RUN, on 1 device (eval and checkpoints every 2 steps); shared, read only, like
+  arith_run (the sharded LoRA step: e2e/test_train_step.py)."""
   overrides = [f"--config.{k}={v}" for k, v in runs.LORA_RUN.items()]
   return runs.session_run(tmp_path_factory, "lora_run", *overrides, "--config.train.num_steps=4")
 

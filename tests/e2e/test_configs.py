@@ -18,7 +18,7 @@ E2E_ARGS = ["qwen3_8b,dapo", "llama31_8b,ebpo_topic"]
 def test_runlocal_variant_runs_one_rl_step(arg, tmp_path):
   method = arg.split(",")[1]
   config = config_module("paper").get_config(f"{arg},runlocal")
-  result = run_trainer(tmp_path, config=f"configs/paper.py:{arg},runlocal")
+  result = run_trainer(tmp_path, config=f"configs/paper.py:{arg},runlocal", devices=8)
   assert result.returncode == 0, result.stderr[-3000:]
   lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
   steps = [m for m in lines if "reward/mean" in m]

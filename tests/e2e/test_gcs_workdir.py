@@ -53,8 +53,8 @@ def test_a_listing_sees_what_another_process_wrote_since(gcs_dir):
 def test_a_run_on_a_bucket_resumes_exactly_then_evaluates_and_exports_from_it(
   arith_run, gcs_dir, tmp_path
 ):
-  reference, _ = arith_run  # the same 4 steps, uninterrupted, in a local workdir
-  first = run_trainer(gcs_dir, "--config.train.num_steps=4", plots=True)
+  reference, _ = arith_run  # the same 4 steps, uninterrupted, in a local workdir (8 devices)
+  first = run_trainer(gcs_dir, "--config.train.num_steps=4", plots=True, devices=8)
   assert first.returncode == 0, first.stderr[-3000:]
   written = files.walk_files(gcs_dir)
   assert {"metrics.jsonl", "checkpoints/4/commit_success.txt", "plots/reward.png"} <= set(written)
@@ -63,7 +63,7 @@ def test_a_run_on_a_bucket_resumes_exactly_then_evaluates_and_exports_from_it(
   # Died before checkpoint 4 completed: its lines of steps 3 and 4 are on the bucket, the
   # checkpoint is not. The run resumes from checkpoint 2 and writes steps 3 and 4 again.
   files.remove_tree(files.join(gcs_dir, "checkpoints", "4"))
-  second = run_trainer(gcs_dir, "--config.train.num_steps=4")
+  second = run_trainer(gcs_dir, "--config.train.num_steps=4", devices=8)
   assert second.returncode == 0, second.stderr[-3000:]
   lines = metrics_lib.read_metrics(gcs_dir)
   assert comparable(lines) == comparable(metrics_lib.read_metrics(reference))

@@ -17,7 +17,7 @@ from ebpo_jax import metrics as metrics_lib
 from tests.helpers import ROOT
 from tests.helpers.environment import CACHE_VARIABLE
 from tests.helpers.notebooks import NOTEBOOK
-from tests.helpers.processes import run_module
+from tests.helpers.processes import cpu_env, run_module
 
 
 def execute(notebook, cwd, **kwargs):
@@ -37,6 +37,7 @@ def test_notebook_smoke_preset_shows_table_plots_and_a_nonzero_result(tmp_path, 
   # G=4 are the session's trainer runs' programs too. (The notebook only sets its own cache where
   # none is set.)
   monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", os.environ[CACHE_VARIABLE])
+  monkeypatch.setenv("XLA_FLAGS", cpu_env(1)["XLA_FLAGS"])  # the kernel: one device, as in Colab
   notebook = nbformat.read(NOTEBOOK, as_version=4)
   start = time.perf_counter()
   execute(notebook, ROOT / "notebooks")  # raises CellExecutionError naming the failing cell

@@ -107,7 +107,7 @@ def test_kill_9_and_sigterm_at_four_moments_then_resume_equals_a_straight_run(ar
   def stopped_at(moment: str, status: int):
     args = ("--config=configs/arith_ebpo.py:runlocal", f"--workdir={tmp_path}")
     result = run_module(
-      "tests/helpers/killed_trainer.py", moment, *args, "--config.train.num_steps=4"
+      "tests/helpers/killed_trainer.py", moment, *args, "--config.train.num_steps=4", devices=8
     )
     assert result.returncode == status, result.stderr[-3000:]
     assert (status != 143) or "SIGTERM: the checkpoint of step 3 is the latest" in result.stderr
@@ -120,7 +120,7 @@ def test_kill_9_and_sigterm_at_four_moments_then_resume_equals_a_straight_run(ar
   assert not (tmp_path / "warm_start").exists()  # once checkpoint 0 was written
   assert stopped_at("term:3", 143) == [(0, True), (1, False), (2, True), (3, False)]
   assert checkpoint.Checkpointer(checkpoints).all_steps()[-2:] == [2, 3]
-  finished = run_trainer(tmp_path, "--config.train.num_steps=4")
+  finished = run_trainer(tmp_path, "--config.train.num_steps=4", devices=8)
   assert finished.returncode == 0, finished.stderr[-3000:]
   assert "] resuming from step 3\n" in finished.stderr  # the banner says so
   assert comparable(read(tmp_path)) == comparable(read(reference))
@@ -161,7 +161,7 @@ def test_a_lora_run_stopped_and_resumed_equals_a_straight_run(lora_run, tmp_path
 
 
 def test_one_device_matches_eight(arith_run, tmp_path):
-  reference, _ = arith_run
+  reference, _ = arith_run  # on 8 devices
   result = run_trainer(tmp_path, "--config.train.num_steps=4", devices=1)
   assert result.returncode == 0, result.stderr[-3000:]
   ours, ref = comparable(read(tmp_path)), comparable(read(reference))

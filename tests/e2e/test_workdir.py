@@ -70,7 +70,7 @@ def test_resume_step_goes_back_to_a_retained_checkpoint(arith_run, tmp_path):
   # Checkpoints by the clock only (every_steps=0, every_minutes: far less than a step), so one at
   # every step; 3 kept: 2, 3, 4. Then back to checkpoint 2: steps 3 and 4 again, the metrics
   # equal the straight run's (arith_run's), checkpoints 3 and 4 moved aside and written anew.
-  reference, _ = arith_run
+  reference, _ = arith_run  # on 8 devices, as these runs
   args = (
     "--config.train.num_steps=4",
     "--config.checkpoint.max_to_keep=3",
@@ -78,10 +78,10 @@ def test_resume_step_goes_back_to_a_retained_checkpoint(arith_run, tmp_path):
     "--config.checkpoint.every_minutes=0.000001",
   )
   checkpoints = tmp_path / "checkpoints"
-  first = run_trainer(tmp_path, *args)
+  first = run_trainer(tmp_path, *args, devices=8)
   assert first.returncode == 0, first.stderr[-3000:]
   assert sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit()) == [2, 3, 4]
-  again = run_trainer(tmp_path, *args, "--config.workdir.resume_step=2")
+  again = run_trainer(tmp_path, *args, "--config.workdir.resume_step=2", devices=8)
   assert again.returncode == 0, again.stderr[-3000:]
   assert f"later checkpoints 3, 4 moved to {tmp_path}/checkpoints.dropped" in again.stderr
   assert _untimed(tmp_path) == _untimed(reference)

@@ -26,10 +26,11 @@ def cpu_env(devices: int) -> dict[str, str]:
   return process.fake_cpu_devices_env(devices) | {"JAX_PLATFORMS": "cpu"}
 
 
-def run_module(module: str, *args: str, devices: int = 8, timeout: float = 300, wait: bool = True):
+def run_module(module: str, *args: str, devices: int = 1, timeout: float = 300, wait: bool = True):
   """`python -m MODULE ARGS` (`python MODULE ARGS` for a `.py` path) on `devices` CPU devices
   from the repository root: the CompletedProcess (output captured), or with `wait=False` the
-  running Popen. The processes of a session share a persistent compilation cache (their sampler,
+  running Popen. One device unless the test is about sharding: a process on 8 fake devices costs
+  about a third more CPU (bench/RESULTS.md, "The test suite's time"). The processes of a session share a persistent compilation cache (their sampler,
   evaluation and train-step programs mostly repeat; environment.CACHE_VARIABLE): about 3x
   faster."""
   env = cpu_env(devices) | {

@@ -45,7 +45,7 @@ LORA_RUN = {
 }
 
 
-def session_run(tmp_path_factory, name: str, *overrides: str):
+def session_run(tmp_path_factory, name: str, *overrides: str, devices: int = 1):
   """(workdir, CompletedProcess) of the trainer with `overrides`, run once per session by the
   first xdist worker to ask (a file lock in the session's temporary root); the others wait for it
   and read its outputs."""
@@ -56,7 +56,7 @@ def session_run(tmp_path_factory, name: str, *overrides: str):
   with open(root / f"{name}.lock", "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if not done.exists():
-      result = run_trainer(workdir, *overrides, plots=True)
+      result = run_trainer(workdir, *overrides, plots=True, devices=devices)
       assert result.returncode == 0, result.stderr[-3000:]
       outputs = {"args": result.args, "stdout": result.stdout, "stderr": result.stderr}
       done.write_text(json.dumps(outputs))

@@ -18,7 +18,7 @@ import traceback
 TIMEOUT_S = 60.0
 
 
-def starts(argvs: list[list[str]], *, devices: int = 8) -> list[dict]:
+def starts(argvs: list[list[str]], *, devices: int = 1) -> list[dict]:
   """[{"status": int | None, "stderr": str}] of `python -m ebpo_jax.train ARGV` per argv."""
   from tests.helpers.processes import run_module
 
