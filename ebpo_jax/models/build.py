@@ -7,6 +7,7 @@ and `fresh_adapters` build real ones in those shardings, under one jit.
 """
 
 import dataclasses
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -147,18 +148,25 @@ def init_params(config: ml_collections.ConfigDict, model: Decoder, mesh: Mesh) -
   Under LoRA use `trainer.policy.initial_params`, which builds the base and the adapters apart."""
   if config.model.path:
     return hf_io.load_params(model_dir(config), model, mesh)
-  shardings = jax.tree.map(lambda x: x.sharding, abstract_params(model, mesh))
-  init = lambda rng: nn.unbox(model.init(rng, jnp.zeros((1, 4), jnp.int32))["params"])
-  return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(config.seed))
+  return _random_init(model, mesh, adapters_only=False)(jax.random.PRNGKey(config.seed))
 
 
 def fresh_adapters(config: ml_collections.ConfigDict, model: Decoder, mesh: Mesh) -> Any:
   """A LoRA model's adapters at step 0 (A random from `config.seed`, B zero), in their
   shardings; the base the same init would build is dead code under the jit."""
-  shardings = lora.split(jax.tree.map(lambda x: x.sharding, abstract_params(model, mesh)))[0]
+  return _random_init(model, mesh, adapters_only=True)(jax.random.PRNGKey(config.seed))
+
+
+@functools.cache
+def _random_init(model: Decoder, mesh: Mesh, *, adapters_only: bool):
+  """The jitted random init of `model`'s params (its LoRA adapters only with `adapters_only`),
+  in their shardings on `mesh`, from a key. Cached: a process that builds equal models again (a
+  LoRA run's base and adapters, a run's reference, another seed) compiles it once; it is mostly
+  threefry's hashing, the slowest of a tiny model's programs to compile."""
+  shardings = jax.tree.map(lambda x: x.sharding, abstract_params(model, mesh))
 
   def init(rng):
     params = nn.unbox(model.init(rng, jnp.zeros((1, 4), jnp.int32))["params"])
-    return lora.split(params)[0]
+    return lora.split(params)[0] if adapters_only else params
 
-  return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(config.seed))
+  return jax.jit(init, out_shardings=lora.split(shardings)[0] if adapters_only else shardings)

@@ -39,3 +39,25 @@ def test_a_lora_run_from_a_lora_run_on_a_random_base_takes_that_runs_base(tmp_pa
   _, params = save_checkpoint(tmp_path, arith_config(warm), perturb=0.5)
   config = arith_config({"model.lora.rank": 4, "seed": 0, "model.init_from": str(tmp_path)})
   _assert_equal(_initial_params(config), params)
+
+
+def test_a_random_init_compiles_once_per_model_and_mesh_whatever_the_seed():
+  # A process builds the same model's params more than once (a LoRA run's base and adapters, a
+  # run and its reference, an evaluation): each build after the first reuses the compiled init,
+  # which is mostly threefry's hashing and the slowest program to compile at a tiny model's size.
+  config = arith_config({"model.lora.rank": 4})
+  mesh = sharding.make_mesh(dict(config.mesh))
+  model = models.build.make_model(config, tasks.get_task("arithmetic").tokenizer.vocab_size)
+  first = models.build.fresh_adapters(config, model, mesh)
+  compiles = []
+  listener = lambda event, duration, **kw: compiles.append(event)  # noqa: E731
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    other = arith_config({"model.lora.rank": 4, "seed": 7})
+    again = models.build.make_model(other, tasks.get_task("arithmetic").tokenizer.vocab_size)
+    second = models.build.fresh_adapters(other, again, mesh)
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+  assert "/jax/core/compile/backend_compile_duration" not in compiles
+  a, b = jax.tree.leaves(first), jax.tree.leaves(second)
+  assert any(not np.array_equal(x, y) for x, y in zip(a, b, strict=True))  # another seed
