@@ -194,6 +194,7 @@ def test_an_ablation_reruns_a_variant_whose_config_changed(tmp_path, monkeypatch
     trained.append(os.path.basename(workdir))
     files.write_atomic(files.join(workdir, "stale"), "")
     workdir_lib.save_config(workdir, workdir_lib.resolved_config(config, args))
+    files.makedirs(files.join(workdir, workdir_lib.CHECKPOINTS_DIR))  # as a run leaves it
 
   monkeypatch.setattr(ablate, "_train", fake_train)
   monkeypatch.setattr(ablate, "summarize_run", lambda run_dir, run: {"name": run.name})
