@@ -1,6 +1,6 @@
 """The trainer end to end on the tiny arithmetic config (as a process: nothing imports
-ebpo_jax.train): CLI, metrics, resume (also under LoRA), SIGTERM, 1 device == 8, bad input, the
-non-finite policy."""
+ebpo_jax.train): CLI, metrics, resume (also under LoRA), SIGTERM, 1 device == 8, unverifiable
+checkpoints, the non-finite policy. Bad config values and rows files: e2e/test_input_checks.py."""
 
 import contextlib
 import json
@@ -173,21 +173,6 @@ def test_one_device_matches_eight(arith_run, tmp_path):
         assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-4), key
 
 
-@pytest.mark.parametrize(
-  "override, message",
-  [
-    ("--config.rl.group_size=1", "config.rl.group_size=1: must be >= 2"),
-    ("--config.data.path={tmp}/rows.jsonl", "{tmp}/rows.jsonl:2:"),
-  ],
-)
-def test_bad_input_stops_the_cli_with_one_line(tmp_path, override, message):
-  (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n')
-  result = run_trainer(tmp_path / "run", override.format(tmp=tmp_path), timeout=120)
-  assert result.returncode != 0
-  assert message.format(tmp=tmp_path) in result.stderr.strip().splitlines()[-1]
-  assert not (tmp_path / "run" / "checkpoints").exists()
-
-
 def test_a_workdir_whose_every_checkpoint_fails_to_verify_stops_with_one_line_and_status_2(
   arith_run, tmp_path
 ):
@@ -210,9 +195,11 @@ def test_non_finite_steps_in_a_row_abort_with_a_clear_message(tmp_path):
   # is -inf, so every advantage, loss and update is non-finite and skipped (the params stay
   # finite). The run stops after max_bad_steps = 3 steps in a row with one line, keeping the last
   # good checkpoint: with a save due every step and only one kept, the bad steps 1 and 2 were
-  # saved and rotated step 0 out; a skipped update is never checkpointed.
+  # saved and rotated step 0 out; a skipped update is never checkpointed. No warm start: the
+  # rewards are -inf whatever the model says.
   result = run_trainer(
     tmp_path,
+    "--config.sft.num_steps=0",
     "--config.rl.overlong_buffer=4",
     "--config.rl.overlong_penalty=inf",
     "--config.train.num_steps=6",
