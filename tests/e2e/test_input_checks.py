@@ -7,15 +7,26 @@ import json
 
 import pytest
 
-from tests.helpers.processes import run_module, run_trainer
+from tests.helpers.processes import run_trainer
+
+ENTRY_POINTS = ["ebpo_jax.evaluate", "ebpo_jax.difficulty", "ebpo_jax.ablate"]
 
 
-@pytest.mark.parametrize("module", ["ebpo_jax.evaluate", "ebpo_jax.difficulty", "ebpo_jax.ablate"])
-def test_every_config_entry_point_reports_a_key_typo_in_one_line(module):
+@pytest.fixture(scope="module")
+def entry_point_typos() -> list[dict]:
+  """The exit status and stderr of each of ENTRY_POINTS on a key typo (one process, a fork each:
+  trainer_starts)."""
+  from tests.helpers.trainer_starts import starts
+
   args = ["--config=configs/arith_ebpo.py:runlocal", "--config.sed=1"]
-  result = run_module(module, *args, devices=1, timeout=120)
-  assert result.returncode == 2, result.stderr[-3000:]
-  assert result.stderr.strip() == "error: --config.sed=1: no config key sed; did you mean seed?"
+  return starts([["-m", module, *args] for module in ENTRY_POINTS])
+
+
+@pytest.mark.parametrize("index", range(len(ENTRY_POINTS)), ids=ENTRY_POINTS)
+def test_every_config_entry_point_reports_a_key_typo_in_one_line(entry_point_typos, index):
+  result = entry_point_typos[index]
+  assert result["status"] == 2, result["stderr"][-3000:]
+  assert result["stderr"].strip() == "error: --config.sed=1: no config key sed; did you mean seed?"
 
 
 def test_print_config_prints_the_resolved_config_and_exits(tmp_path):
@@ -109,6 +120,7 @@ def test_the_corrected_command_runs_on_the_workdir_of_a_bad_start(bad_starts):
   # The start on /nonexistent.jsonl wrote no config.json: its data.path is no change to refuse.
   (_, workdir), (args, _) = bad_starts[0][-1], BAD_STARTS[-1]
   assert args == ["--config.data.path=/nonexistent.jsonl"]
-  result = run_trainer(workdir, "--config.train.num_steps=0", timeout=300)
+  args = ("--config.train.num_steps=0", "--config.sft.num_steps=0")  # that it starts is the point
+  result = run_trainer(workdir, *args, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   assert (workdir / "config.json").exists()
