@@ -128,22 +128,23 @@ def test_kill_9_and_sigterm_at_four_moments_then_resume_equals_a_straight_run(ar
 
 def test_a_lora_run_stopped_and_resumed_equals_a_straight_run(lora_run, tmp_path):
   # lora_run's LoRA run (a KL term to the base, adapter dropout) stopped by SIGTERM after the
-  # training line of step 2 (it saves checkpoint 2 and exits 143), then resumed to step 4 with the
-  # base rebuilt from the seed: its metrics equal the straight run's, line for line, and its last
-  # checkpoint (adapters, their Adam moments, prior, rng) the straight run's, bit for bit.
+  # training line of step 1 (it saves checkpoint 1, off the every-2-steps cadence, and exits 143),
+  # then resumed to step 2 with the base rebuilt from the seed: its metrics equal the straight
+  # run's, line for line, and its last checkpoint (adapters, their Adam moments, prior, rng) the
+  # straight run's, bit for bit.
   reference, _ = lora_run
   overrides = [f"--config.{k}={v}" for k, v in LORA_RUN.items()]
-  overrides.append("--config.train.num_steps=4")
+  overrides.append("--config.train.num_steps=2")
   args = ("--config=configs/arith_ebpo.py:runlocal", f"--workdir={tmp_path}", *overrides)
-  stopped = run_module("tests/helpers/killed_trainer.py", "term:2", *args)
+  stopped = run_module("tests/helpers/killed_trainer.py", "term:1", *args)
   assert stopped.returncode == 143, stopped.stderr[-3000:]
-  assert [m["step"] for m in read(tmp_path)] == [0, 1, 2]
+  assert [m["step"] for m in read(tmp_path)] == [0, 1]
   finished = run_trainer(tmp_path, *overrides)
   assert finished.returncode == 0, finished.stderr[-3000:]
-  assert "] resuming from step 2\n" in finished.stderr
+  assert "] resuming from step 1\n" in finished.stderr
   assert comparable(read(tmp_path)) == comparable(read(reference))
   config = arith_config(LORA_RUN)
-  ours, straight = restore_run_state(tmp_path, config, 4), restore_run_state(reference, config, 4)
+  ours, straight = restore_run_state(tmp_path, config, 2), restore_run_state(reference, config, 2)
   assert ours.base is None and ours.ref_params is None  # neither is in a checkpoint
   for name in ("step", "params", "opt_state", "prior", "rng", "bad_steps"):
     a, b = getattr(ours, name), getattr(straight, name)
@@ -153,7 +154,7 @@ def test_a_lora_run_stopped_and_resumed_equals_a_straight_run(lora_run, tmp_path
   # The checkpoint's arrays of rank >= 2 are the adapters (A and B of 7 projections) and their
   # two Adam moments: no base weight (kernel, embedding, norm) is saved.
   with checkpoint.Checkpointer(tmp_path / "checkpoints", read_only=True) as ckpt:
-    saved = ckpt.saved_arrays(4)
+    saved = ckpt.saved_arrays(2)
   weights = [path for path, (shape, _) in saved.items() if len(shape) >= 2]
   assert len(weights) == 3 * 14, weights
   assert all(path.endswith(("['lora_a']", "['lora_b']")) for path in weights), weights
