@@ -34,11 +34,11 @@ def arith_run(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def lora_run(tmp_path_factory):
-  """(workdir, CompletedProcess) of 4 RL steps of configs/arith_ebpo.py:runlocal with
-  runs.LORA_RUN, on 1 device (eval and checkpoints every 2 steps); shared, read only, like
-  arith_run (the sharded LoRA step: e2e/test_train_step.py)."""
+  """(workdir, CompletedProcess) of 2 RL steps of configs/arith_ebpo.py:runlocal with
+  runs.LORA_RUN, on 1 device (eval and checkpoints every 2 steps: at 0 and 2); shared, read only,
+  like arith_run (the sharded LoRA step: e2e/test_train_step.py)."""
   overrides = [f"--config.{k}={v}" for k, v in runs.LORA_RUN.items()]
-  return runs.session_run(tmp_path_factory, "lora_run", *overrides, "--config.train.num_steps=4")
+  return runs.session_run(tmp_path_factory, "lora_run", *overrides, "--config.train.num_steps=2")
 
 
 @pytest.fixture(scope="session")

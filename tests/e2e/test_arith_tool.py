@@ -23,17 +23,18 @@ def _without_timing(lines: list[dict]) -> list[dict]:
 
 def test_runlocal_logs_episodes_and_resumes_exactly(tmp_path):
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-  flags = ("--config.train.num_steps=3", "--config.logging.samples_every=1")
+  # runlocal's 2 steps, a checkpoint after each.
+  flags = ("--config.checkpoint.every_steps=1", "--config.logging.samples_every=1")
   result = run_trainer(straight, *flags, config=CONFIG)
   assert result.returncode == 0, result.stderr[-3000:]
-  # The run as a kill -9 after the checkpoint of step 2 leaves it: step 3 again from there.
+  # The run as a kill -9 after the checkpoint of step 1 leaves it: step 2 again from there.
   shutil.copytree(straight, resumed)
-  result = run_trainer(resumed, *flags, "--config.workdir.resume_step=2", config=CONFIG)
+  result = run_trainer(resumed, *flags, "--config.workdir.resume_step=1", config=CONFIG)
   assert result.returncode == 0, result.stderr[-3000:]
   lines = _lines(straight)
   assert _without_timing(_lines(resumed)) == _without_timing(lines)
   train = [m for m in lines if "loss" in m]
-  assert [m["step"] for m in train] == [1, 2, 3]
+  assert [m["step"] for m in train] == [1, 2]
   for m in train:
     assert m["turns/mean"] >= 1 and m["tool_calls/mean"] >= 0 and m["tool_errors"] >= 0
     assert 0 <= m["masked_frac"] < 1 and m["env/time_s"] >= 0

@@ -79,10 +79,10 @@ def test_evaluate_cli_on_a_lora_run_gives_the_accuracy_the_trainer_logged(lora_r
   )
   assert result.returncode == 0, result.stderr[-3000:]
   saved = json.loads((tmp_path / "eval.json").read_text())
-  assert saved["params"]["step"] == 4 and saved["greedy"] and saved["num_problems"] == 16
+  assert saved["params"]["step"] == 2 and saved["greedy"] and saved["num_problems"] == 16
   lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   logged = [m for m in lines if "eval/accuracy" in m][-1]
-  assert logged["step"] == 4
+  assert logged["step"] == 2
   metrics = saved["metrics"]
   assert metrics["overall"]["avg@1"] == pytest.approx(logged["eval/accuracy"])
   for cluster in ("add_1", "add_2"):
@@ -96,12 +96,12 @@ def test_a_lora_runs_policy_is_its_adapters_on_the_base_it_trained(lora_run):
   # the base of a random-init LoRA run comes from the run's seed, as the resumed trainer builds it.
   workdir, _ = lora_run
   config, step = policy.policy_config(arith_config(), str(workdir), None)
-  assert step == 4 and config.seed != LORA_RUN["seed"]
+  assert step == 2 and config.seed != LORA_RUN["seed"]
   mesh = sharding.make_mesh(dict(config.mesh))
   tokenizer = task_rows.load_tokenizer(config, tasks.from_config(config.task))
   model, params, _ = policy.load_policy(config, tokenizer, mesh, str(workdir), step)
   run_config = arith_config(LORA_RUN)
-  trained = restore_run_state(workdir, run_config, 4).params
+  trained = restore_run_state(workdir, run_config, 2).params
   want = lora.combine(trained, policy.lora_base(run_config, model, mesh))
   assert jax.tree.structure(params) == jax.tree.structure(want)
   for got, ref in zip(jax.tree.leaves(params), jax.tree.leaves(want), strict=True):

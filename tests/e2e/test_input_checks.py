@@ -7,23 +7,26 @@ import json
 
 import pytest
 
-from tests.helpers.processes import run_module, run_trainer
+from tests.helpers.processes import run_trainer
+
+ENTRY_POINTS = ["ebpo_jax.evaluate", "ebpo_jax.difficulty", "ebpo_jax.ablate"]
 
 
-def test_cli_typo_in_a_config_key_is_one_line_with_the_suggestion(tmp_path):
-  result = run_trainer(tmp_path, "--config.train.num_step=3", timeout=120)
-  assert result.returncode == 2, result.stderr[-3000:]
-  assert result.stderr.strip() == (
-    "error: --config.train.num_step=3: no config key train.num_step; did you mean train.num_steps?"
-  )
+@pytest.fixture(scope="module")
+def entry_point_typos() -> list[dict]:
+  """The exit status and stderr of each of ENTRY_POINTS on a key typo (one process, a fork each:
+  trainer_starts)."""
+  from tests.helpers.trainer_starts import starts
 
-
-@pytest.mark.parametrize("module", ["ebpo_jax.evaluate", "ebpo_jax.difficulty", "ebpo_jax.ablate"])
-def test_every_config_entry_point_reports_a_key_typo_in_one_line(module):
   args = ["--config=configs/arith_ebpo.py:runlocal", "--config.sed=1"]
-  result = run_module(module, *args, devices=1, timeout=120)
-  assert result.returncode == 2, result.stderr[-3000:]
-  assert result.stderr.strip() == "error: --config.sed=1: no config key sed; did you mean seed?"
+  return starts([["-m", module, *args] for module in ENTRY_POINTS])
+
+
+@pytest.mark.parametrize("index", range(len(ENTRY_POINTS)), ids=ENTRY_POINTS)
+def test_every_config_entry_point_reports_a_key_typo_in_one_line(entry_point_typos, index):
+  result = entry_point_typos[index]
+  assert result["status"] == 2, result["stderr"][-3000:]
+  assert result["stderr"].strip() == "error: --config.sed=1: no config key sed; did you mean seed?"
 
 
 def test_print_config_prints_the_resolved_config_and_exits(tmp_path):
@@ -39,9 +42,12 @@ def test_print_config_prints_the_resolved_config_and_exits(tmp_path):
 
 # ----------------------------------------------------------------------------- bad starts
 
+TYPO = "--config.train.num_step=3"  # the trainer's key typo: its whole stderr is checked below
+
 # (arguments, the start of the one line after "error: "): each gave a traceback, failed late
 # (after the warm start), or was accepted. All run in one process (trainer_starts: a fork each).
 BAD_STARTS = [
+  ([TYPO], f"{TYPO}: no config key train.num_step; did you mean train.num_steps?"),
   (["--config.train.mini_batch_size=0"], "config.train.mini_batch_size=0: must be >= 1"),
   (["--config.train.micro_batch_size=-1"], "config.train.micro_batch_size=-1: must be >= 0"),
   (["--config.model.num_layers=0"], "config.model.num_layers=0: must be >= 1"),
@@ -55,6 +61,7 @@ BAD_STARTS = [
   (["--config.model.rope_theta=0"], "config.model.rope_theta=0.0: must be > 0"),
   (["--config.model.vocab_size=-5"], "config.model.vocab_size=-5: must be >= 0"),
   (["--config.seed=-1"], "config.seed=-1: must be >= 0"),
+  (["--config.rl.group_size=1"], "config.rl.group_size=1: must be >= 2"),
   (["--config.task.name=nope"], "config.task.name='nope': unknown task 'nope'; known: "),
   (["--config.task.options.ops=('pow',)"], "config.task.options: task 'arithmetic': "),
   (["--config=configs/arith_ebpo.py:runlcal"], "flag --config=configs/arith_ebpo.py:runlcal: "),
@@ -62,9 +69,11 @@ BAD_STARTS = [
   # written before the rows were read, so that the corrected command was refused.
   (["--config.data.path={rows}/deep.jsonl"], "{rows}/deep.jsonl:2: JSON nested too deeply"),
   (["--config.data.path={rows}/digits.jsonl"], "{rows}/digits.jsonl:1: an integer of 5001 digits"),
+  (["--config.data.path={rows}/cut.jsonl"], "{rows}/cut.jsonl:2:"),  # a line cut short
   (["--config.data.path=/nonexistent.jsonl"], "/nonexistent.jsonl: no such file"),
 ]
 ROWS_FILES = {
+  "cut.jsonl": '{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n',
   "deep.jsonl": '{"prompt": "1+1=", "answer": "2"}\n' + "[" * 100_000 + "]" * 100_000 + "\n",
   "digits.jsonl": '{"prompt": "1+1=", "answer": "2", "n": ' + "9" * 5001 + "}\n",
 }
@@ -95,12 +104,23 @@ def test_a_bad_start_is_one_line_and_status_2_before_anything_compiles(bad_start
   assert result["status"] == 2 and len(lines) == 1, result["stderr"][-3000:]
   assert lines[0].startswith(f"error: {message.format(rows=bad_starts[1])}"), lines[0]
   assert not (workdir / "config.json").exists()  # the workdir is left as it was
+  assert not (workdir / "checkpoints").exists()
+
+
+def test_cli_typo_in_a_config_key_is_one_line_with_the_suggestion(bad_starts):
+  (result, _), (args, _) = bad_starts[0][0], BAD_STARTS[0]  # the trainer's start as any other's
+  assert args == [TYPO]
+  assert result["status"] == 2, result["stderr"][-3000:]
+  assert result["stderr"].strip() == (
+    "error: --config.train.num_step=3: no config key train.num_step; did you mean train.num_steps?"
+  )
 
 
 def test_the_corrected_command_runs_on_the_workdir_of_a_bad_start(bad_starts):
   # The start on /nonexistent.jsonl wrote no config.json: its data.path is no change to refuse.
   (_, workdir), (args, _) = bad_starts[0][-1], BAD_STARTS[-1]
   assert args == ["--config.data.path=/nonexistent.jsonl"]
-  result = run_trainer(workdir, "--config.train.num_steps=0", timeout=300)
+  args = ("--config.train.num_steps=0", "--config.sft.num_steps=0")  # that it starts is the point
+  result = run_trainer(workdir, *args, timeout=300)
   assert result.returncode == 0, result.stderr[-3000:]
   assert (workdir / "config.json").exists()

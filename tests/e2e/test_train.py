@@ -1,6 +1,6 @@
 """The trainer end to end on the tiny arithmetic config (as a process: nothing imports
-ebpo_jax.train): CLI, metrics, resume (also under LoRA), SIGTERM, 1 device == 8, bad input, the
-non-finite policy."""
+ebpo_jax.train): CLI, metrics, resume (also under LoRA), SIGTERM, 1 device == 8, unverifiable
+checkpoints, the non-finite policy. Bad config values and rows files: e2e/test_input_checks.py."""
 
 import contextlib
 import json
@@ -128,22 +128,23 @@ def test_kill_9_and_sigterm_at_four_moments_then_resume_equals_a_straight_run(ar
 
 def test_a_lora_run_stopped_and_resumed_equals_a_straight_run(lora_run, tmp_path):
   # lora_run's LoRA run (a KL term to the base, adapter dropout) stopped by SIGTERM after the
-  # training line of step 2 (it saves checkpoint 2 and exits 143), then resumed to step 4 with the
-  # base rebuilt from the seed: its metrics equal the straight run's, line for line, and its last
-  # checkpoint (adapters, their Adam moments, prior, rng) the straight run's, bit for bit.
+  # training line of step 1 (it saves checkpoint 1, off the every-2-steps cadence, and exits 143),
+  # then resumed to step 2 with the base rebuilt from the seed: its metrics equal the straight
+  # run's, line for line, and its last checkpoint (adapters, their Adam moments, prior, rng) the
+  # straight run's, bit for bit.
   reference, _ = lora_run
   overrides = [f"--config.{k}={v}" for k, v in LORA_RUN.items()]
-  overrides.append("--config.train.num_steps=4")
+  overrides.append("--config.train.num_steps=2")
   args = ("--config=configs/arith_ebpo.py:runlocal", f"--workdir={tmp_path}", *overrides)
-  stopped = run_module("tests/helpers/killed_trainer.py", "term:2", *args)
+  stopped = run_module("tests/helpers/killed_trainer.py", "term:1", *args)
   assert stopped.returncode == 143, stopped.stderr[-3000:]
-  assert [m["step"] for m in read(tmp_path)] == [0, 1, 2]
+  assert [m["step"] for m in read(tmp_path)] == [0, 1]
   finished = run_trainer(tmp_path, *overrides)
   assert finished.returncode == 0, finished.stderr[-3000:]
-  assert "] resuming from step 2\n" in finished.stderr
+  assert "] resuming from step 1\n" in finished.stderr
   assert comparable(read(tmp_path)) == comparable(read(reference))
   config = arith_config(LORA_RUN)
-  ours, straight = restore_run_state(tmp_path, config, 4), restore_run_state(reference, config, 4)
+  ours, straight = restore_run_state(tmp_path, config, 2), restore_run_state(reference, config, 2)
   assert ours.base is None and ours.ref_params is None  # neither is in a checkpoint
   for name in ("step", "params", "opt_state", "prior", "rng", "bad_steps"):
     a, b = getattr(ours, name), getattr(straight, name)
@@ -153,7 +154,7 @@ def test_a_lora_run_stopped_and_resumed_equals_a_straight_run(lora_run, tmp_path
   # The checkpoint's arrays of rank >= 2 are the adapters (A and B of 7 projections) and their
   # two Adam moments: no base weight (kernel, embedding, norm) is saved.
   with checkpoint.Checkpointer(tmp_path / "checkpoints", read_only=True) as ckpt:
-    saved = ckpt.saved_arrays(4)
+    saved = ckpt.saved_arrays(2)
   weights = [path for path, (shape, _) in saved.items() if len(shape) >= 2]
   assert len(weights) == 3 * 14, weights
   assert all(path.endswith(("['lora_a']", "['lora_b']")) for path in weights), weights
@@ -171,21 +172,6 @@ def test_one_device_matches_eight(arith_run, tmp_path):
     for key in a:
       if isinstance(a[key], float):
         assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-4), key
-
-
-@pytest.mark.parametrize(
-  "override, message",
-  [
-    ("--config.rl.group_size=1", "config.rl.group_size=1: must be >= 2"),
-    ("--config.data.path={tmp}/rows.jsonl", "{tmp}/rows.jsonl:2:"),
-  ],
-)
-def test_bad_input_stops_the_cli_with_one_line(tmp_path, override, message):
-  (tmp_path / "rows.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": \n')
-  result = run_trainer(tmp_path / "run", override.format(tmp=tmp_path), timeout=120)
-  assert result.returncode != 0
-  assert message.format(tmp=tmp_path) in result.stderr.strip().splitlines()[-1]
-  assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_a_workdir_whose_every_checkpoint_fails_to_verify_stops_with_one_line_and_status_2(
@@ -210,9 +196,11 @@ def test_non_finite_steps_in_a_row_abort_with_a_clear_message(tmp_path):
   # is -inf, so every advantage, loss and update is non-finite and skipped (the params stay
   # finite). The run stops after max_bad_steps = 3 steps in a row with one line, keeping the last
   # good checkpoint: with a save due every step and only one kept, the bad steps 1 and 2 were
-  # saved and rotated step 0 out; a skipped update is never checkpointed.
+  # saved and rotated step 0 out; a skipped update is never checkpointed. No warm start: the
+  # rewards are -inf whatever the model says.
   result = run_trainer(
     tmp_path,
+    "--config.sft.num_steps=0",
     "--config.rl.overlong_buffer=4",
     "--config.rl.overlong_penalty=inf",
     "--config.train.num_steps=6",

@@ -24,15 +24,17 @@ def test_resume_restores_without_reading_the_model_weights(tiny_llama_dir, tmp_p
     "--config.task.num_eval=2",
     "--config.eval.every_steps=100",
   ]
-  for num_steps in (1, 2):
+  # The first run ends at checkpoint 0 (the state before any RL step); the second resumes it.
+  for num_steps in (0, 1):
     result = run_trainer(workdir, *args, f"--config.train.num_steps={num_steps}", devices=1)
     assert result.returncode == 0, result.stderr[-3000:]
     for weights in model_dir.glob("*.safetensors"):  # the resumed run must not read them
       weights.unlink()
+  assert "] resuming from step 0\n" in result.stderr
   steps = [
     json.loads(line)["step"] for line in (workdir / "metrics.jsonl").read_text().splitlines()
   ]
-  assert steps[-1] == 2 and sorted(os.listdir(workdir / "checkpoints"))[-1] == "2"
+  assert steps[-1] == 1 and sorted(os.listdir(workdir / "checkpoints"))[-1] == "1"
 
 
 # ----------------------------------------------------------------------------- metric names

@@ -28,7 +28,7 @@ ARITH_LOGGING = (
 
 # The LoRA run of lora_run: rank-4 adapters on every projection of the runlocal decoder (random
 # init: no SFT warm start under LoRA), a KL term to the base, adapter dropout, a learning rate
-# that moves the adapters in 4 steps, and a seed other than the configs' (the base is random-init
+# that moves the adapters in 2 steps, and a seed other than the configs' (the base is random-init
 # from it: a tool that rebuilt the base from its own config's seed would build another). The
 # random model's rewards are all 0 and at B = 0 the policy is its KL reference, so without the
 # entropy term no gradient reaches the adapters: they moved only by the float noise between the

@@ -1,9 +1,10 @@
 """Many trainer command lines for the price of one Python start: `starts(argvs)` runs
 `python tests/helpers/trainer_starts.py`, which imports the trainer's libraries once, then runs
 `python -m ebpo_jax.train ARGV` for each argv in a forked child (the real entry point: absl's
-flags, `cli.entry_point`, `main`) and reports each child's exit status and stderr. For bad starts
-that must stop before anything compiles: a child still running after `TIMEOUT_S` is killed and
-reported with status None."""
+flags, `cli.entry_point`, `main`) and reports each child's exit status and output (stdout and
+stderr together). An argv may name another entry point first (`["-m", "ebpo_jax.evaluate",
+*ARGV]`). For bad starts that must stop before anything compiles: a child still running after
+`TIMEOUT_S` is killed and reported with status None."""
 
 import json
 import os
@@ -19,7 +20,8 @@ TIMEOUT_S = 60.0
 
 
 def starts(argvs: list[list[str]], *, devices: int = 1) -> list[dict]:
-  """[{"status": int | None, "stderr": str}] of `python -m ebpo_jax.train ARGV` per argv."""
+  """[{"status": int | None, "stderr": str}] of `python -m ebpo_jax.train ARGV` per argv (of
+  `python -m MODULE ARGV` for an argv `["-m", MODULE, *ARGV]`); "stderr" holds stdout too."""
   from tests.helpers.processes import run_module
 
   result = run_module(__file__, json.dumps(argvs), devices=devices, timeout=TIMEOUT_S * len(argvs))
@@ -31,9 +33,12 @@ def _child(argv: list[str], err_path: str) -> None:
   fd = os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
   os.dup2(fd, 1)
   os.dup2(fd, 2)
-  sys.argv = ["ebpo_jax.train", *argv]
+  module = "ebpo_jax.train"
+  if argv[:1] == ["-m"]:
+    module, argv = argv[1], argv[2:]
+  sys.argv = [module, *argv]
   try:
-    runpy.run_module("ebpo_jax.train", run_name="__main__", alter_sys=True)
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
     code = 0
   except SystemExit as e:  # as the interpreter reports it: a string is printed, status 1
     code = e.code if isinstance(e.code, int) else (e.code is not None)
