@@ -30,9 +30,9 @@ def run_module(module: str, *args: str, devices: int = 1, timeout: float = 300, 
   """`python -m MODULE ARGS` (`python MODULE ARGS` for a `.py` path) on `devices` CPU devices
   from the repository root: the CompletedProcess (output captured), or with `wait=False` the
   running Popen. One device unless the test is about sharding: a process on 8 fake devices costs
-  about a third more CPU (bench/RESULTS.md, "The test suite's time"). The processes of a session share a persistent compilation cache (their sampler,
-  evaluation and train-step programs mostly repeat; environment.CACHE_VARIABLE): about 3x
-  faster."""
+  about a third more CPU (bench/RESULTS.md, "The test suite's time"). The processes of a session
+  share a persistent compilation cache (their sampler, evaluation and train-step programs mostly
+  repeat; environment.CACHE_VARIABLE): about 3x faster."""
   env = cpu_env(devices) | {
     "JAX_COMPILATION_CACHE_DIR": os.environ[CACHE_VARIABLE],
     "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
