@@ -143,11 +143,16 @@ def test_shared_prefix_on_the_per_layer_decoder_and_with_lora_dropout():
 def test_a_kv_cache_is_refused_with_the_packed_layout():
   from ebpo_jax.models import init_cache
 
-  model, params = Decoder(BASE, scan_layers=False), jax.jit(unstack_layers)(_params(BASE))
+  # Traced, not run (the refusal is the trace's): nothing to compile.
+  model = Decoder(BASE, scan_layers=False)
+  params = jax.eval_shape(lambda: unstack_layers(_params(BASE)))
   ids = jnp.ones((2, P + G * N), jnp.int32)
   with pytest.raises(ValueError, match="no KV cache"):
-    model.apply(
-      {"params": params}, ids, cache=init_cache(BASE, 2, 32), prefix_groups=PrefixGroups(P, G)
+    jax.eval_shape(
+      lambda p: model.apply(
+        {"params": p}, ids, cache=init_cache(BASE, 2, 32), prefix_groups=PrefixGroups(P, G)
+      ),
+      params,
     )
 
 
