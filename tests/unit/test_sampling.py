@@ -18,6 +18,7 @@ from tests.helpers.sampler import (
   PAD,
   PROMPTS,
   SHARDED_ATOL,
+  long_tailed_program,
   long_tailed_sample,
   on_mesh,
   tiny_policy,
@@ -372,22 +373,19 @@ def test_compacting_under_a_mesh_moves_no_row_between_devices(policy, rolled):
 
 
 @pytest.mark.parametrize(
-  ("group_size", "compact", "stage_rows"), [(2, False, (6,)), (8, True, (24, 12))],
-  ids=["plain", "compacting"],
-)  # fmt: skip
-def test_decode_loop_updates_the_cache_in_place(policy, group_size, compact, stage_rows):
+  ("compact", "stage_rows"), [(False, (32,)), (True, (32, 16, 8))], ids=["plain", "compacting"]
+)
+def test_decode_loop_updates_the_cache_in_place(long_tailed, policy, compact, stage_rows):
   model, params = policy
-  ids, mask = sampling.pad_prompts(PROMPTS, PAD, BUCKETS)
-  compiled = sampling.trace_generate(
-    model, params, ids, mask, jax.random.key(0), jnp.float32(1), jnp.float32(1),
-    group_size=group_size, max_new_tokens=5, stop_ids=(1,), pad_id=PAD, compact=compact,
-  ).lower().compile()  # fmt: skip
-  hlo = compiled.as_text()
+  # The long-tailed samplers on one device: the programs that the fixture compiled (its call
+  # first, so that the HLO read is of the program the tests ran; the same compile).
+  long_tailed(compact=compact, sharded=False)
+  hlo = long_tailed_program(model, params, compact=compact).as_text()
   for rows in stage_rows:  # one decode loop per stage (`_while_body` finds it or fails)
     # Each carries one cache buffer per layer and k/v: [rows, kv heads, P + N - 1 slots, head
-    # dim] = [rows, 2, 12, 8], and per-layer weights (q_proj [32, 4, 8], read as its 2-D
+    # dim] = [rows, 2, 4 + 15, 8], and per-layer weights (q_proj [32, 4, 8], read as its 2-D
     # [32, 32] matmul operand) instead of the stack.
-    shape = [str(rows), "2", "12", "8"]
+    shape = [str(rows), "2", "19", "8"]
     body = while_body(hlo, f"f32[{','.join(shape)}]")
     assert body.count(f"f32[{','.join(shape)}]") >= 2 * TINY_MODEL.num_layers
     assert "f32[32,32]" in body
