@@ -39,15 +39,33 @@ def tiny_policy():
   return model, jax.jit(lambda p: jax.tree.map(lambda x: 6.0 * x, p))(params)  # one compile
 
 
+# long_tailed_sample's static settings: 8 prompts of 1 to 4 tokens (bucket 4) x G = 4.
+LONG_TAILED = dict(group_size=4, max_new_tokens=16, stop_ids=tuple(range(1, 64, 6)), pad_id=PAD)
+
+
+def _long_tailed_prompts():
+  prompts = [PROMPTS[i % 3][: 1 + i % 5] for i in range(8)]
+  return sampling.pad_prompts(prompts, PAD, BUCKETS)
+
+
 def long_tailed_sample(model, params, *, compact, mesh=None):
   """32 rows (8 prompts x G = 4) with a few stop tokens: lengths from 1 to the cap of 16."""
-  prompts = [PROMPTS[i % 3][: 1 + i % 5] for i in range(8)]
-  ids, mask = sampling.pad_prompts(prompts, PAD, BUCKETS)
+  ids, mask = _long_tailed_prompts()
   return sampling.generate(
-    model, params, ids, mask, jax.random.key(4), group_size=4, max_new_tokens=16,
-    temperature=0.9, top_p=0.95, stop_ids=tuple(range(1, 64, 6)), pad_id=PAD, mesh=mesh,
-    compact=compact,
+    model, params, ids, mask, jax.random.key(4), temperature=0.9, top_p=0.95, mesh=mesh,
+    compact=compact, **LONG_TAILED,
   )  # fmt: skip
+
+
+def long_tailed_program(model, params, *, compact):
+  """The compiled program of `long_tailed_sample` on one device: the same program (one compile
+  in a process for both), to read its HLO."""
+  ids, mask = _long_tailed_prompts()
+  temperature, top_p = jnp.float32(0.9), jnp.float32(0.95)
+  traced = sampling.trace_generate(
+    model, params, ids, mask, jax.random.key(4), temperature, top_p, compact=compact, **LONG_TAILED
+  )
+  return traced.lower().compile()
 
 
 def while_body(hlo: str, carried: str) -> str:

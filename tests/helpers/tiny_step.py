@@ -1,7 +1,6 @@
 """One compiled tiny train step of the arithmetic config, shared by the train-step tests."""
 
 import dataclasses
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -91,13 +90,19 @@ def tiny_steps(
 ) -> TinyStep:
   """The TinyStep of the tiny config with these overrides on the first `num_devices` devices
   (None: all 8); without arguments the tiny config itself (EBPO, one mini-batch, no
-  micro-batches). Compiled once per distinct arguments in a process."""
-  return _tiny_step(tuple(sorted((overrides or {}).items())), num_devices)
+  micro-batches). Compiled once per distinct config (overrides that set a value the config has
+  already are none) and device count in a process."""
+  config = load_config(ARITH, {**TINY_OVERRIDES, **(overrides or {})})
+  key = (config.to_json_best_effort(sort_keys=True), num_devices)
+  if key not in _TINY_STEPS:
+    _TINY_STEPS[key] = _tiny_step(config, num_devices)
+  return _TINY_STEPS[key]
 
 
-@functools.cache
-def _tiny_step(overrides: tuple[tuple[str, Any], ...], num_devices: int | None) -> TinyStep:
-  config = load_config(ARITH, {**TINY_OVERRIDES, **dict(overrides)})
+_TINY_STEPS: dict[tuple[str, int | None], TinyStep] = {}
+
+
+def _tiny_step(config: ml_collections.ConfigDict, num_devices: int | None) -> TinyStep:
   mesh = sharding.make_mesh(dict(config.mesh), jax.devices()[:num_devices])
   model = models.build.make_model(config, V)
   optimizer = optimizer_lib.make_optimizer(config)

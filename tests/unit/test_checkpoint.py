@@ -64,9 +64,17 @@ def _sharded_abstract(spec_2d: P, spec_1d: P):
   return jax.tree.map(with_sharding, jax.eval_shape(_init_state))
 
 
-def _make_state(abstract, seed=0):
+_STATES = {}  # shardings -> the state built into them
+
+
+def _make_state(abstract):
+  """`_init_state()` built straight into `abstract`'s shardings, once per layout in a process (a
+  compile each; the tests only read the state)."""
   shardings = jax.tree.map(lambda a: a.sharding, abstract)
-  return jax.jit(lambda: _init_state(seed), out_shardings=shardings)()
+  layout = tuple(jax.tree.leaves(shardings))
+  if layout not in _STATES:
+    _STATES[layout] = jax.jit(_init_state, out_shardings=shardings)()
+  return _STATES[layout]
 
 
 def _assert_states_equal(got, want):

@@ -25,9 +25,13 @@ def _init(config: ModelConfig, seed: int = 0):
   return model, nn.meta.unbox(params)
 
 
-def _per_layer(model: Decoder, params):
-  """The decoder that takes a KV cache: `scan_layers=False` on the unstacked params."""
-  return model.clone(scan_layers=False), unstack_layers(params)
+@functools.cache  # one per config in a process: its tests share the compiled per-layer programs
+def _per_layer(config: ModelConfig):
+  """(the decoder that takes a KV cache: `scan_layers=False`, its jitted apply, `_init(config)`'s
+  params unstacked)."""
+  model, params = _init(config)
+  decoder = model.clone(scan_layers=False)
+  return decoder, jax.jit(decoder.apply), unstack_layers(params)
 
 
 def _positions(mask: np.ndarray) -> np.ndarray:
@@ -54,8 +58,7 @@ def test_cached_prefill_and_decode_equal_full_forward(config):
   ids, positions = ids.astype(np.int32), _positions(mask)
   full = jax.jit(model.apply)({"params": params}, ids, positions, mask)
 
-  decoder, layer_params = _per_layer(model, params)
-  apply = jax.jit(decoder.apply)
+  _, apply, layer_params = _per_layer(config)
   cache = init_cache(config, batch_size=3, max_len=16)
   p = slice(0, prompt_len)
   logits, cache = apply({"params": layer_params}, ids[:, p], positions[:, p], mask[:, p], cache)
@@ -72,10 +75,16 @@ def test_cached_prefill_and_decode_equal_full_forward(config):
   assert cached.dtype == np.float32
 
 
+# 3 layers (a middle one), Qwen3's q/k norm, each layer rematerialised as the paper configs run
+# them (remat recomputes the forward in the backward pass only: the forward's values are as
+# without). One config for the two tests below: they share its params and per-layer decode.
+QWEN3_3 = dataclasses.replace(TINY, architecture="qwen3", num_layers=3, remat="full")
+
+
 def test_per_layer_decode_equals_scanned_full_forward():
-  config = dataclasses.replace(TINY, architecture="qwen3", num_layers=3)
+  config = QWEN3_3
   model, params = _init(config)
-  unscanned, layer_params = _per_layer(model, params)
+  unscanned, apply, layer_params = _per_layer(config)
   fresh = jax.eval_shape(unscanned.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
   assert jax.tree.structure(nn.meta.unbox(fresh["params"])) == jax.tree.structure(layer_params)
   np.testing.assert_array_equal(layer_params["layers_2"]["mlp"]["up_proj"]["kernel"],
@@ -86,7 +95,6 @@ def test_per_layer_decode_equals_scanned_full_forward():
   ids = np.random.default_rng(3).integers(0, config.vocab_size, (2, 8)).astype(np.int32)
   ids, positions = np.where(mask, ids, 0), _positions(mask)
   full = jax.jit(model.apply)({"params": params}, ids, positions, mask)
-  apply = jax.jit(unscanned.apply)
   full_unscanned = apply({"params": layer_params}, ids, positions, mask)
   np.testing.assert_allclose(full_unscanned[mask], full[mask], rtol=1e-5, atol=1e-5)
 
@@ -106,9 +114,9 @@ def test_rolled_decode_over_a_stacked_cache_equals_the_per_layer_decode():
   """The scanned decoder over a stacked cache (the rolled layer loop) gives the per-layer
   decoder's logits and cache, and writes nothing past the index (layers rematerialised, as the
   paper configs run them)."""
-  config = dataclasses.replace(TINY, architecture="qwen3", num_layers=3, remat="full")
+  config = QWEN3_3
   model, params = _init(config)
-  unscanned, layer_params = _per_layer(model, params)
+  _, apply, layer_params = _per_layer(config)
   mask = np.arange(8)[None] >= np.array([[0], [3]])
   ids = np.random.default_rng(4).integers(0, config.vocab_size, (2, 8)).astype(np.int32)
   ids, positions = np.where(mask, ids, 0), _positions(mask)
@@ -117,7 +125,7 @@ def test_rolled_decode_over_a_stacked_cache_equals_the_per_layer_decode():
   stacked = init_cache(config, batch_size=2, max_len=10, stacked=True)
   assert stacked.stacked and stacked.k.shape == (3, 2, 2, 10, 8)  # [L, B, Hkv, S, D]
   rolled, rolled_cache = run(jax.jit(model.apply), params, cache=stacked)
-  per_layer, cache = run(jax.jit(unscanned.apply), layer_params, cache=init_cache(config, 2, 10))
+  per_layer, cache = run(apply, layer_params, cache=init_cache(config, 2, 10))
   np.testing.assert_allclose(rolled[mask], per_layer[mask], rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(rolled_cache.k, np.stack(cache.k), rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(rolled_cache.v, np.stack(cache.v), rtol=1e-5, atol=1e-6)
@@ -130,7 +138,7 @@ def test_decoder_rejects_a_cache_of_the_other_layout():
   with pytest.raises(ValueError, match=r"per-layer KV cache given to Decoder\(scan_layers=True\)"):
     model.apply({"params": params}, ids, cache=init_cache(TINY, batch_size=2, max_len=8))
   stacked = init_cache(TINY, batch_size=2, max_len=8, stacked=True)
-  unscanned, layer_params = _per_layer(model, params)
+  unscanned, _, layer_params = _per_layer(TINY)
   with pytest.raises(ValueError, match=r"stacked KV cache given to Decoder\(scan_layers=False\)"):
     unscanned.apply({"params": layer_params}, ids, cache=stacked)
 
@@ -183,10 +191,13 @@ def test_layer_loop_variants_keep_loss_and_grads(change, in_hlo):
 
 
 def test_logits_slice_equals_the_slice_of_all_logits():
-  model, params = _init(dataclasses.replace(TINY, tie_word_embeddings=True))
+  # Tied embeddings (the LM head is the embedding's transpose): test_cached_prefill's Qwen2
+  # config, whose params are built already.
+  model, params = _init(dataclasses.replace(TINY, architecture="qwen2", tie_word_embeddings=True))
   ids = jnp.asarray(np.random.default_rng(4).integers(0, TINY.vocab_size, (2, 9)), jnp.int32)
-  full = model.apply({"params": params}, ids)
-  part = model.apply({"params": params}, ids, logits_slice=(3, 8))
+  apply = jax.jit(model.apply, static_argnames="logits_slice")  # eagerly: about 4x the time
+  full = apply({"params": params}, ids)
+  part = apply({"params": params}, ids, logits_slice=(3, 8))
   assert part.shape == (2, 5, TINY.vocab_size)
   np.testing.assert_allclose(part, full[:, 3:8], rtol=1e-6, atol=1e-6)
 
@@ -265,12 +276,12 @@ def test_unsupported_hf_configs_are_rejected():
 def test_bfloat16_cache_and_compute():
   config = dataclasses.replace(TINY, dtype="bfloat16", param_dtype="bfloat16")
   model, params = _init(config)
-  decoder, layer_params = _per_layer(model, params)
+  _, apply, layer_params = _per_layer(config)
   cache = init_cache(config, batch_size=2, max_len=8)
   assert len(cache.k) == 2 and cache.k[0].shape == (2, 2, 8, 8)
   assert all(x.dtype == jnp.bfloat16 for x in cache.k + cache.v)
   ids = jnp.ones((2, 3), jnp.int32)
-  logits, cache = jax.jit(decoder.apply)({"params": layer_params}, ids, cache=cache)
+  logits, cache = apply({"params": layer_params}, ids, cache=cache)
   assert logits.dtype == jnp.float32 and int(cache.index) == 3
   assert all(x.dtype == jnp.bfloat16 for x in cache.k + cache.v)
   full = jax.jit(model.apply)({"params": params}, jnp.ones((2, 3), jnp.int32))

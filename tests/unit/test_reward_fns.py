@@ -1,9 +1,8 @@
 """Tests for tasks.reward_fns: the `config.rewards.fns` string, the weighted sum with None, the
 built-ins, and reward functions in the verifier pool (failures score 0 and are counted, a hang is
-bounded, a crash leaves the trainer alive). The reward functions below are top-level, so that the
-workers can import them."""
+bounded, a crash leaves the trainer alive). The pool's reward functions are top level in
+tests/helpers/reward_workers.py, which the workers import cheaply (this module imports jax)."""
 
-import os
 import time
 
 import numpy as np
@@ -14,29 +13,10 @@ from ebpo_jax.tasks import reward_fns
 from ebpo_jax.tasks.arithmetic import score_arithmetic
 from ebpo_jax.tasks.math_task import math_verify_reward
 from ebpo_jax.tasks.rewards import RewardPool
+from tests.helpers import reward_workers
+from tests.helpers.reward_workers import first_char, misbehaving, wants_extras
 
-HERE = __name__  # the module path the workers import these functions by
-
-
-def first_char(completions, rows, **extras):
-  """0.5 for "a...", None (not applicable) for "-...", else 0.25."""
-  return [{"a": 0.5, "-": None}.get(c[:1], 0.25) for c in completions]
-
-
-def misbehaving(completions, rows, **extras):
-  c = completions[0]
-  if c == "raise":
-    raise RuntimeError("reward bug")
-  if c == "hang":
-    time.sleep(60)
-  if c == "exit":
-    os._exit(3)
-  return {"two": [1.0, 2.0], "str": ["1"], "nan": [float("nan")], "neg": [-3.0]}.get(c, [1.0])
-
-
-def wants_extras(completions, rows, *, lengths, max_new_tokens, task_score, **extras):
-  triples = zip(completions, rows, lengths, strict=True)
-  return [n / max_new_tokens + task_score(c, r) for c, r, n in triples]
+HERE = reward_workers.__name__  # the module path the workers import these functions by
 
 
 # ------------------------------------------------------------------------------ the config string
@@ -78,8 +58,8 @@ def test_load_imports_by_path_and_names_what_is_missing():
     reward_fns.load("no_such_mod:f")
   with pytest.raises(ValueError, match=f"^reward 'nope': module '{HERE}' has no 'nope'$"):
     reward_fns.load(f"{HERE}:nope")
-  with pytest.raises(ValueError, match="^reward 'HERE': .*HERE is a str, not a function$"):
-    reward_fns.load(f"{HERE}:HERE")
+  with pytest.raises(ValueError, match="^reward 'NAME': .*NAME is a str, not a function$"):
+    reward_fns.load(f"{HERE}:NAME")
 
 
 def test_reward_metric_names():

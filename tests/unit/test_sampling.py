@@ -18,7 +18,9 @@ from tests.helpers.sampler import (
   PAD,
   PROMPTS,
   SHARDED_ATOL,
+  long_tailed_program,
   long_tailed_sample,
+  on_mesh,
   tiny_policy,
   while_body,
 )
@@ -29,16 +31,38 @@ def policy():
   return tiny_policy()
 
 
+@pytest.fixture(scope="module")
+def long_tailed(policy):
+  """`long_tailed(compact, sharded)`: `long_tailed_sample` of the policy, on one device or a mesh
+  (data 2 x fsdp 4, the weights placed as the trainer places them), each sampled once for the
+  tests that read it (each is a compile of the sampler: seconds)."""
+  model, params = policy
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
+  placed = on_mesh(model, params, mesh)
+  samples = {}
+
+  def sample(compact: bool, sharded: bool) -> SampleOutput:
+    if (compact, sharded) not in samples:
+      on = dict(params=placed, mesh=mesh) if sharded else dict(params=params)
+      samples[compact, sharded] = long_tailed_sample(model, compact=compact, **on)
+    return samples[compact, sharded]
+
+  return sample
+
+
 def _full_forward_logits(model, params, ids_bt, mask_bt):
-  """Logits of one uncached forward over left-padded prompts followed by their completions."""
-  positions = sequences.prompt_positions(mask_bt)
-  return model.apply({"params": params}, ids_bt, positions, mask_bt)
+  """Logits of one uncached forward over left-padded prompts followed by their completions
+  (jitted: eagerly, each of its operations compiles apart, about 4x the time)."""
+
+  def forward(params, ids_bt, mask_bt):
+    positions = sequences.prompt_positions(mask_bt)
+    return model.apply({"params": params}, ids_bt, positions, mask_bt)
+
+  return jax.jit(forward)(params, ids_bt, mask_bt)
 
 
-def _reference_greedy(model, params, prompt, num_tokens):
+def _reference_greedy(forward, prompt, num_tokens, width):
   """Argmax of a full forward, one token at a time (right-padded to a fixed width: one compile)."""
-  width = len(prompt) + num_tokens
-  forward = jax.jit(lambda ids, mask: _full_forward_logits(model, params, ids, mask))
   seq = list(prompt)
   for _ in range(num_tokens):
     ids = np.zeros((1, width), np.int32)
@@ -74,8 +98,10 @@ def _greedy(model, params, prompts):
 def test_greedy_equals_stepwise_argmax_of_full_forwards(policy):
   model, params = policy
   out = _greedy(model, params, PROMPTS)
+  forward = jax.jit(lambda ids, mask: _full_forward_logits(model, params, ids, mask))
+  width = max(map(len, PROMPTS)) + 6  # one width for every prompt: one compile
   for row, prompt in enumerate(PROMPTS):
-    expected = _reference_greedy(model, params, prompt, 6)
+    expected = _reference_greedy(forward, prompt, 6, width)
     # Rows are prompt-major: both samples of prompt b are rows 2b and 2b + 1.
     assert out.tokens[2 * row].tolist() == expected, row
     assert out.tokens[2 * row + 1].tolist() == expected, row
@@ -275,19 +301,15 @@ def test_compiles_once_per_bucket(policy):
   assert sampling.compile_count() == before + 1
 
 
-def test_sharded_over_eight_devices_equals_single_device(policy):
-  model, params = policy
+def test_sharded_over_eight_devices_equals_single_device(long_tailed):
   assert jax.device_count() == 8, "conftest forces 8 CPU devices"
-  mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
-  abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
-  placed = jax.device_put(params, sharding.logical_shardings(abstract["params"], mesh))
-  prompts = [PROMPTS[i % 3][: 1 + i % 5] for i in range(8)]
-  ids, mask = sampling.pad_prompts(prompts, PAD, BUCKETS)
-  common = dict(group_size=2, max_new_tokens=6, temperature=0.8, stop_ids=(1, 2), pad_id=PAD)
-  single = sampling.generate(model, params, ids, mask, jax.random.key(2), **common)
-  sharded = sampling.generate(model, placed, ids, mask, jax.random.key(2), mesh=mesh, **common)
+  # 8 prompts x G = 4, temperature and top-p, stop tokens (the samples the compacting test reads).
+  single, sharded = (
+    long_tailed(compact=False, sharded=False),
+    long_tailed(compact=False, sharded=True),
+  )
   assert len(sharded.tokens.sharding.device_set) == 8
-  assert sharded.tokens.addressable_shards[0].data.shape == (2, 6)  # 16 rows over 8 devices
+  assert sharded.tokens.addressable_shards[0].data.shape == (4, 16)  # 32 rows over 8 devices
   np.testing.assert_array_equal(sharded.tokens, single.tokens)
   np.testing.assert_array_equal(sharded.mask, single.mask)
   # The tokens are equal, the log-probs to SHARDED_ATOL: float32 sums split across devices.
@@ -306,15 +328,9 @@ def test_stage_sizes_halve_down_to_the_minimum_in_multiples_of_the_shards():
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["one_device", "mesh"])
-def test_compacting_decode_equals_the_plain_loop(policy, sharded):
-  model, params = policy
-  mesh = None
-  if sharded:
-    mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
-    abstract = jax.eval_shape(model.init, jax.random.key(0), jnp.zeros((1, 4), jnp.int32))
-    params = jax.device_put(params, sharding.logical_shardings(abstract["params"], mesh))
-  plain = long_tailed_sample(model, params, compact=False, mesh=mesh)
-  compact = long_tailed_sample(model, params, compact=True, mesh=mesh)
+def test_compacting_decode_equals_the_plain_loop(long_tailed, sharded):
+  plain = long_tailed(compact=False, sharded=sharded)
+  compact = long_tailed(compact=True, sharded=sharded)
   # The last stage (8 rows) decodes something: the 9th longest row ends before the longest.
   lengths = np.sort(np.asarray(plain.lengths))[::-1]
   assert lengths[8] < lengths[0] and lengths[-1] < 5 and len(set(lengths)) > 5, lengths
@@ -343,9 +359,11 @@ def test_compacting_under_a_mesh_moves_no_row_between_devices(policy, rolled):
   mesh = sharding.make_mesh({"data": 2, "fsdp": 4})
   prompts = [PROMPTS[i % 3][: 1 + i % 5] for i in range(8)]
   ids, mask = sampling.pad_prompts(prompts, PAD, BUCKETS)
+  # 16 rows: stages of 16 and 8 rows (2 and 1 a device), one compaction; more rows add stages of
+  # the same code to compile.
   hlo = {
     compact: sampling.trace_generate(
-      model, params, ids, mask, jax.random.key(0), jnp.float32(1), jnp.float32(1), group_size=4,
+      model, params, ids, mask, jax.random.key(0), jnp.float32(1), jnp.float32(1), group_size=2,
       max_new_tokens=16, stop_ids=(1,), mesh=mesh, compact=compact,
     ).lower().compile().as_text()
     for compact in (False, True)
@@ -355,22 +373,19 @@ def test_compacting_under_a_mesh_moves_no_row_between_devices(policy, rolled):
 
 
 @pytest.mark.parametrize(
-  ("group_size", "compact", "stage_rows"), [(2, False, (6,)), (8, True, (24, 12))],
-  ids=["plain", "compacting"],
-)  # fmt: skip
-def test_decode_loop_updates_the_cache_in_place(policy, group_size, compact, stage_rows):
+  ("compact", "stage_rows"), [(False, (32,)), (True, (32, 16, 8))], ids=["plain", "compacting"]
+)
+def test_decode_loop_updates_the_cache_in_place(long_tailed, policy, compact, stage_rows):
   model, params = policy
-  ids, mask = sampling.pad_prompts(PROMPTS, PAD, BUCKETS)
-  compiled = sampling.trace_generate(
-    model, params, ids, mask, jax.random.key(0), jnp.float32(1), jnp.float32(1),
-    group_size=group_size, max_new_tokens=5, stop_ids=(1,), pad_id=PAD, compact=compact,
-  ).lower().compile()  # fmt: skip
-  hlo = compiled.as_text()
+  # The long-tailed samplers on one device: the programs that the fixture compiled (its call
+  # first, so that the HLO read is of the program the tests ran; the same compile).
+  long_tailed(compact=compact, sharded=False)
+  hlo = long_tailed_program(model, params, compact=compact).as_text()
   for rows in stage_rows:  # one decode loop per stage (`_while_body` finds it or fails)
     # Each carries one cache buffer per layer and k/v: [rows, kv heads, P + N - 1 slots, head
-    # dim] = [rows, 2, 12, 8], and per-layer weights (q_proj [32, 4, 8], read as its 2-D
+    # dim] = [rows, 2, 4 + 15, 8], and per-layer weights (q_proj [32, 4, 8], read as its 2-D
     # [32, 32] matmul operand) instead of the stack.
-    shape = [str(rows), "2", "12", "8"]
+    shape = [str(rows), "2", "19", "8"]
     body = while_body(hlo, f"f32[{','.join(shape)}]")
     assert body.count(f"f32[{','.join(shape)}]") >= 2 * TINY_MODEL.num_layers
     assert "f32[32,32]" in body
@@ -401,12 +416,12 @@ def test_decode_params_sample_the_same_and_skip_the_per_call_weight_copy(policy)
   the call's program no longer slices the weights out of the stack (the copy per call)."""
   model, params = policy
   ids, mask = sampling.pad_prompts(PROMPTS, PAD, BUCKETS)
-  common = dict(group_size=2, max_new_tokens=6, temperature=0.8, stop_ids=(1,), pad_id=PAD)
   decoded = sampling.decode_params(params, model.config)
   assert sampling.is_decode_params(decoded) and not sampling.is_decode_params(params)
   assert sampling.decode_params(decoded, model.config) is decoded
-  stacked_out = sampling.generate(model, params, ids, mask, jax.random.key(3), **common)
-  decoded_out = sampling.generate(model, decoded, ids, mask, jax.random.key(3), **common)
+  # test_stop_tokens_end_sequences_and_mask_the_rest's program: one compile of it for both tests.
+  stacked_out, _, _ = _sample(model, params, jax.random.key(3), STOPS)
+  decoded_out, _, _ = _sample(model, decoded, jax.random.key(3), STOPS)
   for a, b in zip(stacked_out, decoded_out, strict=True):
     np.testing.assert_array_equal(a, b)
 

@@ -18,6 +18,7 @@ from tests.helpers.sampler import (
   PAD,
   PROMPTS,
   SHARDED_ATOL,
+  long_tailed_program,
   long_tailed_sample,
   on_mesh,
   tiny_policy,
@@ -63,17 +64,15 @@ def test_the_rolled_decode_loop_carries_the_stacked_cache_in_place(policy):
   a whole stack (the XLA path may slice out the layer it reads; the kernel does not), and the
   compacting stages keep the first stage's stack (no smaller copy beside it: 1.5x the cache)."""
   _, params = policy
-  ids, mask = sampling.pad_prompts(PROMPTS, PAD, BUCKETS)
-  hlo = sampling.trace_generate(
-    Decoder(TINY_MODEL), params, ids, mask, jax.random.key(0), jnp.float32(1), jnp.float32(1),
-    group_size=8, max_new_tokens=5, stop_ids=(1,), pad_id=PAD, compact=True,
-  ).lower().compile().as_text()  # fmt: skip
-  stack = "f32[2,24,2,12,8]"  # L = 2, 24 rows, 2 kv heads, P + N - 1 = 12 slots, D = 8
+  # The rolled compacting sampler of test_the_rolled_layer_loop_samples_as_the_unrolled_one (one
+  # compile for both): stages of 32, 16 and 8 rows.
+  hlo = long_tailed_program(Decoder(TINY_MODEL), params, compact=True).as_text()
+  stack = "f32[2,32,2,19,8]"  # L = 2, 32 rows, 2 kv heads, P + N - 1 = 4 + 15 slots, D = 8
   loops = [line for line in hlo.splitlines() if " while(" in line and stack in line]
-  assert len(loops) >= 2 and while_body(hlo, stack).count(stack) >= 2  # both stages carry it
-  assert "f32[2,12,2,12,8]" not in hlo  # the second stage's 12 rows: no stack of them
+  assert len(loops) >= 3 and while_body(hlo, stack).count(stack) >= 2  # every stage carries it
+  assert "f32[2,16,2,19,8]" not in hlo  # the second stage's 16 rows: no stack of them
   ops = re.findall(r"(%[\w.\-]+) = f32\[([\d,]*)\]\S* (\w[\w-]*)\(", hlo)
-  on_stack = [(name, op) for name, dims, op in ops if dims == "2,24,2,12,8"]
+  on_stack = [(name, op) for name, dims, op in ops if dims == "2,32,2,19,8"]
   assert "dynamic-update-slice" in {op for _, op in on_stack}, on_stack
   for name, op in on_stack:
     assert op != "copy" and "copy" not in name and "transpose" not in name, (name, op)

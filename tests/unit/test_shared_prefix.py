@@ -20,14 +20,16 @@ from tests.helpers.tiny_decoder import BASE, init_params
 from tests.helpers.tiny_step import tiny_steps
 
 B, G, P, N = 3, 2, 6, 5
+# Each variant compiles two gradient programs (seconds), so features that touch different parts
+# of the decoder share one: the unrolled layer loop with remat "dots" (remat recomputes the same
+# forward in the backward pass: the unrolled loop's forward is the one without it), one kv head
+# (the attention's head grouping) with Qwen3's q/k norm (applied per head before it).
 VARIANTS = {
   "scanned_rolled": BASE,
-  "unrolled": dataclasses.replace(BASE, unroll_layers=True),
   "remat_full": dataclasses.replace(BASE, remat="full"),
-  "remat_dots": dataclasses.replace(BASE, remat="dots", unroll_layers=True),
+  "unrolled_remat_dots": dataclasses.replace(BASE, remat="dots", unroll_layers=True),
   "lora": dataclasses.replace(BASE, lora_rank=4, lora_alpha=8.0),
-  "one_kv_head": dataclasses.replace(BASE, num_kv_heads=1),
-  "qwen3_qk_norm": dataclasses.replace(BASE, architecture="qwen3"),
+  "qwen3_qk_norm_one_kv_head": dataclasses.replace(BASE, architecture="qwen3", num_kv_heads=1),
   "qwen2_bias_tied": dataclasses.replace(BASE, architecture="qwen2", tie_word_embeddings=True),
 }
 
@@ -70,16 +72,20 @@ def test_packed_sequences_hold_each_prompt_once_then_its_completions():
   np.testing.assert_array_equal(seqs["targets"], tokens)
 
 
-def _logps_and_grads(model: Decoder, params, seqs: dict, packed_group_size: int | None):
-  """(logits [R, N, V], grads of the completions' total log-prob) through the trainer's
-  `completion_logits`, which takes either layout (the caller names it)."""
+def _logps_and_grads(model: Decoder, params, layouts: list[tuple[dict, int | None]]):
+  """For each (seqs, packed_group_size) of `layouts`: (grads of the completions' total log-prob,
+  logits [R, N, V]) through the trainer's `completion_logits`, which takes either layout (the
+  caller names it). One program for all of them: one compile."""
 
-  def total_logp(p):
-    logits = step_lib.completion_logits(model, p, seqs, packed_group_size=packed_group_size)
-    logps = losses.token_logprobs(logits, seqs["targets"])
-    return jnp.where(seqs["loss_mask"], logps, 0.0).sum(), logits
+  def grads_and_logits(p, seqs, packed_group_size):
+    def total_logp(p):
+      logits = step_lib.completion_logits(model, p, seqs, packed_group_size=packed_group_size)
+      logps = losses.token_logprobs(logits, seqs["targets"])
+      return jnp.where(seqs["loss_mask"], logps, 0.0).sum(), logits
 
-  return jax.jit(jax.grad(total_logp, has_aux=True))(params)
+    return jax.grad(total_logp, has_aux=True)(p)
+
+  return jax.jit(lambda p: [grads_and_logits(p, *layout) for layout in layouts])(params)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -88,8 +94,10 @@ def test_shared_prefix_logits_and_grads_equal_the_full_layout(name):
   model, params = Decoder(config), _params(config)
   full, packed = _layouts(_batch())
   assert packed["input_ids"].shape == (B, P + G * N)
-  grads_full, logits_full = _logps_and_grads(model, params, full, None)
-  grads_shared, logits_shared = _logps_and_grads(model, params, packed, G)
+  layouts = [(full, None), (packed, G)]
+  (grads_full, logits_full), (grads_shared, logits_shared) = _logps_and_grads(
+    model, params, layouts
+  )
   assert logits_shared.shape == logits_full.shape == (B * G, N, config.vocab_size)
   assert logits_shared.dtype == np.float32
   # Compared where a completion token is predicted (a masked position predicts nothing).
@@ -135,11 +143,16 @@ def test_shared_prefix_on_the_per_layer_decoder_and_with_lora_dropout():
 def test_a_kv_cache_is_refused_with_the_packed_layout():
   from ebpo_jax.models import init_cache
 
-  model, params = Decoder(BASE, scan_layers=False), jax.jit(unstack_layers)(_params(BASE))
+  # Traced, not run (the refusal is the trace's): nothing to compile.
+  model = Decoder(BASE, scan_layers=False)
+  params = jax.eval_shape(lambda: unstack_layers(_params(BASE)))
   ids = jnp.ones((2, P + G * N), jnp.int32)
   with pytest.raises(ValueError, match="no KV cache"):
-    model.apply(
-      {"params": params}, ids, cache=init_cache(BASE, 2, 32), prefix_groups=PrefixGroups(P, G)
+    jax.eval_shape(
+      lambda p: model.apply(
+        {"params": p}, ids, cache=init_cache(BASE, 2, 32), prefix_groups=PrefixGroups(P, G)
+      ),
+      params,
     )
 
 

@@ -17,10 +17,15 @@ from ebpo_jax.models import Decoder, ModelConfig, lora
 from ebpo_jax.trainer import optimizer as optimizer_lib
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer import step as step_lib
+from tests.helpers import tiny_step as tiny_step_lib
 from tests.helpers.configs import TINY_LORA
 from tests.helpers.lora import trained_lora
 from tests.helpers.rollout_is import np_rollout_is
-from tests.helpers.tiny_step import tiny_steps
+
+# On one device: these tests are about the step's arithmetic, not its sharding (the step on 8
+# devices equals it on 1: e2e/test_train_step.py); an 8-device program
+# compiles several times slower.
+tiny_steps = functools.partial(tiny_step_lib.tiny_steps, num_devices=1)
 
 
 def test_gradient_accumulation_does_not_change_the_update():
@@ -171,15 +176,18 @@ def test_lora_optimizer_state_is_small_on_the_smollm2_shape():
   assert adapters < 0.02 * full
 
 
+@functools.cache  # one compile per model in a process (the tests' batches share a shape)
+def _policy_logprobs(model):
+  """`completion_logprobs(model, params, seqs)` of the full layout, jitted."""
+  return jax.jit(functools.partial(step_lib.completion_logprobs, model, packed_group_size=None))
+
+
 def _on_policy(step, state, batch: dict) -> dict:
   """`batch` with old_logps the policy's own (as the sampler computes them: no dropout)."""
   seqs = sequences.build_sequences(
     batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["completion_mask"], step.G
   )
-  logprobs = jax.jit(
-    functools.partial(step_lib.completion_logprobs, step.model, packed_group_size=None)
-  )
-  logps = logprobs(state_lib.policy_params(state), seqs)
+  logps = _policy_logprobs(step.model)(state_lib.policy_params(state), seqs)
   return {**batch, "old_logps": np.asarray(logps)}
 
 
@@ -305,11 +313,11 @@ def test_the_rollout_correction_weights_the_steps_loss_as_numpy_does(mode, mini_
   # from a first-pass forward before them. The same weights either way, NumPy's; without the
   # correction and two updates, the mismatch metrics cover the first update's rows only.
   cap = 1.5
-  step = tiny_steps({
-    "rl.loss.rollout_is": mode, "rl.loss.rollout_is_cap": cap,
-    "train.mini_batch_size": mini_batch_size,
-  })  # fmt: skip
-  state = step.fresh_state()
+  overrides = {"rl.loss.rollout_is": mode, "train.mini_batch_size": mini_batch_size}
+  if mode != "none":  # no correction has no cap: the step is then test_recompute_old_logps'
+    overrides["rl.loss.rollout_is_cap"] = cap
+  step = tiny_steps(overrides)
+  state = tiny_steps().fresh_state()  # its step-0 state (the correction is no part of it)
   batch, first = _off_policy(step, state)
   _, m, aux = step(batch, state)
   mask = batch["loss_mask"]
@@ -345,7 +353,7 @@ def test_recompute_old_logps_makes_the_step_on_policy(mini_batch_size):
   # forward is the first pass; two: a forward before them.
   layout = {"train.mini_batch_size": mini_batch_size}
   plain, recompute = tiny_steps(layout), tiny_steps(layout | {"rl.recompute_old_logps": True})
-  state = plain.fresh_state()
+  state = tiny_steps().fresh_state()  # its step-0 state (the layouts are no part of it)
   batch, first = _off_policy(plain, state)
   new_recomputed, m_recomputed, _ = recompute(batch, state)
   new_on_policy, m_on_policy, _ = plain({**batch, "old_logps": first}, state)

@@ -1,5 +1,7 @@
 """The trainer's host loop on its parts: named PRNG streams, explicit transfers, resume first."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,8 +13,14 @@ from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer import step as step_lib
 from ebpo_jax.trainer import task_rows
+from tests.helpers import tiny_step as tiny_step_lib
 from tests.helpers.lora import trained_lora
-from tests.helpers.tiny_step import tiny_steps
+
+# On one device: these tests are about the host loop's parts, not its sharding (the step on 8
+# devices equals it on 1: e2e/test_train_step.py); an 8-device program
+# compiles several times slower.
+tiny_steps = functools.partial(tiny_step_lib.tiny_steps, num_devices=1)
+
 
 # ----------------------------------------------------------------------------- PRNG streams
 
@@ -101,6 +109,13 @@ def test_the_step_loop_makes_no_implicit_transfer():
   assert [s["advantage"] for s in samples] == pytest.approx(advantages_bg.reshape(-1)[:6])
 
 
+def _logprobs(model, params, seqs):
+  """The train step's `completion_logprobs` of the full layout, jitted (eagerly, each operation
+  compiles apart: about 4x the time)."""
+  logprobs = functools.partial(step_lib.completion_logprobs, model, packed_group_size=None)
+  return jax.jit(logprobs)(params, seqs)
+
+
 def test_lora_sampler_logps_equal_the_trainers_on_the_first_ppo_iteration():
   """Under LoRA the rollout's log-probs (old_logps: the sampler runs the adapted policy on the
   fly, `policy_params`) equal the train step's of the same tokens (adapters + base) to 1e-4 with
@@ -117,15 +132,11 @@ def test_lora_sampler_logps_equal_the_trainers_on_the_first_ppo_iteration():
   seqs = sequences.build_sequences(
     batch["prompt_ids"], batch["prompt_mask"], batch["tokens"], batch["completion_mask"], tiny.G
   )
-  trainer = np.asarray(
-    step_lib.completion_logprobs(tiny.model, policy, seqs, packed_group_size=None)
-  )
+  trainer = np.asarray(_logprobs(tiny.model, policy, seqs))
   old = np.asarray(batch["old_logps"])
   np.testing.assert_allclose(np.where(mask, old, 0), np.where(mask, trainer, 0), atol=1e-4)
   # The adapters act: the base alone gives other log-probs (a sampler without them would fail).
-  base = step_lib.completion_logprobs(
-    lora.base_model(tiny.model), state.base, seqs, packed_group_size=None
-  )
+  base = _logprobs(lora.base_model(tiny.model), state.base, seqs)
   assert np.abs(np.where(mask, np.asarray(base) - old, 0)).max() > 1e-2
   _, metrics, _ = tiny.step(state, batch)  # the first (only) PPO iteration on these old_logps
   assert float(metrics["ratio_mean"]) == pytest.approx(1.0, abs=1e-4)
