@@ -99,7 +99,8 @@ def main() -> None:
     torch.set_num_threads(args.torch_threads)
   results = {}
   with tempfile.TemporaryDirectory() as tmp:
-    paths = {"tiny": lambda: tiny_checkpoint(tmp, args.tiny_layers), "smollm2": smollm2_135m_instruct}
+    tiny = lambda: tiny_checkpoint(tmp, args.tiny_layers)  # noqa: E731
+    paths = {"tiny": tiny, "smollm2": smollm2_135m_instruct}
     for name in args.models.split(","):
       if name not in paths:
         raise SystemExit(f"--models: unknown model {name!r}; expected some of {sorted(paths)}")

@@ -1,7 +1,7 @@
 """The cost of `rl.recompute_old_logps` (and of `rl.loss.rollout_is`) in the default job's step.
 
     python bench/recompute.py [--repeats 20]   # configs/arith_ebpo.py's step, as the trainer's
-    python bench/recompute.py --quick          # CI smoke: 1 layer, 4 updates, no token_tis, 2 rounds
+    python bench/recompute.py --quick          # CI smoke: 1 layer, 4 updates, no token_tis
 
 Compiled train steps of the same config and batch, in two layouts: the default job's (one update
 per step) and `train.mini_batch_size=8` (4 updates). In each, the default (PPO's old log-probs the
