@@ -24,12 +24,12 @@ SMOKE_RUNS = {
   "lora": ["--quick", "--ranks=8"],  # full vs LoRA rank 8 on the one-layer smoke shape
   "memory": ["--quick"],  # the TPU compiler on a runlocal config for v5p:2x2x1
 }  # fmt: skip
-# Benchmarks run in one process per group (tests/helpers/bench_runs.py): those of a group import
-# the same stack, and share its imports and JAX's warm-up (about a quarter of their CPU time).
+# Benchmarks run in one process per group (tests/helpers/bench_runs.py): they share its imports
+# and JAX's warm-up (46 CPU-s for the eight together, 54 as two groups, JAX-only and torch). The
+# TPU compiler's run, the longest, is the other group: the two groups about balance two workers.
 SMOKE_GROUPS = {
-  "jax": ("advantages", "compact", "train_step", "recompute", "gpu", "lora"),
-  "torch": ("forward", "sampler"),  # transformers' models beside ours
-  "memory": ("memory",),  # the TPU compiler: the longest, alone
+  "cpu": ("advantages", "compact", "train_step", "recompute", "gpu", "lora", "forward", "sampler"),
+  "memory": ("memory",),
 }
 
 
