@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -87,12 +88,18 @@ def _logodds(h: float) -> float:
   return math.log(h / (1 - h))
 
 
+@functools.cache
+def random_params(config: ModelConfig) -> dict:
+  """The random model's params (key 0), the same for every table: initialised once (each init
+  is a program to compile)."""
+  init = jax.jit(Decoder(config).init)
+  return nn.meta.unbox(init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
+
+
 def build(logodds, args):
   """The hazard model (the same module for every table: one compile per mode) and its params."""
   model = HazardDecoder(args.model, prompt_len=args.prompt_len)
-  init = jax.jit(Decoder(args.model).init)
-  params = nn.meta.unbox(init(jax.random.key(0), jnp.zeros((1, 4), jnp.int32))["params"])
-  return model, {**params, STOP_TABLE: jnp.asarray(logodds, jnp.float32)}
+  return model, {**random_params(args.model), STOP_TABLE: jnp.asarray(logodds, jnp.float32)}
 
 
 def sampler(model, params, args, compact: bool):

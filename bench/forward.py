@@ -1,6 +1,7 @@
 """Forward-pass throughput: our Flax decoder vs transformers' PyTorch model on the same weights.
 
     python bench/forward.py [--models tiny,smollm2] [--batch 8] [--seq 128] [--seconds 5]
+        [--tiny_layers 4] [--torch_threads N]   # smoke runs: 1 layer, 1 thread
 
 Measures full-sequence forward tokens/s (fp32, no cache) for a tiny random Llama and for
 SmolLM2-135M-Instruct (converted from the packaged GGUF). The last line is JSON with the
@@ -50,9 +51,10 @@ def tokens_per_second(run: Callable[[], None], tokens: int, seconds: float) -> f
   return tokens * count / (time.perf_counter() - start)
 
 
-def tiny_checkpoint(directory: str) -> str:
+def tiny_checkpoint(directory: str, layers: int) -> str:
   torch.manual_seed(0)
-  model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+  config = transformers.LlamaConfig(**TINY | {"num_hidden_layers": layers})
+  model = transformers.LlamaForCausalLM(config)
   model.save_pretrained(directory)
   return directory
 
@@ -88,10 +90,17 @@ def main() -> None:
   parser.add_argument("--batch", type=int, default=8)
   parser.add_argument("--seq", type=int, default=128)
   parser.add_argument("--seconds", type=float, default=5.0)
+  parser.add_argument("--tiny_layers", type=int, default=TINY["num_hidden_layers"])
+  # 0: torch's default. On a few shared cores its OpenMP workers spin against other processes
+  # (bench/sampler.py's best_torch_threads): smoke runs take 1.
+  parser.add_argument("--torch_threads", type=int, default=0)
   args = parser.parse_args()
+  if args.torch_threads:
+    torch.set_num_threads(args.torch_threads)
   results = {}
   with tempfile.TemporaryDirectory() as tmp:
-    paths = {"tiny": lambda: tiny_checkpoint(tmp), "smollm2": smollm2_135m_instruct}
+    tiny = lambda: tiny_checkpoint(tmp, args.tiny_layers)  # noqa: E731
+    paths = {"tiny": tiny, "smollm2": smollm2_135m_instruct}
     for name in args.models.split(","):
       if name not in paths:
         raise SystemExit(f"--models: unknown model {name!r}; expected some of {sorted(paths)}")

@@ -1,7 +1,7 @@
 """Sampler throughput: our jitted KV-cache loop vs transformers' `generate` on the same weights.
 
   python bench/sampler.py            # tiny and SmolLM2-135M, batch 16 and 64 (a few minutes)
-  python bench/sampler.py --quick    # tiny at batch 16 only (CI smoke run, under a minute)
+  python bench/sampler.py --quick    # CI smoke run: tiny with 1 layer, batch 16, torch on 1 thread
 
 Both sides: the same weights (a random-init `LlamaForCausalLM` saved and loaded back by
 `ebpo_jax.models.from_pretrained`; SmolLM2-135M-Instruct from the packaged GGUF), the same random
@@ -141,15 +141,16 @@ def _theirs(torch_model, prompts: np.ndarray, new_tokens: int):
   return run
 
 
-def best_torch_threads(torch_model, prompts: np.ndarray) -> int:
-  """The faster of 1 thread and torch's default on an 8-token probe (sets it).
+def best_torch_threads(torch_model, prompts: np.ndarray, candidates: set[int]) -> int:
+  """The fastest of `candidates` thread counts on an 8-token probe (sets it; the probe also warms
+  transformers up).
 
   On a shared machine torch's default (one thread per core) can run 10x slower than 1 thread
   (OpenMP workers spinning against other processes); the baseline gets its better setting.
   """
   probe = _theirs(torch_model, prompts, 8)
   times = {}
-  for threads in sorted({1, DEFAULT_TORCH_THREADS}):
+  for threads in sorted(candidates):
     torch.set_num_threads(threads)
     probe()
     times[threads] = _timed(probe)
@@ -164,7 +165,7 @@ def bench_one(name, model, params, torch_model, batch, args, matmul_rate) -> Row
   ours = _ours(model, params, prompts, args.new_tokens)
   theirs = _theirs(torch_model, prompts, args.new_tokens)
   compile_s = _timed(lambda: ours(0))
-  threads = best_torch_threads(torch_model, prompts)
+  threads = best_torch_threads(torch_model, prompts, args.torch_threads)
   ours_s = theirs_s = float("inf")
   for rep in range(args.reps):  # alternating, so background load hits both alike
     ours_s = min(ours_s, _timed(lambda rep=rep: ours(rep + 1)))
@@ -205,7 +206,7 @@ def print_table(rows: list[Row], matmul_rate: float, args) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--quick", action="store_true", help="tiny config at batch 16 only")
+  parser.add_argument("--quick", action="store_true", help="tiny, 1 layer, batch 16 (CI smoke)")
   parser.add_argument("--new-tokens", type=int, default=64)
   parser.add_argument("--prompt-len", type=int, default=16)
   parser.add_argument("--reps", type=int, default=3)
@@ -214,12 +215,18 @@ def main() -> None:
   args = parser.parse_args()
   models = ["tiny"] if args.quick else args.models.split(",")
   batches = [16] if args.quick else [int(b) for b in args.batches.split(",")]
+  args.torch_threads, tiny_hf, matmul_size = {1, DEFAULT_TORCH_THREADS}, TINY_HF, 2048
   if args.quick:
+    # The CI smoke run: one layer (ours unrolls the layers: each is code to compile), torch on 1
+    # thread only (probing its default costs ~5 CPU-s on the tests' 2 shared cores, where 1
+    # thread wins by 10x), a smaller reference matmul.
     args.reps = min(args.reps, 2)
-  matmul_rate = matmul_flop_s()
+    args.torch_threads, matmul_size = {1}, 512
+    tiny_hf = TINY_HF | {"num_hidden_layers": 1}
+  matmul_rate = matmul_flop_s(matmul_size)
   rows = []
   with tempfile.TemporaryDirectory() as tmp:
-    paths = {"tiny": lambda: tiny_checkpoint(tmp), "smollm2-135m": smollm2_135m_instruct}
+    paths = {"tiny": lambda: tiny_checkpoint(tmp, tiny_hf), "smollm2-135m": smollm2_135m_instruct}
     for name in models:
       path = paths[name]()
       model, params = from_pretrained(path)

@@ -182,11 +182,11 @@ def projection_matmuls(shape: dict, args, shared_prefix: bool) -> list[tuple[int
 def matmuls_timer(shapes: list[tuple[int, int, int]]):
   """A function that times the matmuls of `shapes` chained in one program (as XLA runs them in the
   step, nothing else between them) and returns their seconds: the fastest of 3 calls."""
-  keys = jax.random.split(jax.random.PRNGKey(1), len(shapes))
-  operands = [
-    (jax.random.normal(key, (m, k), jnp.float32), jax.random.normal(key, (k, n), jnp.float32))
-    for key, (m, k, n) in zip(keys, shapes, strict=True)
-  ]
+  # Drawn by numpy: jax.random would compile a sampler per shape (~1.3 CPU-s at the smoke shape);
+  # a matmul's time does not depend on the values.
+  rng = np.random.default_rng(1)
+  normal = lambda shape: jnp.asarray(rng.standard_normal(shape, np.float32))
+  operands = [(normal((m, k)), normal((k, n))) for m, k, n in shapes]
   chain = jax.jit(lambda ops: sum(jnp.sum(a @ b) for a, b in ops))
   jax.block_until_ready(chain(operands))
   return lambda: fastest_seconds(lambda: chain(operands))

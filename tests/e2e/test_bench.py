@@ -13,14 +13,23 @@ from tests.helpers.processes import cpu_env
 
 SMOKE_RUNS = {
   "advantages": ["--batch_sizes=64", "--group_sizes=4", "--repeats=1", "--loop_iters=2"],
-  "forward": ["--models=tiny", "--batch=2", "--seq=16", "--seconds=0.2"],
-  "sampler": ["--quick", "--reps=1", "--new-tokens=8"],
+  # 1 layer (each is code to compile), torch on 1 thread (its default spins on 2 shared cores)
+  "forward": ["--models=tiny", "--batch=2", "--seq=16", "--seconds=0.2", "--tiny_layers=1",
+              "--torch_threads=1"],
+  "sampler": ["--quick", "--reps=1", "--new-tokens=8"],  # 1 layer, torch on 1 thread
   "compact": ["--quick"],  # compacting vs plain decode, long-tailed lengths
   "train_step": ["--quick"],
-  "recompute": ["--quick"],  # rl.recompute_old_logps and rl.loss.rollout_is vs the default step
-  "gpu": ["--dry-run"],
+  "recompute": ["--quick"],  # rl.recompute_old_logps vs the default step (not token_tis)
+  "gpu": ["--dry-run"],  # decode at batch 2, the train step's MFU table
   "lora": ["--quick", "--ranks=8"],  # full vs LoRA rank 8 on the one-layer smoke shape
   "memory": ["--quick"],  # the TPU compiler on a runlocal config for v5p:2x2x1
+}  # fmt: skip
+# Benchmarks run in one process per group (tests/helpers/bench_runs.py): they share its imports
+# and JAX's warm-up (46 CPU-s for the eight together, 54 as two groups, JAX-only and torch). The
+# TPU compiler's run, the longest, is the other group: the two groups about balance two workers.
+SMOKE_GROUPS = {
+  "cpu": ("advantages", "compact", "train_step", "recompute", "gpu", "lora", "forward", "sampler"),
+  "memory": ("memory",),
 }
 
 
@@ -36,20 +45,44 @@ def _run_bench(name: str, args: list[str], env: dict, timeout: int = 600):
   return result
 
 
-# e2e: each benchmark is a script run as its own process (6-40 s)
-@pytest.mark.parametrize("name", sorted(SMOKE_RUNS))
-def test_benchmark_runs_and_ends_with_json(name):
-  result = _run_bench(name, SMOKE_RUNS[name], cpu_env(1))
+def _run_group(names: tuple[str, ...], out, timeout: int = 900) -> dict[str, str]:
+  """The smoke runs of `names` in one process on one CPU device (tests/helpers/bench_runs.py);
+  each must succeed. Their stdouts by name."""
+  env = cpu_env(1) | {"PYTHONPATH": str(ROOT)}
+  runs = [arg for name in names for arg in ("--", name, *SMOKE_RUNS[name])]
+  result = subprocess.run(
+    [sys.executable, "-m", "tests.helpers.bench_runs", str(out), *runs[1:]],
+    env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+  )  # fmt: skip
+  errors = {p.stem: p.read_text()[-3000:] for p in out.glob("*.err")}
+  assert result.returncode == 0 and not errors, (errors, result.stderr[-3000:])
+  return {name: (out / f"{name}.out").read_text() for name in names}
+
+
+def _check_output(name: str, stdout: str) -> None:
+  """A smoke run's stdout: its table (gpu) or its last line, a JSON summary."""
   if name == "gpu":  # a markdown table for bench/RESULTS.md
-    assert "| tiny | 2 |" in result.stdout, result.stdout[-2000:]
+    assert "| tiny | 2 |" in stdout, stdout[-2000:]
     return
-  summary = json.loads(result.stdout.strip().splitlines()[-1])
-  assert summary, result.stdout[-2000:]
+  summary = json.loads(stdout.strip().splitlines()[-1])
+  assert summary, stdout[-2000:]
   if name == "lora":  # the adapters' optimizer state is a small share of full fine-tuning's
     assert 0 < summary["lora8_opt_state_over_full"] < 0.2, summary
     assert summary["sampling"]["on_the_fly_tok_s"] > 0, summary
   if name == "compact":  # both modes timed (the bench checks they draw the same tokens)
     assert summary["compact_over_plain"] > 0 and summary["same_length_compact_over_plain"] > 0
+
+
+def test_every_benchmark_has_a_smoke_run_in_one_group():
+  grouped = [name for names in SMOKE_GROUPS.values() for name in names]
+  assert sorted(grouped) == sorted(SMOKE_RUNS)
+
+
+# e2e: each group of benchmarks is a process running their scripts in turn (10-40 s)
+@pytest.mark.parametrize("group", sorted(SMOKE_GROUPS))
+def test_benchmarks_run_and_end_with_json(group, tmp_path):
+  for name, stdout in _run_group(SMOKE_GROUPS[group], tmp_path).items():
+    _check_output(name, stdout)
 
 
 PEERS_RL_KEYS = [
