@@ -147,8 +147,25 @@ def _data_shards(config, num_devices: int) -> int:
   try:
     sizes = sharding.mesh_shape(dict(config.mesh), num_devices)
   except ValueError as e:
-    raise ConfigError(f"config.{e}") from None
+    raise ConfigError(
+      f"config.{e}{_mesh_remedy(dict(config.mesh), num_devices)} (a CPU has more devices with "
+      "XLA_FLAGS=--xla_force_host_platform_device_count=8)"
+    ) from None
   return sizes["data"] * sizes["fsdp"]
+
+
+def _mesh_remedy(shape: dict[str, int], num_devices: int) -> str:
+  """'; with --config.mesh.AXIS=... it fits N devices': the fixed axes at 1, fsdp taking the rest
+  when no axis does; '' when the shape has no such fix."""
+  fitted = {axis: 1 if size > 1 else size for axis, size in shape.items()}
+  if -1 not in fitted.values():
+    fitted["fsdp"] = -1
+  try:
+    sharding.mesh_shape(fitted, num_devices)
+  except ValueError:
+    return ""
+  flags = [f"--config.mesh.{a}={v}" for a, v in fitted.items() if shape.get(a) != v]
+  return f"; with {' '.join(flags)} it fits {num_devices} devices" if flags else ""
 
 
 # (key, lowest allowed value, whether the bound itself is allowed) of plain numeric keys.

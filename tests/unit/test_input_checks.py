@@ -296,3 +296,15 @@ def test_prompts_per_call_must_split_over_the_data_devices():
     config_lib.check_config(config, num_devices=8)
   config_lib.check_config(arith_config({"sampling.prompts_per_call": 208}), num_devices=8)
   config_lib.check_config(config, num_devices=2)  # data x fsdp = 2
+
+
+def test_a_mesh_that_does_not_fit_the_devices_says_how_to_fit_it():
+  # The paper configs' runlocal (tensor = 2) on a laptop's one CPU device: the message says what
+  # to set, and how a CPU gets more devices.
+  config = cli.load_config("configs/paper.py:qwen3_8b,ebpo_topic,runlocal")
+  with pytest.raises(errors.ConfigError) as raised:
+    config_lib.check_config(config, num_devices=1)
+  message = str(raised.value)
+  assert "1 devices are not divisible by 2" in message
+  assert "--config.mesh.tensor=1" in message
+  assert "XLA_FLAGS=--xla_force_host_platform_device_count=8" in message
