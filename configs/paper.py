@@ -13,7 +13,8 @@
   runlocal  the same method on a 2-layer random-init model of the same architecture (head layout,
             qk-norm, untied head, MLP ratio): one RL step on integer arithmetic, seconds on a CPU
             (the paper's mesh splits tensor over 2 devices: on one CPU device add
-            --config.mesh.tensor=1, or give it 8 with XLA_FLAGS=--xla_force_host_platform_device_count=8)
+            --config.mesh.tensor=1, or give the CPU 8 devices with
+            XLA_FLAGS=--xla_force_host_platform_device_count=8)
 
 All hyperparameters are the paper's as restated in the project's EBPO.md ("The rest of the recipe"),
 cited per key below; keys marked "assumed" are not given there.
