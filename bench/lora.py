@@ -282,8 +282,7 @@ def main() -> None:
       f"{args.sample_new_tokens} tokens, best of {args.sample_reps}: on the fly "
       f"{sampled['on_the_fly_tok_s']:.0f} tok/s, merged once per call "
       f"{sampled['merged_tok_s']:.0f} tok/s, merged in the sampler's jit {in_jit} (without the "
-      f"merge "
-      f"{sampled['merged_excl_merge_tok_s']:.0f} tok/s; the merge alone "
+      f"merge {sampled['merged_excl_merge_tok_s']:.0f} tok/s; the merge alone "
       f"{sampled['merge_s'] * 1e3:.0f} ms)"
     )
     summary["sampling"] = {k: round(v, 4) for k, v in sampled.items()}
