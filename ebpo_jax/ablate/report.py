@@ -31,7 +31,8 @@ def _steps_to(curve: dict, key: str, target: float) -> int | None:
 
 def build_report(results: Sequence[dict], *, target_gain: float = 0.10) -> dict:
   """Rows per (variant, G) over seeds: final and per-cluster accuracy (mean, population std), the
-  hardest cluster's gain over its step-0 value with a 95% Student t interval, each variant minus
+  overall gain over step 0 with a 95% Student t interval, minutes per run (mean and range, of the
+  runs that recorded `wall_s`), the hardest cluster's gain over its step-0 value with a 95% Student t interval, each variant minus
   GRPO paired by seed (hard-cluster gain and final accuracy, 95% t intervals), the training
   diagnostics (all-equal groups, zero-advantage share, grad norm, final entropy, EBPO shrinkage),
   and how many steps the hardest cluster took to gain `target_gain` (median over the seeds that
@@ -61,6 +62,8 @@ def build_report(results: Sequence[dict], *, target_gain: float = 0.10) -> dict:
 def _row(variant: str, g: int, runs: Sequence[dict], hard: str | None, target_gain: float) -> dict:
   """One (variant, G) row over its seeds' runs (see build_report)."""
   final = [_final_accuracy(r) for r in runs]
+  gains = [_gain(r, "all") for r in runs]
+  walls = [r["wall_s"] / 60 for r in runs if r.get("wall_s") is not None]
   row = {
     "variant": variant,
     "G": g,
@@ -68,6 +71,9 @@ def _row(variant: str, g: int, runs: Sequence[dict], hard: str | None, target_ga
     "acc_mean": float(np.mean(final)),
     "acc_std": float(np.std(final)),  # population std (ddof=0): the spread, not an interval
     "acc_before": float(np.mean([r["curve"]["all"][0] for r in runs])),
+    **dict(zip(("gain_mean", "gain_low", "gain_high"), stats.mean_ci(gains), strict=True)),
+    "wall_min_mean": _mean(walls),
+    "wall_min_range": (min(walls), max(walls)) if walls else None,
     "per_cluster": {
       c: float(np.mean([r["curve"][c][-1] for r in runs])) for c in runs[0]["clusters"]
     },
@@ -231,10 +237,12 @@ def render_markdown(report: dict, header: Mapping[str, Any]) -> str:
   level = f"{stats.LEVEL:.0%}"
   gain_head = f"{hard} gain, mean [{level} CI]" if hard is not None else "gain"
   target = f"steps to +{report['target_gain']:.2f}"
-  head = ["variant", "G", "seeds", "acc before", "acc after (mean ± std)", gain_head,
+  head = ["variant", "G", "seeds", "acc before", "acc after (mean ± std)",
+          f"gain (all), mean [{level} CI]", gain_head,
           f"gain minus {REFERENCE}, paired [{level} CI]",
           f"acc minus {REFERENCE}, paired [{level} CI]", target, "all-equal groups",
-          "zero-adv share", "grad norm", "entropy (final)", "shrinkage"]  # fmt: skip
+          "zero-adv share", "grad norm", "entropy (final)", "shrinkage",
+          "minutes per run (range)"]  # fmt: skip
   lines = [
     "# Ablation",
     "",
@@ -255,11 +263,12 @@ def render_markdown(report: dict, header: Mapping[str, Any]) -> str:
       gain = _gain_text(r)
       steps = f"{_fmt(r['steps_to_target'], 0)} ({r['reached']}/{r['seeds']})"
     cells = [r["variant"], str(r["G"]), str(r["seeds"]), _fmt(r["acc_before"]),
-             f"{r['acc_mean']:.3f} ± {r['acc_std']:.3f}", gain,
+             f"{r['acc_mean']:.3f} ± {r['acc_std']:.3f}",
+             stats.format_interval(r["gain_mean"], r["gain_low"], r["gain_high"], r["seeds"]), gain,
              _paired_text(r, "vs_grpo") if hard is not None else "-",
              _paired_text(r, "vs_grpo_acc"), steps, _fmt(r["all_equal_frac"]),
              _fmt(r["zero_frac"]), _fmt(r["grad_norm"]), _fmt(r["entropy"]),
-             _fmt(r["shrinkage"])]  # fmt: skip
+             _fmt(r["shrinkage"]), _minutes_text(r)]  # fmt: skip
     lines.append("| " + " | ".join(cells) + " |")
   lines += ["", "Final accuracy per cluster (mean over seeds):", ""]
   lines.append("| variant | G | " + " | ".join(clusters) + " |")
@@ -274,6 +283,13 @@ def render_markdown(report: dict, header: Mapping[str, Any]) -> str:
     names = [os.path.basename(p) for p in report["plots"]]
     lines += [f"![{os.path.splitext(name)[0]}](plots/{name})" for name in names]
   return "\n".join(lines) + "\n"
+
+
+def _minutes_text(row: dict) -> str:
+  if row["wall_min_mean"] is None:
+    return "-"
+  low, high = row["wall_min_range"]
+  return f"{row['wall_min_mean']:.1f} ({low:.1f}-{high:.1f})"
 
 
 def _advantage_mass_table(rows: Sequence[dict]) -> list[str]:

@@ -10,7 +10,7 @@ from ebpo_jax import ablate
 from tests.helpers.tiny_step import tiny_steps
 
 
-def fake_result(variant, seed, hard_curve, easy_curve, *, zero_frac=0.5, g=8):
+def fake_result(variant, seed, hard_curve, easy_curve, *, zero_frac=0.5, g=8, wall_s=None):
   steps = [0, 10, 20][: len(hard_curve)]
   overall = [(a + b) / 2 for a, b in zip(hard_curve, easy_curve, strict=True)]
   return {
@@ -25,6 +25,7 @@ def fake_result(variant, seed, hard_curve, easy_curve, *, zero_frac=0.5, g=8):
     "entropy_final": 0.3,
     "grad_norm": 1.0,
     "shrinkage": None,
+    **({} if wall_s is None else {"wall_s": wall_s}),
   }
 
 
@@ -82,8 +83,8 @@ def test_child_env_gives_one_device_and_keeps_other_flags():
 def test_report_arithmetic():
   # Two seeds per variant. 'hard' starts lowest (0.1 and 0.2 at step 0), so it is the hardest.
   results = [
-    fake_result("grpo", 0, [0.1, 0.15, 0.3], [0.9, 0.9, 0.9]),
-    fake_result("grpo", 1, [0.2, 0.2, 0.2], [0.8, 0.9, 1.0]),
+    fake_result("grpo", 0, [0.1, 0.15, 0.3], [0.9, 0.9, 0.9], wall_s=600),
+    fake_result("grpo", 1, [0.2, 0.2, 0.2], [0.8, 0.9, 1.0], wall_s=840),
     fake_result("ebpo_running", 0, [0.1, 0.25, 0.5], [0.9, 1.0, 1.0], zero_frac=0.0),
     fake_result("ebpo_running", 1, [0.2, 0.3, 0.4], [0.8, 0.8, 0.8], zero_frac=0.0),
   ]
@@ -96,6 +97,13 @@ def test_report_arithmetic():
   # grpo hard gains: 0.3-0.1 = 0.2 and 0.2-0.2 = 0 -> mean 0.1, population std 0.1.
   assert grpo["hard_gain_mean"] == pytest.approx(0.1)
   assert grpo["hard_gain_std"] == pytest.approx(0.1)
+  # Overall gains (the mean of the two clusters, last minus step 0): grpo 0.6 - 0.5 on both seeds;
+  # ebpo 0.75 - 0.5 = 0.25 and 0.6 - 0.5 = 0.1: mean 0.175, sd 0.1061, half-width 12.706 * 0.075.
+  assert grpo["gain_mean"] == pytest.approx(0.1) and grpo["gain_low"] == pytest.approx(0.1)
+  assert (ebpo["gain_low"], ebpo["gain_high"]) == pytest.approx((-0.778, 1.128), abs=1e-3)
+  # Wall time per run in minutes: grpo's 10 and 14 (mean 12); ebpo's runs did not record one.
+  assert (grpo["wall_min_mean"], *grpo["wall_min_range"]) == pytest.approx((12.0, 10.0, 14.0))
+  assert ebpo["wall_min_mean"] is None
   # Steps to +0.10: seed 0 reaches 0.2 at step 20 (0.15 at step 10 is short); seed 1 never.
   assert grpo["reached"] == 1 and grpo["steps_to_target"] == 20
   # ebpo: gains 0.4 and 0.2 (mean 0.3); +0.10 reached at step 10 by both -> median 10.
@@ -110,6 +118,8 @@ def test_report_arithmetic():
   assert any("ebpo_running +0.200 [+0.200, +0.200] (n=2)" in x for x in report["summary"])
   markdown = ablate.render_markdown(report, {"config": "c.py", "date": "2026-11-30"})
   assert "| ebpo_running | 8 | 2 |" in markdown
+  assert "| gain (all), mean [95% CI] |" in markdown and "+0.175 [-0.778, +1.128] (n=2)" in markdown
+  assert "| 12.0 (10.0-14.0) |" in markdown  # grpo's minutes per run
   # Gains 0.4, 0.2: half-width t_{0.975,1} * sd / sqrt(2) = 12.706 * 0.1414 / 1.414 = 1.271.
   assert (
     "+0.300 [-0.971, +1.571] (n=2); per seed +0.40, +0.20 | +0.200 [+0.200, +0.200]" in markdown
