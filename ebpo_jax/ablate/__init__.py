@@ -2,7 +2,7 @@
 
   python -m ebpo_jax.ablate --config=configs/arith_ebpo.py --workdir=/tmp/ablation \
       [--variants=grpo,ebpo_running,...] [--group_sizes=2,4,8,16] [--seeds=3] [--workers=2] \
-      [--config.train.num_steps=100 ...]
+      [--config.train.num_steps=100 ...] [--report_only]
 
 Every run is `python -m ebpo_jax.train` in its own process (one device each on a CPU), with the
 variant's config overrides. The supervised warm start runs once per seed (a run with
@@ -21,7 +21,8 @@ advantages go: mean |advantage| and mean advantage of the logged completions (sa
 cluster and group outcome, all-fail / mixed / all-success, pooled over the seeds), ablation.json
 (those rows and every run's summary) and plots in WORKDIR/plots/ (held-out accuracy; the training
 diagnostics: reward, groups without signal, EBPO's shrinkage and prior, gradient norm, entropy),
-then prints the report, its summary last.
+then prints the report, its summary last. `--report_only` runs nothing: it reports the runs of the
+plan that have finished (a long ablation's results so far) and names the others.
 
 WORKDIR may be `gs://bucket/...`: the runs are trainer workdirs under it, and every file goes
 through `ebpo_jax.files`. A run's log.txt grows as the run goes on a local WORKDIR; on a bucket
@@ -238,6 +239,22 @@ def _seed_runs(workdir: str, seed: int) -> list[str]:
   return [files.join(runs, name) for name in names if name.endswith(f"_s{seed}")]
 
 
+def _variant_args(warm: str, run: Run, base_args: Sequence[str]) -> list[str]:
+  """The trainer flags of `run`, started from the warm start in `warm`."""
+  overrides = {**VARIANTS[run.variant], "rl.group_size": run.group_size, "seed": run.seed}
+  overrides.update({"model.init_from": warm, "sft.num_steps": 0})
+  return [*base_args, *_override_args(overrides)]
+
+
+def _finished_result(config, workdir, run: Run, base_args) -> dict | None:
+  """`run`'s summary if it finished under the config it would run with now, else None."""
+  run_dir = run_workdir(workdir, run.name)
+  args = _variant_args(_warm_dir(workdir, run.seed), run, base_args)
+  if files.exists(files.join(run_dir, RESULT_FILE)) and _ran_with(run_dir, config, args):
+    return read_result(run_dir)
+  return None
+
+
 def _run_one(config, workdir, run: Run, base_args, env, warm_locks) -> dict:
   """Trains `run` (or resumes it), unless it finished under the same config; returns its result.
   A run of another config (changed overrides, config file or warm start) starts afresh."""
@@ -246,9 +263,7 @@ def _run_one(config, workdir, run: Run, base_args, env, warm_locks) -> dict:
     warm = _ensure_warm_start(config, workdir, run.seed, base_args, env)
   # The variant starts from the warm start's params (its own state: the estimator's prior may have
   # another shape); the same seed gives it the same step-0 evaluation and data order.
-  overrides = {**VARIANTS[run.variant], "rl.group_size": run.group_size, "seed": run.seed}
-  overrides.update({"model.init_from": warm, "sft.num_steps": 0})
-  args = [*base_args, *_override_args(overrides)]
+  args = _variant_args(warm, run, base_args)
   result_path = files.join(run_dir, RESULT_FILE)
   if _ran_with(run_dir, config, args):
     if files.exists(result_path):
@@ -275,8 +290,11 @@ def run_ablation(
   target_gain: float = 0.10,
   progress: bool = True,
   env: Mapping[str, str] | None = None,
+  report_only: bool = False,
 ) -> dict:
   """Runs every (variant, G, seed) not finished yet, then writes the report; returns it.
+  `report_only`: runs nothing and reports the runs of the plan that finished under this config (a
+  long ablation's results so far); the report names the others.
 
   `config` is a config path with an optional `:arg`; `overrides` are extra trainer flags applied to
   every run, e.g. ["--config.train.num_steps=100"]; the runs draw no plots of their own (the report
@@ -296,6 +314,14 @@ def run_ablation(
       raise ValueError(f"overrides must look like --config.KEY=VALUE, got {arg!r}")
   files.makedirs(workdir)
   run_args = [NO_RUN_PLOTS, *overrides]  # a later flag wins: overrides may turn them on
+  header = {"config": config, "overrides": list(overrides), "date": str(datetime.date.today())}
+  if report_only:
+    found = {run.name: _finished_result(config, workdir, run, run_args) for run in runs}
+    results = [result for result in found.values() if result is not None]
+    if not results:
+      raise AblationError(f"no run of this plan finished in {workdir} under this config")
+    header["not_finished"] = [name for name, result in found.items() if result is None]
+    return _write_report(workdir, results, header, target_gain)
   env = child_env() if env is None else dict(env)
   warm_locks = {seed: threading.Lock() for seed in seed_list}
   results, failures = [], []
@@ -314,9 +340,13 @@ def run_ablation(
   bar.close()
   if failures:
     raise AblationError(f"{len(failures)} of {len(runs)} runs failed:\n" + "\n".join(failures))
+  return _write_report(workdir, results, header, target_gain)
+
+
+def _write_report(workdir: str, results: list[dict], header: dict, target_gain: float) -> dict:
+  """Builds the report of `results`, draws its plots, writes ablation.md and ablation.json."""
   report = build_report(results, target_gain=target_gain)
   report["plots"] = plot_ablation(workdir, results) + plot_diagnostics(workdir, results)
-  header = {"config": config, "overrides": list(overrides), "date": str(datetime.date.today())}
   report["markdown"] = render_markdown(report, header)
   files.write_atomic(files.join(workdir, "ablation.md"), report["markdown"])
   files.write_atomic(

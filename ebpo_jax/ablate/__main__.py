@@ -2,7 +2,7 @@
 
   python -m ebpo_jax.ablate --config=configs/arith_ebpo.py --workdir=/tmp/ablation \
       [--variants=grpo,ebpo_running,...] [--group_sizes=2,4,8,16] [--seeds=3] [--workers=2] \
-      [--config.train.num_steps=100 ...]
+      [--config.train.num_steps=100 ...] [--report_only]
 
 The command line of `ebpo_jax.ablate`; its docstring says what the runs are and what is written.
 """
@@ -37,6 +37,7 @@ def main(argv: Sequence[str]) -> None:
       workers=f.workers,
       overrides=_override_args(config_flags.get_override_values(config_flag)),
       target_gain=f.target_gain,
+      report_only=f.report_only,
     )
   except (AblationError, ValueError) as e:
     sys.exit(f"error: {e}")
@@ -56,5 +57,8 @@ if __name__ == "__main__":
   flags.DEFINE_integer("seeds", 3, "Number of seeds (0..n-1).")
   flags.DEFINE_integer("workers", 1, "Runs at once (each one process, one device).")
   flags.DEFINE_float("target_gain", 0.10, "Gain of the hardest cluster counted as 'reached'.")
+  flags.DEFINE_bool(
+    "report_only", False, "Run nothing: report the finished runs of this plan (results so far)."
+  )
   flags.mark_flags_as_required(["config", "workdir"])
   app.run(main, flags_parser=cli.parse_flags)  # a --config.KEY typo: one line

@@ -30,15 +30,15 @@ def _steps_to(curve: dict, key: str, target: float) -> int | None:
 
 
 def build_report(results: Sequence[dict], *, target_gain: float = 0.10) -> dict:
-  """Rows per (variant, G) over seeds: final and per-cluster accuracy (mean, population std), the
-  overall gain over step 0 with a 95% Student t interval, minutes per run (mean and range, of the
-  runs that recorded `wall_s`), the hardest cluster's gain over its step-0 value with a 95% Student t interval, each variant minus
-  GRPO paired by seed (hard-cluster gain and final accuracy, 95% t intervals), the training
-  diagnostics (all-equal groups, zero-advantage share, grad norm, final entropy, EBPO shrinkage),
-  and how many steps the hardest cluster took to gain `target_gain` (median over the seeds that
-  did), and the advantages of the logged completions by cluster and group outcome pooled over the
-  seeds (`advantage_mass`, with `advantage_mass_seeds` the seeds that logged them). A cell of one
-  seed has no interval (None)."""
+  """Rows per (variant, G) over seeds: final and per-cluster accuracy (mean, population std); the
+  overall gain over step 0 with a 95% Student t interval; minutes per run (mean and range, of the
+  runs that recorded `wall_s`); the hardest cluster's gain over its step-0 value with a 95% t
+  interval; each variant minus GRPO paired by seed (hard-cluster gain and final accuracy, 95% t
+  intervals); the training diagnostics (all-equal groups, zero-advantage share, grad norm, final
+  entropy, EBPO shrinkage); how many steps the hardest cluster took to gain `target_gain` (median
+  over the seeds that did); and the advantages of the logged completions by cluster and group
+  outcome pooled over the seeds (`advantage_mass`, with `advantage_mass_seeds` the seeds that
+  logged them). A cell of one seed has no interval (None)."""
   if not results:
     raise ValueError("no results to report")
   hard = _hardest_cluster(results)
@@ -253,6 +253,7 @@ def render_markdown(report: dict, header: Mapping[str, Any]) -> str:
     f"- paired: per seed, the variant minus {REFERENCE} at the same G (same warm start and data), "
     "over the seeds both ran",
     *(f"- no {REFERENCE} run at G={g}: no paired differences" for g in _missing_reference(rows)),
+    *_not_finished_lines(header.get("not_finished"), len(report["runs"])),
     "",
     "| " + " | ".join(head) + " |",
     "|" + "---|" * len(head),
@@ -283,6 +284,13 @@ def render_markdown(report: dict, header: Mapping[str, Any]) -> str:
     names = [os.path.basename(p) for p in report["plots"]]
     lines += [f"![{os.path.splitext(name)[0]}](plots/{name})" for name in names]
   return "\n".join(lines) + "\n"
+
+
+def _not_finished_lines(names: Sequence[str] | None, finished: int) -> list[str]:
+  if not names:
+    return []
+  return [f"- runs: {finished} of {finished + len(names)} finished; not in this report: "
+          + ", ".join(names)]  # fmt: skip
 
 
 def _minutes_text(row: dict) -> str:

@@ -1,5 +1,6 @@
 """ebpo_jax.ablate: the plan, the report arithmetic, the plots (a real run: e2e/test_ablate.py)."""
 
+import json
 import os
 import shutil
 
@@ -188,3 +189,45 @@ def test_warm_start_without_its_checkpoint_is_trained_again_and_keeps_the_seeds_
   assert trained == [warm, warm]
   assert os.path.isdir(os.path.join(warm, workdir_lib.CHECKPOINTS_DIR))
   assert (finished_run / ablate.RESULT_FILE).exists()
+
+
+def test_report_only_reports_the_finished_runs_of_the_plan_and_names_the_rest(
+  tmp_path, monkeypatch
+):
+  """--report_only trains nothing: the plan's runs that finished under this config are reported,
+  the others named; a finished run of another config (here: other overrides) is not reported."""
+  from ebpo_jax.trainer import workdir as workdir_lib
+
+  def no_training(*args):
+    raise AssertionError("report_only must not train")
+
+  monkeypatch.setattr(ablate, "_train", no_training)
+  config, workdir = "configs/arith_ebpo.py:runlocal", str(tmp_path)
+  base = [ablate.NO_RUN_PLOTS]
+  curves = {0: ([0.1, 0.3], [0.5, 0.7]), 1: ([0.2, 0.2], [0.6, 0.6])}
+  other_config = [*base, "--config.train.learning_rate=0.5"]
+  for seed, variant, args in [
+    (0, "grpo", base),
+    (0, "ebpo_running", base),
+    (1, "grpo", other_config),
+  ]:
+    run = ablate.Run(variant, 8, seed)
+    run_dir = ablate.run_workdir(workdir, run.name)
+    os.makedirs(run_dir)
+    warm = ablate._warm_dir(workdir, seed)
+    resolved = workdir_lib.resolved_config(config, ablate._variant_args(warm, run, args))
+    workdir_lib.save_config(run_dir, resolved)
+    result = fake_result(variant, seed, *curves[seed], wall_s=60)
+    (tmp_path / "runs" / run.name / ablate.RESULT_FILE).write_text(json.dumps(result))
+    with open(os.path.join(run_dir, "metrics.jsonl"), "w") as f:
+      f.write(json.dumps({"step": 1, "reward/mean": 0.5, "entropy": 0.3}) + "\n")
+
+  report = ablate.run_ablation(
+    config, workdir, variants=["grpo", "ebpo_running"], seeds=2, report_only=True, progress=False
+  )
+  assert sorted(r["name"] for r in report["runs"]) == ["ebpo_running_G8_s0", "grpo_G8_s0"]
+  markdown = (tmp_path / "ablation.md").read_text()
+  assert "- runs: 2 of 4 finished; not in this report: grpo_G8_s1, ebpo_running_G8_s1" in markdown
+  assert (tmp_path / "plots" / "ablation_accuracy_G8.png").exists()
+  with pytest.raises(ablate.AblationError, match="no run of this plan finished"):
+    ablate.run_ablation(config, workdir, variants=["rloo"], seeds=1, report_only=True)
