@@ -263,18 +263,17 @@ def _run_one(config, workdir, run: Run, base_args, env, warm_locks) -> dict:
     warm = _ensure_warm_start(config, workdir, run.seed, base_args, env)
   # The variant starts from the warm start's params (its own state: the estimator's prior may have
   # another shape); the same seed gives it the same step-0 evaluation and data order.
+  finished = _finished_result(config, workdir, run, base_args)
+  if finished is not None:
+    return finished
   args = _variant_args(warm, run, base_args)
-  result_path = files.join(run_dir, RESULT_FILE)
-  if _ran_with(run_dir, config, args):
-    if files.exists(result_path):
-      return read_result(run_dir)
-  else:
+  if not _ran_with(run_dir, config, args):  # interrupted under this config: resumes, else afresh
     files.remove_tree(run_dir)
   start = time.perf_counter()
   _train(config, run_dir, args, env)
   result = summarize_run(run_dir, run)
   result["wall_s"] = time.perf_counter() - start
-  files.write_atomic(result_path, json.dumps(result, indent=1) + "\n")
+  files.write_atomic(files.join(run_dir, RESULT_FILE), json.dumps(result, indent=1) + "\n")
   return result
 
 
@@ -312,7 +311,6 @@ def run_ablation(
   for arg in overrides:
     if not arg.startswith("--config."):
       raise ValueError(f"overrides must look like --config.KEY=VALUE, got {arg!r}")
-  files.makedirs(workdir)
   run_args = [NO_RUN_PLOTS, *overrides]  # a later flag wins: overrides may turn them on
   header = {"config": config, "overrides": list(overrides), "date": str(datetime.date.today())}
   if report_only:
@@ -322,6 +320,7 @@ def run_ablation(
       raise AblationError(f"no run of this plan finished in {workdir} under this config")
     header["not_finished"] = [name for name, result in found.items() if result is None]
     return _write_report(workdir, results, header, target_gain)
+  files.makedirs(workdir)
   env = child_env() if env is None else dict(env)
   warm_locks = {seed: threading.Lock() for seed in seed_list}
   results, failures = [], []
