@@ -231,3 +231,21 @@ def test_report_only_reports_the_finished_runs_of_the_plan_and_names_the_rest(
   assert (tmp_path / "plots" / "ablation_accuracy_G8.png").exists()
   with pytest.raises(ablate.AblationError, match="no run of this plan finished"):
     ablate.run_ablation(config, workdir, variants=["rloo"], seeds=1, report_only=True)
+
+
+def test_committed_ablation_workdirs_are_readable_by_this_code():
+  """bench/RESULTS.md says to copy a committed ablation to /tmp and extend it: every kept run and
+  warm start must hold its format.json, or the tool refuses the copy as an older ebpo-jax's."""
+  from ebpo_jax.trainer import workdir as workdir_lib
+
+  bench = os.path.join(os.path.dirname(__file__), "..", "..", "bench")
+  kept = [
+    os.path.join(root, group, name)
+    for root in (os.path.join(bench, d) for d in os.listdir(bench) if d.startswith("ablation_"))
+    if os.path.isdir(root)
+    for group in ("runs", "warm_start")
+    for name in sorted(os.listdir(os.path.join(root, group)))
+  ]
+  assert kept, "no committed ablation found under bench/"
+  for run_dir in kept:
+    assert workdir_lib.saved_config(run_dir) is not None, run_dir
