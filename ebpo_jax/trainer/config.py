@@ -4,6 +4,7 @@ import math
 import re
 from collections.abc import Sequence
 
+import jax
 import ml_collections
 
 from ebpo_jax import advantages, data, envs, losses, metrics, models, sharding
@@ -147,9 +148,13 @@ def _data_shards(config, num_devices: int) -> int:
   try:
     sizes = sharding.mesh_shape(dict(config.mesh), num_devices)
   except ValueError as e:
+    cpu_hint = (
+      " (a CPU has more devices with XLA_FLAGS=--xla_force_host_platform_device_count=8)"
+      if jax.default_backend() == "cpu"
+      else ""
+    )
     raise ConfigError(
-      f"config.{e}{_mesh_remedy(dict(config.mesh), num_devices)} (a CPU has more devices with "
-      "XLA_FLAGS=--xla_force_host_platform_device_count=8)"
+      f"config.{e}{_mesh_remedy(dict(config.mesh), num_devices)}{cpu_hint}"
     ) from None
   return sizes["data"] * sizes["fsdp"]
 

@@ -7,6 +7,7 @@ import json
 import struct
 import types
 
+import jax
 import ml_collections
 import numpy as np
 import pytest
@@ -308,3 +309,13 @@ def test_a_mesh_that_does_not_fit_the_devices_says_how_to_fit_it():
   assert "1 devices are not divisible by 2" in message
   assert "--config.mesh.tensor=1" in message
   assert "XLA_FLAGS=--xla_force_host_platform_device_count=8" in message
+
+
+def test_the_fake_cpu_devices_hint_is_given_on_a_cpu_only(monkeypatch):
+  # On a TPU or GPU host, XLA_FLAGS' CPU device count changes nothing: the hint would mislead.
+  config = cli.load_config("configs/paper.py:qwen3_8b,ebpo_topic,runlocal")
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  with pytest.raises(errors.ConfigError) as raised:
+    config_lib.check_config(config, num_devices=1)
+  assert "--config.mesh.tensor=1" in str(raised.value)
+  assert "XLA_FLAGS" not in str(raised.value)
