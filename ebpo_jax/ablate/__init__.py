@@ -101,6 +101,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 DEFAULT_VARIANTS = ("grpo", "dr_grpo", "rloo", "js_shrinkage", "ebpo_batch", "ebpo_running",
                     "ebpo_global", "ebpo_decay", "ebpo_group")  # fmt: skip
 RESULT_FILE = "result.json"  # written in a run's directory when the run finished
+WALL_FILE = "wall_s"  # a run's seconds of training so far, over the invocations that ended
 
 
 class AblationError(RuntimeError):
@@ -269,12 +270,27 @@ def _run_one(config, workdir, run: Run, base_args, env, warm_locks) -> dict:
   args = _variant_args(warm, run, base_args)
   if not _ran_with(run_dir, config, args):  # interrupted under this config: resumes, else afresh
     files.remove_tree(run_dir)
-  start = time.perf_counter()
-  _train(config, run_dir, args, env)
+  wall_s = _timed_train(config, run_dir, args, env)
   result = summarize_run(run_dir, run)
-  result["wall_s"] = time.perf_counter() - start
+  result["wall_s"] = wall_s
   files.write_atomic(files.join(run_dir, RESULT_FILE), json.dumps(result, indent=1) + "\n")
   return result
+
+
+def _timed_train(config, run_dir, args, env) -> float:
+  """Trains (or resumes) the run in `run_dir`; returns the seconds its invocations took, this one
+  and those that ended before it (a failed trainer, Ctrl-C: WALL_FILE; a killed ablation process
+  records none)."""
+  wall_path = files.join(run_dir, WALL_FILE)
+  earlier = float(files.read_text(wall_path)) if files.exists(wall_path) else 0.0
+  start = time.perf_counter()
+  try:
+    _train(config, run_dir, args, env)
+  finally:
+    wall_s = earlier + time.perf_counter() - start
+    if files.isdir(run_dir):
+      files.write_atomic(wall_path, f"{wall_s}\n")
+  return wall_s
 
 
 def run_ablation(

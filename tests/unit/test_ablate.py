@@ -1,5 +1,6 @@
 """ebpo_jax.ablate: the plan, the report arithmetic, the plots (a real run: e2e/test_ablate.py)."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -249,3 +250,30 @@ def test_committed_ablation_workdirs_are_readable_by_this_code():
   assert kept, "no committed ablation found under bench/"
   for run_dir in kept:
     assert workdir_lib.saved_config(run_dir) is not None, run_dir
+
+
+def test_a_resumed_runs_wall_time_counts_every_invocation(tmp_path, monkeypatch):
+  """A run interrupted (the trainer failed, Ctrl-C) and resumed reports the time of both
+  invocations, not the last one's only."""
+  from ebpo_jax.trainer import workdir as workdir_lib
+
+  calls = []
+
+  def failing_then_finishing(config, workdir, args, env):
+    if not calls:  # the warm start
+      os.makedirs(os.path.join(workdir, workdir_lib.CHECKPOINTS_DIR, "0"))
+    workdir_lib.save_config(workdir, workdir_lib.resolved_config(config, args))
+    calls.append(workdir)
+    if len(calls) == 2:
+      raise ablate.AblationError("the trainer stopped")
+
+  clock = iter([0.0, 100.0, 500.0, 530.0])  # the run: 100 s, then resumed for 30 s
+  monkeypatch.setattr(ablate, "_train", failing_then_finishing)
+  monkeypatch.setattr(ablate.time, "perf_counter", lambda: next(clock))
+  monkeypatch.setattr(ablate, "summarize_run", lambda run_dir, run: {"name": run.name})
+  config, run = "configs/arith_ebpo.py:runlocal", ablate.Run("grpo", 8, 0)
+  locks = {0: contextlib.nullcontext()}
+  with pytest.raises(ablate.AblationError, match="stopped"):
+    ablate._run_one(config, str(tmp_path), run, [], {}, locks)
+  result = ablate._run_one(config, str(tmp_path), run, [], {}, locks)
+  assert len(calls) == 3 and result["wall_s"] == pytest.approx(130.0)
