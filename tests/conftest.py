@@ -84,8 +84,15 @@ def gcs_dir(gcs_emulator, request) -> str:
 
 
 def pytest_collection_modifyitems(config, items):
-  """The slow tests (e2e, the real model's first) run first: with xdist workers they then run
-  beside the fast ones instead of leaving one worker busy at the end."""
+  """The tests marked `peers` (they need tunix, installed apart) are left out unless `-m` names
+  them (`-m e2e` alone would select them). The slow tests (e2e, the real model's first) run first:
+  with xdist workers they then run beside the fast ones instead of leaving one worker busy at the
+  end."""
+  if "peers" not in (config.option.markexpr or ""):
+    peers = [item for item in items if item.get_closest_marker("peers") is not None]
+    if peers:
+      config.hook.pytest_deselected(items=peers)
+      items[:] = [item for item in items if item.get_closest_marker("peers") is None]
   rank = lambda item: (
     item.get_closest_marker("e2e") is None,
     "test_smollm2" not in item.nodeid,
