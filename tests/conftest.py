@@ -89,10 +89,9 @@ def pytest_collection_modifyitems(config, items):
   with xdist workers they then run beside the fast ones instead of leaving one worker busy at the
   end."""
   if "peers" not in (config.option.markexpr or ""):
-    peers = [item for item in items if item.get_closest_marker("peers") is not None]
-    if peers:
-      config.hook.pytest_deselected(items=peers)
-      items[:] = [item for item in items if item.get_closest_marker("peers") is None]
+    is_peers = lambda item: item.get_closest_marker("peers") is not None
+    config.hook.pytest_deselected(items=[item for item in items if is_peers(item)])
+    items[:] = [item for item in items if not is_peers(item)]
   rank = lambda item: (
     item.get_closest_marker("e2e") is None,
     "test_smollm2" not in item.nodeid,

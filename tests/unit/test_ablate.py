@@ -4,6 +4,7 @@ import contextlib
 import json
 import os
 import shutil
+import types
 
 import numpy as np
 import pytest
@@ -269,7 +270,7 @@ def test_a_resumed_runs_wall_time_counts_every_invocation(tmp_path, monkeypatch)
 
   clock = iter([0.0, 100.0, 500.0, 530.0])  # the run: 100 s, then resumed for 30 s
   monkeypatch.setattr(ablate, "_train", failing_then_finishing)
-  monkeypatch.setattr(ablate.time, "perf_counter", lambda: next(clock))
+  monkeypatch.setattr(ablate, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
   monkeypatch.setattr(ablate, "summarize_run", lambda run_dir, run: {"name": run.name})
   config, run = "configs/arith_ebpo.py:runlocal", ablate.Run("grpo", 8, 0)
   locks = {0: contextlib.nullcontext()}
