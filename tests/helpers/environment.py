@@ -1,6 +1,6 @@
 """The tests' process environment, set by tests/conftest.py before jax is imported: 8 fake CPU
 devices, CPU only, no network, programs compiled without most of XLA's optimizations (they compile
-more than they run), and one compilation cache for the session's processes.
+more than they run) in one codegen part, and one compilation cache for the session's processes.
 
 Imports nothing of jax or ebpo_jax at module level: `setup` must run first."""
 
@@ -18,6 +18,12 @@ import tempfile
 # route: without it, the tests compile as before.
 OLD_FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 
+# XLA:CPU splits a program's LLVM module in parts compiled on parallel threads; on two cores that
+# two xdist workers keep busy, the split only adds work: one part took 8-10% less CPU (a runlocal
+# trainer process, two test files; each pair measured side by side, bench/RESULTS.md). For tests:
+# it changes how a program is compiled, not what it computes.
+ONE_CODEGEN_PART = "--xla_cpu_parallel_codegen_split_count=1"
+
 # One compilation cache for the whole session: made by the first process that sets up (pytest-
 # xdist's controller, before it starts the workers, which inherit the variable; or the one process
 # without xdist) and removed when that process exits. The workers' trainer processes then reuse
@@ -25,12 +31,17 @@ OLD_FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 CACHE_VARIABLE = "EBPO_JAX_TEST_XLA_CACHE"
 
 
-def _xla_accepts(flag: str) -> bool:
-  """Whether this jaxlib's XLA knows `flag` (it aborts a process on an unknown one): asked of a
+def _xla_accepts(flags: list[str]) -> bool:
+  """Whether this jaxlib's XLA knows `flags` (it aborts a process on an unknown one): asked of a
   new process, once per session (pytest-xdist's workers inherit XLA_FLAGS from the controller)."""
   probe = [sys.executable, "-c", "import jax; jax.devices()"]
-  env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+  env = dict(os.environ, XLA_FLAGS=" ".join(flags), JAX_PLATFORMS="cpu")
   return subprocess.run(probe, env=env, capture_output=True, timeout=120).returncode == 0
+
+
+def _accepted(flags: list[str]) -> list[str]:
+  """Those of `flags` this XLA knows: all in one probe, or each alone where one is gone."""
+  return flags if _xla_accepts(flags) else [flag for flag in flags if _xla_accepts([flag])]
 
 
 def setup() -> None:
@@ -39,8 +50,7 @@ def setup() -> None:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   if "XLA_FLAGS" not in os.environ:
     flags = ["--xla_force_host_platform_device_count=8"]
-    if _xla_accepts(OLD_FUSION_EMITTERS):
-      flags.append(OLD_FUSION_EMITTERS)
+    flags += _accepted([OLD_FUSION_EMITTERS, ONE_CODEGEN_PART])
     os.environ["XLA_FLAGS"] = " ".join(flags)
   os.environ.setdefault("HF_HUB_OFFLINE", "1")
   os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -22,7 +22,7 @@ def run_python(args: list[str], timeout: float = 300) -> subprocess.CompletedPro
 
 def cpu_env(devices: int) -> dict[str, str]:
   """This process's environment for a process on `devices` CPU devices (`process.
-  fake_cpu_devices_env`: XLA_FLAGS's other flags, the tests' fusion emitters, kept)."""
+  fake_cpu_devices_env`: XLA_FLAGS's other flags, the tests' compiler flags, kept)."""
   return process.fake_cpu_devices_env(devices) | {"JAX_PLATFORMS": "cpu"}
 
 
