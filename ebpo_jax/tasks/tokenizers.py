@@ -148,6 +148,26 @@ def _content_ids(ids: Sequence[int], tokenizer: CharTokenizer | ByteTokenizer) -
   return out
 
 
+# transformers' generic tokenizer of a tokenizer.json (TokenizersBackend in transformers 5, which
+# keeps the older name as an alias): the class AutoTokenizer picks for a directory that names it.
+_GENERIC_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _load_transformers_tokenizer(local: str) -> Any:
+  """The tokenizer AutoTokenizer loads from the local directory `local`. A directory whose
+  tokenizer_config.json names the generic class (the packaged SmolLM2's, Llama 3's) loads by that
+  class directly: AutoTokenizer would also read the model's config and import torch with it, about
+  3 s of a trainer's start."""
+  import transformers
+
+  config_file = files.join(local, "tokenizer_config.json")
+  named = json.loads(files.read_text(config_file)) if files.exists(config_file) else {}
+  generic = named.get("tokenizer_class") in _GENERIC_CLASSES
+  if generic and files.exists(files.join(local, "tokenizer.json")):
+    return transformers.PreTrainedTokenizerFast.from_pretrained(local, local_files_only=True)
+  return transformers.AutoTokenizer.from_pretrained(local, local_files_only=True)
+
+
 class HFTokenizer:
   """A model directory's tokenizer (transformers), with its chat template for instruct models.
 
@@ -158,12 +178,10 @@ class HFTokenizer:
   """
 
   def __init__(self, path: str, *, chat_template: bool = True):
-    from transformers import AutoTokenizer
-
     if not files.isdir(path):
       raise FileNotFoundError(f"{path}: no such tokenizer (model) directory")
     local = files.local_copy(path, exclude=WEIGHT_FILES)
-    self._tok = AutoTokenizer.from_pretrained(local, local_files_only=True)
+    self._tok = _load_transformers_tokenizer(local)
     if self._tok.eos_token_id is None:
       raise ValueError(f"{path}: the tokenizer has no EOS token; completions could never stop")
     self.eos_id = int(self._tok.eos_token_id)

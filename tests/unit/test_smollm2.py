@@ -8,11 +8,13 @@ import os
 import shutil
 
 import pytest
+import transformers
 
 from ebpo_jax import models
 from ebpo_jax.envs import tool_schema
 from ebpo_jax.envs.tools import calc
 from ebpo_jax.tasks import tokenizers, tool_calls
+from tests.helpers.processes import run_python
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +27,34 @@ def test_packaged_path_resolves_and_unknown_names_fail(model_dir):
   assert models.resolve_model_path("/some/dir") == "/some/dir"
   with pytest.raises(ValueError, match="unknown packaged model 'nope'"):
     models.resolve_model_path("packaged:nope")
+
+
+def test_the_tokenizer_is_transformers_auto_one_loaded_without_torch(model_dir, tmp_path):
+  # A tokenizer_config.json naming transformers' generic fast class (the packaged model's, Llama
+  # 3's) loads by that class: AutoTokenizer would read the model's config and import torch with it
+  # (about 3 s of every trainer process's start). Another class goes through AutoTokenizer.
+  code = (
+    "import sys; from ebpo_jax.tasks import tokenizers; "
+    f"tok = tokenizers.HFTokenizer({model_dir!r}); "
+    "print(type(tok.hf_tokenizer).__name__, 'torch' in sys.modules)"
+  )
+  result = run_python(["-c", code])
+  assert result.stdout.split() == ["TokenizersBackend", "False"], result.stderr[-2000:]
+  auto = transformers.AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+  tok = tokenizers.HFTokenizer(model_dir)
+  assert type(tok.hf_tokenizer) is type(auto)
+  text = "What is 12*34? <tool_call>{}</tool_call> é"
+  assert tok.encode(text) == auto.encode(text, add_special_tokens=False)
+  messages = [{"role": "user", "content": text}]
+  rendered = auto.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+  assert tok.prompt_ids(text) == list(rendered["input_ids"])
+  other = tmp_path / "gpt2_class"
+  shutil.copytree(model_dir, other, ignore=shutil.ignore_patterns("*.safetensors"))
+  config = json.loads((other / "tokenizer_config.json").read_text())
+  (other / "tokenizer_config.json").write_text(
+    json.dumps(config | {"tokenizer_class": "GPT2Tokenizer"})
+  )
+  assert type(tokenizers.HFTokenizer(str(other)).hf_tokenizer) is transformers.GPT2Tokenizer
 
 
 def test_prompts_follow_the_chat_template(model_dir):
