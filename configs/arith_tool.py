@@ -16,7 +16,8 @@ all), and up by at least 20 points on each of seeds 0-2 (bench/RESULTS.md).
 with SmolLM2's tokenizer): the same episodes with the packaged SmolLM2-135M-Instruct, no warm
 start; its chat template wraps the prompt and each tool response (a `tool` message, then the next
 assistant turn's header); the template ignores `tools=`, so the calc tool's schema goes into the
-system prompt (`tool_calls.tools_system_prompt`). Its turns end at its end-of-turn token or right after `</tool_call>` (5 tokens in its vocabulary).
+system prompt (`tool_calls.tools_system_prompt`). Its turns end at its end-of-turn token or right
+after `</tool_call>` (5 tokens in its vocabulary).
 
 Results and timing: bench/RESULTS.md, "configs/arith_tool.py".
 """
