@@ -1,9 +1,10 @@
 """Outputs on a gs:// workdir from processes, against the storage emulator: a listing sees what
-another process wrote; a run trains into the bucket, loses its latest checkpoint (as a run that
-died before it completed), resumes exactly from the bucket, then evaluates and exports reading the
-run from there; a failed ablation run uploads its log."""
+another process wrote; a run on the bucket that lost its latest checkpoint (as a run that died
+before it completed) resumes exactly from the bucket, then evaluates and exports reading the run
+from there; a failed ablation run uploads its log."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -13,6 +14,7 @@ from tensorboardX.proto import event_pb2
 from ebpo_jax import ablate, export, files
 from ebpo_jax import metrics as metrics_lib
 from tests.helpers import ROOT
+from tests.helpers.gcs import upload
 from tests.helpers.processes import run_module, run_trainer
 from tests.helpers.runs import PNG
 from tests.helpers.tensorboard import read_event_files
@@ -53,28 +55,31 @@ def test_a_listing_sees_what_another_process_wrote_since(gcs_dir):
 def test_a_run_on_a_bucket_resumes_exactly_then_evaluates_and_exports_from_it(
   arith_run, gcs_dir, tmp_path
 ):
-  reference, _ = arith_run  # the same 4 steps, uninterrupted, in a local workdir (8 devices)
-  first = run_trainer(gcs_dir, "--config.train.num_steps=4", plots=True, devices=8)
-  assert first.returncode == 0, first.stderr[-3000:]
+  reference, _ = arith_run  # 4 steps on 8 devices in a local workdir, checkpoints at 2 and 4
+  # Its workdir on the bucket as a run that died before checkpoint 4 completed: the lines of steps
+  # 3 and 4 are there, the checkpoint is not (nor its plots). The run resumes from checkpoint 2 and
+  # writes steps 3 and 4 again. (A run trains into a bucket from scratch in e2e/test_gcs.py.)
+  died = tmp_path / "died"
+  shutil.copytree(reference, died, ignore=shutil.ignore_patterns("lock", "plots"))
+  shutil.rmtree(died / "checkpoints" / "4")
+  upload(died, gcs_dir)
+  resumed = run_trainer(gcs_dir, "--config.train.num_steps=4", plots=True, devices=8)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert "] resuming from step 2\n" in resumed.stderr
   written = files.walk_files(gcs_dir)
-  assert {"metrics.jsonl", "checkpoints/4/commit_success.txt", "plots/reward.png"} <= set(written)
-  assert len([name for name in written if name.startswith("tensorboard/events.")]) == 1
-  assert f"plots in {gcs_dir}/plots/" in first.stdout
-  # Died before checkpoint 4 completed: its lines of steps 3 and 4 are on the bucket, the
-  # checkpoint is not. The run resumes from checkpoint 2 and writes steps 3 and 4 again.
-  files.remove_tree(files.join(gcs_dir, "checkpoints", "4"))
-  second = run_trainer(gcs_dir, "--config.train.num_steps=4", devices=8)
-  assert second.returncode == 0, second.stderr[-3000:]
+  assert {"checkpoints/4/commit_success.txt", "plots/reward.png"} <= set(written)
+  assert len([name for name in written if name.startswith("tensorboard/events.")]) == 2
+  assert f"plots in {gcs_dir}/plots/" in resumed.stdout
+  assert files.read_bytes(files.join(gcs_dir, "plots", "reward.png")).startswith(PNG)
   lines = metrics_lib.read_metrics(gcs_dir)
   assert comparable(lines) == comparable(metrics_lib.read_metrics(reference))
-  # TensorBoard: a second event file purges steps >= 3 of the first; one value per (tag, step),
+  # TensorBoard: the second event file purges steps >= 3 of the first; one value per (tag, step),
   # the metrics.jsonl one.
   scalars = tensorboard_scalars(read_event_files(files.join(gcs_dir, metrics_lib.TENSORBOARD_DIR)))
   logged = {(k, m["step"]): v for m in lines for k, v in m.items() if k != "step" and v is not None}
   assert scalars.keys() == logged.keys()
   wrong = {key: (v, logged[key]) for key, v in scalars.items() if v != pytest.approx([logged[key]])}
   assert not wrong
-  assert files.read_bytes(files.join(gcs_dir, "plots", "reward.png")).startswith(PNG)
 
   # evaluate and export read the run from the bucket and write there.
   config = "--config=configs/arith_ebpo.py:runlocal"
