@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from ebpo_jax import metrics
-from tests.helpers.processes import run_python
+from tests.helpers.processes import run_module
 
 REWARDS = '''
 def short(completions, rows, **extras):
@@ -38,7 +38,7 @@ def _run(tmp_path, monkeypatch, rewards: str):
   script.write_text(textwrap.dedent(SCRIPT.format(rewards=rewards)))
   path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
   monkeypatch.setenv("PYTHONPATH", path)
-  return run_python([str(script), str(tmp_path / "run")])
+  return run_module(str(script), str(tmp_path / "run"))  # the session's compilation cache
 
 
 def test_trainer_run_takes_python_reward_functions_with_weights(tmp_path, monkeypatch):
