@@ -47,6 +47,12 @@ def _accepted(flags: list[str]) -> list[str]:
 def setup() -> None:
   """Sets this process's environment for the tests (the processes they start inherit it), then
   sizes XLA:CPU's thread pools as the entry points do. Call it before anything imports jax."""
+  # Bytecode caches (__pycache__/, git-ignored), as Python writes them by default: where the
+  # environment turns them off (PYTHONDONTWRITEBYTECODE=1, as on this project's machines), each of
+  # the suite's ~100 processes compiled ebpo_jax's sources again (about 0.5 s each) and each pytest
+  # worker rewrote every test module's asserts again (about 7 s).
+  os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+  sys.dont_write_bytecode = False
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   if "XLA_FLAGS" not in os.environ:
     flags = ["--xla_force_host_platform_device_count=8"]
