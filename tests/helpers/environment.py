@@ -1,6 +1,7 @@
 """The tests' process environment, set by tests/conftest.py before jax is imported: 8 fake CPU
 devices, CPU only, no network, programs compiled without most of XLA's optimizations (they compile
-more than they run) in one codegen part, and one compilation cache for the session's processes.
+more than they run) in one codegen part, one compilation cache for the session's processes, and
+Python's bytecode caches written.
 
 Imports nothing of jax or ebpo_jax at module level: `setup` must run first."""
 
