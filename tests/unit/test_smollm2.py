@@ -29,7 +29,7 @@ def test_packaged_path_resolves_and_unknown_names_fail(model_dir):
     models.resolve_model_path("packaged:nope")
 
 
-def test_the_tokenizer_is_transformers_auto_one_loaded_without_torch(model_dir, tmp_path):
+def test_the_tokenizer_is_autotokenizers_one_loaded_without_torch(model_dir, tmp_path):
   # A tokenizer_config.json naming transformers' generic fast class (the packaged model's, Llama
   # 3's) loads by that class: AutoTokenizer would read the model's config and import torch with it
   # (about 3 s of every trainer process's start). Another class goes through AutoTokenizer.
