@@ -122,13 +122,13 @@ def make_target(config: ml_collections.ConfigDict, tpu: Slice, prompt_len: int =
     model = models.Decoder(models.build.with_lora(model_config, mc.lora))
     tokenizer = None
   else:
-    task, rows, cluster_names, *_ = task_rows.load_task_and_rows(config)
-    tokenizer = task_rows.load_tokenizer(config, task)
+    inputs = task_rows.load_task_and_rows(config)
+    tokenizer = inputs.tokenizer
     model = models.build.make_model(config, tokenizer.vocab_size, devices[0])
-    num_clusters = len(cluster_names)
+    num_clusters = len(inputs.cluster_names)
     # The bucket of the longest training prompt: the widest batch the run will compile.
-    encoder = prompts_lib.PromptEncoder.from_config(config, task, tokenizer)
-    prompt_len = prompt_len or encoder.prompts(rows)[0].shape[1]
+    encoder = prompts_lib.PromptEncoder.from_config(config, inputs.task, tokenizer)
+    prompt_len = prompt_len or encoder.prompts(inputs.rows)[0].shape[1]
   stop_ids, pad_id = (tokenizer.stop_ids, tokenizer.pad_id) if tokenizer else ((1,), 0)
   params = models.build.abstract_params(model, mesh)
   prompt_len = prompt_len or max(config.sampling.prompt_buckets)

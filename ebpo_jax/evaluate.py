@@ -190,7 +190,8 @@ def run(
   mesh = sharding.make_mesh(dict(config.mesh))
   task = task_rows.load_task(config)
   tokenizer = task_rows.load_tokenizer(config, task)
-  rows, cluster_names, rows_origin = task_rows.eval_rows(config, task)
+  check = task_rows.row_check(config, task, tokenizer)
+  rows, cluster_names, rows_origin = task_rows.eval_rows(config, task, check)
   model, params, origin = policy_lib.load_policy(config, tokenizer, mesh, run_dir, step)
   sampler = rollouts_lib.make_sampler(model, task, tokenizer, config, mesh)
   with sampler.scorer.pool:

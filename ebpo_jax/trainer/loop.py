@@ -96,8 +96,8 @@ def train(
   mesh = sharding.make_mesh(dict(config.mesh))
 
   # ---- Task and data.
-  task, rows, cluster_names = inputs.task, inputs.rows, inputs.cluster_names
-  tokenizer = task_rows.load_tokenizer(config, task)
+  task, tokenizer, rows = inputs.task, inputs.tokenizer, inputs.rows
+  cluster_names = inputs.cluster_names
   batches = data.make_batches(
     rows, batch_size=config.train.batch_size, order=config.data.order, seed=config.seed
   )

@@ -4,7 +4,7 @@ split), every one tokenized and length-checked before anything compiles (`load_t
 
 import sys
 from collections.abc import Callable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import ml_collections
@@ -16,9 +16,10 @@ from ebpo_jax.trainer import prompts
 
 
 class Inputs(NamedTuple):
-  """A run's task and rows (`load_task_and_rows`)."""
+  """A run's task, tokenizer and rows (`load_task_and_rows`)."""
 
   task: tasks.Task
+  tokenizer: Any  # `load_tokenizer`'s, loaded once for the row checks and the run
   rows: list[dict]  # training rows, "cluster" an index into cluster_names
   cluster_names: list[str]  # the training clusters (the prior's)
   eval_rows: list[dict]  # the in-training evaluation's rows, "cluster" into eval_cluster_names
@@ -39,13 +40,17 @@ def load_task(config: ml_collections.ConfigDict) -> tasks.Task:
   return tasks.from_config(config.task, columns=data.Columns.from_config(config.data))
 
 
-def row_check(config: ml_collections.ConfigDict, task: tasks.Task) -> Callable[[dict], str | None]:
-  """The check of one row: the task can score it, its prompt and answer encode, the prompt fits."""
-  return prompts.PromptEncoder.from_config(config, task, load_tokenizer(config, task)).check
+def row_check(
+  config: ml_collections.ConfigDict, task: tasks.Task, tokenizer: Any
+) -> Callable[[dict], str | None]:
+  """The check of one row: the task can score it, its prompt and answer encode (by `tokenizer`,
+  `load_tokenizer`'s), the prompt fits."""
+  return prompts.PromptEncoder.from_config(config, task, tokenizer).check
 
 
 def load_task_and_rows(config: ml_collections.ConfigDict) -> Inputs:
-  """The task, training rows and their cluster names, and the evaluation's rows and clusters.
+  """The task, its tokenizer, training rows and their cluster names, and the evaluation's rows and
+  clusters.
 
   Training rows come from `data.path` when set (clusters named in the file; a `datasets`
   directory's split `data.split`, columns `data.*_column`), else from the task. The in-training
@@ -57,7 +62,8 @@ def load_task_and_rows(config: ml_collections.ConfigDict) -> Inputs:
   line per row (`FILE:LINE:`), or with `data.skip_bad_rows` a dropped row, counted on stderr.
   """
   task = load_task(config)
-  check = row_check(config, task)
+  tokenizer = load_tokenizer(config, task)
+  check = row_check(config, task, tokenizer)
   if config.data.path:
     rows, cluster_names = _file_rows(config, config.data.path, check, split=config.data.split)
   else:
@@ -69,7 +75,7 @@ def load_task_and_rows(config: ml_collections.ConfigDict) -> Inputs:
   else:
     evals, eval_names, _ = eval_rows(config, task, check)
   evals = _per_cluster(evals, config.task.num_eval, config.seed)
-  return Inputs(task, rows, list(cluster_names), evals, list(eval_names))
+  return Inputs(task, tokenizer, rows, list(cluster_names), evals, list(eval_names))
 
 
 def eval_rows(
@@ -77,8 +83,9 @@ def eval_rows(
 ) -> tuple[list[dict], list[str], str]:
   """(rows, cluster names, where they come from) of the evaluation, all of them: `eval.path`'s
   rows (a DatasetDict: name its split's folder), else those of `data.path` held out of training,
-  else the task's eval split (`task.num_eval` per cluster). `check`: `row_check`'s (the default)."""
-  check = check or row_check(config, task)
+  else the task's eval split (`task.num_eval` per cluster). `check`: `row_check`'s (the default
+  loads the tokenizer for it)."""
+  check = check or row_check(config, task, load_tokenizer(config, task))
   if config.eval.path:
     rows, names = _file_rows(config, config.eval.path, check, split=None)
     return rows, names, config.eval.path

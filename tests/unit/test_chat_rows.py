@@ -10,6 +10,7 @@ import transformers
 
 from ebpo_jax import data
 from ebpo_jax.data import prepare
+from ebpo_jax.tasks import tokenizers
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import prompts, task_rows
 from tests.helpers.configs import arith_config
@@ -44,7 +45,9 @@ def test_rows_keep_the_messages_up_to_the_last_user_turn(chat_dir):
   assert rows[0]["messages"] == CHATS[0][:2] and rows[1]["messages"] == CHATS[1]
 
 
-def test_the_prompt_is_the_models_chat_template_of_the_messages(chat_dir, tiny_llama_dir):
+def test_the_prompt_is_the_models_chat_template_of_the_messages(
+  chat_dir, tiny_llama_dir, monkeypatch
+):
   overrides = {
     "model.path": str(tiny_llama_dir),
     "task.name": "jsonl",
@@ -55,10 +58,15 @@ def test_the_prompt_is_the_models_chat_template_of_the_messages(chat_dir, tiny_l
   }
   config = arith_config(overrides)
   config_lib.check_config(config, num_devices=8)
-  inputs = task_rows.load_task_and_rows(config)
-  encoder = prompts.PromptEncoder.from_config(
-    config, inputs.task, task_rows.load_tokenizer(config, inputs.task)
+  loads = []
+  load = tokenizers.HFTokenizer.__init__
+  monkeypatch.setattr(
+    tokenizers.HFTokenizer, "__init__", lambda *a, **k: loads.append(1) or load(*a, **k)
   )
+  inputs = task_rows.load_task_and_rows(config)
+  # The model directory's tokenizer, loaded once: the rows were checked with the one the run gets.
+  assert len(loads) == 1 and isinstance(inputs.tokenizer, tokenizers.HFTokenizer)
+  encoder = prompts.PromptEncoder.from_config(config, inputs.task, inputs.tokenizer)
   reference = transformers.AutoTokenizer.from_pretrained(tiny_llama_dir)  # independent rendering
   for row, chat in zip(inputs.rows[:2], CHATS, strict=True):
     upto = chat[:2] if chat[-1]["role"] == "assistant" else chat

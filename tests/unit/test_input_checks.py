@@ -195,7 +195,7 @@ def test_skip_bad_rows_drops_and_counts_them(tmp_path, capsys):
       "data.skip_bad_rows": True,
     }
   )
-  _, rows, *_ = task_rows.load_task_and_rows(config)
+  rows = task_rows.load_task_and_rows(config).rows
   assert [row["prompt"] for row in rows] == ["1+1=", "1+1="]
   assert f"{path}: dropped 3 bad rows of 5 (data.skip_bad_rows=True); first: {path}:2:" in (
     capsys.readouterr().err

@@ -244,13 +244,14 @@ def test_the_trainer_reads_data_path_by_its_column_keys(tmp_path):
   }
   config = arith_config(keys)
   config_lib.check_config(config, num_devices=8)
-  _, rows, names, *_ = task_rows.load_task_and_rows(config)
+  inputs = task_rows.load_task_and_rows(config)
+  rows, names = inputs.rows, inputs.cluster_names
   assert [(r["prompt"], r["answer"], r["cluster"]) for r in rows] == [
     ("1+1=", "2", 0),
     ("2+3=", "5", 1),
   ]
   assert names == ["a", "b"]
-  _, rows, *_ = task_rows.load_task_and_rows(arith_config({**keys, "data.split": "test"}))
+  rows = task_rows.load_task_and_rows(arith_config({**keys, "data.split": "test"})).rows
   assert [r["answer"] for r in rows] == ["8"]
 
 

@@ -64,11 +64,12 @@ def _rollout_parts(tiny):
   """(rows, cluster_names, eval_rows, sampler, batches) of a TinyStep's config, built as the
   trainer builds them."""
   config = tiny.config
-  task, rows, cluster_names, eval_rows, _ = task_rows.load_task_and_rows(config)
-  tokenizer = task_rows.load_tokenizer(config, task)
-  sampler = rollouts_lib.make_sampler(tiny.model, task, tokenizer, config, tiny.mesh)
-  batches = data.make_batches(rows, batch_size=config.train.batch_size, order="shuffle", seed=0)
-  return rows, cluster_names, eval_rows, sampler, batches
+  inputs = task_rows.load_task_and_rows(config)
+  sampler = rollouts_lib.make_sampler(tiny.model, inputs.task, inputs.tokenizer, config, tiny.mesh)
+  batches = data.make_batches(
+    inputs.rows, batch_size=config.train.batch_size, order="shuffle", seed=0
+  )
+  return inputs.rows, inputs.cluster_names, inputs.eval_rows, sampler, batches
 
 
 def test_the_step_loop_makes_no_implicit_transfer():
@@ -153,9 +154,11 @@ def test_sampling_dtype_is_the_samplers_alone_and_its_mismatch_is_logged():
   for dtype in ("", "bfloat16"):
     config = tiny.config.copy_and_resolve_references()
     config.sampling.dtype = dtype
-    task, rows, _, _, _ = task_rows.load_task_and_rows(config)
-    tokenizer = task_rows.load_tokenizer(config, task)
-    sampler = rollouts_lib.make_sampler(tiny.model, task, tokenizer, config, tiny.mesh)
+    inputs = task_rows.load_task_and_rows(config)
+    sampler = rollouts_lib.make_sampler(
+      tiny.model, inputs.task, inputs.tokenizer, config, tiny.mesh
+    )
+    rows = inputs.rows
     assert sampler.model.config.dtype == (dtype or "float32")
     batches = data.make_batches(rows, batch_size=config.train.batch_size, order="shuffle", seed=0)
     keys = state_lib.step_keys(state.rng, state.step, config.rl.max_refill_rounds)
