@@ -170,6 +170,26 @@ def metrics_table(metrics: dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------- main
 
 
+def _samples(rows, datasets, clusters, texts, rewards, answers) -> list[dict]:
+  """samples.jsonl's records: each problem with its responses, rewards, answers and majority."""
+  return [
+    {
+      "index": i,
+      "prompt": row["prompt"],
+      "answer": row["answer"],
+      "dataset": dataset,
+      "cluster": cluster,
+      "responses": group,
+      "rewards": r.tolist(),
+      "answers": a,
+      "majority": majority_vote(a),
+    }
+    for i, (row, dataset, cluster, group, r, a) in enumerate(
+      zip(rows, datasets, clusters, texts, rewards, answers, strict=True)
+    )
+  ]
+
+
 def run(
   config: ml_collections.ConfigDict,
   workdir: str,
@@ -221,22 +241,7 @@ def run(
     "config": config.to_dict(),
   }
   if jax.process_index() == 0:
-    samples = [
-      {
-        "index": i,
-        "prompt": row["prompt"],
-        "answer": row["answer"],
-        "dataset": dataset,
-        "cluster": cluster,
-        "responses": group,
-        "rewards": r.tolist(),
-        "answers": a,
-        "majority": majority_vote(a),
-      }
-      for i, (row, dataset, cluster, group, r, a) in enumerate(
-        zip(rows, datasets, clusters, texts, rewards, answers, strict=True)
-      )
-    ]
+    samples = _samples(rows, datasets, clusters, texts, rewards, answers)
     files.write_lines(
       files.join(workdir, SAMPLES_FILE), (jsonable.dumps(s, nan_as_null=True) for s in samples)
     )
