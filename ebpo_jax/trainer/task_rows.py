@@ -79,13 +79,11 @@ def load_task_and_rows(config: ml_collections.ConfigDict) -> Inputs:
 
 
 def eval_rows(
-  config: ml_collections.ConfigDict, task: tasks.Task, check: Callable | None = None
+  config: ml_collections.ConfigDict, task: tasks.Task, check: Callable[[dict], str | None]
 ) -> tuple[list[dict], list[str], str]:
   """(rows, cluster names, where they come from) of the evaluation, all of them: `eval.path`'s
   rows (a DatasetDict: name its split's folder), else those of `data.path` held out of training,
-  else the task's eval split (`task.num_eval` per cluster). `check`: `row_check`'s (the default
-  loads the tokenizer for it)."""
-  check = check or row_check(config, task, load_tokenizer(config, task))
+  else the task's eval split (`task.num_eval` per cluster). `check`: `row_check`'s."""
   if config.eval.path:
     rows, names = _file_rows(config, config.eval.path, check, split=None)
     return rows, names, config.eval.path

@@ -254,8 +254,9 @@ def test_evaluate_checks_its_rows_file_too(tmp_path):
   path = _bad_rows(tmp_path)
   config = arith_config({"eval.path": str(path), "sampling.prompt_buckets": (6, 8)})
   task = tasks.from_config(config.task)
+  tokenizer = task_rows.load_tokenizer(config, task)
   with pytest.raises(data.DataError) as error:
-    task_rows.eval_rows(config, task)
+    task_rows.eval_rows(config, task, task_rows.row_check(config, task, tokenizer))
   assert [line.split(": ")[0] for line in str(error.value).splitlines()] == [
     f"{path}:{n}" for n in (2, 3, 5)
   ]

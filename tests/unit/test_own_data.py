@@ -112,6 +112,9 @@ def test_a_held_out_split_too_small_to_evaluate_is_one_line(tmp_path):
 def test_task_rows_and_the_evaluate_tool_read_one_eval_source(own_dir):
   config = _config({"task.name": "jsonl", "data.path": own_dir})
   task = task_rows.load_task(config)
-  rows, names, origin = task_rows.eval_rows(config, task)
+  tokenizer = task_rows.load_tokenizer(config, task)
+  rows, names, origin = task_rows.eval_rows(
+    config, task, task_rows.row_check(config, task, tokenizer)
+  )
   assert names == ["small", "large"] and "held out" in origin
   assert isinstance(tasks.get_task("jsonl").tokenizer, tokenizers.ByteTokenizer)

@@ -274,8 +274,9 @@ def test_evaluate_reads_one_split_folder(gsm8k_dir):
 
   config = arith_config({"eval.path": gsm8k_dir})
   task = tasks.from_config(config.task)
+  tokenizer = task_rows.load_tokenizer(config, task)
   with pytest.raises(DataError, match=f"a DatasetDict .* e.g. {gsm8k_dir}/train$"):
-    task_rows.eval_rows(config, task)
+    task_rows.eval_rows(config, task, task_rows.row_check(config, task, tokenizer))
 
 
 # ----------------------------------------------------------------------------- gs://
