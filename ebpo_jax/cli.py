@@ -168,8 +168,10 @@ def entry_point(verbosity: int = logging.WARNING) -> Iterator[None]:
   (orbax logs each save at INFO; the project's own INFO lines are shown, `set_verbosity`),
   `jax.distributed` joined when the environment asks for it, and a bad input (BadInput) turned
   into `error: <message>` and exit status 2 (BAD_INPUT_STATUS); on N fake CPU devices, XLA:CPU
-  thread pools that fit them (`process.size_cpu_thread_pools`)."""
+  thread pools that fit them (`process.size_cpu_thread_pools`); garbage collected less often
+  (`process.collect_garbage_less_often`)."""
   set_verbosity(verbosity)
+  process.collect_garbage_less_often()
   try:
     process.size_cpu_thread_pools()  # 8 CPU devices on 2 cores: no rendezvous abort
     process.init_distributed()

@@ -12,7 +12,8 @@ from tests.helpers import environment
 
 environment.setup()
 
-import pathlib  # noqa: E402  (after the environment: the modules below import jax)
+import gc  # noqa: E402  (after the environment: the modules below import jax)
+import pathlib  # noqa: E402
 import re  # noqa: E402
 import uuid  # noqa: E402
 
@@ -81,6 +82,15 @@ def gcs_dir(gcs_emulator, request) -> str:
   """A fresh `gs://` folder in the emulator's bucket, named after the test."""
   name = re.sub(r"[^A-Za-z0-9_-]+", "-", request.node.name)[:60]
   return f"gs://{gcs.GCS_BUCKET}/{name}-{uuid.uuid4().hex[:8]}"
+
+
+def pytest_unconfigure(config):
+  """pytest's clean-up then collects garbage five times over (to report exceptions raised in
+  finalizers), each time traversing every object of the process (JAX's caches, the modules): one
+  collection here, then what survives it frozen (kept out of the next ones), gives the same report
+  for a fifth of the work (about 2 s less per test process)."""
+  gc.collect()
+  gc.freeze()
 
 
 def pytest_collection_modifyitems(config, items):

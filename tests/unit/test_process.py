@@ -1,13 +1,15 @@
 """The process set-up of ebpo_jax.process: SIGINT (Ctrl-C) stops a run as SIGTERM does, at a step
-boundary with a checkpoint; a second Ctrl-C interrupts at once."""
+boundary with a checkpoint; a second Ctrl-C interrupts at once. An entry point collects garbage
+less often than Python's defaults."""
 
+import gc
 import os
 import signal
 import time
 
 import pytest
 
-from ebpo_jax import process
+from ebpo_jax import cli, process
 
 
 def _raise_and_wait(flag: process.SigtermFlag, signum: int) -> None:
@@ -35,3 +37,14 @@ def test_sigint_sets_the_flag_as_sigterm_does(signum, name, status):
   finally:
     flag.uninstall()
   assert signal.getsignal(signal.SIGINT) is before  # uninstall restores what it found
+
+
+def test_an_entry_point_collects_garbage_less_often():
+  before = gc.get_threshold()  # the tests' (tests/helpers/environment.py sets the same)
+  gc.set_threshold(700, 10, 10)  # Python's defaults
+  try:
+    with cli.entry_point():
+      assert gc.get_threshold() == process.GC_THRESHOLDS
+  finally:
+    gc.set_threshold(*before)
+  assert process.GC_THRESHOLDS[0] > 10 * 700
