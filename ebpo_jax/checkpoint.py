@@ -40,7 +40,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from ebpo_jax import errors, files, jsonable
+from ebpo_jax import errors, files, jsonable, sharding
 
 _STATE, _DATA_ITER, _CONFIG, _CHECKSUMS, _META = "state", "data_iter", "config", "checksums", "meta"
 # The checkpoint layout this code writes and reads (the items above, the checksums' form). Raise it
@@ -452,12 +452,8 @@ def state_checksums(state: Any) -> list[list[int]]:
   if not leaves:
     return []
   first = getattr(leaves[0], "sharding", None)
-  replicated = (
-    jax.sharding.NamedSharding(first.mesh, jax.sharding.PartitionSpec())
-    if isinstance(first, jax.sharding.NamedSharding)
-    else None
-  )
-  sums = _jit_checksums(replicated)(leaves)
+  on_mesh = isinstance(first, jax.sharding.NamedSharding)
+  sums = _jit_checksums(sharding.replicated(first.mesh) if on_mesh else None)(leaves)
   return np.asarray(jax.device_get(sums)).tolist()
 
 

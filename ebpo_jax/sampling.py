@@ -486,7 +486,7 @@ def _device_scalar(x: float | jax.Array, mesh: Mesh | None) -> jax.Array:
     return x.astype(jnp.float32)
   if mesh is None:
     return jax.device_put(np.float32(x))
-  return sharding.place_from_host(np.float32(x), NamedSharding(mesh, PartitionSpec()))
+  return sharding.place_from_host(np.float32(x), sharding.replicated(mesh))
 
 
 def compile_count() -> int:
