@@ -21,9 +21,9 @@ _FAKE_CPU_DEVICES_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d
 # CPython's cyclic garbage collector at its defaults (700, 10, 10) runs a young collection every
 # 700 new objects and, as the heap grows, full ones that traverse every object of the process. An
 # entry point's heap holds millions (the modules JAX, flax and orbax import, JAX's traced and
-# lowered programs) and tracing allocates objects by the million: those traversals took 6-8% of a
-# trainer process's CPU and 20% of a test process's (bench/RESULTS.md, "Session 25"). These
-# thresholds collect young objects every 50,000 and the whole heap about 25 times less often.
+# lowered programs) and tracing allocates objects by the million. These thresholds collect young
+# objects every 50,000 and the whole heap about 25 times less often: the test suite, whose every
+# process sets them, took 6% fewer CPU-seconds (883 -> 820-837; bench/RESULTS.md, "Session 26").
 GC_THRESHOLDS = (50_000, 50, 100)
 
 
