@@ -66,15 +66,17 @@ def time_estimator(name: str, inputs, args: argparse.Namespace) -> tuple[float, 
   """(call_us, loop_us) for estimator `name` on `inputs`."""
   estimator = advantages.Estimator(name)  # default hyperparameters
   # Its own prior (K clusters for EBPO, a placeholder otherwise), after one batch.
-  _, prior, _ = estimator(*inputs, estimator.init_prior(args.num_clusters))
+  rewards, mask, cluster_ids = inputs
+  first = estimator.init_prior(args.num_clusters)
+  _, prior, _ = estimator(rewards, cluster_ids_b=cluster_ids, prior=first, mask_bg=mask)
   inputs = (*inputs, prior)
-  call = jax.jit(lambda r, m, c, p: estimator(r, m, c, p)[:2])
+  call = jax.jit(lambda r, m, c, p: estimator(r, cluster_ids_b=c, prior=p, mask_bg=m)[:2])
 
   @jax.jit
   def loop(rewards, mask, cluster_ids, prior):
     def body(_, carry):
       rewards, prior = carry
-      adv, prior = estimator(rewards, mask, cluster_ids, prior)[:2]
+      adv, prior = estimator(rewards, cluster_ids_b=cluster_ids, prior=prior, mask_bg=mask)[:2]
       return rewards + 1e-12 * adv, prior  # a real dependence between iterations
 
     return jax.lax.fori_loop(0, args.loop_iters, body, (rewards, prior))

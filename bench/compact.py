@@ -30,6 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import _common  # noqa: E402  (bench/_common.py: the tiny shape, the table)
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -38,16 +39,8 @@ import numpy as np  # noqa: E402
 from ebpo_jax import sampling  # noqa: E402
 from ebpo_jax.models import Decoder, ModelConfig  # noqa: E402
 
-TINY = ModelConfig(
-  vocab_size=259,
-  hidden_size=256,
-  intermediate_size=1024,
-  num_layers=4,
-  num_heads=4,
-  num_kv_heads=2,
-  head_dim=64,
-  max_position_embeddings=4096,
-)
+# bench/sampler.py's tiny shape (bench/_common.py), with room for 4096 positions
+TINY = dataclasses.replace(_common.TINY, max_position_embeddings=4096)
 STOP_ID = 2  # ByteTokenizer's end-of-sequence id (any id works: its logit is set by the hazard)
 STOP_TABLE = "stop_logodds"  # the hazard table's entry in the params: data, not a constant
 
@@ -191,23 +184,21 @@ def main() -> None:
     f"\ncompacting decode: tiny shape, {args.model.num_layers} layers, {args.prompts} prompts"
     f" x G={args.group_size} = {rows} rows,"
     f" prompt {args.prompt_len}, cap {args.cap}; median of {args.reps} (same length:"
-    f" {args.same_reps}) back-to-back repeats;"
-    f" {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}"
+    f" {args.same_reps}) back-to-back repeats; {_common.host()}"
   )
   header = (
     "case         median  p90  max  trunc  plain tok/s  compact tok/s  compact/plain"
     "  ~compile s plain/compact  compiles/call"
   )
-  print(header)
-  print("-" * len(header))
-  for c in cases:
-    print(
-      f"{c['case']:<12} {c['median_len']:>6.0f} {c['p90_len']:>4.0f} {c['max_len']:>4}"
-      f"  {c['truncated_share']:>5.1%}  {c['plain_tok_s']:>11.0f}  {c['compact_tok_s']:>13.0f}"
-      f"  {c['compact_over_plain']:>13.2f}  {c['compile_s']['plain']:>10.1f} /"
-      f" {c['compile_s']['compact']:>5.1f}  {c['compiles_per_call']['plain']} /"
-      f" {c['compiles_per_call']['compact']}"
-    )
+  lines = [
+    f"{c['case']:<12} {c['median_len']:>6.0f} {c['p90_len']:>4.0f} {c['max_len']:>4}"
+    f"  {c['truncated_share']:>5.1%}  {c['plain_tok_s']:>11.0f}  {c['compact_tok_s']:>13.0f}"
+    f"  {c['compact_over_plain']:>13.2f}  {c['compile_s']['plain']:>10.1f} /"
+    f" {c['compile_s']['compact']:>5.1f}  {c['compiles_per_call']['plain']} /"
+    f" {c['compiles_per_call']['compact']}"
+    for c in cases
+  ]
+  _common.print_table(header, lines)
   long_tail, same = cases
   summary = {
     "rows": rows,

@@ -11,6 +11,7 @@ ratios ours / transformers.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -21,6 +22,7 @@ from collections.abc import Callable
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import _common  # noqa: E402  (bench/_common.py: the tiny shape)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -29,16 +31,11 @@ import transformers  # noqa: E402
 
 from ebpo_jax.models import from_pretrained, smollm2_135m_instruct  # noqa: E402
 
-TINY = dict(
-  vocab_size=4096,
-  hidden_size=256,
-  intermediate_size=768,
-  num_hidden_layers=4,
-  num_attention_heads=4,
-  num_key_value_heads=2,
-  head_dim=64,
-  max_position_embeddings=2048,
-)
+# bench/sampler.py's tiny shape (bench/_common.py) with a 4096-token vocabulary and a narrower MLP
+TINY = {
+  **_common.hf_shape(dataclasses.replace(_common.TINY, vocab_size=4096, intermediate_size=768)),
+  "max_position_embeddings": 2048,
+}
 
 
 def tokens_per_second(run: Callable[[], None], tokens: int, seconds: float) -> float:

@@ -1,7 +1,7 @@
 """Decode throughput and train-step MFU on a GPU, bf16.
 
   PYTHONPATH=. python bench/gpu.py                   # SmolLM2-135M, Qwen3-0.6B shapes, batch 1..256
-  PYTHONPATH=. python bench/gpu.py --results bench/RESULTS.md  # also append a dated table there
+  PYTHONPATH=. python bench/gpu.py --results results/gpu.md  # also append a dated table there
   PYTHONPATH=. python bench/gpu.py --dry-run         # tiny shape, batch 2, any backend (smoke test)
 
 Random bf16 weights of each shape (throughput does not depend on the values; no stop token, so
@@ -28,6 +28,7 @@ import datetime
 import json
 import time
 
+import _common  # bench/_common.py, beside this file
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -66,16 +67,8 @@ BF16_PEAK_FLOPS = (
 BF16 = dict(dtype="bfloat16", param_dtype="bfloat16")
 TRAIN_SHAPE = "0.6b"  # bench/train_step.py's SHAPES: the train step's MFU at Qwen3-0.6B's widths
 MODELS = {
-  "smollm2-135m": ModelConfig(
-    vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
-    num_kv_heads=3, head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
-    **BF16,
-  ),
-  "qwen3-0.6b": ModelConfig(
-    vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
-    num_kv_heads=8, head_dim=128, rope_theta=1e6, tie_word_embeddings=True,
-    architecture="qwen3", **BF16,
-  ),
+  "smollm2-135m": dataclasses.replace(_common.SMOLLM2_135M, **BF16),
+  "qwen3-0.6b": dataclasses.replace(_common.QWEN3_0_6B, **BF16),
   "tiny": ModelConfig(  # --dry-run only; one layer: the sampler's per-layer code compiles once
     vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
     num_kv_heads=2, head_dim=16, **BF16,

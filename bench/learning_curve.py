@@ -1,6 +1,6 @@
 """Held-out accuracy against wall time for one or more trainer runs (seeds), with standard errors.
 
-  python bench/learning_curve.py /tmp/smol_cpu_s0 /tmp/smol_cpu_s1 --out bench/smollm2_cpu.png
+  python bench/learning_curve.py /tmp/smol_cpu_s0 /tmp/smol_cpu_s1 --out results/smollm2_cpu.png
 
 Reads each workdir's metrics.jsonl: the evaluation lines' `eval/accuracy` (avg@k over the held-out
 problems when `eval.num_samples` = k > 1) against `time/elapsed_s`, the wall time since the run

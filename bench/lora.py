@@ -23,7 +23,6 @@ Prints a table, then last a JSON line with the ratios to full fine-tuning and th
 """
 
 import argparse
-import functools
 import json
 import math
 import os
@@ -33,14 +32,14 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import _common  # noqa: E402  (bench/_common.py: the table)
 import jax  # noqa: E402
 import jax.extend  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import train_step as train_step_bench  # noqa: E402  (bench/train_step.py: shapes, config, batch)
 
-from ebpo_jax import advantages, checkpoint, models, sampling, sharding  # noqa: E402
-from ebpo_jax.trainer import optimizer as optimizer_lib
+from ebpo_jax import checkpoint, models, sampling, sharding  # noqa: E402
 from ebpo_jax.trainer import policy as policy_lib  # noqa: E402
 from ebpo_jax.trainer import state as state_lib  # noqa: E402
 from ebpo_jax.trainer import step as step_lib  # noqa: E402
@@ -65,13 +64,11 @@ def build_variant(shape_name: str, rank: int, args) -> dict:
   mesh = sharding.make_mesh(dict(config.mesh))
   model = models.build.make_model(config, shape["vocab_size"])
   params = policy_lib.initial_params(config, model, mesh)  # base + fresh adapters under LoRA
-  optimizer = optimizer_lib.make_optimizer(config)
-  estimator = advantages.from_config(config.rl)
-  state_args = (config, optimizer, estimator, NUM_CLUSTERS)
-  shardings = state_lib.state_shardings(*state_args, params)
-  state = state_lib.create_state(*state_args, params)  # params are donated
+  spec = state_lib.StateSpec.from_config(config, NUM_CLUSTERS)
+  shardings = spec.shardings(params)
+  state = spec.create(params)  # params are donated
   options = step_lib.StepOptions.from_config(config, mesh)
-  step = step_lib.jit_train_step(model, optimizer, estimator, options, mesh, shardings)
+  step = step_lib.jit_train_step(model, spec, options, mesh, shardings)
   batch = train_step_bench.synthetic_batch(config, args.prompt_len, shape["vocab_size"])
   # Every group mixed (one reward 1, the rest 0): non-zero advantages, so the adapters and the
   # optimizer's moments move and the checkpoint holds real (incompressible) values, not zeros.
@@ -79,9 +76,7 @@ def build_variant(shape_name: str, rank: int, args) -> dict:
   batch["rewards"][:, 0] = 1.0
   batch = jax.device_put(batch, step_lib.batch_shardings(options.layout, mesh))
   compiled = step.lower(state, batch).compile()
-  traced = functools.partial(
-    step_lib.train_step, model=model, optimizer=optimizer, estimator=estimator, options=options
-  )
+  traced = step_lib.bound_train_step(model, spec, options)
   flops = dot_flops(jax.make_jaxpr(traced)(state, batch).jaxpr)
   return {
     "fn": compiled,
@@ -250,21 +245,20 @@ def main() -> None:
   print(
     f"\n{args.shape} shape, float32, {args.rows // args.group_size} prompts x G={args.group_size},"
     f" {args.prompt_len} + {args.new_tokens} tokens, median of {args.repeats} interleaved steps;"
-    f" {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; x full: median of the rounds' ratios"
+    f" {_common.host()}; x full: median of the rounds' ratios"
   )
   header = f"{'variant':8} {'step s':>8} {'x full':>7} {'GFLOP':>7} {'x full':>7}"
   header += f" {'trained MB':>11} {'opt MB':>9}"
   header += f" {'x full':>8} {'ckpt MB':>9} {'x full':>8}"
-  print(header)
-  print("-" * len(header))
-  for name in names:
-    print(
-      f"{name:8} {seconds[name]:8.3f} {ratios[name]:7.3f}"
-      f" {runs[name]['flops'] / 1e9:7.1f} {runs[name]['flops'] / runs['full']['flops']:7.3f}"
-      f" {trained[name] / 1e6:11.2f} {opt_bytes[name] / 1e6:9.2f}"
-      f" {opt_bytes[name] / opt_bytes['full']:8.2%} {ckpt_bytes[name] / 1e6:9.2f}"
-      f" {ckpt_bytes[name] / ckpt_bytes['full']:8.2%}"
-    )
+  lines = [
+    f"{name:8} {seconds[name]:8.3f} {ratios[name]:7.3f}"
+    f" {runs[name]['flops'] / 1e9:7.1f} {runs[name]['flops'] / runs['full']['flops']:7.3f}"
+    f" {trained[name] / 1e6:11.2f} {opt_bytes[name] / 1e6:9.2f}"
+    f" {opt_bytes[name] / opt_bytes['full']:8.2%} {ckpt_bytes[name] / 1e6:9.2f}"
+    f" {ckpt_bytes[name] / ckpt_bytes['full']:8.2%}"
+    for name in names
+  ]
+  _common.print_table(header, lines)
   summary = {"shape": args.shape}
   for name in names[1:]:
     summary[f"{name}_step_over_full"] = round(ratios[name], 4)

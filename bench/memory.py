@@ -11,7 +11,7 @@ Everything is `ebpo_jax.aot`'s (`python -m ebpo_jax.aot` compiles one config): t
 train step and one sampler call, compiled by the TPU compiler (libtpu) for `--topology` (default
 v5p-64, the paper configs' slice) with abstract sharded inputs; see that module's docstring for
 what is counted. This script adds the sweep: the sampler program depends on the model, G and
-`sampling.*`, not on the method (`rollout_options.SamplingOptions`), so it is compiled once per
+`sampling.*`, not on the method (`sampling.DecodeOptions`), so it is compiled once per
 model x G and each method adds its own waiting state and rollouts; and the largest
 `sampling.prompts_per_call` that fits each model x G for every method: a first guess scales the
 configured call's bytes (all but the params and the code) with the prompts; one more sampler
@@ -32,8 +32,9 @@ sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 
-from ebpo_jax import aot, cli  # noqa: E402
-from ebpo_jax import tpu as tpu_lib  # noqa: E402
+from ebpo_jax import cli  # noqa: E402
+from ebpo_jax.aot import programs as aot  # noqa: E402
+from ebpo_jax.aot import topology as tpu_lib  # noqa: E402
 
 GB = 1e9
 PAPER = os.path.join(ROOT, "configs", "paper.py")
@@ -217,7 +218,7 @@ def _roofline_cell(r: dict) -> str:
 
 
 def table(rows: list[dict]) -> str:
-  """The full markdown table (bench/MEMORY.md): one line per config."""
+  """The full markdown table (results/memory.md): one line per config."""
   lines = [
     "| config | train step GB/chip (arg + out - alias + temp + code) | train TFLOP/chip "
     "| sampler call GB/chip (program + waiting state and rollouts) | sampler TFLOP/chip "

@@ -7,9 +7,9 @@ with sequence-mean-token-mean aggregation, one update per step (num_iterations=1
 as one mini-batch) with the same optimizer (global-norm clip 1, AdamW 1e-4, no weight decay), and
 optionally a k3 KL penalty to the frozen start model.
 
-Ours: what ebpo_jax.train runs per step: `rollouts.collect_batch` (the trainer's Sampler, scored
-in-process) then the jitted `step.jit_train_step`, metrics fetched. Rollout = collect_batch; train =
-the step (which computes the reference log-probs under KL).
+Ours: what ebpo_jax.train runs per step: `rollouts.batch.collect_batch` (the trainer's rollout
+worker, scored in-process) then the jitted `step.jit_train_step`, metrics fetched. Rollout =
+collect_batch; train = the step (which computes the reference log-probs under KL).
 Tunix 0.1.7: `GRPOLearner.train` over a one-batch dataset per step (its `close` deferred to the
 end), actor, reference and vanilla-sampler rollout on one CPU mesh. Rollout = `RLCluster.generate` +
 `_compute_rewards` (timed by wrapping them; both return host values, so nothing is left pending);
@@ -30,7 +30,9 @@ import optax
 import train_step as train_step_bench  # bench/train_step.py, beside this file
 
 from ebpo_jax import cli, models, sharding
-from ebpo_jax.trainer import rollouts as rollouts_lib
+from ebpo_jax import keys as keys_lib
+from ebpo_jax.rollouts import batch as rollout_batch
+from ebpo_jax.rollouts import worker as worker_lib
 from ebpo_jax.trainer import state as state_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -75,7 +77,9 @@ class OurWords:
   def encode(self, text: str) -> list[int]:
     return ids_of(text)
 
-  def prompt_ids(self, text: str, system_prompt: str | None = None) -> list[int]:
+  def prompt_ids(self, text: str, system_prompt=None, history=(), tools=()) -> list[int]:
+    """BOS + the prompt's words (no system prompt, history or tools: one-turn bench prompts)."""
+    del system_prompt, history, tools
     return [BOS, *ids_of(text)]
 
   def decode(self, ids) -> str:
@@ -106,7 +110,7 @@ def _score(response: str, row: dict) -> float:
 
 
 class WordTask:
-  """The attributes of a tasks.Task that the Sampler reads: one cluster, the reward word."""
+  """The attributes of a tasks.Task that the rollout worker reads: one cluster, the reward word."""
 
   name, cluster_names, system_prompt = "bench_words", ["all"], None
   score = staticmethod(_score)
@@ -158,17 +162,17 @@ class OurRL:
       config, model, self.mesh, num_clusters=1
     )
     task, tokenizer = WordTask(), OurWords(vocab)
-    self.sampler = rollouts_lib.make_sampler(model, task, tokenizer, config, self.mesh)
+    self.worker = worker_lib.make_worker(model, task, tokenizer, config, self.mesh)
     self.rows = [{"prompt": p, "answer": "", "cluster": 0} for p in prompt_texts(rl, vocab, seed)]
     self.config = config
 
   def step(self) -> dict[str, float]:
     """One RL step; seconds of {rollout, train, step}."""
     t0 = time.perf_counter()
-    keys = state_lib.step_keys(self.state.rng, self.state.step)
+    keys = keys_lib.step_keys(self.state.rng, self.state.step)
     batches = iter([np.arange(len(self.rows))])
-    batch, _, _ = rollouts_lib.collect_batch(
-      self.sampler, state_lib.policy_params(self.state), keys, self.rows, batches
+    batch, _, _ = rollout_batch.collect_batch(
+      self.worker, state_lib.policy_params(self.state), keys, self.rows, batches
     )
     t1 = time.perf_counter()
     self.state, metrics, _ = self.step_fn(self.state, batch)
@@ -179,7 +183,7 @@ class OurRL:
     return {"rollout": t1 - t0, "train": t2 - t1, "step": t2 - t0}
 
   def close(self) -> None:
-    self.sampler.scorer.pool.close()
+    self.worker.scorer.pool.close()
 
 
 # ----------------------------------------------------------------------------- tunix

@@ -25,6 +25,7 @@ import time
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import _common  # noqa: E402  (bench/_common.py: the tiny shape, the table)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -36,18 +37,8 @@ from ebpo_jax.models import ModelConfig, from_pretrained, smollm2_135m_instruct 
 
 DEFAULT_TORCH_THREADS = torch.get_num_threads()
 
-# The tiny shape of the issue (4 layers, d=256) with the byte-level vocabulary of the project's tiny
-# tasks (ebpo_jax.tasks.tokenizers.ByteTokenizer: 3 specials + 256 bytes).
-TINY_HF = dict(
-  vocab_size=259,
-  hidden_size=256,
-  intermediate_size=1024,
-  num_hidden_layers=4,
-  num_attention_heads=4,
-  num_key_value_heads=2,
-  head_dim=64,
-  tie_word_embeddings=False,
-)
+# The tiny shape of the issue (bench/_common.py), as transformers names it
+TINY_HF = _common.hf_shape(_common.TINY) | {"tie_word_embeddings": False}
 
 
 @dataclasses.dataclass
@@ -187,21 +178,20 @@ def bench_one(name, model, params, torch_model, batch, args, matmul_rate) -> Row
 def print_table(rows: list[Row], matmul_rate: float, args) -> None:
   print(
     f"\nsampler: {args.new_tokens} new tokens, prompt {args.prompt_len}, temperature 1, "
-    f"best of {args.reps}; {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; "
+    f"best of {args.reps}; {_common.host()}; "
     f"large matmul {matmul_rate / 1e9:.1f} GFLOP/s"
   )
   header = (
     "model        batch  ours tok/s  transformers tok/s (torch threads)  speedup  compile s"
     "  GFLOP/s  %matmul"
   )
-  print(header)
-  print("-" * len(header))
-  for r in rows:
-    print(
-      f"{r.model:<12} {r.batch:>5}  {r.ours_tok_s:>10.0f}  {r.transformers_tok_s:>18.0f}"
-      f" ({r.torch_threads:>2})             {r.speedup:>7.2f}  {r.compile_s:>9.1f}"
-      f"  {r.ours_gflop_s:>7.1f}  {r.matmul_share:>7.1%}"
-    )
+  lines = [
+    f"{r.model:<12} {r.batch:>5}  {r.ours_tok_s:>10.0f}  {r.transformers_tok_s:>18.0f}"
+    f" ({r.torch_threads:>2})             {r.speedup:>7.2f}  {r.compile_s:>9.1f}"
+    f"  {r.ours_gflop_s:>7.1f}  {r.matmul_share:>7.1%}"
+    for r in rows
+  ]
+  _common.print_table(header, lines)
 
 
 def main() -> None:

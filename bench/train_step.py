@@ -23,27 +23,20 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import _common  # noqa: E402  (bench/_common.py: the shapes)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import op_profile  # noqa: E402
 
-from ebpo_jax import advantages, cli, models, sharding  # noqa: E402
-from ebpo_jax.trainer import optimizer as optimizer_lib
+from ebpo_jax import cli, models, sharding  # noqa: E402
 from ebpo_jax.trainer import state as state_lib  # noqa: E402
 from ebpo_jax.trainer import step as step_lib  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-TINY = dict(
-  hidden_size=128,
-  intermediate_size=384,
-  num_layers=3,
-  num_heads=4,
-  num_kv_heads=4,
-  head_dim=32,
-  vocab_size=18,
-)  # fmt: skip
+TINY = dict(hidden_size=128, intermediate_size=384, num_layers=3, num_heads=4, num_kv_heads=4,
+            head_dim=32, vocab_size=18)  # fmt: skip
 SHAPES = {
   "tiny": TINY,
   # CI smoke runs (--quick): tiny's widths, one layer. The trainer unrolls the layer loop
@@ -51,24 +44,8 @@ SHAPES = {
   "smoke": TINY | {"num_layers": 1},
   # bench/gpu.py's train step: Qwen3-0.6B's widths (its q/k norms and tied head left out: they
   # change neither the matmuls nor the FLOP count much).
-  "0.6b": dict(
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_layers=28,
-    num_heads=16,
-    num_kv_heads=8,
-    head_dim=128,
-    vocab_size=151936,
-  ),  # fmt: skip
-  "135m": dict(
-    hidden_size=576,
-    intermediate_size=1536,
-    num_layers=30,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    vocab_size=49152,
-  ),  # fmt: skip
+  "0.6b": _common.shape(_common.QWEN3_0_6B),
+  "135m": _common.shape(_common.SMOLLM2_135M),
 }
 
 
@@ -116,14 +93,12 @@ def fresh_state_and_step(config, model, mesh, num_clusters: int):
   """A fresh train state of `model` (random init) and the trainer's jitted `train_step` for it,
   built as the trainer builds them; also the number of matmul weights (for FLOP counts)."""
   params = models.build.init_params(config, model, mesh)
-  optimizer = optimizer_lib.make_optimizer(config)
-  estimator = advantages.from_config(config.rl)
-  state_args = (config, optimizer, estimator, num_clusters)
-  state_sharding = state_lib.state_shardings(*state_args, params)
+  spec = state_lib.StateSpec.from_config(config, num_clusters)
+  state_sharding = spec.shardings(params)
   num_params = sum(x.size for x in jax.tree.leaves(params) if x.ndim >= 2)
-  state = state_lib.create_state(*state_args, params)  # params are donated
+  state = spec.create(params)  # params are donated
   options = step_lib.StepOptions.from_config(config, mesh)
-  step = step_lib.jit_train_step(model, optimizer, estimator, options, mesh, state_sharding)
+  step = step_lib.jit_train_step(model, spec, options, mesh, state_sharding)
   return state, step, num_params
 
 

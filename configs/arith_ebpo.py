@@ -19,10 +19,10 @@ points), sampled (T=1) success 2-3%, so about 4% of G=2 groups and 20% of G=8 gr
 hold a success (add_1: 0.43-0.59). Then 100 RL steps: 24-56 s a run with the warm start shared
 (`python -m ebpo_jax.ablate`), measured two at a time with another heavy job on the 2 cores.
 RL moves add_2 only a few points in that budget (mean gain -0.01 to +0.02, 2 seeds): calibration
-and the pilot ablation in bench/RESULTS.md, "configs/arith_ebpo.py:hard". No add_3: warm-started
+and the pilot ablation in results/arith_ebpo_hard.md. No add_3: warm-started
 on add_1-add_3, this model's add_3 stays at <= 1.6% greedy and 0.6% sampled after 600 steps.
 
-Why these settings, and this config's results: bench/RESULTS.md, "configs/arith_ebpo.py".
+Why these settings, and this config's results: results/arith_ebpo.md.
 """
 
 import pathlib
@@ -45,14 +45,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.task.num_eval = 256  # binomial s.e. <= 2 points at add_2's accuracy of <= 10%
     config.train.num_steps = 100  # RL steps: 24-56 s a run (G 2-8, 2 at a time, busy cores)
   if arg.runlocal:
-    config.task.num_train = 512
-    config.task.num_eval = 8
-    config.sft.num_steps = 5
-    config.sft.batch_size = 16
-    config.train.num_steps = 3
-    config.train.batch_size = 8
-    config.train.mini_batch_size = 4
-    config.rl.group_size = 4
-    config.eval.every_steps = 2
-    config.checkpoint.every_steps = 2
+    common.runlocal(config, num_train=512, num_eval=8, num_steps=3, every_steps=2)
+    common.tiny_runlocal_batches(config)
   return config

@@ -7,7 +7,7 @@ warm start's transcripts (800 steps) call the tool in 40% of the rows and answer
 effect, guess) in the others, of which only the first digit is trained, so greedy decoding mostly
 starts out without the tool; RL on whole trajectories (EBPO, 50 steps) finds that the tool pays:
 held-out greedy accuracy 0.34 -> 0.65 at step 10 and 0.67 at step 50 for seed 0 (199 CPU-s in
-all), and up by at least 20 points on each of seeds 0-2 (bench/RESULTS.md).
+all), and up by at least 20 points on each of seeds 0-2 (results/arith_tool.md).
 
   python -m ebpo_jax.train --config=configs/arith_tool.py --workdir=/tmp/arith_tool
   python -m ebpo_jax.train --config=configs/arith_tool.py:runlocal --workdir=/tmp/arith_tool_local
@@ -19,7 +19,7 @@ assistant turn's header); the template ignores `tools=`, so the calc tool's sche
 system prompt (`tool_calls.tools_system_prompt`). Its turns end at its end-of-turn token or right
 after `</tool_call>` (5 tokens in its vocabulary).
 
-Results and timing: bench/RESULTS.md, "configs/arith_tool.py".
+Results and timing: results/arith_tool.md.
 """
 
 import pathlib
@@ -68,27 +68,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.sampling.max_new_tokens = 64
     config.sampling.prompt_buckets = (224,)  # the tool schema in the system prompt: 207-209
   if arg.runlocal and arg.smollm2:  # one RL step, as small as it runs
-    config.task.num_train = 8
-    config.task.num_eval = 1
-    config.train.num_steps = 1
-    config.train.batch_size = 1
-    config.train.mini_batch_size = 1
+    common.runlocal(config, num_train=8, num_eval=1, num_steps=1, every_steps=1)
+    config.train.batch_size = config.train.mini_batch_size = 1
     config.rl.group_size = 2
-    config.env.max_turns = 2
-    config.env.max_tokens = 16
-    config.env.max_observation_tokens = 12
+    config.env.update(max_turns=2, max_tokens=16, max_observation_tokens=12)
     config.sampling.max_new_tokens = 4
-    config.eval.every_steps = 1
-    config.checkpoint.every_steps = 1
   elif arg.runlocal:
-    config.task.num_train = 256
-    config.task.num_eval = 4
-    config.sft.num_steps = 5
-    config.sft.batch_size = 16
-    config.train.num_steps = 2
-    config.train.batch_size = 8
-    config.train.mini_batch_size = 4
-    config.rl.group_size = 4
-    config.eval.every_steps = 2
-    config.checkpoint.every_steps = 2
+    common.runlocal(config, num_train=256, num_eval=4, num_steps=2, every_steps=2)
+    common.tiny_runlocal_batches(config)
   return config

@@ -1,4 +1,5 @@
-"""The base config: every key any experiment uses, each documented once, and `parse_arg`.
+"""The base config: every key any experiment uses, each documented once, and `parse_arg`; and
+`runlocal` and `tiny_runlocal_batches`, groups of keys that several experiments set alike.
 
 Not an experiment itself: each `configs/<exp>.py` starts from `get_config()` here and overrides
 what its experiment changes. The values are those of the default main job,
@@ -146,8 +147,8 @@ def get_config() -> ml_collections.ConfigDict:
   config.sampling.prompts_per_call = 0  # prompts per sampler call (0: all); bounds the KV cache
   config.sampling.prompt_buckets = (6, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # tokens
   # False: one decode loop over all rows to the end. True: fewer row-steps, the same tokens, one
-  # loop body per stage (~2x the sampler's compile time): ebpo_jax/sampling_loop.py. It pays for
-  # long, uneven responses (5x useful tok/s on a long tail, bench/RESULTS.md): the real-model
+  # loop body per stage (~2x the sampler's compile time): ebpo_jax/sampling/loop.py. It pays for
+  # long, uneven responses (5x useful tok/s on a long tail, results/speed.md): the real-model
   # configs turn it on; this job's 4-token answers would only compile longer.
   config.sampling.compact = False  # decode in halving batches of the running rows (multi-turn:
   # between turns, only the running trajectories' rows go on, in halving batches)
@@ -229,6 +230,28 @@ def get_config() -> ml_collections.ConfigDict:
   config.mesh.fsdp = -1  # parameter/data sharding; -1: all remaining devices
   config.mesh.tensor = 1  # tensor parallelism (heads, MLP, vocabulary)
   return config
+
+
+# Groups of keys several experiments set alike (`cfg`, not `config`: each key's one `config.` line
+# is in get_config above).
+def runlocal(
+  cfg: ml_collections.ConfigDict, *, num_train: int, num_eval: int, num_steps: int, every_steps: int
+) -> None:
+  """The frame of an experiment's `runlocal` variant (seconds on a CPU): `num_steps` RL steps on
+  `num_train` training prompts, `num_eval` held-out prompts per cluster, an evaluation and a
+  checkpoint every `every_steps` steps."""
+  cfg.task.num_train, cfg.task.num_eval = num_train, num_eval
+  cfg.train.num_steps = num_steps
+  cfg.eval.every_steps = cfg.checkpoint.every_steps = every_steps
+
+
+def tiny_runlocal_batches(cfg: ml_collections.ConfigDict) -> None:
+  """The runlocal batches of the tiny random-init decoder's jobs (configs/arith_ebpo.py and
+  arith_tool.py): a warm start of 5 steps of 16 prompts, then 8 prompts x G = 4 per RL step in
+  mini-batches of 4."""
+  cfg.sft.num_steps, cfg.sft.batch_size = 5, 16
+  cfg.train.batch_size, cfg.train.mini_batch_size = 8, 4
+  cfg.rl.group_size = 4
 
 
 def parse_arg(

@@ -44,7 +44,7 @@ override with `--config.model.path=...`. The paper says "LLaMA-3.1-8B"; we assum
 model (a chat template for the math prompts; the base model has none).
 
 Why the mesh, dtypes, remat and micro-batch (sized for a v5p-64-class slice, 32 chips):
-bench/RESULTS.md, "configs/paper.py"; the compiled numbers are in bench/MEMORY.md.
+results/memory.md, "configs/paper.py: mesh and memory", beside the compiled numbers.
 
 Runlocal: 8 fake CPU devices as fsdp x tensor = 4 x 2.
 
@@ -54,7 +54,7 @@ want about the same learning rate at every rank, about 10x full fine-tuning's: 1
 paper's 1e-6. It found ranks 1-64 match full fine-tuning in policy-gradient RL (little information
 per episode); 32 is a safe middle. The base is frozen, so it needs no float32 master copy: it is
 stored in bfloat16, the compute dtype, and the KL reference is that same base with the adapters
-off (no copy). Per-chip memory with LoRA: bench/MEMORY.md, "LoRA".
+off (no copy). Per-chip memory with LoRA: results/memory.md, "LoRA".
 """
 
 import pathlib
@@ -111,14 +111,14 @@ MODELS = {  # the checkpoints' config.json values
 # train.micro_batch_size at G = 4 (rows; 4 per prompt). Whole groups of 8 prompts or more (one per
 # data x fsdp shard) run each prompt once per group (the shared-prefix layout: 25% fewer tokens
 # than 12,288-token rows); with splash attention the largest that fits with 10% headroom, by the
-# TPU compiler on v5p-64 (bench/MEMORY.md): Qwen3-8B 64 rows 60.9 GB per chip; Llama-3.1-8B 64
+# TPU compiler on v5p-64 (results/memory.md): Qwen3-8B 64 rows 60.9 GB per chip; Llama-3.1-8B 64
 # rows 53.6 GB; Qwen3-14B 32 rows 45.8 GB (64, about 84 GB, not compiled). Other G keep one
 # 12,288-token row per shard (compiled before the kernels; not redone).
 MICRO_ROWS_G4 = {"qwen3_8b": 64, "llama31_8b": 64, "qwen3_14b": 32}
 # sampling.prompts_per_call x G: the TPU compiler on v5p-64 gives 67.7 GB per chip for Qwen3-8B at
 # 1,024 rows, G = 4 (+ 3.1 GB of train state waiting: 31% headroom); at larger G the same rows hold
 # fewer prompts to prefill, so no more. Llama-3.1-8B's cache is smaller (32 layers). Qwen3-14B's
-# KV cache at 1,024 rows alone is about 64 GB per chip, so it takes 512 (bench/MEMORY.md).
+# KV cache at 1,024 rows alone is about 64 GB per chip, so it takes 512 (results/memory.md).
 SAMPLER_ROWS = {"qwen3_8b": 1024, "llama31_8b": 1024, "qwen3_14b": 512}
 METHODS = ("ebpo_topic", "ebpo_naive", "ebpo_diff", "grpo", "dr_grpo", "dapo")
 GROUP_SIZES = (4, 8, 16, 32)
@@ -210,8 +210,8 @@ def _paper_recipe(model: str, group_size: int) -> ml_collections.ConfigDict:
   config.model.head_dim = spec["head_dim"]
   config.model.vocab_size = spec["vocab_size"]  # ebpo_jax.aot: this shape, without the directory
   config.model.dtype = "bfloat16"
-  config.model.param_dtype = "float32"  # master weights: see bench/RESULTS.md
-  config.model.remat = "full"  # see bench/RESULTS.md
+  config.model.param_dtype = "float32"  # master weights: see results/memory.md
+  config.model.remat = "full"  # see results/memory.md
   config.model.unroll_layers = False  # one rolled layer loop: TPU compile time at 28-40 layers
   config.model.chat_template = True
 

@@ -29,9 +29,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.task.num_eval = 16
   config.task.options.levels = 3
   # A random-init decoder with the task's byte tokenizer.
-  config.model.intermediate_size = 128
-  config.model.num_layers = 2
-  config.model.num_kv_heads = 1
+  config.model.update(intermediate_size=128, num_layers=2, num_kv_heads=1)
   config.sft.num_steps = 20
   config.sft.batch_size = 16
   config.train.num_steps = 20
@@ -43,11 +41,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.eval.every_steps = 10
   config.checkpoint.every_steps = 10
   if arg.runlocal:
-    config.task.num_train = 64
-    config.task.num_eval = 8
+    common.runlocal(config, num_train=64, num_eval=8, num_steps=1, every_steps=1)
     config.sft.num_steps = 2
     config.sft.batch_size = 8
-    config.train.num_steps = 1
-    config.eval.every_steps = 1
-    config.checkpoint.every_steps = 1
   return config

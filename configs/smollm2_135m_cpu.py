@@ -8,7 +8,7 @@ hour: 8 prompts x G = 8 responses per step, at most 32 new tokens, 20 steps, flo
 Task: the easiest curriculum level of three reasoning-gym datasets, one cluster each: `chain_sum`
 and `basic_arithmetic` (two 1-digit operands) and `products` (1-digit x 1-digit). Why these: at
 temperature 1 the packaged model (a Q4_1 GGUF) is at most 3% avg@8 on every reasoning-gym task and
-level measured (bench/RESULTS.md, "SmolLM2-135M-Instruct on reasoning-gym"); it rarely ends with
+level measured (results/smollm2.md, "SmolLM2-135M-Instruct on reasoning-gym"); it rarely ends with
 the "Answer: <n>" line the verifier reads ("7 + 8 = 15" scores 0.2), and these three are where
 its numbers are most often right. The reward is the dataset's own score: 1 for the exact answer,
 reasoning-gym's partial credit len(answer) / len(line) for an answer inside a longer final line,
@@ -19,7 +19,7 @@ Not a format bonus: with a worked format line in the prompt ('... the last line 
 and 0.2 x `answer_format` in the reward, the policy learned within 8 steps to answer "Answer: 5"
 to everything (format reward 0 -> 1.0, held-out avg@8 0.016 -> 0.019 at step 12).
 
-  # the run (bench/RESULTS.md has the measured times and accuracies, 2 seeds)
+  # the run (results/smollm2.md has the measured times and accuracies, 2 seeds)
   python -m ebpo_jax.train --config=configs/smollm2_135m_cpu.py --workdir=/tmp/smol_cpu
   python bench/learning_curve.py /tmp/smol_cpu --out smol_cpu.png   # accuracy vs wall time
   # 1 RL step with small shapes (CI runs this)
@@ -67,19 +67,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.eval.every_steps = 10
   config.checkpoint.every_steps = 10
   config.logging.samples_every = 5
-  if arg.runlocal:
-    config.task.num_train = 32
-    config.task.num_eval = 2
-    config.train.num_steps = 1
-    config.train.batch_size = 2
-    config.train.mini_batch_size = 2
-    config.train.micro_batch_size = 4
-    config.rl.group_size = 2
-    config.sampling.max_new_tokens = 8
-    config.sampling.prompts_per_call = 6
-    config.eval.every_steps = 1
-    config.eval.num_samples = 2
-    config.checkpoint.every_steps = 1
-    config.model.unroll_layers = False  # one step: the rolled loop compiles faster
-    config.sampling.compact = False
+  if arg.runlocal:  # its evaluation (2 problems x 3 clusters) in one sampler call
+    smollm2.one_cpu_step(config, prompts=2, prompts_per_call=6)
   return config

@@ -201,6 +201,19 @@ def print_config(config: ml_collections.ConfigDict) -> None:
   print(jsonable.dumps(config, indent=1, sort_keys=True), flush=True)
 
 
+def printed_config_or_required(*names: str) -> bool:
+  """The start of an entry point's `main`: True when `--print_config` printed the config (main
+  then returns), else a usage error naming the flags of `names` left unset, else False."""
+  f = flags.FLAGS
+  if f.print_config:
+    print_config(f.config)
+    return True
+  missing = [f"--{name}" for name in names if f[name].value is None]
+  if missing:
+    raise app.UsageError(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} required")
+  return False
+
+
 def load_module(path: str | os.PathLike) -> types.ModuleType:
   """The Python module of a config file (its `get_config` and any tables it defines), loaded by
   path: configs/ is not a package (a config loads its sibling configs/common.py with this too)."""

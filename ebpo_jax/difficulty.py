@@ -26,9 +26,10 @@ import tqdm
 from absl import app, flags, logging
 
 from ebpo_jax import cli, data, files, jsonable, sharding, tasks
+from ebpo_jax.rollouts import batch as rollout_batch
+from ebpo_jax.rollouts.worker import make_worker
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import policy as policy_lib
-from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import task_rows
 
 # Prompts per sampler call when the config says all at once (0): the unit of progress kept.
@@ -127,11 +128,11 @@ def run(
     print(f"{partial_path}: {len(out)} of {len(rows)} rows measured before; taking up after them")
   elif is_main and files.exists(partial_path):
     print(f"{partial_path}: another input, k, policy or config measured it; starting over")
-  sampler = rollouts_lib.make_sampler(model, task, tokenizer, config, mesh)
+  worker = make_worker(model, task, tokenizer, config, mesh)
   calls = math.ceil(len(rows) / chunk)
-  with sampler.scorer.pool:
-    batches = rollouts_lib.sample_and_score_batches(
-      sampler, params, rows, num_samples=k, greedy=False, skip=done_calls
+  with worker.scorer.pool:
+    batches = rollout_batch.sample_and_score_batches(
+      worker, params, rows, num_samples=k, greedy=False, skip=done_calls
     )
     bar = dict(total=calls, initial=done_calls, desc="difficulty", unit="call", disable=not is_main)
     for batch in tqdm.tqdm(batches, **bar):
@@ -153,12 +154,9 @@ def run(
 
 def main(argv: Sequence[str]) -> None:
   del argv
-  f = flags.FLAGS
-  if f.print_config:
-    cli.print_config(f.config)
+  if cli.printed_config_or_required("input", "output"):
     return
-  if f.input is None or f.output is None:
-    raise app.UsageError("--input and --output are required")
+  f = flags.FLAGS
   with cli.entry_point(logging.ERROR):  # orbax warns about the items it skips
     run(f.config, f.input, f.output, k=f.k, run_dir=f.run_dir, step=f.step)
 

@@ -15,6 +15,10 @@ class ConfigError(BadInput):
   """An invalid config value; the message names the key and the value."""
 
 
+class DataError(BadInput):
+  """A data file or row that cannot be used; the message starts with `FILE:LINE:`."""
+
+
 def format_mismatch(found: object, expected: int, *, where: str, kind: str, remedy: str) -> str:
   """The one line that refuses a file of another format number (a checkpoint's, a workdir's),
   or "" when `found` is `expected`: who wrote it and what to do. Nothing is ever migrated."""

@@ -42,12 +42,13 @@ from absl import app, flags, logging
 from ebpo_jax import cli, files, jsonable, sharding, tasks
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.errors import ConfigError
+from ebpo_jax.rollouts import batch as rollout_batch
+from ebpo_jax.rollouts.options import EvalOptions
+from ebpo_jax.rollouts.worker import make_worker
 from ebpo_jax.tasks import base as tasks_base
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import policy as policy_lib
-from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import task_rows
-from ebpo_jax.trainer.rollout_options import EvalOptions
 
 EVAL_FILE = "eval.json"
 SAMPLES_FILE = "eval_samples.jsonl"
@@ -213,15 +214,15 @@ def run(
   check = task_rows.row_check(config, task, tokenizer)
   rows, cluster_names, rows_origin = task_rows.eval_rows(config, task, check)
   model, params, origin = policy_lib.load_policy(config, tokenizer, mesh, run_dir, step)
-  sampler = rollouts_lib.make_sampler(model, task, tokenizer, config, mesh)
-  with sampler.scorer.pool:
-    batches = rollouts_lib.sample_and_score_batches(
-      sampler, params, rows, num_samples=k, greedy=greedy
+  worker = make_worker(model, task, tokenizer, config, mesh)
+  with worker.scorer.pool:
+    batches = rollout_batch.sample_and_score_batches(
+      worker, params, rows, num_samples=k, greedy=greedy
     )
     calls = math.ceil(len(rows) / (config.sampling.prompts_per_call or len(rows)))
     bar = dict(total=calls, desc="evaluate", unit="call", disable=jax.process_index() != 0)
-    texts, rewards, errors = rollouts_lib.join_batches(list(tqdm.tqdm(batches, **bar)))
-    error_examples = list(sampler.scorer.pool.last_errors)
+    texts, rewards, errors = rollout_batch.join_batches(list(tqdm.tqdm(batches, **bar)))
+    error_examples = list(worker.scorer.pool.last_errors)
   extract = answer_extractor(task)
   answers = [[extract(t) for t in group] for group in texts]
   per_problem = [problem_metrics(r.tolist(), a) for r, a in zip(rewards, answers, strict=True)]
@@ -266,12 +267,9 @@ def define_policy_flags() -> None:
 
 def main(argv: Sequence[str]) -> None:
   del argv
-  f = flags.FLAGS
-  if f.print_config:
-    cli.print_config(f.config)
+  if cli.printed_config_or_required("workdir"):
     return
-  if f.workdir is None:
-    raise app.UsageError("--workdir is required")
+  f = flags.FLAGS
   with cli.entry_point(logging.ERROR):  # orbax warns about the items it skips
     run(f.config, f.workdir, run_dir=f.run_dir, step=f.step)
 

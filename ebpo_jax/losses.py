@@ -10,7 +10,10 @@ exact share of the mini-batch value, so summing over micro-batches gives the ful
 whatever the micro-batch size.
 """
 
-from typing import Literal
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -125,23 +128,59 @@ def _zero_padding(values_bt: Array, mask_bt: Array) -> Array:
   return jnp.where(mask_bt, values_bt.astype(jnp.float32), 0.0)
 
 
-def _check_hparams(clip_low, clip_high, dual_clip, agg, kl_coef, kl_kind, entropy_coef, ref, ent):
-  if not 0.0 <= clip_low < 1.0:
-    raise ValueError(f"clip_low must be in [0, 1), got {clip_low!r}")
-  if clip_high < 0.0:
-    raise ValueError(f"clip_high must be >= 0, got {clip_high!r}")
-  if dual_clip is not None and dual_clip <= 1.0:
-    raise ValueError(f"dual_clip must be > 1 (Ye et al. 2020) or None, got {dual_clip!r}")
-  if agg not in AGG_MODES:
-    raise ValueError(f"agg must be one of {AGG_MODES}, got {agg!r}")
-  if kl_kind not in KL_KINDS:
-    raise ValueError(f"kl_kind must be one of {KL_KINDS}, got {kl_kind!r}")
-  if kl_coef < 0.0 or entropy_coef < 0.0:
-    raise ValueError(f"kl_coef and entropy_coef must be >= 0, got {kl_coef!r}, {entropy_coef!r}")
-  if kl_coef > 0.0 and ref is None:
-    raise ValueError(f"kl_coef={kl_coef} > 0 needs ref_logps_bt (reference policy log-probs)")
-  if entropy_coef > 0.0 and ent is None:
-    raise ValueError(f"entropy_coef={entropy_coef} > 0 needs entropy_bt")
+class InvalidLossOption(ValueError):
+  """A `LossOptions` field outside its range; `field`, `value` and `rule` let a caller name its
+  config key (`LossOptions.from_config`)."""
+
+  def __init__(self, field: str, value: Any, rule: str):
+    self.field, self.value, self.rule = field, value, rule
+    super().__init__(f"{field}={value!r}: {rule}")
+
+
+def _one_of(options: tuple[str, ...]) -> str:
+  return f"must be one of {', '.join(options)}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LossOptions:
+  """The policy loss's hyperparameters (`config.rl.loss`), frozen (static under jit) and checked
+  where they are built: an invalid one raises `InvalidLossOption`. `policy_loss` takes them whole;
+  `rollout_is` and `rollout_is_cap` are the rollout correction's (`rollout_is_weights`)."""
+
+  clip_low: float = 0.2  # PPO's lower clip: the ratio's bound is 1 - clip_low, in [0, 1)
+  clip_high: float = 0.2  # the upper clip, 1 + clip_high (clip-higher: DAPO's 0.28)
+  dual_clip: float | None = 3.0  # > 1, or None: no dual clip (Ye et al. 2020)
+  aggregation: AggMode = "token-mean"  # one of AGG_MODES (`aggregate`)
+  kl_coef: float = 0.0  # >= 0; 0: no KL term (no reference log-probs needed)
+  kl_kind: KLKind = "k3"  # one of KL_KINDS (`kl_penalty`)
+  entropy_coef: float = 0.0  # >= 0; 0: no entropy bonus
+  rollout_is: str = "none"  # one of ROLLOUT_IS_MODES
+  rollout_is_cap: float = 2.0  # finite, > 1
+
+  def __post_init__(self):
+    _check(0.0 <= self.clip_low < 1.0, self, "clip_low", "must lie in [0, 1)")
+    _check(self.clip_high >= 0.0, self, "clip_high", "must be >= 0")
+    _check(self.dual_clip is None or self.dual_clip > 1.0, self, "dual_clip", "must be > 1")
+    _check(self.aggregation in AGG_MODES, self, "aggregation", _one_of(AGG_MODES))
+    _check(self.kl_kind in KL_KINDS, self, "kl_kind", _one_of(KL_KINDS))
+    _check(self.kl_coef >= 0.0, self, "kl_coef", "must be >= 0")
+    _check(self.entropy_coef >= 0.0, self, "entropy_coef", "must be >= 0")
+    _check(self.rollout_is in ROLLOUT_IS_MODES, self, "rollout_is", _one_of(ROLLOUT_IS_MODES))
+    cap = self.rollout_is_cap
+    _check(math.isfinite(cap) and cap > 1, self, "rollout_is_cap", "must be finite, > 1")
+
+  @classmethod
+  def from_config(cls, loss: Mapping[str, Any]) -> "LossOptions":
+    """The options of `config.rl.loss` (any mapping); ValueError naming the key and its value."""
+    try:
+      return cls(**{f.name: loss[f.name] for f in dataclasses.fields(cls)})
+    except InvalidLossOption as e:
+      raise ValueError(f"config.rl.loss.{e}") from None
+
+
+def _check(ok: bool, options: LossOptions, field: str, rule: str) -> None:
+  if not ok:
+    raise InvalidLossOption(field, getattr(options, field), rule)
 
 
 def _clipped_surrogate(
@@ -166,16 +205,10 @@ def policy_loss(
   old_logps_bt: Array,
   adv_b_or_bt: Array,
   mask_bt: Array,
+  options: LossOptions = LossOptions(),
   *,
-  clip_low: float = 0.2,
-  clip_high: float = 0.2,
-  dual_clip: float | None = 3.0,
-  agg: AggMode = "token-mean",
   ref_logps_bt: Array | None = None,
-  kl_coef: float = 0.0,
-  kl_kind: KLKind = "k3",
   entropy_bt: Array | None = None,
-  entropy_coef: float = 0.0,
   num_tokens: Array | int | None = None,
   num_seqs: Array | int | None = None,
   max_len: int | None = None,
@@ -191,20 +224,23 @@ def policy_loss(
     pg    = w pg   with `is_weights_bt` w (the rollout correction, `rollout_is_weights`)
     loss  = agg(pg) + kl_coef * agg(kl_k(pi || pi_ref)) - entropy_coef * agg(H)
 
-  `agg` is one of `aggregate`'s modes, normalised by the global counts `num_tokens` / `num_seqs`
-  and the generation length `max_len` (defaults: counted on this batch). `kl_coef` and
-  `entropy_coef` are Python floats: with 0 the term is dropped, and no reference log-probs are
-  needed. Returns (loss, metrics); every metric uses the same global normaliser as the loss, so
-  summing micro-batch metrics gives the mini-batch value. `is_weights_bt` (constants: no gradient
-  flows through them) scale each token's policy-gradient term only, not the KL or entropy terms,
-  and leave the normaliser as it is (a weight-0 token still counts in N_tok). Metrics: `pg_loss`,
-  `kl` (0 without reference log-probs), `entropy` (only with `entropy_bt`), `clipfrac` (tokens
-  where the clip is active, `clipfrac_low` / `clipfrac_high` by side), `dual_clipfrac`,
+  The hyperparameters are `options` (`LossOptions`, taken whole): `agg` is its `aggregation`, one
+  of `aggregate`'s modes, normalised by the global counts `num_tokens` / `num_seqs` and the
+  generation length `max_len` (defaults: counted on this batch); with `kl_coef` or `entropy_coef`
+  0 the term is dropped, and no reference log-probs are needed. Returns (loss, metrics); every
+  metric uses the same global normaliser as the loss, so summing micro-batch metrics gives the
+  mini-batch value. `is_weights_bt` (constants: no gradient flows through them) scale each token's
+  policy-gradient term only, not the KL or entropy terms, and leave the normaliser as it is (a
+  weight-0 token still counts in N_tok). Metrics: `pg_loss`, `kl` (0 without reference log-probs),
+  `entropy` (only with `entropy_bt`), `clipfrac` (tokens where the clip is active, `clipfrac_low`
+  / `clipfrac_high` by side), `dual_clipfrac`,
   `ratio_mean`, `approx_kl` (k3 of the old policy from the new one: how far the update has moved).
   """
-  _check_hparams(
-    clip_low, clip_high, dual_clip, agg, kl_coef, kl_kind, entropy_coef, ref_logps_bt, entropy_bt
-  )
+  o, agg = options, options.aggregation
+  if o.kl_coef > 0.0 and ref_logps_bt is None:
+    raise ValueError(f"kl_coef={o.kl_coef} > 0 needs ref_logps_bt (reference policy log-probs)")
+  if o.entropy_coef > 0.0 and entropy_bt is None:
+    raise ValueError(f"entropy_coef={o.entropy_coef} > 0 needs entropy_bt")
   mask_bt = mask_bt.astype(bool)
   adv_bt = adv_b_or_bt.astype(jnp.float32)
   adv_bt = jnp.broadcast_to(adv_bt[:, None] if adv_bt.ndim == 1 else adv_bt, mask_bt.shape)
@@ -222,7 +258,7 @@ def policy_loss(
   log_ratio_bt = logps_bt - _zero_padding(old_logps_bt, mask_bt)
   ratio_bt = jnp.exp(jnp.clip(log_ratio_bt, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
   pg_bt, is_clipped_bt, dual_clipped_bt = _clipped_surrogate(
-    adv_bt, ratio_bt, clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip
+    adv_bt, ratio_bt, clip_low=o.clip_low, clip_high=o.clip_high, dual_clip=o.dual_clip
   )
   if is_weights_bt is not None:
     pg_bt = pg_bt * _zero_padding(jax.lax.stop_gradient(is_weights_bt), mask_bt)
@@ -231,13 +267,13 @@ def policy_loss(
   metrics = {"pg_loss": loss, **ratio_metrics}
   metrics["kl"] = jnp.zeros((), jnp.float32)
   if ref_logps_bt is not None:
-    metrics["kl"] = agg_loss(kl_penalty(logps_bt, _zero_padding(ref_logps_bt, mask_bt), kl_kind))
-    if kl_coef > 0.0:
-      loss = loss + kl_coef * metrics["kl"]
+    metrics["kl"] = agg_loss(kl_penalty(logps_bt, _zero_padding(ref_logps_bt, mask_bt), o.kl_kind))
+    if o.kl_coef > 0.0:
+      loss = loss + o.kl_coef * metrics["kl"]
   if entropy_bt is not None:
     metrics["entropy"] = agg_loss(_zero_padding(entropy_bt, mask_bt))
-    if entropy_coef > 0.0:
-      loss = loss - entropy_coef * metrics["entropy"]
+    if o.entropy_coef > 0.0:
+      loss = loss - o.entropy_coef * metrics["entropy"]
   metrics["loss"] = loss
   return loss, metrics
 

@@ -23,7 +23,7 @@ _FAKE_CPU_DEVICES_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d
 # entry point's heap holds millions (the modules JAX, flax and orbax import, JAX's traced and
 # lowered programs) and tracing allocates objects by the million. These thresholds collect young
 # objects every 50,000 and the whole heap about 25 times less often: the test suite, whose every
-# process sets them, took 6% fewer CPU-seconds (883 -> 820-837; bench/RESULTS.md, "Session 26").
+# process sets them, took 6% fewer CPU-seconds (883 -> 820-837: results/suite_time.md, session 26).
 GC_THRESHOLDS = (50_000, 50, 100)
 
 

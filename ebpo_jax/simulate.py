@@ -131,7 +131,7 @@ def _make_step(rows: dict[str, advantages.Estimator]):
     new_priors, outputs = {}, {}
     for name, estimator in rows.items():
       adv_bg, new_priors[name], stats = estimator.with_stats(
-        rewards_bg, None, cluster_ids_b, priors[name]
+        rewards_bg, cluster_ids_b=cluster_ids_b, prior=priors[name]
       )
       outputs[name] = (adv_bg, stats)
     return new_priors, outputs

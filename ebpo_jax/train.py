@@ -16,7 +16,7 @@ from ml_collections import config_flags
 from ebpo_jax import cli, trainer
 from ebpo_jax.trainer import banner as banner_lib
 
-_CONFIG, _PRINT_CONFIG = cli.define_config_flags()
+_CONFIG, _ = cli.define_config_flags()
 flags.adopt_module_key_flags(cli)  # --help lists --config and --print_config
 _WORKDIR = flags.DEFINE_string(
   "workdir", None, "Directory for checkpoints, metrics and plots (local or gs://bucket/...)."
@@ -25,12 +25,9 @@ _WORKDIR = flags.DEFINE_string(
 
 def main(argv: Sequence[str]) -> None:
   del argv
-  config, workdir = _CONFIG.value, _WORKDIR.value
-  if _PRINT_CONFIG.value:
-    cli.print_config(config)
+  if cli.printed_config_or_required("workdir"):
     return
-  if workdir is None:
-    raise app.UsageError("--workdir is required")
+  config, workdir = _CONFIG.value, _WORKDIR.value
   name = banner_lib.config_name(
     config_flags.get_config_filename(flags.FLAGS["config"]),
     config_flags.get_override_values(flags.FLAGS["config"]),

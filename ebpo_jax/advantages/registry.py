@@ -233,26 +233,33 @@ class Estimator:
     return init_prior(_SPECS[self.name].prior_size(self.params, num_clusters))
 
   def __call__(
-    self, rewards_bg: Array, mask_bg: Array | None, cluster_ids_b: Array, prior: PriorState
+    self,
+    rewards_bg: Array,
+    *,
+    cluster_ids_b: Array,
+    prior: PriorState,
+    mask_bg: Array | None = None,
   ) -> tuple[Array, PriorState, Stats]:
-    """(adv_bg [B, G], new_prior, metrics); see the class docstring for the metrics."""
-    adv_bg, new_prior, _, metrics = _run(self, rewards_bg, mask_bg, cluster_ids_b, prior)
+    """(adv_bg [B, G], new_prior, metrics) of rewards [B, G] in clusters [B] under `prior` (mask
+    [B, G]: the valid responses, default all); see the class docstring for the metrics."""
+    adv_bg, new_prior, _, metrics = _run(
+      self, rewards_bg, cluster_ids_b=cluster_ids_b, prior=prior, mask_bg=mask_bg
+    )
     return adv_bg, new_prior, metrics
 
-  def with_stats(
-    self, rewards_bg: Array, mask_bg: Array | None, cluster_ids_b: Array, prior: PriorState
-  ) -> tuple[Array, PriorState, Stats]:
-    """(adv_bg, new_prior, stats), stats per prompt instead of metrics (for analysis).
+  def with_stats(self, rewards_bg: Array, **inputs: Any) -> tuple[Array, PriorState, Stats]:
+    """(adv_bg, new_prior, stats) of the inputs of `__call__` (keywords `cluster_ids_b`, `prior`,
+    `mask_bg`), stats per prompt instead of metrics (for analysis).
 
     stats: "baseline" [B, G] (what is subtracted from each reward); js_shrinkage and ebpo add
     "shrinkage" [B]; ebpo adds "mu_glob", "sigma2", "tau2" [B] and "zero_frac".
     """
-    adv_bg, new_prior, stats, _ = _run(self, rewards_bg, mask_bg, cluster_ids_b, prior)
+    adv_bg, new_prior, stats, _ = _run(self, rewards_bg, **inputs)
     return adv_bg, new_prior, stats
 
 
 @jax.jit(static_argnums=0)
-def _run(estimator: Estimator, rewards_bg, mask_bg, cluster_ids_b, prior):
+def _run(estimator: Estimator, rewards_bg, *, cluster_ids_b, prior, mask_bg=None):
   spec = _SPECS[estimator.name]
   rewards_bg, mask_bg = _prepare(rewards_bg, mask_bg)
   cluster_ids_b = _check_cluster_ids(cluster_ids_b, rewards_bg.shape[0])

@@ -5,11 +5,11 @@ import importlib
 
 from ebpo_jax.data.rows import (
   Columns,
-  DataError,
   load_checked_rows,
   load_rows,
   load_rows_and_clusters,
 )
+from ebpo_jax.errors import DataError
 
 # The batches (grain, and JAX with it) load on first use: a verifier worker that unpickles a
 # task's scorer imports its module, which reads rows from here, and needs neither.

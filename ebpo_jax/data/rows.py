@@ -19,15 +19,13 @@ import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
-from ebpo_jax import errors, files
+from ebpo_jax import files
+from ebpo_jax.data import saved_dataset
+from ebpo_jax.errors import DataError
 
 SUFFIXES = (".jsonl", ".parquet")
 # A row's chat (`chat_messages`): the prompt column may hold one, or a row keeps it under this key.
 MESSAGES = "messages"
-
-
-class DataError(errors.BadInput):
-  """A data file or row that cannot be used; the message starts with `FILE:LINE:`."""
 
 
 class Columns(NamedTuple):
@@ -138,7 +136,6 @@ def listing(problems: Sequence[str]) -> str:
 
 def _records(path: str, split: str | None) -> Iterator[tuple[str, Any]]:
   """("FILE:LINE", record or its DataError) of every record of a rows file or directory."""
-  from ebpo_jax.data import saved_dataset  # it imports DataError from this module
 
   if files.isdir(path):
     if not saved_dataset.is_saved_dataset(path):

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ebpo_jax import files
-from ebpo_jax.data.rows import DataError
+from ebpo_jax.errors import DataError
 
 STATE = "state.json"  # a Dataset directory
 DATASET_DICT = "dataset_dict.json"  # a DatasetDict directory

@@ -187,7 +187,7 @@ class RMSNorm(nn.Module):
 def token_matmul(x: jax.Array, w_io: jax.Array, **kwargs) -> jax.Array:
   """`x [..., I] @ w [I, O] -> [..., O]` as one 2-D matmul over all tokens. A 3-D einsum's weight
   gradient contracts two axes (batch and time), which XLA:CPU runs at about half the rate of this
-  2-D form (0.77x train step time at a 4-layer d=256 model; bench/RESULTS.md)."""
+  2-D form (0.77x train step time at a 4-layer d=256 model; results/speed.md)."""
   y = jnp.matmul(x.reshape(-1, x.shape[-1]), w_io, **kwargs)
   return y.reshape(*x.shape[:-1], w_io.shape[-1])
 

@@ -21,16 +21,13 @@ _SPECIALS = 3  # ids 0, 1, 2: pad, BOS, EOS
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf", "*.h5", "*.msgpack")
 
 
-class _Own:
-  """Prompt ids and stop ids of the project's own tokenizers (subclasses define `encode`)."""
+class _Prompts:
+  """The prompt and observation ids of every tokenizer here: without a chat template, BOS (if the
+  tokenizer has one) + the texts one per line, and an observation's own tokens; a tokenizer whose
+  chat template is in use (`use_chat_template`) renders them with it (`_chat_*`)."""
 
-  pad_id: int
-  bos_id: int
-  eos_id: int
-
-  @property
-  def stop_ids(self) -> tuple[int, ...]:
-    return (self.eos_id,)
+  bos_id: int | None
+  use_chat_template = False
 
   def prompt_ids(
     self,
@@ -39,13 +36,31 @@ class _Own:
     history: Sequence[dict] = (),
     tools: Sequence[dict] = (),
   ) -> list[int]:
-    """BOS + the texts one per line (tools are not rendered: a tiny model learns its tools in the
-    warm start)."""
-    return [self.bos_id, *self.encode(plain_prompt(text, system_prompt, history))]  # type: ignore[attr-defined]
+    """The chat template's conversation so far, else BOS + the texts (without a template the tools
+    are not rendered: a tiny model learns its tools in the warm start)."""
+    if self.use_chat_template:
+      return self._chat_prompt_ids(text, system_prompt, history, tools)  # type: ignore[attr-defined]
+    bos = [] if self.bos_id is None else [self.bos_id]
+    return bos + self.encode(plain_prompt(text, system_prompt, history))  # type: ignore[attr-defined]
 
   def observation_ids(self, text: str, *, after_end_of_turn: bool = True) -> list[int]:
-    """The text's tokens (no chat template: nothing closes a turn)."""
+    """An environment's answer after a model turn: the chat template's rendering, else the text's
+    tokens (no chat template: nothing closes a turn)."""
+    if self.use_chat_template:
+      return self._chat_observation_ids(text, after_end_of_turn)  # type: ignore[attr-defined]
     return self.encode(text)  # type: ignore[attr-defined]
+
+
+class _Own(_Prompts):
+  """Stop ids of the project's own tokenizers (subclasses define `encode`)."""
+
+  pad_id: int
+  bos_id: int
+  eos_id: int
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    return (self.eos_id,)
 
 
 class CharTokenizer(_Own):
@@ -168,7 +183,7 @@ def _load_transformers_tokenizer(local: str) -> Any:
   return transformers.AutoTokenizer.from_pretrained(local, local_files_only=True)
 
 
-class HFTokenizer:
+class HFTokenizer(_Prompts):
   """A model directory's tokenizer (transformers), with its chat template for instruct models.
 
   `chat_template=True` wraps prompts in the directory's chat template (when it has one), with the
@@ -199,19 +214,10 @@ class HFTokenizer:
   def encode(self, text: str) -> list[int]:
     return list(self._tok.encode(text, add_special_tokens=False))
 
-  def prompt_ids(
-    self,
-    text: str,
-    system_prompt: str | None = None,
-    history: Sequence[dict] = (),
-    tools: Sequence[dict] = (),
-  ) -> list[int]:
-    """The chat template's conversation so far, else BOS + the texts. The tool schemas `tools`
-    are rendered as the template renders them; a template that ignores `tools=` (SmolLM2's) gets
-    them in the system prompt instead (`tool_calls.tools_system_prompt`, after the task's)."""
-    if not self.use_chat_template:
-      bos = [] if self.bos_id is None else [self.bos_id]
-      return bos + self.encode(plain_prompt(text, system_prompt, history))
+  def _chat_prompt_ids(self, text, system_prompt, history, tools) -> list[int]:
+    """`prompt_ids` by the chat template. The tool schemas `tools` are rendered as the template
+    renders them; a template that ignores `tools=` (SmolLM2's) gets them in the system prompt
+    instead (`tool_calls.tools_system_prompt`, after the task's)."""
     has_system = any(m["role"] == "system" for m in history)
     messages = (
       [{"role": "system", "content": system_prompt}] if system_prompt and not has_system else []
@@ -235,13 +241,10 @@ class HFTokenizer:
     render = functools.partial(self._tok.apply_chat_template, messages, tokenize=False)
     return render(tools=[schema]) != render()
 
-  def observation_ids(self, text: str, *, after_end_of_turn: bool = True) -> list[int]:
-    """An environment's answer after a model turn: the chat template's tool message and the next
-    turn's generation prompt (less the end-of-turn mark when the model drew it,
-    `after_end_of_turn`; a turn cut at a stop string such as a tool call's close tag has not),
-    else the text's tokens."""
-    if not self.use_chat_template:
-      return self.encode(text)
+  def _chat_observation_ids(self, text: str, after_end_of_turn: bool) -> list[int]:
+    """`observation_ids` by the chat template: its tool message and the next turn's generation
+    prompt (less the end-of-turn mark when the model drew it, `after_end_of_turn`; a turn cut at a
+    stop string such as a tool call's close tag has not)."""
     marker = "\ue000"  # a private-use character: where the model's turn ends in the rendering
     messages = [{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}]
     messages.append({"role": "tool", "content": text})

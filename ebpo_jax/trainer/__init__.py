@@ -6,16 +6,10 @@ loop       the run: `run` (checks, the workdir's claim) and `train` (resume or s
 
 config     checking every value of a config before compiling (`check_config`; `cli.load_config`
            loads it, `cli.entry_point` turns a bad value into one line)
-state      `TrainState`, a fresh or an abstract state and its shardings, the step's named PRNG
-           streams (`step_keys`)
+state      `TrainState`, a fresh or an abstract state and its shardings
 optimizer  AdamW after clipping, its learning-rate schedule, its state's shardings
 step       the pure `train_step` over frozen `StepOptions` (advantages, then PPO-clip updates)
            and its one jit; it returns the advantages beside the metrics (`StepAux`)
-rollouts   host rollouts (`Sampler` -> `Rollout`): sampling, DAPO refill, the in-training
-           evaluation
-rollout_options  what the rollouts read of the config, frozen once (`RolloutOptions`)
-scoring    `Scorer`: the task's verifier or the reward functions, in the verifier pool
-prompts    `PromptEncoder`: the one prompt encoder (rollouts, row checks, warm start)
 task_rows  the task, its tokenizer and its rows, each checked before anything compiles
 warm_start the supervised warm start before RL (batches: `data.make_batches`, order `sampled`)
 workdir    a run's workdir: its lock, its config.json compared on resume, its format number

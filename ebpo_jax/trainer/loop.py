@@ -24,7 +24,6 @@ import tqdm
 from absl import logging
 
 from ebpo_jax import (
-  advantages,
   checkpoint,
   data,
   errors,
@@ -34,13 +33,15 @@ from ebpo_jax import (
   process,
   sharding,
 )
+from ebpo_jax import keys as keys_lib
 from ebpo_jax import metrics as metrics_lib
+from ebpo_jax.rollouts import batch as rollout_batch
+from ebpo_jax.rollouts.rollout import Rollout
+from ebpo_jax.rollouts.worker import RolloutWorker, make_worker
 from ebpo_jax.tasks import reward_fns as reward_fns_lib
 from ebpo_jax.trainer import banner as banner_lib
 from ebpo_jax.trainer import config as config_lib
-from ebpo_jax.trainer import optimizer as optimizer_lib
 from ebpo_jax.trainer import policy as policy_lib
-from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer import task_rows
 from ebpo_jax.trainer import warm_start as warm_start_lib
@@ -102,30 +103,28 @@ def train(
     rows, batch_size=config.train.batch_size, order=config.data.order, seed=config.seed
   )
 
-  # ---- Model, optimizer, estimator and the jitted step.
+  # ---- Model, the state it trains (optimizer, estimator) and the jitted step.
   model = models.build.make_model(config, tokenizer.vocab_size)
-  optimizer = optimizer_lib.make_optimizer(config)
-  estimator = advantages.from_config(config.rl)
+  spec = state_lib.StateSpec.from_config(config, len(cluster_names))
   abstract_params = models.build.abstract_params(model, mesh)
-  state_args = (config, optimizer, estimator, len(cluster_names))
-  shardings = state_lib.state_shardings(*state_args, abstract_params)
+  shardings = spec.shardings(abstract_params)
   traces = collections.Counter()  # jit traces of the train step: 1 means no recompile
   options = StepOptions.from_config(config, mesh)
   step_fn = jit_train_step(
-    model, optimizer, estimator, options, mesh, shardings, on_trace=lambda: traces.update(["step"])
+    model, spec, options, mesh, shardings, on_trace=lambda: traces.update(["step"])
   )
 
   # ---- The run's resources: every exit (the end, too many bad steps, SIGTERM, an error) closes
   # the writer, then the checkpointer (waiting for a pending save), then the verifier pool.
   with contextlib.ExitStack() as resources:
-    sampler = rollouts_lib.make_sampler(model, task, tokenizer, config, mesh)
-    resources.enter_context(sampler.scorer.pool)
+    worker = make_worker(model, task, tokenizer, config, mesh)
+    resources.enter_context(worker.scorer.pool)
     ckpt = resources.enter_context(_checkpointer(config, workdir))
 
     # ---- Resume first; else a fresh state (warm start, step-0 evaluation and checkpoint).
     latest, state = None, None
     if ckpt.all_steps():  # the newest checkpoint that restores and verifies
-      abstract = state_lib.abstract_state(*state_args, abstract_params)
+      abstract = spec.abstract(abstract_params)
       latest, state = _restore(ckpt, abstract, config, model, mesh, batches)
     banner_lib.log_startup(
       mesh=mesh,
@@ -144,7 +143,7 @@ def train(
       eval_rows=inputs.eval_rows,
       eval_cluster_names=inputs.eval_cluster_names,
       batches=batches,
-      sampler=sampler,
+      worker=worker,
       step_fn=step_fn,
       traces=traces,
       ckpt=ckpt,
@@ -154,7 +153,7 @@ def train(
     )
     last_eval = {}
     if latest is None:
-      state, last_eval = _start(r, model, mesh, workdir, state_args)
+      state, last_eval = _start(r, model, mesh, workdir, spec)
     warm_start_lib.discard(workdir)
     last_eval = _loop(r, state, last_eval)
 
@@ -172,7 +171,7 @@ def train(
 
 @dataclasses.dataclass(frozen=True)
 class _Run:
-  """What the loop's helpers share: the run's config, rows, sampler, step and resources."""
+  """What the loop's helpers share: the run's config, rows, rollout worker, step and resources."""
 
   config: ml_collections.ConfigDict
   rows: list[dict]
@@ -180,7 +179,7 @@ class _Run:
   eval_rows: list[dict]
   eval_cluster_names: list[str]  # eval_rows' clusters (its source's): eval/accuracy/<name>
   batches: Iterator
-  sampler: rollouts_lib.Sampler
+  worker: RolloutWorker
   step_fn: Callable
   traces: collections.Counter
   ckpt: checkpoint.Checkpointer
@@ -222,10 +221,10 @@ def _metrics_writer(config, workdir: str, latest: int | None) -> metrics_lib.Met
 
 
 def _evaluate(r: _Run, state: state_lib.TrainState) -> dict:
-  eval_key = state_lib.step_keys(state.rng, state.step).eval
+  eval_key = keys_lib.step_keys(state.rng, state.step).eval
   params = state_lib.policy_params(state)
-  return rollouts_lib.evaluate_accuracy(
-    r.sampler, params, r.eval_rows, r.eval_cluster_names, eval_key
+  return rollout_batch.evaluate_accuracy(
+    r.worker, params, r.eval_rows, r.eval_cluster_names, eval_key
   )
 
 
@@ -238,15 +237,15 @@ def _checkpointer(config, workdir: str) -> checkpoint.Checkpointer:
   )
 
 
-def _start(r: _Run, model, mesh, workdir: str, state_args) -> tuple[state_lib.TrainState, dict]:
+def _start(r: _Run, model, mesh, workdir: str, spec) -> tuple[state_lib.TrainState, dict]:
   """A fresh state (the warm start's params), its step-0 evaluation and checkpoint: (state, the
   evaluation)."""
   params = warm_start_lib.warm_start(
-    r.config, model, mesh, r.rows, r.sampler, workdir=workdir, sigterm=r.sigterm, writer=r.writer
+    r.config, model, mesh, r.rows, r.worker, workdir=workdir, sigterm=r.sigterm, writer=r.writer
   )
   if r.sigterm.requested_anywhere():
     _exit_on_signal(r.sigterm, "the warm start saved its own checkpoint")
-  state = state_lib.create_state(*state_args, params)
+  state = spec.create(params)
   last_eval = _evaluate(r, state)
   r.writer.write(0, {**last_eval, metrics_lib.TIME_ELAPSED_S: time.perf_counter() - r.started})
   config = r.config
@@ -318,11 +317,11 @@ def _rl_step(r: _Run, state, step: int, *, first: bool):
   metrics, its sample completions table when due or None, bad steps in a row)."""
   config = r.config
   t0 = time.perf_counter()
-  keys = state_lib.step_keys(state.rng, state.step, config.rl.max_refill_rounds)
-  batch, rollout, logged = rollouts_lib.collect_batch(
-    r.sampler, state_lib.policy_params(state), keys, r.rows, r.batches
+  keys = keys_lib.step_keys(state.rng, state.step, config.rl.max_refill_rounds)
+  batch, rollout, logged = rollout_batch.collect_batch(
+    r.worker, state_lib.policy_params(state), keys, r.rows, r.batches
   )
-  r.sampler.scorer.check_step()  # rewards.max_error_frac: never train on failed calls' zeros
+  r.worker.scorer.check_step()  # rewards.max_error_frac: never train on failed calls' zeros
   t1 = time.perf_counter()
   if first:
     logging.info("compiling the train step (the first call; once per run) ...")
@@ -344,7 +343,7 @@ def _rl_step(r: _Run, state, step: int, *, first: bool):
   samples, every = None, config.logging.samples_every
   if every and (step + 1) % every == 0:
     num = config.logging.num_samples
-    samples = rollouts_lib.sample_rows(rollout, advantages_bg, r.cluster_names, num)
+    samples = rollout_batch.sample_rows(rollout, advantages_bg, r.cluster_names, num)
   return state, logged, samples, bad_in_a_row
 
 
@@ -368,7 +367,7 @@ def _exit_on_signal(flag: process.SigtermFlag, saved: str) -> NoReturn:
   sys.exit(flag.exit_status)
 
 
-def host_metrics(step_metrics: dict, rollout: rollouts_lib.Rollout, cluster_names) -> dict:
+def host_metrics(step_metrics: dict, rollout: Rollout, cluster_names) -> dict:
   """Device metrics as floats (a vector [K] becomes one key per cluster name); per-cluster mean
   rewards."""
   per_cluster, out = metrics_lib.per_cluster, {}

@@ -18,10 +18,12 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding
 
-from ebpo_jax import advantages, losses, models, sequences, sharding
+from ebpo_jax import advantages, losses, models, sharding
 from ebpo_jax import metrics as metrics_lib
+from ebpo_jax.keys import step_keys
+from ebpo_jax.sampling import sequences
 from ebpo_jax.trainer.optimizer import learning_rate
-from ebpo_jax.trainer.state import TrainState, policy_params, step_keys
+from ebpo_jax.trainer.state import StateSpec, TrainState, policy_params
 from ebpo_jax.trainer.step_options import StepAux, StepLayout, StepOptions
 
 # ----------------------------------------------------------------------------- the batch
@@ -153,15 +155,9 @@ def _loss_fn(
     old_logps,
     mb["adv"],
     mb["loss_mask"],
-    clip_low=loss.clip_low,
-    clip_high=loss.clip_high,
-    dual_clip=loss.dual_clip,
-    agg=loss.aggregation,
+    loss,
     ref_logps_bt=mb.get("ref_logps"),
-    kl_coef=loss.kl_coef,
-    kl_kind=loss.kl_kind,
     entropy_bt=losses.entropy(logits),
-    entropy_coef=loss.entropy_coef,
     num_tokens=num_tokens,
     num_seqs=num_seqs,
     max_len=mb["targets"].shape[1],
@@ -255,11 +251,11 @@ def train_step(
   """
   layout = options.layout
   rollout_finite = ~batch["nonfinite"].any()
-  adv_bg, prior, adv_metrics = estimator(batch["rewards"], None, batch["cluster_ids"], state.prior)
+  rewards, clusters = batch["rewards"], batch["cluster_ids"]
+  adv_bg, prior, adv_metrics = estimator(rewards, cluster_ids_b=clusters, prior=state.prior)
   prior = jax.tree.map(lambda new, old: jnp.where(rollout_finite, new, old), prior, state.prior)
   seqs, prompts = _sequences(batch, layout)
-  sampler_logps = batch["old_logps"]
-  seqs["old_logps"] = sampler_logps
+  seqs["old_logps"] = sampler_logps = batch["old_logps"]
   seqs["adv"] = adv_bg.reshape(-1)
   ref_logps = _reference_logps(state, seqs | prompts, model=model, options=options, mesh=mesh)
   if ref_logps is not None:
@@ -369,10 +365,24 @@ def _updates(state, seqs, prompts, scanned, rollout_finite, *, optimizer, option
   return (params, opt_state, first_logps), metrics
 
 
+def bound_train_step(
+  model: models.Decoder, spec: StateSpec, options: StepOptions, mesh: Mesh | None = None
+) -> Callable:
+  """`train_step(state, batch)` with its static parts bound: the model, the state's optimizer and
+  estimator (`spec`), the step's options and the mesh (None: no sharding constraints)."""
+  return functools.partial(
+    train_step,
+    model=model,
+    optimizer=spec.optimizer,
+    estimator=spec.estimator,
+    options=options,
+    mesh=mesh,
+  )
+
+
 def jit_train_step(
   model: models.Decoder,
-  optimizer: optax.GradientTransformation,
-  estimator: advantages.Estimator,
+  spec: StateSpec,
   options: StepOptions,
   mesh: Mesh,
   state_shardings: Any,
@@ -382,10 +392,9 @@ def jit_train_step(
 ):
   """`train_step` jitted as the trainer runs it: explicit state and batch shardings (so a second
   step hits the compile cache), metrics and aux replicated, the state donated. `on_trace` is
-  called each time jit traces the step (a retrace counter)."""
-  step = functools.partial(
-    train_step, model=model, optimizer=optimizer, estimator=estimator, options=options, mesh=mesh
-  )
+  called each time jit traces the step (a retrace counter). `spec`: the state's optimizer and
+  estimator."""
+  step = bound_train_step(model, spec, options, mesh)
 
   def fn(state, batch):
     if on_trace is not None:

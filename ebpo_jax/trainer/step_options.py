@@ -10,26 +10,8 @@ import optax
 from jax.sharding import Mesh
 
 from ebpo_jax import sharding
+from ebpo_jax.losses import LossOptions
 from ebpo_jax.trainer.optimizer import learning_rate_schedule
-
-
-@dataclasses.dataclass(frozen=True)
-class LossOptions:
-  """The policy loss's options (`config.rl.loss`; `losses.policy_loss`)."""
-
-  clip_low: float
-  clip_high: float
-  dual_clip: float | None
-  aggregation: str
-  kl_coef: float
-  kl_kind: str
-  entropy_coef: float
-  rollout_is: str  # the rollout correction: none | token_tis | seq_mask (losses.rollout_is_weights)
-  rollout_is_cap: float
-
-  @classmethod
-  def from_config(cls, loss: ml_collections.ConfigDict) -> "LossOptions":
-    return cls(**{f.name: loss[f.name] for f in dataclasses.fields(cls)})
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,8 +11,8 @@ import ml_collections
 import numpy as np
 
 from ebpo_jax import data, models, tasks
+from ebpo_jax.rollouts import prompts
 from ebpo_jax.tasks import tokenizers
-from ebpo_jax.trainer import prompts
 
 
 class Inputs(NamedTuple):

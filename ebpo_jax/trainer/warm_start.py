@@ -19,11 +19,12 @@ import ml_collections
 import optax
 import tqdm
 
-from ebpo_jax import checkpoint, data, files, models, process, sequences
+from ebpo_jax import checkpoint, data, files, models, process
 from ebpo_jax import metrics as metrics_lib
+from ebpo_jax.rollouts.worker import RolloutWorker
+from ebpo_jax.sampling import sequences
 from ebpo_jax.trainer import optimizer as optimizer_lib
 from ebpo_jax.trainer import policy as policy_lib
-from ebpo_jax.trainer import rollouts as rollouts_lib
 from ebpo_jax.trainer.step import completion_logprobs
 
 WARM_START_DIR = "warm_start"
@@ -92,7 +93,7 @@ def warm_start(
   model: models.Decoder,
   mesh,
   rows: Sequence[dict],
-  sampler: rollouts_lib.Sampler,
+  worker: RolloutWorker,
   *,
   workdir: str,
   sigterm: process.SigtermFlag,
@@ -137,9 +138,9 @@ def warm_start(
       ckpt.close()
       return params
     batch_rows = [rows[i] for i in next(batches)]
-    prompt_ids, prompt_mask = sampler.encoder.prompts(batch_rows)
-    width = sampler.options.completion_width
-    targets, target_mask, loss_mask = sampler.encoder.targets(batch_rows, width)
+    prompt_ids, prompt_mask = worker.encoder.prompts(batch_rows)
+    width = worker.options.completion_width
+    targets, target_mask, loss_mask = worker.encoder.targets(batch_rows, width)
     batch = {
       "prompt_ids": prompt_ids,
       "prompt_mask": prompt_mask,

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from ebpo_jax import tpu as tpu_lib
+from ebpo_jax.aot import topology as tpu_lib
 from tests.helpers.processes import run_python
 
 # ----------------------------------------------------------------------------- the TPU compiler
@@ -59,7 +59,7 @@ DECODE_KERNEL = textwrap.dedent(
   jax.config.update("jax_platforms", "cpu")
   import jax.numpy as jnp
   from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
-  from ebpo_jax import tpu as tpu_lib
+  from ebpo_jax.aot import topology as tpu_lib
   from ebpo_jax.models.decode_attention import flash_decode
   devices = np.array(tpu_lib.topology_devices(tpu_lib.parse_slice("v5p:2x2x1")))
   mesh = Mesh(devices.reshape(2, 1, 2), ("data", "fsdp", "tensor"), axis_types=(AxisType.Auto,) * 3)
@@ -95,8 +95,8 @@ LAYER_SWEEP = textwrap.dedent(
   """
   import json, jax
   jax.config.update("jax_platforms", "cpu")
-  from ebpo_jax import aot
-  from ebpo_jax import tpu as tpu_lib
+  from ebpo_jax.aot import programs as aot
+  from ebpo_jax.aot import topology as tpu_lib
   from ebpo_jax import cli
   out = {}
   for layers in (2, 4, 8):
@@ -135,8 +135,9 @@ LORA_STATE = textwrap.dedent(
   """
   import json, jax
   jax.config.update("jax_platforms", "cpu")
-  from ebpo_jax import advantages, aot
-  from ebpo_jax import tpu as tpu_lib
+  from ebpo_jax import advantages
+  from ebpo_jax.aot import programs as aot
+  from ebpo_jax.aot import topology as tpu_lib
   from ebpo_jax import cli
   from ebpo_jax.trainer import optimizer as optimizer_lib
   from ebpo_jax.trainer import state as state_lib
@@ -144,9 +145,7 @@ LORA_STATE = textwrap.dedent(
   for arg in ("qwen3_8b,ebpo_topic,g4", "qwen3_8b,ebpo_topic,g4,lora32"):
     config = cli.load_config("configs/paper.py:" + arg)
     target = aot.make_target(config, tpu_lib.parse_slice("v5p:2x2x1"))  # no weights on disk
-    optimizer = optimizer_lib.make_optimizer(config)
-    estimator = advantages.from_config(config.rl)
-    state = state_lib.abstract_state(config, optimizer, estimator, 16, target.params)
+    state = state_lib.StateSpec.from_config(config, 16).abstract(target.params)
     out[arg] = aot.state_bytes(state)
   print(json.dumps(out))
   """

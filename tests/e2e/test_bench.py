@@ -61,7 +61,7 @@ def _run_group(names: tuple[str, ...], out, timeout: int = 900) -> dict[str, str
 
 def _check_output(name: str, stdout: str) -> None:
   """A smoke run's stdout: its table (gpu) or its last line, a JSON summary."""
-  if name == "gpu":  # a markdown table for bench/RESULTS.md
+  if name == "gpu":  # a markdown table for results/gpu.md
     assert "| tiny | 2 |" in stdout, stdout[-2000:]
     return
   summary = json.loads(stdout.strip().splitlines()[-1])

@@ -13,7 +13,8 @@ from ebpo_jax.evaluate import (
   majority_correct,
 )
 from ebpo_jax.models import lora
-from ebpo_jax.trainer import policy, rollouts, task_rows
+from ebpo_jax.rollouts import batch as rollout_batch
+from ebpo_jax.trainer import policy, task_rows
 from tests.helpers import ROOT
 from tests.helpers.checkpoints import restore_run_state, save_checkpoint
 from tests.helpers.configs import arith_config
@@ -160,7 +161,7 @@ def test_difficulty_writes_as_it_goes_and_a_rerun_takes_up_after_it(tmp_path, mo
     return difficulty.run(config, str(source), str(path), k=2, run_dir=str(run_dir))
 
   reference = measure(tmp_path / "reference.jsonl")
-  real, skipped = rollouts.sample_and_score_batches, []
+  real, skipped = rollout_batch.sample_and_score_batches, []
 
   def stopped_after_two_calls(*args, **kwargs):
     for i, batch in enumerate(real(*args, **kwargs)):
@@ -168,7 +169,7 @@ def test_difficulty_writes_as_it_goes_and_a_rerun_takes_up_after_it(tmp_path, mo
         raise KeyboardInterrupt  # ^C during the third call
       yield batch
 
-  monkeypatch.setattr(rollouts, "sample_and_score_batches", stopped_after_two_calls)
+  monkeypatch.setattr(rollout_batch, "sample_and_score_batches", stopped_after_two_calls)
   with pytest.raises(KeyboardInterrupt):
     measure(out)
   assert not out.exists()
@@ -179,7 +180,7 @@ def test_difficulty_writes_as_it_goes_and_a_rerun_takes_up_after_it(tmp_path, mo
     skipped.append(skip)
     yield from real(*args, skip=skip, **kwargs)
 
-  monkeypatch.setattr(rollouts, "sample_and_score_batches", counting)
+  monkeypatch.setattr(rollout_batch, "sample_and_score_batches", counting)
   assert measure(out) == reference  # the same rows as a run never stopped
   assert skipped == [2] and not partial.exists()  # only the third call ran again
   assert [json.loads(line) for line in out.read_text().splitlines()] == reference

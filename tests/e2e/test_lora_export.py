@@ -1,7 +1,6 @@
 """`python -m ebpo_jax.export --format=peft` as a process on a LoRA run: PEFT loads the adapter it
 writes with our logits; a trained run's exports load with its logits by the printed recipe."""
 
-import os
 import textwrap
 
 import jax
@@ -14,14 +13,13 @@ from ebpo_jax import export, sharding
 from ebpo_jax.models import lora
 from ebpo_jax.trainer import policy, task_rows
 from tests.helpers.exports import (
-  MAX_ABS_DIFF,
+  assert_same_logits,
   jitted_logits,
   load_peft_model,
-  max_abs_diff,
   random_ids,
   torch_model_logits,
 )
-from tests.helpers.processes import run_module, run_trainer
+from tests.helpers.processes import on_pythonpath, run_module, run_trainer
 
 
 def test_export_cli_writes_a_peft_adapter(
@@ -40,7 +38,7 @@ def test_export_cli_writes_a_peft_adapter(
   assert result.stdout.endswith("load it with:\n" + textwrap.indent(recipe, "  ") + "\n")
   ids = random_ids(model.config.vocab_size, (1, 12))
   peft_logits = torch_model_logits(load_peft_model(tiny_llama_dir, out), ids)
-  assert max_abs_diff(jitted_logits(model, params, ids), peft_logits) < MAX_ABS_DIFF
+  assert_same_logits(jitted_logits(model, params, ids), peft_logits)
 
 
 # A reward that varies between completions of a random model (their decoded lengths differ), so
@@ -66,10 +64,7 @@ def test_exports_of_trained_adapters_load_with_the_runs_logits_by_the_printed_re
   adapter and the float32 merged model, each loaded as the export says, give the run's logits.
   Before: the printed advice (a bfloat16 model) was 1.41 off, and the merged model was rounded to
   bfloat16 whatever --dtype said."""
-  (tmp_path / "length_reward.py").write_text(LENGTH_REWARD)
-  monkeypatch.setenv(
-    "PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
-  )
+  on_pythonpath(monkeypatch, tmp_path, length_reward=LENGTH_REWARD)
   run_dir = tmp_path / "run"
   overrides = {
     "model.path": tiny_llama_dir,
@@ -96,4 +91,4 @@ def test_exports_of_trained_adapters_load_with_the_runs_logits_by_the_printed_re
     export.export(str(run_dir), out, format=format, dtype=dtype)
     recipe = export.loading_recipe(config, out, format=format)  # what the CLI prints
     theirs = torch_model_logits(_exec_recipe(recipe), ids)
-    assert max_abs_diff(ours, theirs) < MAX_ABS_DIFF, format
+    assert_same_logits(ours, theirs, format)

@@ -3,13 +3,12 @@ script as a notebook would call it: Python reward functions with weights, logged
 names and recorded in the run's config.json (a lambda's refusal: tests/unit/test_reward_fns.py)."""
 
 import json
-import os
 import textwrap
 
 import pytest
 
 from ebpo_jax import metrics
-from tests.helpers.processes import run_module
+from tests.helpers.processes import on_pythonpath, run_module
 
 REWARDS = '''
 def short(completions, rows, **extras):
@@ -33,11 +32,9 @@ if __name__ == "__main__":  # a script's guard: the scorer processes import __ma
 
 def _run(tmp_path, monkeypatch, rewards: str):
   """The script with `rewards = REWARDS` on a workdir tmp_path/run; my_rewards.py on its path."""
-  (tmp_path / "my_rewards.py").write_text(REWARDS)
+  on_pythonpath(monkeypatch, tmp_path, my_rewards=REWARDS)
   script = tmp_path / "notebook_cell.py"
   script.write_text(textwrap.dedent(SCRIPT.format(rewards=rewards)))
-  path = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
-  monkeypatch.setenv("PYTHONPATH", path)
   return run_module(str(script), str(tmp_path / "run"))  # the session's compilation cache
 
 

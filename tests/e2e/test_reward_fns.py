@@ -1,11 +1,9 @@
 """A reward function of `config.rewards` in the trainer (a process): logged beside math-verify."""
 
-import os
-
 import pytest
 
 from ebpo_jax import metrics
-from tests.helpers.processes import run_trainer
+from tests.helpers.processes import on_pythonpath, run_trainer
 
 # ------------------------------------------------------------------------------ in the trainer
 
@@ -19,10 +17,7 @@ def short(completions, rows, **extras):
 def test_trainer_logs_a_reward_function_beside_math_verify(tmp_path, monkeypatch):
   # A reward module that only the trainer's PYTHONPATH finds, weight 0.5 beside the built-in
   # math_verify (in worker processes: it times out with signals).
-  (tmp_path / "my_rewards.py").write_text(REWARD_MODULE)
-  monkeypatch.setenv(
-    "PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
-  )
+  on_pythonpath(monkeypatch, tmp_path, my_rewards=REWARD_MODULE)
   result = run_trainer(
     tmp_path / "run",
     "--config.rewards.fns=math_verify, 0.5*my_rewards:short",
@@ -49,10 +44,7 @@ def broken(completions, rows, **extras):
 def test_a_run_whose_reward_calls_all_fail_stops_with_one_line(tmp_path, monkeypatch):
   """Before rewards.max_error_frac the run trained on the zeros the failed calls scored and
   exited 0 after one warning line."""
-  (tmp_path / "broken_rewards.py").write_text(BROKEN_MODULE)
-  monkeypatch.setenv(
-    "PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
-  )
+  on_pythonpath(monkeypatch, tmp_path, broken_rewards=BROKEN_MODULE)
   result = run_trainer(
     tmp_path / "run",
     "--config.rewards.fns=broken_rewards:broken",

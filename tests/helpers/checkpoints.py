@@ -1,12 +1,13 @@
-"""A trainer workdir's checkpoints written and restored in process, as the trainer does."""
+"""A trainer workdir's checkpoints written and restored in process, as the trainer does; and a
+small state of plain weights for the Checkpointer's own tests."""
 
+import functools
 import pathlib
 
 import jax
 import jax.numpy as jnp
 
-from ebpo_jax import advantages, checkpoint, models, sharding, tasks
-from ebpo_jax.trainer import optimizer as optimizer_lib
+from ebpo_jax import checkpoint, models, sharding, tasks
 from ebpo_jax.trainer import policy, task_rows
 from ebpo_jax.trainer import state as state_lib
 from tests.helpers.tiny_step import NUM_CLUSTERS
@@ -18,12 +19,8 @@ def restore_run_state(workdir, config, step: int) -> state_lib.TrainState:
   mesh = sharding.make_mesh(dict(config.mesh))
   task = tasks.from_config(config.task)
   model = models.build.make_model(config, task_rows.load_tokenizer(config, task).vocab_size)
-  optimizer = optimizer_lib.make_optimizer(config)
-  estimator = advantages.from_config(config.rl)
-  abstract_params = models.build.abstract_params(model, mesh)
-  abstract = state_lib.abstract_state(
-    config, optimizer, estimator, len(task.cluster_names), abstract_params
-  )
+  spec = state_lib.StateSpec.from_config(config, len(task.cluster_names))
+  abstract = spec.abstract(models.build.abstract_params(model, mesh))
   with checkpoint.Checkpointer(pathlib.Path(workdir) / "checkpoints", read_only=True) as ckpt:
     state, _ = ckpt.restore(step, state_lib.checkpointed(abstract))
   return state
@@ -47,10 +44,20 @@ def save_checkpoint(workdir: pathlib.Path, config, *, step: int = 0, perturb: fl
       params,
       moves,
     )
-  optimizer = optimizer_lib.make_optimizer(config)
-  estimator = advantages.from_config(config.rl)
-  copy = jax.tree.map(jnp.copy, params)  # create_state donates its params
-  state = state_lib.create_state(config, optimizer, estimator, NUM_CLUSTERS, copy)
+  copy = jax.tree.map(jnp.copy, params)  # the spec's `create` donates its params
+  state = state_lib.StateSpec.from_config(config, NUM_CLUSTERS).create(copy)
   with checkpoint.Checkpointer(workdir / "checkpoints") as ckpt:
     ckpt.save(step, state_lib.checkpointed(state), config=config.to_dict(), force=True)
   return model, params
+
+
+def weights(seed: float, size: int) -> dict:
+  """A small state to checkpoint: `size` float32 weights (arange + `seed`) and the step `seed`."""
+  return {"w": jnp.arange(size, dtype=jnp.float32) + seed, "step": jnp.int32(seed)}
+
+
+def weights_abstract(size: int) -> dict:
+  """The shapes and dtypes of `weights(_, size)` on the first device: what a restore fills."""
+  device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  shapes = jax.eval_shape(functools.partial(weights, size=size), 0.0)
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), shapes)

@@ -47,14 +47,12 @@ TINY_MODEL = ModelConfig(
 )
 
 
+# The shape keys of a transformers config (LlamaConfig and the like), named as in ModelConfig.to_hf.
+HF_SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads", "num_key_value_heads", "head_dim")  # fmt: skip
+
+
 def hf_shape(config: ModelConfig = TINY_MODEL) -> dict[str, int]:
   """`config`'s shape under the names of a transformers config (LlamaConfig and the like)."""
-  return dict(
-    vocab_size=config.vocab_size,
-    hidden_size=config.hidden_size,
-    intermediate_size=config.intermediate_size,
-    num_hidden_layers=config.num_layers,
-    num_attention_heads=config.num_heads,
-    num_key_value_heads=config.num_kv_heads,
-    head_dim=config.head_dim,
-  )
+  hf = config.to_hf()
+  return {key: hf[key] for key in HF_SHAPE_KEYS}

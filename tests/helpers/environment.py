@@ -13,7 +13,7 @@ import sys
 import tempfile
 
 # XLA:CPU's older fusion emitters (LLVM IR written directly, not through MLIR) compile the tests'
-# small programs in a third to a half less time (bench/RESULTS.md, "The test suite's time"); their
+# small programs in a third to a half less time (results/suite_time.md); their
 # code rounds differently and runs slower, so they are for tests only, which compare runs made
 # alike. The processes the tests start keep the flag (processes.cpu_env). XLA plans to remove that
 # route: without it, the tests compile as before.
@@ -21,7 +21,7 @@ OLD_FUSION_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 
 # XLA:CPU splits a program's LLVM module in parts compiled on parallel threads; on two cores that
 # two xdist workers keep busy, the split only adds work: one part took 8-10% less CPU (a runlocal
-# trainer process, two test files; each pair measured side by side, bench/RESULTS.md). For tests:
+# trainer process, two test files, each pair side by side: results/suite_time.md). For tests:
 # it changes how a program is compiled, not what it computes.
 ONE_CODEGEN_PART = "--xla_cpu_parallel_codegen_split_count=1"
 
@@ -66,7 +66,7 @@ def setup() -> None:
   os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
   # The tests' programs take longer to compile than to run (small models, a few steps): JAX's
   # switch for that case (LLVM at -O0 without its expensive passes; float32 as before) takes the
-  # sum of the tests' durations from about 3,400 to 2,000 s (bench/RESULTS.md). The processes the
+  # tests' summed durations from about 3,400 to 2,000 s (results/suite_time.md). The processes the
   # tests start inherit it.
   os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
   if CACHE_VARIABLE not in os.environ:

@@ -52,3 +52,9 @@ def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
 
 def max_abs_diff(a: np.ndarray, b: np.ndarray) -> float:
   return float(np.max(np.abs(a - b)))
+
+
+def assert_same_logits(ours: np.ndarray, theirs: np.ndarray, what: str = "") -> None:
+  """The two sides' logits agree to MAX_ABS_DIFF (`what`, and the difference, if they do not)."""
+  diff = max_abs_diff(ours, theirs)
+  assert diff < MAX_ABS_DIFF, (what, diff)

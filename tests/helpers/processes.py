@@ -30,7 +30,7 @@ def run_module(module: str, *args: str, devices: int = 1, timeout: float = 300, 
   """`python -m MODULE ARGS` (`python MODULE ARGS` for a `.py` path) on `devices` CPU devices
   from the repository root: the CompletedProcess (output captured), or with `wait=False` the
   running Popen. One device unless the test is about sharding: a process on 8 fake devices costs
-  about a third more CPU (bench/RESULTS.md, "The test suite's time"). The processes of a session
+  about a third more CPU (results/suite_time.md). The processes of a session
   share a persistent compilation cache (their sampler, evaluation and train-step programs mostly
   repeat; environment.CACHE_VARIABLE): about 3x faster."""
   env = cpu_env(devices) | {
@@ -53,3 +53,12 @@ def run_trainer(workdir, *overrides: str, config: str = ARITH, plots: bool = Fal
   return run_module(
     "ebpo_jax.train", f"--config={config}", f"--workdir={workdir}", switch, *overrides, **kwargs
   )
+
+
+def on_pythonpath(monkeypatch, directory, **modules: str) -> None:
+  """Writes each source of `modules` to DIRECTORY/NAME.py and puts `directory` first on the
+  PYTHONPATH of the processes the test starts (a reward module only they import, say)."""
+  for name, source in modules.items():
+    (directory / f"{name}.py").write_text(source)
+  path = os.pathsep.join([str(directory), os.environ.get("PYTHONPATH", "")])
+  monkeypatch.setenv("PYTHONPATH", path)

@@ -8,8 +8,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from ebpo_jax import advantages, models, sharding
-from ebpo_jax.trainer import optimizer as optimizer_lib
+from ebpo_jax import models, sharding
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer import step as step_lib
 from tests.helpers.configs import ARITH, load_config
@@ -40,8 +39,7 @@ class TinyStep:
 
   config: ml_collections.ConfigDict
   model: models.Decoder
-  optimizer: Any
-  estimator: advantages.Estimator
+  spec: state_lib.StateSpec  # its optimizer and estimator
   mesh: jax.sharding.Mesh
   options: step_lib.StepOptions
   step: Callable  # jitted (state, batch) -> (state, metrics, aux) as the trainer's; not donated
@@ -73,8 +71,7 @@ class TinyStep:
     """The step-0 state (built once: the step does not donate it, so tests may share it)."""
     if not self._fresh:
       params = models.build.init_params(self.config, self.model, self.mesh)
-      args = (self.config, self.optimizer, self.estimator, NUM_CLUSTERS)
-      self._fresh["state"] = state_lib.create_state(*args, params)
+      self._fresh["state"] = self.spec.create(params)
     return self._fresh["state"]
 
   def place(self, batch: dict) -> dict:
@@ -105,14 +102,9 @@ _TINY_STEPS: dict[tuple[str, int | None], TinyStep] = {}
 def _tiny_step(config: ml_collections.ConfigDict, num_devices: int | None) -> TinyStep:
   mesh = sharding.make_mesh(dict(config.mesh), jax.devices()[:num_devices])
   model = models.build.make_model(config, V)
-  optimizer = optimizer_lib.make_optimizer(config)
-  estimator = advantages.from_config(config.rl)
-  shardings = state_lib.state_shardings(
-    config, optimizer, estimator, NUM_CLUSTERS, models.build.abstract_params(model, mesh)
-  )
+  spec = state_lib.StateSpec.from_config(config, NUM_CLUSTERS)
+  shardings = spec.shardings(models.build.abstract_params(model, mesh))
   # As the trainer jits it, but nothing donated: tests may share the fresh state.
   options = step_lib.StepOptions.from_config(config, mesh)
-  step = step_lib.jit_train_step(
-    model, optimizer, estimator, options, mesh, shardings, donate=False
-  )
-  return TinyStep(config, model, optimizer, estimator, mesh, options, step)
+  step = step_lib.jit_train_step(model, spec, options, mesh, shardings, donate=False)
+  return TinyStep(config, model, spec, mesh, options, step)

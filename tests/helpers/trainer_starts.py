@@ -73,8 +73,8 @@ def _run(argv: list[str]) -> dict:
 if __name__ == "__main__":
   # What ebpo_jax.train imports, imported once here (not ebpo_jax.train itself: each child runs
   # it as __main__, defining its flags afresh). No JAX backend starts before the fork.
+  import ebpo_jax.rollouts.worker  # noqa: F401
   import ebpo_jax.trainer.loop  # noqa: F401
-  import ebpo_jax.trainer.rollouts  # noqa: F401
   import ebpo_jax.trainer.step  # noqa: F401
   import ebpo_jax.trainer.warm_start  # noqa: F401
 

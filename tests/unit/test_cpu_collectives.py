@@ -33,7 +33,9 @@ def test_size_cpu_thread_pools_keeps_more_cores(monkeypatch):
   assert env["PJRT_NPROC"] == "64"
 
 
-@pytest.mark.parametrize("module", ["train", "evaluate", "export", "difficulty", "aot"])
+@pytest.mark.parametrize(
+  "module", ["train.py", "evaluate.py", "export.py", "difficulty.py", "aot/__main__.py"]
+)
 def test_every_entry_point_that_runs_programs_runs_main_inside_cli_entry_point(module):
   # cli.entry_point sizes the pools before any device is touched; e2e/test_cpu_collectives.py runs
   # 3,000 back-to-back collective steps inside it on 8 devices without the abort. An entry point
@@ -42,7 +44,7 @@ def test_every_entry_point_that_runs_programs_runs_main_inside_cli_entry_point(m
 
   from tests.helpers import ROOT
 
-  source = (ROOT / "ebpo_jax" / f"{module}.py").read_text()  # read, not imported (train.py)
+  source = (ROOT / "ebpo_jax" / module).read_text()  # read, not imported (train.py)
   (main,) = [n for n in ast.parse(source).body if getattr(n, "name", None) == "main"]
   withs = [
     item.context_expr

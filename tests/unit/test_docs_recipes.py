@@ -83,7 +83,9 @@ def test_the_estimator_recipe(monkeypatch):
   assert "--config.rl.advantage=sign" in command("sign")
   estimator = advantages.from_config({"advantage": "sign", "eps": 1e-6})
   rewards = jnp.array([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0]])
-  adv, _, metrics = estimator(rewards, None, jnp.zeros(3, jnp.int32), estimator.init_prior(1))
+  adv, _, metrics = estimator(
+    rewards, cluster_ids_b=jnp.zeros(3, jnp.int32), prior=estimator.init_prior(1)
+  )
   # Means 0.5, 1, 0.25: signs of r - mean; an equal group gets 0.
   expected = [[1, -1, -1, 1], [0, 0, 0, 0], [-1, -1, -1, 1]]
   np.testing.assert_array_equal(adv, expected)

@@ -1,6 +1,6 @@
 """Tests for ebpo_jax.losses: golden values by hand, a NumPy reference, micro-batch invariance."""
 
-import functools
+import dataclasses
 import math
 
 import jax
@@ -153,7 +153,13 @@ def test_policy_loss_clip_both_sides_and_dual_clip():
 
 def test_policy_loss_without_dual_clip():
   # t3 keeps its unclipped 4.0: (-1.2 - 0.5 + 1.6 + 4.0) / 4 = 3.9 / 4 = 0.975.
-  loss, m = losses.policy_loss(_LOGPS, _OLD, _ADV, _MASK, dual_clip=None)
+  loss, m = losses.policy_loss(
+    _LOGPS,
+    _OLD,
+    _ADV,
+    _MASK,
+    options=losses.LossOptions(dual_clip=None),
+  )
   assert float(loss) == pytest.approx(0.975, abs=1e-5)
   assert float(m["dual_clipfrac"]) == 0.0
 
@@ -162,7 +168,13 @@ def test_policy_loss_clip_higher():
   # clip_low 0.2, clip_high 0.28: t0 -> -1.28, t2 -> 2 * 0.8 = 1.6:
   #   (-1.28 - 0.5 + 1.6 + 3.0) / 4 = 2.82 / 4 = 0.705.
   # Swapping the bounds gives t0 -> -1.2, t2 -> 2 * 0.72 = 1.44: 2.74 / 4 = 0.685.
-  loss, _ = losses.policy_loss(_LOGPS, _OLD, _ADV, _MASK, clip_low=0.2, clip_high=0.28)
+  loss, _ = losses.policy_loss(
+    _LOGPS,
+    _OLD,
+    _ADV,
+    _MASK,
+    options=losses.LossOptions(clip_low=0.2, clip_high=0.28),
+  )
   assert float(loss) == pytest.approx(0.705, abs=1e-5)
 
 
@@ -195,9 +207,8 @@ def test_policy_loss_kl_and_entropy_terms():
     jnp.zeros((1,)),
     mask,
     ref_logps_bt=ref,
-    kl_coef=0.1,
+    options=losses.LossOptions(kl_coef=0.1, entropy_coef=0.01),
     entropy_bt=ent,
-    entropy_coef=0.01,
   )
   k3 = math.log(2) - 0.5
   assert float(loss) == pytest.approx(0.1 * k3 - 0.02, abs=1e-6)
@@ -211,19 +222,33 @@ def test_policy_loss_kl_and_entropy_terms():
 
 
 @pytest.mark.parametrize(
-  "kwargs, match",
+  "options, match", [({"kl_coef": 0.001}, "ref_logps_bt"), ({"entropy_coef": 0.01}, "entropy_bt")]
+)
+def test_policy_loss_asks_for_the_arrays_its_terms_need(options, match):
+  with pytest.raises(ValueError, match=match):
+    losses.policy_loss(_LOGPS, _OLD, _ADV, _MASK, losses.LossOptions(**options))
+
+
+@pytest.mark.parametrize(
+  "options, message",
   [
-    ({"kl_coef": 0.001}, "ref_logps_bt"),
-    ({"entropy_coef": 0.01}, "entropy_bt"),
-    ({"dual_clip": 1.0}, "dual_clip"),
-    ({"clip_low": 1.0}, "clip_low"),
-    ({"agg": "sum"}, "agg"),
-    ({"kl_kind": "k5"}, "kl_kind"),
+    ({"dual_clip": 1.0}, "dual_clip=1.0: must be > 1"),
+    ({"clip_low": 1.0}, "clip_low=1.0: must lie in [0, 1)"),
+    ({"clip_high": -0.1}, "clip_high=-0.1: must be >= 0"),
+    ({"aggregation": "sum"}, "aggregation='sum': must be one of " + ", ".join(losses.AGG_MODES)),
+    ({"kl_kind": "k5"}, "kl_kind='k5': must be one of k1, k2, k3"),
+    ({"entropy_coef": -1.0}, "entropy_coef=-1.0: must be >= 0"),
+    ({"rollout_is_cap": math.inf}, "rollout_is_cap=inf: must be finite, > 1"),
   ],
 )
-def test_policy_loss_rejects_bad_settings(kwargs, match):
-  with pytest.raises(ValueError, match=match):
-    losses.policy_loss(_LOGPS, _OLD, _ADV, _MASK, **kwargs)
+def test_loss_options_refuse_a_bad_value_where_they_are_built(options, message):
+  with pytest.raises(losses.InvalidLossOption) as built:
+    losses.LossOptions(**options)
+  assert str(built.value) == message
+  section = dataclasses.asdict(losses.LossOptions()) | options  # a config's rl.loss
+  with pytest.raises(ValueError) as read:
+    losses.LossOptions.from_config(section)
+  assert str(read.value) == f"config.rl.loss.{message}"
 
 
 def test_policy_loss_ignores_nonfinite_padding_in_value_and_grad():
@@ -238,7 +263,13 @@ def test_policy_loss_ignores_nonfinite_padding_in_value_and_grad():
 
   def loss_fn(lp, ref, ent):
     return losses.policy_loss(
-      lp, bad_old, adv, mask, ref_logps_bt=ref, kl_coef=0.1, entropy_bt=ent, entropy_coef=0.01
+      lp,
+      bad_old,
+      adv,
+      mask,
+      ref_logps_bt=ref,
+      options=losses.LossOptions(kl_coef=0.1, entropy_coef=0.01),
+      entropy_bt=ent,
     )[0]
 
   value_and_grad = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1, 2)))
@@ -299,7 +330,8 @@ def test_policy_loss_matches_numpy_reference(agg):
   logps, old, adv, mask = _random_inputs(rng, b=6, t=9)
   ref = logps + jnp.asarray(rng.normal(scale=0.2, size=logps.shape), jnp.float32)
   hp = {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0, "agg": agg, "kl_coef": 0.05}
-  got, _ = losses.policy_loss(logps, old, adv, mask, ref_logps_bt=ref, max_len=12, **hp)
+  options = losses.LossOptions(**{("aggregation" if k == "agg" else k): v for k, v in hp.items()})
+  got, _ = losses.policy_loss(logps, old, adv, mask, options, ref_logps_bt=ref, max_len=12)
   want = _np_policy_loss(
     *map(np.asarray, (logps, old, adv, mask)), ref=np.asarray(ref), max_len=12, **hp
   )
@@ -336,13 +368,11 @@ def _loss_fn(w, emb, batch, agg, num_tokens, num_seqs):
     batch["old"],
     batch["adv"],
     batch["mask"],
-    clip_low=0.2,
-    clip_high=0.28,
-    agg=agg,
+    options=losses.LossOptions(
+      clip_low=0.2, clip_high=0.28, aggregation=agg, kl_coef=0.1, entropy_coef=0.01
+    ),
     ref_logps_bt=batch["ref"],
-    kl_coef=0.1,
     entropy_bt=losses.entropy(logits),
-    entropy_coef=0.01,
     num_tokens=num_tokens,
     num_seqs=num_seqs,
     max_len=batch["mask"].shape[1],
@@ -383,9 +413,10 @@ def test_local_normalisation_would_break_accumulation():
 
 
 def test_policy_loss_jits_with_static_settings():
-  fn = jax.jit(functools.partial(losses.policy_loss, clip_high=0.28, agg="seq-mean-token-mean"))
-  got, _ = fn(_LOGPS, _OLD, _ADV, _MASK)
-  want, _ = losses.policy_loss(_LOGPS, _OLD, _ADV, _MASK, clip_high=0.28, agg="seq-mean-token-mean")
+  options = losses.LossOptions(clip_high=0.28, aggregation="seq-mean-token-mean")
+  fn = jax.jit(losses.policy_loss, static_argnums=4)  # frozen options: hashable, so static
+  got, _ = fn(_LOGPS, _OLD, _ADV, _MASK, options)
+  want, _ = losses.policy_loss(_LOGPS, _OLD, _ADV, _MASK, options)
   assert float(got) == pytest.approx(float(want), rel=1e-6)
 
 
@@ -446,7 +477,8 @@ def test_is_weights_scale_the_policy_gradient_terms_only():
   mask = np.ones((4, 5), bool)
   mask[2, 3:] = False
   w = jnp.asarray(rng.uniform(0.0, 2.0, (4, 5)), jnp.float32)
-  kw = dict(ref_logps_bt=logps + 0.1, kl_coef=0.1, entropy_bt=-logps, entropy_coef=0.01)
+  options = losses.LossOptions(kl_coef=0.1, entropy_coef=0.01)
+  kw = dict(options=options, ref_logps_bt=logps + 0.1, entropy_bt=-logps)
 
   def loss(lp, weights):
     return losses.policy_loss(lp, old, adv, mask, is_weights_bt=weights, **kw)

@@ -1,0 +1,13 @@
+"""Will it fit and how fast: the TPU compiler's model of a config on a slice, on any machine.
+
+- `programs`: the train step and a sampler call compiled for the slice from abstract sharded
+  inputs; memory per chip, costs and the RL step's roofline (`check`).
+- `roofline`: FLOPs, HBM bytes and collectives per chip corrected for what the compiler's cost
+  analysis misses (loop trip counts, Pallas kernels counted from shapes), and the limits counted
+  from the model's shapes.
+- `collectives`: the collectives of compiled HLO, with their bytes and time at ICI bandwidth.
+- `topology`: TPU slices and chips (names, HBM, peak FLOPs and bandwidths) and their devices.
+- `report`: the human-readable summary `python -m ebpo_jax.aot` prints before its JSON line.
+
+A model, not a measurement: nothing here runs on a TPU.
+"""
