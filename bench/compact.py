@@ -66,7 +66,7 @@ class HazardDecoder(Decoder):
 
 def lognormal_logodds(median: float, sigma: float, cap: int) -> tuple[float, ...]:
   """Log-odds of h(n) = P(L = n + 1 | L > n), L a log-normal length rounded up to whole tokens."""
-  cdf = lambda x: 0.5 * (1 + math.erf(math.log(x / median) / (sigma * math.sqrt(2)))) if x else 0.0  # noqa: E731
+  cdf = lambda x: 0.5 * (1 + math.erf(math.log(x / median) / (sigma * math.sqrt(2)))) if x else 0.0
   hazards = [(cdf(n + 1) - cdf(n)) / max(1 - cdf(n), 1e-12) for n in range(cap)]
   return tuple(_logodds(h) for h in hazards)
 

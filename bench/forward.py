@@ -96,7 +96,7 @@ def main() -> None:
     torch.set_num_threads(args.torch_threads)
   results = {}
   with tempfile.TemporaryDirectory() as tmp:
-    tiny = lambda: tiny_checkpoint(tmp, args.tiny_layers)  # noqa: E731
+    tiny = lambda: tiny_checkpoint(tmp, args.tiny_layers)
     paths = {"tiny": tiny, "smollm2": smollm2_135m_instruct}
     for name in args.models.split(","):
       if name not in paths:

@@ -4,6 +4,7 @@ step (rollout + reward + update) vs tunix's GRPOLearner.
   python bench/peers.py                     # both parts, 5 repeats (about 15 min on 2 busy cores)
   python bench/peers.py --parts=sampler     # or --parts=rl
   python bench/peers.py --quick             # CI smoke run: small shapes, 1 repeat
+  python bench/peers.py --quick --ours_only # our side alone, no peer installed (CI's default run)
 
 Needs the `peers` extra and tunix, installed apart (setup.py's PEERS_REQUIRES says why):
 `pip install -e '.[peers]' && pip install --no-deps google-tunix==0.1.7`.
@@ -152,12 +153,18 @@ def _timer(fn):
   return run
 
 
-def bench_sampler(case: SamplerCase, path: str, repeats: int) -> dict:
-  """Median tok/s of ours, tunix and transformers on `case`, and each one's warm-up seconds."""
-  hf = hf_config(path)
+def case_prompts(case: SamplerCase, hf: dict) -> np.ndarray:
+  """The case's prompts [B, P]: BOS, then random ids (every engine gets the same)."""
   rng = np.random.default_rng(case.batch)
   prompts = rng.integers(3, hf["vocab_size"], (case.batch, case.prompt_len), np.int32)
   prompts[:, 0] = peers_rl.BOS
+  return prompts
+
+
+def bench_sampler(case: SamplerCase, path: str, repeats: int) -> dict:
+  """Median tok/s of ours, tunix and transformers on `case`, and each one's warm-up seconds."""
+  hf = hf_config(path)
+  prompts = case_prompts(case, hf)
   model, params = from_pretrained(path)
   torch_model = sampler_bench.load_torch(path)
   ours = _timer(sampler_bench._ours(model, params, prompts, case.new_tokens))
@@ -270,6 +277,34 @@ def print_rl(result: dict, rl: peers_rl.RLShape, repeats: int) -> None:
   print(f"warm-up step (compiles), s: {warm}")
 
 
+def bench_ours_only(cases, paths: dict, rl: peers_rl.RLShape, parts: set, repeats: int) -> dict:
+  """Our side of both parts alone, no peer installed: our sampler's median tok/s per shape and our
+  RL step's median seconds {rollout, train, step} without and with KL. The project's own code of
+  this comparison, which CI smoke-runs (`--ours_only`); the ratios need the peers."""
+  out = {}
+  for case in cases if "sampler" in parts else ():
+    path = paths[case.name]()
+    model, params = from_pretrained(path)
+    ours = _timer(
+      sampler_bench._ours(model, params, case_prompts(case, hf_config(path)), case.new_tokens)
+    )
+    ours(0)  # compiles
+    seconds = [ours(seed) for seed in range(1, repeats + 1)]
+    out[f"sampler_{case.name}_tok_s"] = round(case.batch * case.new_tokens / _median(seconds), 1)
+  if "rl" in parts:
+    vocab = hf_config(paths["tiny"]())["vocab_size"]
+    for kl in (False, True):
+      engine = peers_rl.OurRL(paths["tiny"](), rl, vocab, kl)
+      try:
+        engine.step()  # compiles
+        steps = [engine.step() for _ in range(repeats)]
+      finally:
+        engine.close()
+      for part in ("rollout", "train", "step"):
+        out[f"rl_{part}_s{'_kl' if kl else ''}"] = round(_median([s[part] for s in steps]), 4)
+  return {"ours_only": out}
+
+
 def summary(sampler_rows: dict, rl_result: dict | None) -> dict:
   out = {}
   if sampler_rows:
@@ -293,6 +328,9 @@ def main() -> None:
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--parts", default="sampler,rl", help="comma-separated: sampler, rl")
   parser.add_argument("--quick", action="store_true", help="CI smoke run: small shapes, 1 repeat")
+  parser.add_argument(
+    "--ours_only", action="store_true", help="our side alone (no peers needed): no ratios"
+  )
   args = parser.parse_args()
   parts = set(args.parts.split(","))
   if not parts <= {"sampler", "rl"}:
@@ -312,6 +350,9 @@ def main() -> None:
   with tempfile.TemporaryDirectory() as tmp:
     tiny = sampler_bench.tiny_checkpoint(tmp, TINY_HF)
     paths = {"tiny": lambda: tiny, "smollm2-135m": smollm2_135m_instruct}
+    if args.ours_only:
+      print(json.dumps(bench_ours_only(cases, paths, rl, parts, args.repeats)))
+      return
     if "sampler" in parts:
       for case in cases:
         sampler_rows[case] = bench_sampler(case, paths[case.name](), args.repeats)

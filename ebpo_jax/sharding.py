@@ -123,6 +123,11 @@ def row_sharding(shape: Sequence[int], mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, logical_to_spec(shape, ("batch",) + (None,) * (len(shape) - 1), mesh))
 
 
+def place_rows(value: np.ndarray, mesh: Mesh) -> jax.Array:
+  """A host array placed with its rows over the mesh's batch axes (`row_sharding`)."""
+  return place_from_host(value, row_sharding(value.shape, mesh))
+
+
 def place_from_host(value: np.ndarray, sharding: NamedSharding) -> jax.Array:
   """Builds a global array from a host copy; each device receives only its own shard.
 

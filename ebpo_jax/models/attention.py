@@ -109,10 +109,10 @@ def attend(q_bthd, k_btkd, v_btkd, valid, config: ModelConfig) -> jax.Array:
     "splash": functools.partial(splash_attention, block=config.attention_block, interpret=emulate),
     "cudnn": functools.partial(cudnn_attention, implementation="xla" if emulate else "cudnn"),
   }[config.attention]
-  heads_first = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+  heads_first = lambda x: jnp.swapaxes(x, 1, 2)
   if not isinstance(valid, shared_prefix.GroupedValid):
     return core(q_bthd, heads_first(k_btkd), heads_first(v_btkd), valid)
-  split = lambda x: shared_prefix.split(x, valid.groups)  # noqa: E731
+  split = lambda x: shared_prefix.split(x, valid.groups)
   (q_p, q_c), (k_p, k_c), (v_p, v_c) = split(q_bthd), split(k_btkd), split(v_btkd)
   k_p, k_c, v_p, v_c = map(heads_first, (k_p, k_c, v_p, v_c))
   out_p = core(q_p, k_p, v_p, valid.prompt)
@@ -235,15 +235,15 @@ def splash_attention(q_bthd, k_bksd, v_bksd, masks: TokenMasks, *, block: int, i
   kv_heads, s = k_bksd.shape[1:3]
   bq, bkv = block_size(t, block), block_size(s, block)
   t_pad, s_pad = _round_up(t, bq), _round_up(s, bkv)
-  pad = lambda x, n: jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, n - x.shape[-2]), (0, 0)])  # noqa: E731
+  pad = lambda x, n: jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, n - x.shape[-2]), (0, 0)])
   q_bhtd = pad(jnp.swapaxes(q_bthd.astype(k_bksd.dtype) * d**-0.5, 1, 2), t_pad)
   k_bksd, v_bksd = pad(k_bksd, s_pad), pad(v_bksd, s_pad)
-  segments = lambda m, n: jnp.pad(m.astype(jnp.int32), ((0, 0), (0, n - m.shape[1])))  # noqa: E731
+  segments = lambda m, n: jnp.pad(m.astype(jnp.int32), ((0, 0), (0, n - m.shape[1])))
   q_seg, kv_seg = segments(masks.query, t_pad), segments(masks.key, s_pad)
 
   def rows(q, k, v, q_seg, kv_seg):
     kernel = _kernel(q.shape[1], t_pad, s_pad, s - t, bq, bkv, interpret)
-    call = lambda *a: kernel(*a[:3], segment_ids=splash.SegmentIds(q=a[3], kv=a[4]))  # noqa: E731
+    call = lambda *a: kernel(*a[:3], segment_ids=splash.SegmentIds(q=a[3], kv=a[4]))
     return jax.vmap(call)(q, k, v, q_seg, kv_seg)
 
   mesh = jax.sharding.get_abstract_mesh()

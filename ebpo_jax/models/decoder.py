@@ -76,9 +76,9 @@ def init_cache(
   shape = (batch_size, config.num_kv_heads, max_len, config.head_dim)
   dtype = jnp.dtype(dtype or config.dtype)
   if stacked:
-    buffers = lambda: jnp.zeros((config.num_layers, *shape), dtype)  # noqa: E731
+    buffers = lambda: jnp.zeros((config.num_layers, *shape), dtype)
   else:
-    buffers = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))  # noqa: E731
+    buffers = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
   return KVCache(
     k=buffers(),
     v=buffers(),

@@ -153,7 +153,7 @@ def to_batch(rollout: Rollout, rewards: np.ndarray, mesh: Mesh) -> dict:
   cluster_ids = np.array([row["cluster"] for row in rollout.rows], np.int32)
   on_device = rollout.device_fields()
   on_device["completion_mask"] = on_device.pop("mask")  # the step's name for it
-  place = lambda x: sharding.place_from_host(x, sharding.row_sharding(x.shape, mesh))  # noqa: E731
+  place = functools.partial(sharding.place_rows, mesh=mesh)
   return {
     **on_device,
     "rewards": place(np.asarray(rewards, np.float32)),

@@ -21,6 +21,7 @@ leave room for a model token (truncated). It is trained as one completion:
 """
 
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -108,7 +109,7 @@ def run_episodes(
     params, prompt_ids, prompt_mask, model=model, group_size=group_size, slots=slots, mesh=mesh
   )
   stop_ids, stop_seqs = tokenizers.turn_stops(tokenizer, trajectories[0].env.stop_strings)
-  scalar = lambda x: sharding.place_from_host(np.float32(x), sharding.replicated(mesh))  # noqa: E731
+  scalar = lambda x: sharding.place_from_host(np.float32(x), sharding.replicated(mesh))
   settings = dict(
     temperature=scalar(so.temperature),
     top_p=scalar(so.top_p),
@@ -122,7 +123,7 @@ def run_episodes(
     mesh=mesh,
   )
   env_time = 0.0
-  place = lambda x: sharding.place_from_host(x, sharding.row_sharding(x.shape, mesh))  # noqa: E731
+  place = functools.partial(sharding.place_rows, mesh=mesh)
   rows = len(trajectories)
   sizes = loop.stage_sizes(rows, compact=so.compact, shards=loop.batch_shards(rows, mesh))
   in_state = np.arange(rows)  # the trajectory of each row of `state`; -1: a filler row
@@ -309,7 +310,7 @@ class MultiTurn:
 
   def __call__(self, call: SamplerCall) -> Rollout:
     n, g = len(call.rows), call.group_size
-    place = lambda x: sharding.place_from_host(x, sharding.row_sharding(x.shape, self.mesh))  # noqa: E731
+    place = functools.partial(sharding.place_rows, mesh=self.mesh)
     padded = list(call.rows) + [call.rows[-1]] * (call.ids.shape[0] - n)
     ep = run_episodes(
       self.model, call.params, place(call.ids), place(call.mask), call.key, padded,

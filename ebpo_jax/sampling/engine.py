@@ -377,7 +377,7 @@ def _converter(treedef, shardings: tuple | None, dtype, per_layer: bool):
     out = unstack_layers(params) if per_layer else params
     if dtype is None:
       return out
-    cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x  # noqa: E731
+    cast = lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
     return jax.tree.map(cast, out)
 
   if shardings is None:

@@ -135,7 +135,7 @@ def constrain_cache(cache: KVCache, mesh: Mesh | None) -> KVCache:
   whole)."""
   if mesh is None:
     return cache
-  constrain = lambda x: jax.lax.with_sharding_constraint(x, _kv_sharding(x.shape, mesh))  # noqa: E731
+  constrain = lambda x: jax.lax.with_sharding_constraint(x, _kv_sharding(x.shape, mesh))
   rows = sharding.row_sharding(cache.mask.shape, mesh)
   return cache.replace(
     k=jax.tree.map(constrain, cache.k),
@@ -155,10 +155,10 @@ def with_shardings(state: State, mesh: Mesh) -> State:
   """An abstract `state` (`jax.ShapeDtypeStruct`s) with the shardings the loop keeps it in:
   the cache as `constrain_cache`, every row's leaf over the batch axes, the step replicated."""
   c = state.cache
-  placed = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)  # noqa: E731
-  kv = lambda x: placed(x, _kv_sharding(x.shape, mesh))  # noqa: E731
-  rows = lambda x: placed(x, sharding.row_sharding(x.shape, mesh))  # noqa: E731
-  whole = lambda x: placed(x, sharding.replicated(mesh))  # noqa: E731
+  placed = lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+  kv = lambda x: placed(x, _kv_sharding(x.shape, mesh))
+  rows = lambda x: placed(x, sharding.row_sharding(x.shape, mesh))
+  whole = lambda x: placed(x, sharding.replicated(mesh))
   cache = c.replace(
     k=jax.tree.map(kv, c.k), v=jax.tree.map(kv, c.v), mask=rows(c.mask), index=whole(c.index)
   )
@@ -217,7 +217,7 @@ def _write_back(out: Rows, rows: Rows, shards: int, mesh: Mesh | None) -> Rows:
   """`out` with the rows of `rows` written to their output rows (`rows.row_id`, all distinct, each
   on the device that holds it in `out`)."""
   local_dk = _per_shard(rows.row_id % (out.row_id.shape[0] // shards), shards)
-  put_one = lambda o, i, r: o.at[i].set(r, unique_indices=True)  # noqa: E731
+  put_one = lambda o, i, r: o.at[i].set(r, unique_indices=True)
 
   def put(o, r):
     written = jax.vmap(put_one)(_per_shard(o, shards), local_dk, _per_shard(r, shards))

@@ -49,7 +49,7 @@ def build_packed_sequences(
   `positions` and `attention_mask` are `[B, P + G*N]`; `targets` and `loss_mask` `[B*G, N]`
   (`loss_mask_rn` as for `build_sequences`)."""
   num_prompts, n = prompt_ids_bp.shape[0], tokens_rn.shape[1]
-  packed = lambda x_rn: x_rn.reshape(num_prompts, group_size * n)  # noqa: E731
+  packed = lambda x_rn: x_rn.reshape(num_prompts, group_size * n)
   completion_pos = prompt_mask_bp.sum(-1, keepdims=True) + jnp.arange(n)[None]
   positions = [prompt_positions(prompt_mask_bp), jnp.tile(completion_pos, (1, group_size))]
   return {

@@ -49,7 +49,7 @@ class ArithmeticTask(Task):
     self.tokenizer = CharTokenizer()
 
   def rows(self, split: str, n: int, seed: int) -> list[dict[str, Any]]:
-    candidates = lambda k: self._candidates(k, seed)  # noqa: E731
+    candidates = lambda k: self._candidates(k, seed)
     return generated_rows(
       candidates, self.cluster_names, split, n, eval_fraction=self.eval_fraction, where="arithmetic"
     )

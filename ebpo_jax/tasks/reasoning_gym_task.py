@@ -101,7 +101,7 @@ class ReasoningGymTask(Task):
       self._check_scoring_round_trip(k)
 
   def rows(self, split: str, n: int, seed: int) -> list[dict[str, Any]]:
-    candidates = lambda k: self._candidates(k, seed)  # noqa: E731
+    candidates = lambda k: self._candidates(k, seed)
     return generated_rows(
       candidates,
       self.cluster_names,

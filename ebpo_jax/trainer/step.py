@@ -51,7 +51,7 @@ def abstract_batch(
     "rewards": ((b, g), jnp.float32),
     "cluster_ids": ((b,), jnp.int32),
   }
-  placed = lambda shape: None if mesh is None else sharding.row_sharding(shape, mesh)  # noqa: E731
+  placed = lambda shape: None if mesh is None else sharding.row_sharding(shape, mesh)
   return {k: jax.ShapeDtypeStruct(s, t, sharding=placed(s)) for k, (s, t) in shapes.items()}
 
 
@@ -338,7 +338,7 @@ def _updates(state, seqs, prompts, scanned, rollout_finite, *, optimizer, option
   def update(carry, indices_and_key):
     params, opt_state, first_logps, count = carry
     idx, prompt_idx, dropout_key = indices_and_key
-    take = lambda tree, i: jax.tree.map(lambda x: jnp.take(x, i, axis=0), tree)  # noqa: E731
+    take = lambda tree, i: jax.tree.map(lambda x: jnp.take(x, i, axis=0), tree)
     mini = take(seqs, idx) | take(prompts, prompt_idx)
     loss, grads, aux, logps = _accumulated_grads(
       params, mini, dropout_key, num_micro=layout.mini_rows // layout.micro_rows, loss_fn=loss_fn

@@ -49,7 +49,7 @@ class StepLayout:
     micro_rows = tc.micro_batch_size or mini_rows
     shared = rl.num_iterations == 1 and g > 1 and micro_rows % g == 0
     if shared and mesh is not None:
-      spec = lambda num: sharding.row_sharding((num,), mesh).spec  # noqa: E731
+      spec = lambda num: sharding.row_sharding((num,), mesh).spec
       shared = spec(micro_rows // g) == spec(micro_rows)
     return cls(tc.batch_size, g, mini_rows, micro_rows, rl.num_iterations, shared)
 

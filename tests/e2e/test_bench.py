@@ -1,5 +1,6 @@
-"""Every benchmark runs at smoke sizes and prints its summary; CI does not time them (bench/peers.py
-needs tunix, installed apart: its test is marked `peers` and runs with `-m peers`)."""
+"""Every benchmark runs at smoke sizes and prints its summary; CI does not time them. bench/peers.py
+runs its own side there (`--ours_only`); the comparison itself needs tunix, installed apart: its
+test is marked `peers` and runs with `-m peers`."""
 
 import json
 import math
@@ -23,12 +24,28 @@ SMOKE_RUNS = {
   "gpu": ["--dry-run"],  # decode at batch 2, the train step's MFU table
   "lora": ["--quick", "--ranks=8"],  # full vs LoRA rank 8 on the one-layer smoke shape
   "memory": ["--quick"],  # the TPU compiler on a runlocal config for v5p:2x2x1
+  # Our side of the comparison with tunix (no peer installed): the sampler and the trainer's RL
+  # step as the comparison runs them (its tokenizer once lacked a parameter, and nothing ran it).
+  "peers": ["--quick", "--ours_only"],
+  # A committed run's learning curve ({out}: the smoke run's folder).
+  "learning_curve": ["results/ablation_smollm2_cpu/runs/ebpo_batch_G4_s0", "--out={out}/curve.png"],
 }  # fmt: skip
 # Benchmarks run in one process per group (tests/helpers/bench_runs.py): they share its imports
 # and JAX's warm-up (46 CPU-s for the eight together, 54 as two groups, JAX-only and torch). The
 # TPU compiler's run, the longest, is the other group: the two groups about balance two workers.
 SMOKE_GROUPS = {
-  "cpu": ("advantages", "compact", "train_step", "recompute", "gpu", "lora", "forward", "sampler"),
+  "cpu": (
+    "advantages",
+    "compact",
+    "train_step",
+    "recompute",
+    "gpu",
+    "lora",
+    "forward",
+    "sampler",
+    "peers",
+    "learning_curve",
+  ),
   "memory": ("memory",),
 }
 
@@ -61,6 +78,9 @@ def _run_group(names: tuple[str, ...], out, timeout: int = 900) -> dict[str, str
 
 def _check_output(name: str, stdout: str) -> None:
   """A smoke run's stdout: its table (gpu) or its last line, a JSON summary."""
+  if name == "learning_curve":  # a markdown row per run, then the figure's path
+    assert "| ebpo_batch_G4_s0 | 72 |" in stdout and stdout.strip().endswith("curve.png"), stdout
+    return
   if name == "gpu":  # a markdown table for results/gpu.md
     assert "| tiny | 2 |" in stdout, stdout[-2000:]
     return
@@ -69,6 +89,9 @@ def _check_output(name: str, stdout: str) -> None:
   if name == "lora":  # the adapters' optimizer state is a small share of full fine-tuning's
     assert 0 < summary["lora8_opt_state_over_full"] < 0.2, summary
     assert summary["sampling"]["on_the_fly_tok_s"] > 0, summary
+  if name == "peers":  # our side alone: the sampler's tok/s and the RL step's parts
+    ours = summary["ours_only"]
+    assert ours["sampler_tiny_tok_s"] > 0 and ours["rl_step_s"] >= ours["rl_rollout_s"] > 0, ours
   if name == "compact":  # both modes timed (the bench checks they draw the same tokens)
     assert summary["compact_over_plain"] > 0 and summary["same_length_compact_over_plain"] > 0
 

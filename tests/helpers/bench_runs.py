@@ -20,9 +20,10 @@ BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
 
 
 def run_one(name: str, args: list[str], out: pathlib.Path) -> bool:
-  """bench/NAME.py ARGS as `__main__`, its stdout in OUT/NAME.out; whether it succeeded."""
+  """bench/NAME.py ARGS as `__main__` (`{out}` in an argument: OUT), its stdout in OUT/NAME.out;
+  whether it succeeded."""
   script = BENCH / f"{name}.py"
-  sys.argv = [str(script), *args]
+  sys.argv = [str(script), *(arg.replace("{out}", str(out)) for arg in args)]
   with open(out / f"{name}.out", "w") as stdout, contextlib.redirect_stdout(stdout):
     try:
       runpy.run_path(str(script), run_name="__main__")

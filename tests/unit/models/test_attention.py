@@ -21,7 +21,7 @@ CUDNN = dataclasses.replace(BASE, attention="cudnn", attention_emulate=True)
 
 def _qkv(b: int, t: int, heads: int, kv_heads: int, d: int = 16, seed: int = 0):
   rng = np.random.default_rng(seed)
-  draw = lambda h: jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)  # noqa: E731
+  draw = lambda h: jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.float32)
   return draw(heads), draw(kv_heads), draw(kv_heads)
 
 

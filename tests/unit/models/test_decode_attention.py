@@ -59,7 +59,7 @@ def test_kernel_reads_its_layer_of_a_stacked_cache_in_place():
   q, k, v, mask = _inputs(2, 4, 2, 200, [0, 30])
   want = attention.xla_attention(q, k, v, jnp.asarray(mask & (np.arange(200) < 150))[:, None])
   # Layer 1 of 3; the other layers hold NaN: a read of the wrong layer poisons the output.
-  stack = lambda x: jnp.stack([jnp.full_like(x, jnp.nan), x, jnp.full_like(x, jnp.nan)])  # noqa: E731
+  stack = lambda x: jnp.stack([jnp.full_like(x, jnp.nan), x, jnp.full_like(x, jnp.nan)])
   decode = jax.jit(
     lambda *a: decode_attention.flash_decode(*a[:5], layer=a[5], block=128, interpret=True)
   )
@@ -140,7 +140,7 @@ def test_the_decode_step_runs_the_kernel(rolled):
   if not rolled:
     params = jax.eval_shape(models.decoder.unstack_layers, params)
   cache = models.init_cache(SPLASH, 2, 8, stacked=rolled)
-  step = lambda p: Decoder(SPLASH, scan_layers=rolled).apply(  # noqa: E731
+  step = lambda p: Decoder(SPLASH, scan_layers=rolled).apply(
     {"params": p}, jnp.ones((2, 1), jnp.int32), cache=cache
   )
   jaxpr = str(jax.make_jaxpr(step)(params))

@@ -46,7 +46,7 @@ def _batch(seed: int = 0) -> dict:
   rng = np.random.default_rng(seed)
   prompt_mask = np.arange(P)[None] >= (P - np.array([6, 3, 1]))[:, None]
   completion_mask = np.arange(N)[None] < np.array([5, 2, 4, 1, 5, 3])[:, None]
-  ids = lambda mask: np.where(mask, rng.integers(1, BASE.vocab_size, mask.shape), 0)  # noqa: E731
+  ids = lambda mask: np.where(mask, rng.integers(1, BASE.vocab_size, mask.shape), 0)
   return {
     "prompt_ids": ids(prompt_mask).astype(np.int32),
     "prompt_mask": prompt_mask,

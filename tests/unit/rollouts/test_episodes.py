@@ -86,7 +86,7 @@ def _run(setup, turns: int, *, max_tokens: int = 30, key: int = 0, env_class=Ans
                    max_observation_tokens=4)  # fmt: skip
   so = DecodeOptions(N, temperature=1.0, top_p=1.0, top_k=0, compact=compact,
                        prompts_per_call=0)  # fmt: skip
-  place = lambda x: sharding.place_from_host(x, sharding.row_sharding(x.shape, mesh))  # noqa: E731
+  place = functools.partial(sharding.place_rows, mesh=mesh)
   ep = episodes.run_episodes(
     model, params, place(ids), place(mask), jax.random.key(key), rows or [{}] * len(PROMPTS),
     group_size=group_size, greedy=False, encoder=encoder or _Encoder(), pool=pool, env=env, so=so,

@@ -29,7 +29,7 @@ def test_a_call_is_written_and_read_back():
 def test_the_tool_environment_answers_and_counts():
   env = envs.ToolEnvironment([tools.calc, bad_tools.raises, bad_tools.no_text])
   assert env.reset({"prompt": "12*34="}) is None
-  call = lambda name, **kw: tool_calls.format_call(name, kw)  # noqa: E731
+  call = lambda name, **kw: tool_calls.format_call(name, kw)
   assert env.step(call("calc", expression="123*456")) == ("<tool_response>56088</tool_response>",
                                                            None, False)  # fmt: skip
   observation, _, done = env.step(call("raises", x="a"))

@@ -50,7 +50,7 @@ def test_a_random_init_compiles_once_per_model_and_mesh_whatever_the_seed():
   model = models.build.make_model(config, tasks.get_task("arithmetic").tokenizer.vocab_size)
   first = models.build.fresh_adapters(config, model, mesh)
   compiles = []
-  listener = lambda event, duration, **kw: compiles.append(event)  # noqa: E731
+  listener = lambda event, duration, **kw: compiles.append(event)
   jax.monitoring.register_event_duration_secs_listener(listener)
   try:
     other = arith_config({"model.lora.rank": 4, "seed": 7})
