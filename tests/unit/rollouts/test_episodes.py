@@ -14,9 +14,10 @@ import pytest
 from ebpo_jax import envs, sampling, sharding
 from ebpo_jax.models import Decoder
 from ebpo_jax.rollouts import episodes, scoring
-from ebpo_jax.rollouts.options import EnvOptions
+from ebpo_jax.rollouts.options import BatchOptions, EnvOptions, EvalOptions, RolloutOptions
 from ebpo_jax.rollouts.rollout import SamplerCall
-from ebpo_jax.sampling import DecodeOptions, turns
+from ebpo_jax.rollouts.worker import RolloutWorker
+from ebpo_jax.sampling import DecodeOptions, engine, turns
 from ebpo_jax.tasks import get_task, reward_fns, rewards
 from ebpo_jax.tasks.tokenizers import ByteTokenizer
 from tests.helpers.configs import TINY_MODEL
@@ -205,3 +206,36 @@ def test_finished_trajectories_stop_costing_and_the_episodes_are_unchanged(setup
     np.testing.assert_array_equal(getattr(compacted, name), getattr(full, name), err_msg=name)
   np.testing.assert_allclose(compacted.logps, full.logps, atol=1e-5)  # a batch of 8 rounds anew
   assert compacted.transcripts == full.transcripts
+
+
+class _RowEncoder(_Encoder):
+  def prompts(self, rows):
+    return sampling.pad_prompts([PROMPTS[row["i"]] for row in rows], 0, (6,))
+
+
+@pytest.mark.parametrize("multi_turn", [False, True], ids=["single_turn", "episodes"])
+def test_a_round_converts_the_weights_to_the_samplers_layout_once(setup, monkeypatch, multi_turn):
+  """The worker converts the (stacked, rolled-loop) weights once for a round of sampler calls,
+  here two calls of one prompt; the episodes once converted them again on every call."""
+  model, params, mesh, pool = setup
+  conversions, convert = [], engine.decode_converter
+  monkeypatch.setattr(
+    engine, "decode_converter", lambda *a, **k: conversions.append(1) or convert(*a, **k)
+  )
+  env = EnvOptions(lambda: Answers(2), max_turns=3, max_tokens=30, max_observation_tokens=4)
+  options = RolloutOptions(
+    seed=0,
+    sampling=DecodeOptions(N, temperature=1.0, top_p=1.0, top_k=0, compact=False,
+                           prompts_per_call=1),
+    batch=BatchOptions(G, dynamic_sampling=False, max_refill_rounds=0, overlong_buffer=0,
+                       overlong_penalty=0.0),
+    eval=EvalOptions(num_samples=1, greedy=True),
+    env=env if multi_turn else None,
+  )  # fmt: skip
+  task = get_task("arithmetic", ops=("add",), digits=(1,))
+  scorer = scoring.Scorer(task, pool, max_new_tokens=env.max_tokens)
+  worker = RolloutWorker(model, _RowEncoder(), scorer, options, mesh)
+  rows = [{"prompt": "1+1=", "answer": "2", "cluster": 0, "i": i} for i in range(2)]
+  rollout = worker.rollout(params, rows, jax.random.key(0), group_size=G, greedy=False)
+  assert not model.config.unroll_layers and len(conversions) == 1
+  assert rollout.rewards.shape == (2, G) and bool(rollout.stats) == multi_turn

@@ -158,13 +158,13 @@ def test_sampling_dtype_is_the_samplers_alone_and_its_mismatch_is_logged():
     config = tiny.config.copy_and_resolve_references()
     config.sampling.dtype = dtype
     inputs = task_rows.load_task_and_rows(config)
-    sampler = worker_lib.make_worker(tiny.model, inputs.task, inputs.tokenizer, config, tiny.mesh)
+    worker = worker_lib.make_worker(tiny.model, inputs.task, inputs.tokenizer, config, tiny.mesh)
     rows = inputs.rows
-    assert sampler.model.config.dtype == (dtype or "float32")
+    assert worker.model.config.dtype == (dtype or "float32")
     batches = data.make_batches(rows, batch_size=config.train.batch_size, order="shuffle", seed=0)
     keys = keys_lib.step_keys(state.rng, state.step, config.rl.max_refill_rounds)
-    batch, _, _ = rollout_batch.collect_batch(sampler, state.params, keys, rows, batches)
-    sampler.scorer.pool.close()
+    batch, _, _ = rollout_batch.collect_batch(worker, state.params, keys, rows, batches)
+    worker.scorer.pool.close()
     found[dtype] = jax.device_get(tiny.step(state, batch)[1])
   assert found[""]["mismatch/max_abs"] < 1e-5 and found[""]["mismatch/kl"] < 1e-5
   assert found["bfloat16"]["mismatch/max_abs"] > 1e-3
