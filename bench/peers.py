@@ -173,7 +173,8 @@ def bench_sampler(case: SamplerCase, path: str, repeats: int) -> dict:
   tunix = _timer(tunix_sampler(tunix_model, hf, prompts, case.new_tokens))
   theirs = _timer(sampler_bench._theirs(torch_model, prompts, case.new_tokens))
   warmup = {"ours": ours(0), "tunix": tunix(0), "transformers": theirs()}
-  threads = sampler_bench.best_torch_threads(torch_model, prompts)
+  candidates = {1, sampler_bench.DEFAULT_TORCH_THREADS}  # 1 and torch's default (docstring)
+  threads = sampler_bench.best_torch_threads(torch_model, prompts, candidates)
   seeds = iter(range(1, 10**6))
   runs = {
     "ours": lambda: ours(next(seeds)),

@@ -38,9 +38,8 @@ class SingleTurn:
   the completions to the host, scored as texts."""
 
   def __init__(self, model, encoder, scorer, decode: sampling.DecodeOptions, mesh: Mesh):
-    self.model, self.encoder, self.scorer, self.decode, self.mesh = (
-      model, encoder, scorer, decode, mesh
-    )  # fmt: skip
+    self.model, self.encoder, self.scorer = model, encoder, scorer
+    self.decode, self.mesh = decode, mesh
     self._shapes_seen = set()  # the sampler calls' shapes: a new one compiles (one line says so)
 
   def __call__(self, call: SamplerCall) -> Rollout:
