@@ -54,7 +54,7 @@ TEST_REQUIRES = [
   "ruff>=0.6",
   # PyTorch reference models for logit parity; 2.13.0 is the CPU wheel (any other pulls CUDA).
   "torch==2.13.0",
-  # Loads the adapters of `export --format=peft` (tests/unit/test_lora_export.py); tested: 0.21.2.
+  # Loads the adapters of `export --format=peft` (tests/unit/models/test_lora_export.py); tested: 0.21.2.
   "peft>=0.21.2,<1",
   "nbclient>=0.10",
   "nbformat>=5.10",

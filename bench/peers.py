@@ -17,9 +17,9 @@ Shapes: `tiny` (4 layers, d=256, 4 query / 2 kv heads of 64, MLP 768, vocab 512,
 1e6; random init) at batch 16, 32 prompt + 64 new tokens; `smollm2-135m` (SmolLM2-135M-Instruct
 itself: 30 layers, d=576, 9/3 heads of 64, MLP 1536, vocab 49152, tied) at batch 16, 32 + 32.
 Before timing, ours and tunix's prompt logits are compared (ours matches transformers in
-tests/unit/test_model_io.py): tunix 0.1.7's Llama3 always applies RoPE base 1e6, so they agree at
-every position for `tiny` and at the first only for SmolLM2 (base 1e5; same cost either way).
-transformers runs with the faster of 1 thread and torch's default (bench/sampler.py's probe).
+tests/unit/models/test_model_io.py): tunix 0.1.7's Llama3 always applies RoPE base 1e6, so they
+agree at every position for `tiny` and at the first only for SmolLM2 (base 1e5; same cost either
+way). transformers runs with the faster of 1 thread and torch's default (bench/sampler.py's probe).
 
 RL step: bench/peers_rl.py says what each side runs and how its time is split into rollout and
 train. 8 prompts x G=4, 32 prompt + 32 new tokens, the tiny model in float32, AdamW, once with no

@@ -309,7 +309,7 @@ def decode_params(params, config: ModelConfig, *, dtype=None, replicate_over: Se
   (`layers_0 ... layers_{L-1}`, as `models.decoder.unstack_layers`); floating arrays in `dtype`
   (the compute dtype, which the decoder casts every weight to anyway; None: as they are), and each
   array sharded as before without the mesh axes `replicate_over`. The trainer converts once per
-  round of sampler calls (`SamplingOptions.decode_params`) with the rows' axes ('data', 'fsdp'):
+  round of sampler calls (`DecodeOptions.decode_params`) with the rows' axes ('data', 'fsdp'):
   the rows are split over them, so weights split over them too would be all-gathered by every
   decode step; replicated there and split over 'tensor' only, a step reads its shard of every
   weight in place. Params already per-layer are returned as they are. `generate` takes stacked

@@ -1,6 +1,6 @@
 """`ebpo_jax.trainer.run(config, workdir, rewards=[...])`, the trainer as a Python function, from a
-script as a notebook would call it: Python reward functions with weights, logged under their
-names and recorded in the run's config.json (a lambda's refusal: tests/unit/test_reward_fns.py)."""
+script as a notebook would call it: Python reward functions with weights, logged under their names
+and recorded in the run's config.json (a lambda's refusal: tests/unit/tasks/test_reward_fns.py)."""
 
 import json
 import textwrap

@@ -1,7 +1,7 @@
-"""Reward functions for the verifier pool's tests (tests/unit/test_reward_fns.py), top level in a
-module of light imports: each pool worker imports it when it unpickles a call, and a worker killed
-for a hang is replaced and imports it again (the test module itself imports jax and math-verify
-on the way: about 3 CPU-s a worker)."""
+"""Reward functions for the verifier pool's tests (tests/unit/tasks/test_reward_fns.py), top level
+in a module of light imports: each pool worker imports it when it unpickles a call, and a worker
+killed for a hang is replaced and imports it again (the test module itself imports jax and
+math-verify on the way: about 3 CPU-s a worker)."""
 
 import os
 import time

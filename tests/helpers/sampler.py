@@ -1,4 +1,4 @@
-"""The sampler tests' tiny policy, prompts and shared checks (tests/unit/test_sampling*.py)."""
+"""The sampler tests' tiny policy, prompts and shared checks (tests/unit/sampling/)."""
 
 import dataclasses
 import re
@@ -13,7 +13,7 @@ from tests.helpers.configs import TINY_MODEL
 
 # Most tests sample with the unrolled layer loop over per-layer params and cache (the CPU configs');
 # the rolled loop over the stacked ones (the TPU configs') is held equal to it in
-# tests/unit/test_sampling_layouts.py.
+# tests/unit/sampling/test_sampling_layouts.py.
 UNROLLED = dataclasses.replace(TINY_MODEL, unroll_layers=True)
 PROMPTS = [[5, 9, 2, 7, 11, 3], [8], [12, 4, 4]]
 BUCKETS = (4, 8)

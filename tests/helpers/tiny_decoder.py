@@ -1,4 +1,4 @@
-"""The tiny decoder (configs.TINY_MODEL, another RoPE base) that tests/unit/test_lora.py and
+"""The tiny decoder (configs.TINY_MODEL, another RoPE base) that tests/unit/models/test_lora.py and
 test_shared_prefix.py share, and its params built in one compiled program (imported by those
 tests, not collected: no test_ prefix)."""
 
