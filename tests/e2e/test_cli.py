@@ -4,6 +4,7 @@ lists its own flags; `--print_config` prints the config and writes nothing."""
 import json
 import re
 
+from tests.helpers import ROOT
 from tests.helpers.processes import run_module
 
 # Each CLI's own flags: its --help must list them under the module's own section (absl shows
@@ -24,7 +25,8 @@ OWN_FLAGS = {
 
 def own_section(help_text: str, module: str) -> set[str]:
   """The flag names listed under the module's own file in absl's --help."""
-  path = module.replace(".", "/") + (".py" if module != "ebpo_jax.ablate" else "/__main__.py")
+  path = module.replace(".", "/")
+  path += "/__main__.py" if (ROOT / path / "__main__.py").exists() else ".py"  # a package's main
   section = help_text.split(path + ":", 1)[1].split("\n\n", 1)[0]
   return set(re.findall(r"^  --(?:\[no\])?(\w+)", section, re.MULTILINE))
 

@@ -47,7 +47,7 @@ _TX = optax.adamw(1e-3)
 def _init_state(seed: int = 0) -> TrainState:
   params = {"w": jnp.arange(64.0).reshape(8, 8) + seed, "b": jnp.full((8,), 0.5 + seed)}
   opt_state = _TX.init(params)
-  # A non-trivial optimizer state: one update step.
+  # A non-trivial optimizer state.
   _, opt_state = _TX.update(jax.tree.map(jnp.ones_like, params), opt_state, params)
   prior = Prior(count=jnp.array([1.0, 2.0, 3.0, 0.0]), mean=jnp.array([0.1, 0.5, 0.9, 0.0]) + seed)
   return TrainState(params, opt_state, prior, jax.random.key(seed + 7), jnp.int32(seed))
@@ -128,7 +128,7 @@ def test_grain_iterator_resumes_at_the_same_element(tmp_path):
   for _ in range(5):
     next(data_iter)
   expected = [next(data_iter) for _ in range(3)]
-  # Rewind to the save point: a fresh iterator advanced 5 batches.
+  # Rewind to the save point.
   data_iter = iter(dataset)
   for _ in range(5):
     next(data_iter)

@@ -51,7 +51,7 @@ def test_smollm2_cache_converts_once(tmp_path, monkeypatch, caplog):
     assert gguf_io.smollm2_135m_instruct() == first
   assert first.startswith(str(tmp_path)) and len(calls) == 1
   said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("converting ")]
-  assert len(said) == 1 and said[0].endswith("(once; later runs reuse it) ...")  # the one line
+  assert len(said) == 1 and said[0].endswith("(once; later runs reuse it) ...")
   assert os.listdir(tmp_path) == [os.path.basename(first)]  # no staging directory left behind
 
 

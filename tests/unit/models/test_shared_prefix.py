@@ -123,7 +123,7 @@ def test_shared_prefix_on_the_per_layer_decoder_and_with_lora_dropout():
   logits = jax.jit(
     step_lib.completion_logits, static_argnums=0, static_argnames="packed_group_size"
   )
-  # The per-layer decoder (scan_layers=False), as the scanned one.
+  # The per-layer decoder, as the scanned one.
   per_layer = Decoder(config, scan_layers=False)
   want = logits(Decoder(config), params, full, packed_group_size=None)
   got = logits(per_layer, jax.jit(unstack_layers)(params), packed, packed_group_size=G)

@@ -113,7 +113,7 @@ def test_config_json_is_written_then_a_changed_key_stops_the_resume(tmp_path):
   message = one_line(error)
   assert "rl.group_size (4 -> 2), seed (0 -> 1), train.batch_size (8 -> 16)" in message
   assert "--config.workdir.accept_changes=rl.group_size,seed,train.batch_size" in message
-  assert json.loads((tmp_path / workdir_lib.CONFIG_FILE).read_text()) == saved  # unchanged
+  assert json.loads((tmp_path / workdir_lib.CONFIG_FILE).read_text()) == saved
 
 
 def test_safe_keys_and_accepted_changes_resume(tmp_path):
@@ -160,7 +160,7 @@ def test_a_workdir_of_another_format_is_refused_with_what_to_do(tmp_path):
   format_file.write_text(json.dumps({"format": workdir_lib.FORMAT - 1}))
   with pytest.raises(workdir_lib.WorkdirError, match=f"workdir format {workdir_lib.FORMAT - 1}, "):
     workdir_lib.saved_config(workdir)
-  assert json.loads(format_file.read_text()) == {"format": workdir_lib.FORMAT - 1}  # untouched
+  assert json.loads(format_file.read_text()) == {"format": workdir_lib.FORMAT - 1}
 
 
 def test_config_check_on_a_bucket(gcs_dir):

@@ -54,7 +54,7 @@ def test_without_config_json_the_checkpoints_config_is_compared(workdir):
     "with the same values, use another --workdir, or accept the change with "
     "--config.workdir.accept_changes=rl.group_size"
   )
-  assert not (workdir / workdir_lib.CONFIG_FILE).exists()  # nothing written
+  assert not (workdir / workdir_lib.CONFIG_FILE).exists()
   _claim(workdir, {"train.num_steps": 9})  # a safe key: resumes, and config.json is written
   assert json.loads((workdir / workdir_lib.CONFIG_FILE).read_text())["train"]["num_steps"] == 9
 
