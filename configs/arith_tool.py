@@ -76,4 +76,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   elif arg.runlocal:
     common.runlocal(config, num_train=256, num_eval=4, num_steps=2, every_steps=2)
     common.tiny_runlocal_batches(config)
+    # Every demonstration calls the tool, and long enough a warm start that the policy does too:
+    # the RL steps then train on episodes with observations (tests/e2e/test_arith_tool.py).
+    config.task.options.tool_fraction = 1.0
+    config.sft.num_steps = 100
   return config

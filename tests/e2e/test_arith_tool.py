@@ -21,6 +21,15 @@ def _without_timing(lines: list[dict]) -> list[dict]:
   return [{k: v for k, v in m.items() if k not in metrics.TIMING_KEYS} for m in lines]
 
 
+def _assert_trained_on_episodes(m: dict) -> None:
+  """A training line of multi-turn RL: the policy called the tool, the observations' tokens were
+  left out of the loss, and the trainer's fresh forward of the stored trajectories (the first
+  pass, before any update) gives the sampler's log-probs at the model tokens: the tokens stored
+  are those the cache was fed (a re-tokenized observation would shift the later turns')."""
+  assert m["tool_calls/mean"] > 0 and 0 < m["masked_frac"] < 1, m
+  assert m["mismatch/max_abs"] < 1e-4, m
+
+
 def test_runlocal_logs_episodes_and_resumes_exactly(tmp_path):
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
   # runlocal's 2 steps, a checkpoint after each.
@@ -36,8 +45,8 @@ def test_runlocal_logs_episodes_and_resumes_exactly(tmp_path):
   train = [m for m in lines if "loss" in m]
   assert [m["step"] for m in train] == [1, 2]
   for m in train:
-    assert m["turns/mean"] >= 1 and m["tool_calls/mean"] >= 0 and m["tool_errors"] >= 0
-    assert 0 <= m["masked_frac"] < 1 and m["env/time_s"] >= 0
+    _assert_trained_on_episodes(m)
+    assert m["turns/mean"] >= 1 and m["tool_errors"] >= 0 and m["env/time_s"] >= 0
     assert math.isfinite(m["loss"]) and m["bad_updates"] == 0
   samples = [json.loads(line) for line in (straight / "samples.jsonl").read_text().splitlines()]
   assert samples and all(s["completion"].startswith("[assistant] ") for s in samples)
@@ -60,3 +69,6 @@ def test_the_smollm2_chat_template_variant_runs_one_step(tiny_llama_dir, tmp_pat
   train = [m for m in _lines(tmp_path) if "loss" in m]
   assert [m["step"] for m in train] == [1]
   assert math.isfinite(train[0]["loss"]) and train[0]["turns/mean"] >= 1
+  # A random model calls no tool (observations with this template: tests/unit/rollouts/
+  # test_episodes.py's fresh forward); its stored log-probs still equal the trainer's.
+  assert train[0]["mismatch/max_abs"] < 1e-4

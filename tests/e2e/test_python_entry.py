@@ -43,6 +43,7 @@ def test_trainer_run_takes_python_reward_functions_with_weights(tmp_path, monkey
   assert result.returncode == 0, result.stderr[-3000:]
   assert "accuracy" in result.stdout
   (line,) = [m for m in metrics.read_metrics(tmp_path / "run") if "reward/mean" in m]
+  assert line["reward/short"] > 0  # else its weight would not show in the sum
   assert line["reward/mean"] == pytest.approx(
     line["reward/exact_match"] + 0.5 * line["reward/short"], abs=1e-6
   )

@@ -11,15 +11,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ebpo_jax import envs, sampling, sharding
+from ebpo_jax import envs, models, sampling, sharding
+from ebpo_jax import keys as keys_lib
+from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.models import Decoder
+from ebpo_jax.rollouts import batch as rollout_batch
 from ebpo_jax.rollouts import episodes, scoring
 from ebpo_jax.rollouts.options import BatchOptions, EnvOptions, EvalOptions, RolloutOptions
+from ebpo_jax.rollouts.prompts import PromptEncoder
 from ebpo_jax.rollouts.rollout import SamplerCall
 from ebpo_jax.rollouts.worker import RolloutWorker
-from ebpo_jax.sampling import DecodeOptions, engine, turns
-from ebpo_jax.tasks import get_task, reward_fns, rewards
+from ebpo_jax.sampling import DecodeOptions, engine, sequences, turns
+from ebpo_jax.tasks import get_task, reward_fns, rewards, tokenizers
 from ebpo_jax.tasks.tokenizers import ByteTokenizer
+from ebpo_jax.trainer import step as step_lib
 from tests.helpers.configs import TINY_MODEL
 
 PROMPTS = [[1, 40, 41, 42, 43], [1, 50]]
@@ -132,7 +137,7 @@ def test_the_token_limit_truncates(setup):
   ep, _ = _run(setup, turns=3, max_tokens=N + 1, key=1)
   assert (ep.mask.sum(1) <= N + 1).all()
   ended = ep.turns > 1
-  assert not ended.any() or ep.truncated[ended].all()
+  assert ended.any() and ep.truncated[ended].all()  # a second turn left no room for a third
 
 
 def test_reward_functions_see_the_whole_transcript(setup):
@@ -213,16 +218,11 @@ class _RowEncoder(_Encoder):
     return sampling.pad_prompts([PROMPTS[row["i"]] for row in rows], 0, (6,))
 
 
-@pytest.mark.parametrize("multi_turn", [False, True], ids=["single_turn", "episodes"])
-def test_a_round_converts_the_weights_to_the_samplers_layout_once(setup, monkeypatch, multi_turn):
-  """The worker converts the (stacked, rolled-loop) weights once for a round of sampler calls,
-  here two calls of one prompt; the episodes once converted them again on every call."""
-  model, params, mesh, pool = setup
-  conversions, convert = [], engine.decode_converter
-  monkeypatch.setattr(
-    engine, "decode_converter", lambda *a, **k: conversions.append(1) or convert(*a, **k)
-  )
-  env = EnvOptions(lambda: Answers(2), max_turns=3, max_tokens=30, max_observation_tokens=4)
+def _worker(setup, *, multi_turn: bool, turns: int = 2) -> RolloutWorker:
+  """A RolloutWorker of the tiny policy, one prompt per sampler call, episodes of `Answers(turns)`
+  when `multi_turn`."""
+  model, _, mesh, pool = setup
+  env = EnvOptions(lambda: Answers(turns), max_turns=3, max_tokens=30, max_observation_tokens=4)
   options = RolloutOptions(
     seed=0,
     sampling=DecodeOptions(N, temperature=1.0, top_p=1.0, top_k=0, compact=False,
@@ -234,8 +234,78 @@ def test_a_round_converts_the_weights_to_the_samplers_layout_once(setup, monkeyp
   )  # fmt: skip
   task = get_task("arithmetic", ops=("add",), digits=(1,))
   scorer = scoring.Scorer(task, pool, max_new_tokens=env.max_tokens)
-  worker = RolloutWorker(model, _RowEncoder(), scorer, options, mesh)
-  rows = [{"prompt": "1+1=", "answer": "2", "cluster": 0, "i": i} for i in range(2)]
-  rollout = worker.rollout(params, rows, jax.random.key(0), group_size=G, greedy=False)
+  return RolloutWorker(model, _RowEncoder(), scorer, options, mesh)
+
+
+ROWS = [{"prompt": "1+1=", "answer": "2", "cluster": 0, "i": i} for i in range(2)]
+
+
+@pytest.mark.parametrize("multi_turn", [False, True], ids=["single_turn", "episodes"])
+def test_a_round_converts_the_weights_to_the_samplers_layout_once(setup, monkeypatch, multi_turn):
+  """The worker converts the (stacked, rolled-loop) weights once for a round of sampler calls,
+  here two calls of one prompt; the episodes once converted them again on every call."""
+  model, params, _, _ = setup
+  conversions, convert = [], engine.decode_converter
+  monkeypatch.setattr(
+    engine, "decode_converter", lambda *a, **k: conversions.append(1) or convert(*a, **k)
+  )
+  worker = _worker(setup, multi_turn=multi_turn)
+  rollout = worker.rollout(params, ROWS, jax.random.key(0), group_size=G, greedy=False)
   assert not model.config.unroll_layers and len(conversions) == 1
   assert rollout.rewards.shape == (2, G) and bool(rollout.stats) == multi_turn
+
+
+def test_the_training_batch_trains_the_episodes_model_tokens_only(setup):
+  """The step's batch from multi-turn rollouts: its loss mask is the episodes' (model tokens), not
+  their attention mask: each "[observation] ok" of a transcript is 2 tokens attended and not
+  trained, and the sampler's log-probs there are 0 (a batch built from the attention mask, or a
+  re-tokenized observation, would not count so)."""
+  _, params, _, _ = setup
+  worker = _worker(setup, multi_turn=True, turns=3)
+  keys = keys_lib.step_keys(jax.random.PRNGKey(1), jnp.int32(0))
+  batch, rollout, logs = rollout_batch.collect_batch(
+    worker, params, keys, ROWS, iter([np.arange(len(ROWS))])
+  )
+  attended, trained = np.asarray(batch["completion_mask"]), np.asarray(batch["loss_mask"])
+  observations = np.array([text.count("[observation] ok") for text in rollout.texts])
+  assert observations.sum() > 0  # some trajectories read observations
+  np.testing.assert_array_equal((attended & ~trained).sum(1), 2 * observations)
+  assert not (trained & ~attended).any()
+  assert (np.asarray(batch["old_logps"])[~trained] == 0).all()
+  observed = np.asarray(batch["tokens"])[attended & ~trained]
+  np.testing.assert_array_equal(observed, _Encoder.tokenizer.encode("ok") * observations.sum())
+  assert logs[metrics_lib.MASKED_FRAC] == pytest.approx(
+    (attended & ~trained).sum() / attended.sum()
+  )
+
+
+def test_stored_log_probs_equal_a_fresh_forward_of_the_stored_chat_tokens(setup):
+  """With SmolLM2's tokenizer and chat template (observations as tool messages, then the
+  assistant's header): the trainer's forward of the stored trajectories gives the log-probs the
+  sampler stored at every model token, so the tokens stored are those the cache was fed (a
+  re-tokenized observation would shift every later turn's)."""
+  _, _, mesh, pool = setup
+  tokenizer = tokenizers.HFTokenizer(models.smollm2_135m_instruct())
+  task = get_task("arithmetic", ops=("add",), digits=(1,))
+  encoder = PromptEncoder(task, tokenizer, buckets=(64,))
+  model = Decoder(dataclasses.replace(TINY_MODEL, vocab_size=tokenizer.vocab_size))
+  params = jax.jit(model.init)(jax.random.key(2), jnp.zeros((1, 4), jnp.int32))["params"]
+  params = nn.meta.unbox(params)
+  # A head that draws the end-of-turn id or "o" (the sign of one direction of the last hidden
+  # state), nothing else: turns end after a few tokens, so observations come between them.
+  w = 10.0 * jax.random.normal(jax.random.key(4), (model.config.hidden_size,))
+  head = jnp.zeros_like(params["lm_head"])
+  params["lm_head"] = head.at[:, tokenizer.eos_id].set(w).at[:, tokenizer.encode("o")[0]].set(-w)
+  rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "cluster": 0} for a, b in ((1, 1), (2, 5))]
+  ids, mask = encoder.prompts(rows)
+  env = EnvOptions(lambda: Answers(3), max_turns=3, max_tokens=48, max_observation_tokens=16)
+  so = DecodeOptions(8, temperature=1.0, top_p=1.0, top_k=0, compact=False, prompts_per_call=0)
+  place = functools.partial(sharding.place_rows, mesh=mesh)
+  ep = episodes.run_episodes(
+    model, params, place(ids), place(mask), jax.random.key(3), rows, group_size=G, greedy=False,
+    encoder=encoder, pool=pool, env=env, so=so, mesh=mesh,
+  )  # fmt: skip
+  assert (ep.mask & ~ep.loss_mask).any()  # observations between model turns
+  seqs = sequences.build_sequences(ids, mask, ep.tokens, ep.mask, G, ep.loss_mask)
+  fresh = step_lib.completion_logprobs(model, params, seqs, packed_group_size=None)
+  np.testing.assert_allclose(np.where(ep.loss_mask, fresh, 0.0), ep.logps, atol=1e-4)

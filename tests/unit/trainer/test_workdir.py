@@ -96,7 +96,11 @@ def test_a_lock_of_a_dead_process_on_this_host_is_broken(gcs_dir):
   lock_path = files.join(gcs_dir, workdir_lib.LOCK_FILE)
   stale = {"host": socket.gethostname(), "pid": dead.pid, "started": "then", "token": "x"}
   files.write_atomic(lock_path, json.dumps(stale))
-  workdir_lib.lock(gcs_dir).release()
+  taken = workdir_lib.lock(gcs_dir)  # no WorkdirError: the holder's pid is gone on this host
+  held = json.loads(files.read_text(lock_path))
+  assert held["pid"] == os.getpid() and held["token"] != stale["token"]
+  taken.release()
+  assert not files.exists(lock_path)
 
 
 # ----------------------------------------------------------------------------- config.json
