@@ -10,9 +10,10 @@ The kernel runs on the cache's own layout, over the grid (rows, kv heads, kv blo
 slots). A stacked cache `[L, B, Hkv, S, D]` (the rolled layer loop's) is read in place at the
 layer's index, which is scalar-prefetched into the key and value index maps, so the loop body never
 copies a layer's slice out of the stack; one layer's buffer runs as a stack of one. `written` is
-scalar-prefetched too: the key, value and mask blocks' index maps clamp the block
-index to the last written block, so blocks past it are never fetched (the pipeline skips the copy
-when a block index repeats) and `pl.when` skips their compute. The G = H / Hkv query heads of one
+scalar-prefetched too: the key, value and mask blocks' index maps (`kv_index_map`, `mask_index_map`)
+clamp the block index to the last written block, so blocks past it are never fetched (the pipeline
+skips the copy when a block index repeats) and `pl.when` (`computes`) skips their compute; the
+tests evaluate those functions over the grid. The G = H / Hkv query heads of one
 kv head run together as the `[G, D]` rows of one matmul (GQA: nothing repeated). Softmax is online
 (flash attention's running max m, sum l and unnormalised output in VMEM scratch):
 
@@ -50,6 +51,32 @@ def kv_block(slots: int, block: int) -> int:
   return slots if slots <= block else block
 
 
+# The block skipping, as the kernel runs it: its index maps and its compute predicate, also
+# evaluated on plain integers (or numpy grids) by the tests. `scalars` is the scalar-prefetched
+# `[written, layer]`.
+def last_written_block(written, bkv: int):
+  """The last block holding a written slot (block 0 when none is)."""
+  return jnp.maximum(written - 1, 0) // bkv
+
+
+def kv_index_map(i, k, j, scalars, *, bkv: int):
+  """Key and value block of grid step (row i, kv head k, kv block j) in the stacked cache
+  `[L, B, Hkv, S, D]`: block j clamped to the last written one, so a step past it repeats the
+  previous step's block and the pipeline fetches nothing."""
+  return scalars[1], i, k, jnp.minimum(j, last_written_block(scalars[0], bkv)), 0
+
+
+def mask_index_map(i, k, j, scalars, *, bkv: int):
+  """Slot-mask block `[B, 1, S]` of grid step (i, k, j), clamped as `kv_index_map`."""
+  del k
+  return i, 0, jnp.minimum(j, last_written_block(scalars[0], bkv))
+
+
+def computes(j, written, bkv: int):
+  """Whether kv block j's step computes (`pl.when`): the block holds a written slot."""
+  return j * bkv < written
+
+
 def flash_decode(
   q_bthd, k_bksd, v_bksd, slot_mask_bs, written, *, layer=None, block: int, interpret: bool
 ):
@@ -81,22 +108,13 @@ def _decode_call(scalars, q_bkgd, k_lbksd, v_lbksd, mask_b1s, *, block: int, int
   b, kv_heads, groups, d = q_bkgd.shape
   slots = k_lbksd.shape[3]
   bkv = kv_block(slots, block)
-
-  def last_written(scalars_ref):
-    return jnp.maximum(scalars_ref[0] - 1, 0) // bkv
-
-  def kv_map(i, k, j, scalars_ref):
-    return scalars_ref[1], i, k, jnp.minimum(j, last_written(scalars_ref)), 0
-
-  def mask_map(i, k, j, scalars_ref):
-    return i, 0, jnp.minimum(j, last_written(scalars_ref))
-
   query_spec = pl.BlockSpec((None, None, groups, d), lambda i, k, j, s: (i, k, 0, 0))
-  kv_spec = pl.BlockSpec((None, None, None, bkv, d), kv_map)
+  kv_spec = pl.BlockSpec((None, None, None, bkv, d), functools.partial(kv_index_map, bkv=bkv))
+  mask_spec = pl.BlockSpec((None, 1, bkv), functools.partial(mask_index_map, bkv=bkv))
   grid_spec = pltpu.PrefetchScalarGridSpec(
     num_scalar_prefetch=1,
     grid=(b, kv_heads, pl.cdiv(slots, bkv)),
-    in_specs=[query_spec, kv_spec, kv_spec, pl.BlockSpec((None, 1, bkv), mask_map)],
+    in_specs=[query_spec, kv_spec, kv_spec, mask_spec],
     out_specs=query_spec,
     scratch_shapes=[
       pltpu.VMEM((groups, 1), jnp.float32),  # m: running max
@@ -127,7 +145,7 @@ def _kernel(
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-  @pl.when(j * bkv < written)
+  @pl.when(computes(j, written, bkv))
   def _accumulate():
     k, v = k_ref[...], v_ref[...]
     dims = (((1,), (1,)), ((), ()))  # [G, D] x [bkv, D] -> [G, bkv]
