@@ -1,8 +1,13 @@
-"""Decode throughput and train-step MFU on a GPU, bf16.
+"""Decode throughput, train-step MFU, cuDNN vs XLA attention and the default config's first
+steps on a GPU.
 
   PYTHONPATH=. python bench/gpu.py                   # SmolLM2-135M, Qwen3-0.6B shapes, batch 1..256
   PYTHONPATH=. python bench/gpu.py --results results/gpu.md  # also append a dated table there
+  PYTHONPATH=. python bench/gpu.py --parts=attention,trainer  # the short check of the GPU path
   PYTHONPATH=. python bench/gpu.py --dry-run         # tiny shape, batch 2, any backend (smoke test)
+
+Each part prints its markdown table when it ends (`--parts`, in this order): decode, train_step,
+attention, trainer.
 
 Random bf16 weights of each shape (throughput does not depend on the values; no stop token, so
 every row decodes all `--new-tokens`). Each timing is one `sampling.generate` call (prefill of a
@@ -18,6 +23,18 @@ its time is at least `(param bytes + KV bytes at the mean context) / HBM bandwid
 tokens/s is `batch / that time`. Prefill is counted in our time but not in the roofline, so the
 share is a lower bound. Our sampler reads the whole preallocated cache each step, which the share
 then shows as lost bandwidth at large batch x context.
+
+Attention: `models.attention.attend` with cudnn (`jax.nn.dot_product_attention`'s cuDNN kernel;
+through XLA off a GPU) against xla, bf16, GQA, left-padded causal rows at Qwen3-0.6B's heads: the
+largest difference of the valid queries' outputs and of the gradients of q, k, v, each over its
+largest value (within `OUT_TOL` and `GRAD_TOL`), and the time of each, forward and forward +
+backward.
+
+Trainer: `ebpo_jax.trainer.run` on configs/arith_ebpo.py (launch/gpu.sh's default) for its first
+`--sft-steps` warm-start and `--train-steps` RL steps, at its float32 (`model.attention=auto`:
+xla on a GPU, as cuDNN refuses float32), with a bfloat16 sampler (`sampling.dtype`: the sampler's
+prefill on cudnn) and all in bfloat16 (cudnn in the train step too); the dry run takes its
+runlocal variant, float32 only, for one RL step.
 """
 
 from __future__ import annotations
@@ -26,7 +43,10 @@ import argparse
 import dataclasses
 import datetime
 import json
+import pathlib
+import tempfile
 import time
+import traceback
 
 import _common  # bench/_common.py, beside this file
 import flax.linen as nn
@@ -34,8 +54,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ebpo_jax import sampling
-from ebpo_jax.models import Decoder, ModelConfig
+from ebpo_jax import cli, sampling, trainer
+from ebpo_jax.models import Decoder, ModelConfig, attention
 
 # HBM bandwidth (bytes/s) by the vendors' datasheets, matched in order against `device_kind`.
 HBM_BYTES_PER_S = (
@@ -65,6 +85,11 @@ BF16_PEAK_FLOPS = (
 )
 
 BF16 = dict(dtype="bfloat16", param_dtype="bfloat16")
+CONFIG = pathlib.Path(__file__).resolve().parents[1] / "configs" / "arith_ebpo.py"
+PARTS = ("decode", "train_step", "attention", "trainer")
+# cudnn vs xla in bf16: the largest difference over the largest value, of the outputs (bf16's
+# rounding is 2**-8 = 3.9e-3) and of the gradients of q, k, v (sums of many rounded terms).
+OUT_TOL, GRAD_TOL = 1e-2, 5e-2
 TRAIN_SHAPE = "0.6b"  # bench/train_step.py's SHAPES: the train step's MFU at Qwen3-0.6B's widths
 MODELS = {
   "smollm2-135m": dataclasses.replace(_common.SMOLLM2_135M, **BF16),
@@ -166,6 +191,14 @@ def markdown(rows: list[Row], device: jax.Device, bandwidth: float, args) -> str
   return "\n".join(lines) + "\n"
 
 
+def bench_decode(args, device: jax.Device) -> str:
+  """Decode throughput of `--models` at `--batches` against the roofline, as markdown."""
+  bandwidth = hbm_bandwidth(device, args.hbm_gb_s)
+  batches = [int(b) for b in args.batches.split(",")]
+  rows = [r for name in args.models.split(",") for r in bench_model(name, batches, args, bandwidth)]
+  return markdown(rows, device, bandwidth, args)
+
+
 def bench_train_step(args, device: jax.Device) -> str:
   """MFU of the trainer's step at the Qwen3-0.6B shape (tiny on a dry run), as markdown."""
   import train_step as train_bench  # bench/train_step.py, beside this file
@@ -193,6 +226,92 @@ def bench_train_step(args, device: jax.Device) -> str:
   return "\n".join(lines) + "\n"
 
 
+def _best_s(fn, reps: int) -> float:
+  """The best of `reps` timed calls of `fn` (compiled beforehand by one untimed call)."""
+  jax.block_until_ready(fn())
+  best = float("inf")
+  for _ in range(reps):
+    start = time.perf_counter()
+    jax.block_until_ready(fn())
+    best = min(best, time.perf_counter() - start)
+  return best
+
+
+def bench_attention(args, device: jax.Device) -> str:
+  """cudnn against xla (module docstring) as markdown; RuntimeError past the tolerances."""
+  b, t, heads, kv_heads, d = (2, 128, 4, 2, 16) if args.dry_run else (8, 2048, 16, 8, 128)
+  rng = np.random.default_rng(0)
+  draw = lambda h: jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.bfloat16)
+  q, k, v = draw(heads), draw(kv_heads), draw(kv_heads)
+  mask = jnp.asarray(np.arange(t)[None] >= rng.integers(0, t // 4, (b, 1)))  # left-padded rows
+  valid = attention.valid_pairs(mask)
+  weights = mask[:, :, None, None].astype(jnp.float32)  # a pad query's output is read by nothing
+  emulated = attention.resolve("cudnn", device, "bfloat16")[1]
+  results = {}
+  for backend in ("xla", "cudnn"):
+    config = dataclasses.replace(
+      MODELS["tiny"], attention=backend, attention_emulate=emulated and backend == "cudnn"
+    )
+    forward = jax.jit(lambda q, k, v, valid, c=config: attention.attend(q, k, v, valid, c))
+    loss = lambda q, k, v, valid, c=config: (
+      attention.attend(q, k, v, valid, c).astype(jnp.float32) * weights
+    ).sum()
+    backward = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    out = np.asarray(forward(q, k, v, valid).astype(jnp.float32) * weights)
+    grads = [np.asarray(g.astype(jnp.float32)) for g in backward(q, k, v, valid)]
+    times = [_best_s(lambda f=f: f(q, k, v, valid), args.reps) for f in (forward, backward)]
+    results[backend] = out, grads, times
+  (want, want_grads, _), (got, got_grads, _) = results["xla"], results["cudnn"]
+  rel = lambda got, want: float(np.abs(got - want).max() / np.abs(want).max())
+  out_diff = rel(got, want)
+  grad_diff = max(rel(g, w) for g, w in zip(got_grads, want_grads, strict=True))
+  lines = [
+    f"| attention (bf16, {b} x {t}, {heads}/{kv_heads} heads of {d}) | emulated | forward ms "
+    "| fwd + bwd ms | out diff / max | grad diff / max |",
+    "| --- | --- | ---: | ---: | ---: | ---: |",
+  ]
+  for backend, (_, _, (fwd_s, bwd_s)) in results.items():
+    cudnn = backend == "cudnn"
+    diffs = f"{out_diff:.2e} | {grad_diff:.2e}" if cudnn else "- | -"
+    lines.append(
+      f"| {backend} | {emulated and cudnn} | {fwd_s * 1e3:.2f} | {bwd_s * 1e3:.2f} | {diffs} |"
+    )
+  table = "\n".join(lines) + "\n"
+  if not (out_diff < OUT_TOL and grad_diff < GRAD_TOL):
+    raise RuntimeError(f"cudnn differs from xla past bf16's tolerances:\n{table}")
+  return table
+
+
+def bench_trainer(args, device: jax.Device) -> str:
+  """The default config's first steps (module docstring) as markdown."""
+  spec, runs = f"{CONFIG}", [("float32", ""), ("float32", "bfloat16"), ("bfloat16", "")]
+  steps = {"sft.num_steps": args.sft_steps, "train.num_steps": args.train_steps}
+  if args.dry_run:
+    spec, runs, steps = f"{CONFIG}:runlocal", runs[:1], {"sft.num_steps": 0, "train.num_steps": 1}
+  lines = [
+    f"| {CONFIG.name} | model.dtype | sampling.dtype | attention: train, sampler | steps "
+    "| wall s | eval/accuracy |",
+    "| --- | --- | --- | --- | --- | ---: | ---: |",
+  ]
+  for dtype, sampling_dtype in runs:
+    keys = {"model.dtype": dtype, "sampling.dtype": sampling_dtype}
+    config = cli.load_config(spec, steps | keys)
+    dtypes = (dtype, sampling_dtype or dtype)
+    resolved = [attention.resolve(config.model.attention, device, d)[0] for d in dtypes]
+    with tempfile.TemporaryDirectory() as workdir:
+      start = time.perf_counter()
+      result = trainer.run(config, workdir)
+      wall = time.perf_counter() - start
+    sampler = sampling_dtype or "(model's)"
+    lines.append(
+      f"| {'runlocal' if args.dry_run else 'default'} | {dtype} | {sampler} "
+      f"| {', '.join(resolved)} | {config.sft.num_steps} + {config.train.num_steps} | {wall:.1f} "
+      f"| {result.get('eval/accuracy', float('nan')):.3f} |"
+    )
+    print(lines[-1], flush=True)
+  return "\n".join(lines) + "\n"
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--dry-run", action="store_true", help="tiny shape, batch 2, any backend")
@@ -205,23 +324,40 @@ def main() -> None:
   parser.add_argument("--results", default=None, help="append the markdown table to this file")
   parser.add_argument("--train-rows", type=int, default=64, help="responses per train step")
   parser.add_argument("--train-micro", type=int, default=8, help="rows per micro-batch")
+  parser.add_argument("--parts", default=",".join(PARTS), help=f"any of {','.join(PARTS)}")
+  parser.add_argument("--sft-steps", type=int, default=2, help="the trainer's warm-start steps")
+  parser.add_argument("--train-steps", type=int, default=3, help="the trainer's RL steps")
   args = parser.parse_args()
+  parts = args.parts.split(",")
+  if not set(parts) <= set(PARTS):
+    raise SystemExit(f"--parts={args.parts}: expected some of {','.join(PARTS)}")
   if args.dry_run:
     # One batch: each is its own decode program to compile (~3 CPU-s at the tiny shape).
     args.models, args.batches, args.prompt_len, args.new_tokens, args.reps = "tiny", "2", 8, 8, 1
     args.train_rows, args.train_micro = 8, 4
     args.hbm_gb_s = args.hbm_gb_s or 20.0  # a placeholder: the dry run checks the plumbing only
-  device = jax.devices()[0]
-  bandwidth = hbm_bandwidth(device, args.hbm_gb_s)
-  batches = [int(b) for b in args.batches.split(",")]
-  rows = []
-  for name in args.models.split(","):
-    rows.extend(bench_model(name, batches, args, bandwidth))
-  table = markdown(rows, device, bandwidth, args) + "\n" + bench_train_step(args, device)
-  print(table)
+  device, tables = jax.devices()[0], []
+  benches = {
+    "decode": bench_decode,
+    "train_step": bench_train_step,
+    "attention": bench_attention,
+    "trainer": bench_trainer,
+  }
+  failed = []
+  for part in (p for p in PARTS if p in parts):  # each table printed as its part ends
+    try:
+      tables.append(benches[part](args, device))
+    except Exception:  # noqa: BLE001  (its traceback shown; the other parts still run)
+      traceback.print_exc()
+      failed.append(part)
+      continue
+    print(tables[-1], flush=True)
+  table = "\n".join(tables)
   if args.results:
     with open(args.results, "a") as f:
       f.write("\n" + table)
+  if failed:
+    raise SystemExit(f"bench/gpu.py: {', '.join(failed)} failed (tracebacks above)")
 
 
 if __name__ == "__main__":

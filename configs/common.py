@@ -73,7 +73,8 @@ def get_config() -> ml_collections.ConfigDict:
   # One rolled loop (False) compiles in a fraction of the time: the choice for deep models on TPU.
   config.model.unroll_layers = True  # training's layer loop unrolled (faster on XLA:CPU)
   # Without a KV cache (training, reference log-probs, prefill); auto is splash on TPU, cudnn on
-  # NVIDIA GPUs, xla elsewhere; a kernel off its platform is emulated (ebpo_jax.models.attention).
+  # NVIDIA GPUs at bfloat16/float16 (cuDNN refuses float32), xla elsewhere; a kernel off its
+  # platform is emulated (ebpo_jax.models.attention).
   config.model.attention = "auto"  # attention backend: auto | xla | splash | cudnn
   config.model.attention_block = 512  # splash's largest block, a multiple of 128; shorter: smaller
   config.model.chat_template = True  # a model directory's chat template wraps the prompts

@@ -18,10 +18,16 @@
   `[B, 1, T, S]` in the compute dtype, not the float32 scores, yet O(T^2); untimed on a GPU so
   far). Emulated, it runs the same call with `implementation="xla"`.
 
-`auto` (`resolve`) is splash on TPU, cudnn on NVIDIA GPUs and xla elsewhere. Every backend takes
-the layout `layout` builds (query/key token masks for splash, allowed (query, key) pairs for the
-others) over full rows or the shared-prefix layout (`models.shared_prefix`); the sampler's prefill
-(a cache exactly as long as the prompt, so empty before it) takes the same path (`fresh_prefill`).
+`auto` (`resolve`) is splash on TPU, cudnn on NVIDIA GPUs when the compute dtype is bfloat16 or
+float16 (jax's cuDNN attention refuses float32: "Q must be fp16/bf16/fp8"), and xla otherwise (a
+float32 model on a GPU, any other platform); an explicit cudnn at another dtype is an error, on
+every platform (its emulation would run what the GPU refuses). The sampler resolves again at its
+own `sampling.dtype` (`models.build.with_compute_dtype`).
+
+Every backend takes the layout `layout` builds (query/key token masks for splash, allowed (query,
+key) pairs for the others) over full rows or the shared-prefix layout (`models.shared_prefix`); the
+sampler's prefill (a cache exactly as long as the prompt, so empty before it) takes the same path
+(`fresh_prefill`).
 
 Decoding over the KV cache (`decode`, one query per row): splash runs `models.decode_attention`'s
 flash-decoding kernel, which reads only the slots written so far (of a stacked cache, only the
@@ -50,17 +56,26 @@ from ebpo_jax.models.config import ATTENTION_BACKENDS, ModelConfig
 CHOICES = ("auto", *ATTENTION_BACKENDS)
 _NEG_INF = -1e30  # finite, so a query with no valid key gives a uniform (ignored) row, not NaN
 _LANES = 128  # splash's blocks are multiples of the TPU's 128 lanes
+CUDNN_DTYPES = ("bfloat16", "float16")  # the compute dtypes cuDNN attention takes (fp8 unused)
 
 
-def resolve(name: str, device: jax.Device) -> tuple[str, bool]:
-  """`(backend, emulate)` for `config.model.attention = name` on `device`'s platform: `auto` is
-  splash on TPU, cudnn on an NVIDIA GPU, else xla; a kernel named on a platform without it is
-  emulated (`emulate=True`: interpret mode, or cudnn's call through XLA)."""
+def resolve(name: str, device: jax.Device, dtype: str) -> tuple[str, bool]:
+  """`(backend, emulate)` for `config.model.attention = name` on `device`'s platform, computing
+  in `dtype`: `auto` is splash on TPU, cudnn on an NVIDIA GPU at a dtype cuDNN takes
+  (`CUDNN_DTYPES`), else xla; a kernel named on a platform without it is emulated
+  (`emulate=True`: interpret mode, or cudnn's call through XLA). ValueError for an unknown name,
+  or cudnn at a dtype cuDNN refuses."""
   if name not in CHOICES:
     raise ValueError(f"attention={name!r}; expected one of {CHOICES}")
+  half = jnp.dtype(dtype).name in CUDNN_DTYPES
+  if name == "cudnn" and not half:
+    raise ValueError(
+      f"cuDNN's fused attention computes in {' or '.join(CUDNN_DTYPES)} only, not {dtype} "
+      '(jax: "Q must be fp16/bf16/fp8"): use one of those, or attention auto or xla'
+    )
   nvidia = device.platform == "gpu" and "nvidia" in device.device_kind.lower()
   if name == "auto":
-    name = "splash" if device.platform == "tpu" else "cudnn" if nvidia else "xla"
+    name = "splash" if device.platform == "tpu" else "cudnn" if nvidia and half else "xla"
   native = {"xla": True, "splash": device.platform == "tpu", "cudnn": nvidia}[name]
   return name, not native
 

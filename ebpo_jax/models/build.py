@@ -87,14 +87,25 @@ def make_model(
 
 
 def with_attention(
-  model_config: ModelConfig, mc: ml_collections.ConfigDict, device: jax.Device
+  model_config: ModelConfig,
+  mc: ml_collections.ConfigDict,
+  device: jax.Device,
+  dtype_key: str = "model.dtype",
 ) -> ModelConfig:
-  """`model_config` with `config.model.attention` (`mc`) resolved for `device`'s platform
-  (`models.attention.resolve`) and its block size; ConfigError naming the key if unknown."""
+  """`model_config` with `config.model.attention` (`mc`) resolved for `device`'s platform and
+  `model_config.dtype` (`models.attention.resolve`: `auto`'s cudnn needs bfloat16 or float16) and
+  its block size; ConfigError naming the key if unknown, and with `dtype_key` (the key that set
+  the dtype) if the backend refuses that dtype."""
+  if mc.attention not in attention.CHOICES:
+    raise ConfigError(
+      f"config.model.attention={mc.attention!r}: must be one of {attention.CHOICES}"
+    )
   try:
-    backend, emulate = attention.resolve(mc.attention, device)
+    backend, emulate = attention.resolve(mc.attention, device, model_config.dtype)
   except ValueError as e:
-    raise ConfigError(f"config.model.attention={mc.attention!r}: {e}") from e
+    raise ConfigError(
+      f"config.model.attention={mc.attention!r} with config.{dtype_key}={model_config.dtype!r}: {e}"
+    ) from e
   if mc.attention_block <= 0 or mc.attention_block % 128:
     raise ConfigError(
       f"config.model.attention_block={mc.attention_block}: must be a positive multiple of 128"
@@ -121,12 +132,27 @@ def with_lora(model_config: ModelConfig, lc: ml_collections.ConfigDict) -> Model
   )
 
 
-def with_compute_dtype(model: Decoder, dtype: str) -> Decoder:
+def with_compute_dtype(
+  model: Decoder,
+  dtype: str,
+  mc: ml_collections.ConfigDict | None = None,
+  device: jax.Device | None = None,
+) -> Decoder:
   """`model` computing in `dtype` (its params cast to it as each layer reads them; "": unchanged):
-  the sampler's `sampling.dtype`."""
+  the sampler's `sampling.dtype`. Given `config.model` (`mc`) and the `device` the model was
+  built for (default: the first device), `model.attention` is resolved again at `dtype`
+  (`with_attention`: `auto` may pick cudnn for a bf16 sampler of a float32 policy, or xla for a
+  float32 sampler of a bf16 one; an explicit cudnn at float32 is a ConfigError naming
+  `sampling.dtype`); without `mc` the backend stays, refused (ValueError) if it is cudnn at a
+  dtype cuDNN refuses."""
   if not dtype or dtype == model.config.dtype:
     return model
-  return model.clone(config=dataclasses.replace(model.config, dtype=dtype))
+  model_config = dataclasses.replace(model.config, dtype=dtype)
+  if mc is not None:
+    model_config = with_attention(model_config, mc, device or jax.devices()[0], "sampling.dtype")
+  elif model_config.attention == "cudnn" and jnp.dtype(dtype).name not in attention.CUDNN_DTYPES:
+    raise ValueError(f"a cudnn model cannot compute in {dtype}: pass config.model to resolve it")
+  return model.clone(config=model_config)
 
 
 def lora_enabled(config: ml_collections.ConfigDict) -> bool:

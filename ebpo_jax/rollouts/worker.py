@@ -160,7 +160,8 @@ class RolloutWorker:
 def make_worker(model, task, tokenizer, config: ml_collections.ConfigDict, mesh) -> RolloutWorker:
   """The RolloutWorker of `config` (the one place the rollouts read it): its options, the prompt
   encoder, a scorer with its own verifier pool (`worker.scorer.pool.close()`) and
-  `config.rewards.fns`, and `model` computing in `sampling.dtype` (default: the model's own)."""
+  `config.rewards.fns`, and `model` computing in `sampling.dtype` (default: the model's own; its
+  `model.attention` resolved at that dtype)."""
   options = RolloutOptions.from_config(config)
   encoder = prompts.PromptEncoder.from_config(config, task, tokenizer)
   fns = reward_fns_lib.load(config.rewards.fns)
@@ -172,5 +173,7 @@ def make_worker(model, task, tokenizer, config: ml_collections.ConfigDict, mesh)
     max_new_tokens=options.completion_width,
     max_error_frac=config.rewards.max_error_frac,
   )
-  worker_model = models.build.with_compute_dtype(model, options.sampling.dtype)
+  # Its attention resolved again at that dtype, for the device the policy was built for.
+  dtype, device = options.sampling.dtype, mesh.devices.flat[0]
+  worker_model = models.build.with_compute_dtype(model, dtype, config.model, device)
   return RolloutWorker(worker_model, encoder, scorer, options, mesh)

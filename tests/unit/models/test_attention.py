@@ -1,6 +1,7 @@
 """The attention backends (models.attention) against the XLA reference in float32: splash in Pallas
 interpret mode and cudnn's call through XLA, on outputs and on the gradients of q, k and v (full
-rows: causal, left-padded, GQA; the shared-prefix layout at G = 4); and `auto` per platform."""
+rows: causal, left-padded, GQA; the shared-prefix layout at G = 4); and `auto` per platform and
+compute dtype."""
 
 import dataclasses
 import types
@@ -89,26 +90,42 @@ def _device(platform: str, kind: str = ""):
   return types.SimpleNamespace(platform=platform, device_kind=kind)
 
 
+H100 = "NVIDIA H100 80GB HBM3"
+
+
 @pytest.mark.parametrize(
-  "platform, kind, name, want",
+  "platform, kind, name, dtype, want",
   [
-    ("tpu", "TPU v5", "auto", ("splash", False)),
-    ("gpu", "NVIDIA H100 80GB HBM3", "auto", ("cudnn", False)),
-    ("gpu", "AMD Instinct MI300X", "auto", ("xla", False)),
-    ("cpu", "cpu", "auto", ("xla", False)),
-    ("cpu", "cpu", "splash", ("splash", True)),
-    ("cpu", "cpu", "cudnn", ("cudnn", True)),
-    ("tpu", "TPU v5", "xla", ("xla", False)),
-    ("gpu", "NVIDIA H100 80GB HBM3", "splash", ("splash", True)),
+    ("tpu", "TPU v5", "auto", "float32", ("splash", False)),
+    ("tpu", "TPU v5", "auto", "bfloat16", ("splash", False)),
+    # cuDNN's attention refuses float32 ("Q must be fp16/bf16/fp8"): auto is xla there.
+    ("gpu", H100, "auto", "float32", ("xla", False)),
+    ("gpu", H100, "auto", "bfloat16", ("cudnn", False)),
+    ("gpu", H100, "auto", "float16", ("cudnn", False)),
+    ("gpu", H100, "cudnn", "bfloat16", ("cudnn", False)),
+    ("gpu", "AMD Instinct MI300X", "auto", "bfloat16", ("xla", False)),
+    ("cpu", "cpu", "auto", "float32", ("xla", False)),
+    ("cpu", "cpu", "auto", "bfloat16", ("xla", False)),
+    ("cpu", "cpu", "splash", "float32", ("splash", True)),
+    ("cpu", "cpu", "cudnn", "bfloat16", ("cudnn", True)),
+    ("tpu", "TPU v5", "xla", "float32", ("xla", False)),
+    ("gpu", H100, "splash", "float32", ("splash", True)),
   ],
 )
-def test_resolve_picks_each_backend_per_platform(platform, kind, name, want):
-  assert attention.resolve(name, _device(platform, kind)) == want
+def test_resolve_picks_each_backend_per_platform_and_dtype(platform, kind, name, dtype, want):
+  assert attention.resolve(name, _device(platform, kind), dtype) == want
 
 
 def test_resolve_refuses_an_unknown_backend():
   with pytest.raises(ValueError, match="attention='flash'; expected one of"):
-    attention.resolve("flash", _device("cpu"))
+    attention.resolve("flash", _device("cpu"), "float32")
+
+
+@pytest.mark.parametrize("platform, kind", [("gpu", H100), ("cpu", "cpu")])
+def test_resolve_refuses_cudnn_in_float32(platform, kind):
+  """On the GPU, and emulated on the CPU too (the emulation would run what the GPU refuses)."""
+  with pytest.raises(ValueError, match="bfloat16 or float16 only, not float32"):
+    attention.resolve("cudnn", _device(platform, kind), "float32")
 
 
 @pytest.mark.parametrize("kv_heads", [2, 1])

@@ -1,13 +1,17 @@
 """`config.model.attention` through the decoder, the sampler's prefill and the train step: splash
-(Pallas interpret mode on the CPU) equals xla in float32, and `auto` stays xla on the CPU."""
+(Pallas interpret mode on the CPU) equals xla in float32, `auto` stays xla on the CPU, and the
+compute dtype's part in the choice (cudnn at bf16/fp16 only; the sampler's own `sampling.dtype`)."""
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from ebpo_jax import models, sampling
+from ebpo_jax.errors import ConfigError
 from ebpo_jax.models import Decoder
 from tests.helpers.configs import ARITH, load_config
 from tests.helpers.tiny_decoder import BASE, init_params
@@ -79,3 +83,42 @@ def test_train_step_params_after_two_steps_equal_xla():
 def test_auto_is_xla_on_the_cpu():
   model = models.build.make_model(load_config(ARITH), 18)
   assert (model.config.attention, model.config.attention_emulate) == ("xla", False)
+
+
+H100 = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
+
+
+def test_cudnn_in_float32_is_a_config_error_before_anything_compiles():
+  """An explicit cudnn at the default float32 fails in `make_model` (nothing traced yet), naming
+  both keys; on the CPU too, where it would run emulated."""
+  config = load_config(ARITH, {"model.attention": "cudnn"})
+  assert config.model.dtype == "float32"
+  with pytest.raises(ConfigError) as error:
+    models.build.make_model(config, 18)
+  message = str(error.value)
+  assert "config.model.attention='cudnn' with config.model.dtype='float32'" in message, message
+  bf16 = load_config(ARITH, {"model.attention": "cudnn", "model.dtype": "bfloat16"})
+  assert models.build.make_model(bf16, 18, H100).config.attention == "cudnn"
+
+
+def test_the_sampler_resolves_attention_at_its_own_dtype():
+  """`sampling.dtype` (`with_compute_dtype`) resolves `model.attention` again: on an NVIDIA GPU
+  auto is xla for a float32 policy and cudnn for its bf16 sampler, and the other way round; an
+  explicit cudnn under a float32 sampler is a ConfigError naming `sampling.dtype`."""
+  at = lambda dtype, attention="auto": load_config(
+    ARITH, {"model.dtype": dtype, "model.attention": attention}
+  )
+  f32 = models.build.make_model(at("float32"), 18, H100)
+  assert f32.config.attention == "xla"
+  sampler = models.build.with_compute_dtype(f32, "bfloat16", at("float32").model, H100)
+  assert (sampler.config.dtype, sampler.config.attention) == ("bfloat16", "cudnn")
+  bf16 = models.build.make_model(at("bfloat16"), 18, H100)
+  assert bf16.config.attention == "cudnn"
+  sampler = models.build.with_compute_dtype(bf16, "float32", at("bfloat16").model, H100)
+  assert (sampler.config.dtype, sampler.config.attention) == ("float32", "xla")
+  explicit = at("bfloat16", "cudnn")
+  model = models.build.make_model(explicit, 18, H100)
+  with pytest.raises(ConfigError, match="cudnn' with config.sampling.dtype='float32'"):
+    models.build.with_compute_dtype(model, "float32", explicit.model, H100)
+  with pytest.raises(ValueError, match="cannot compute in float32"):  # no config to resolve with
+    models.build.with_compute_dtype(model, "float32")
