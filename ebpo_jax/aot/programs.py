@@ -24,12 +24,14 @@ the compiler's RESOURCE_EXHAUSTED message gives the bytes it needed.
 
 FLOPs, HBM bytes and collectives per chip, and the roofline, are `aot.roofline`'s (its
 docstring states the method): the compiler's `cost_analysis()` corrected for loop trip counts, the
-Pallas kernels (splash attention: `model.attention` is `auto`, which is splash on TPU) counted from
-their shapes, causal masks and blocks, and the collectives of the compiled HLO at the chip's ICI
-bandwidth. The roofline time of a program is the largest of its compute-, HBM- and ICI-bound
-times; `roofline_to_compute` says how far it is off the compute limit. An RL step is one train step
-plus ceil(batch / prompts_per_call) sampler calls per rollout round. The two programs compile at
-once, in two threads (the compiler mostly keeps to one core).
+Pallas kernels (splash attention: `model.attention` is `auto`, which is splash on TPU; the decode
+kernel) counted from their bodies, grids and index maps (`aot.kernels`), and the collectives of the
+compiled HLO at the chip's ICI bandwidth. Beside each ratio, `*_shares` says which share of its
+numerator the compiler measured, kernel bodies counted or formulas modelled. The roofline time of a
+program is the largest of its compute-, HBM- and ICI-bound times; `roofline_to_compute` says how
+far it is off the compute limit. An RL step is one train step plus ceil(batch / prompts_per_call)
+sampler calls per rollout round. The two programs compile at once, in two threads (the compiler
+mostly keeps to one core).
 
 Last line of stdout: one JSON object (`topology`, `chips`, `fits`, `hbm_bytes_per_chip`,
 `train_step` and `sampler` with `bytes_per_chip`, `flops`, ...). Exit status 0 whether or not it
@@ -187,6 +189,9 @@ def compile_program(program: Program, tpu: Slice) -> dict:
     result["limit_s"] = result["limit_flops"] / tpu.chip.peak_flops
     result["roofline_to_limit"] = result["roofline_s"] / result["limit_s"]
     result["flops_to_limit"] = result["flops"] / result["limit_flops"]
+    # Where each ratio's numerator comes from (`roofline.SOURCES`); the limits are all counted.
+    result["roofline_to_limit_shares"] = result["roofline_shares"]
+    result["flops_to_limit_shares"] = roofline.shares(result["flops_sources"])
   return result
 
 
@@ -224,7 +229,7 @@ def train_step_program(target: Target) -> Program:
   extra.update({f"{k}_bytes": v for k, v in parts.items()})  # trained vs frozen, per chip
   extra["limit_flops"] = train_limit_flops(target)
   extra["shared_prefix"] = options.layout.shared_prefix
-  dots = roofline.count_dots(traced.jaxpr.jaxpr, 1, target.model.config.attention_block)
+  dots = roofline.count_dots(traced.jaxpr, 1, target.model.config.attention_block)
   return Program(traced.lower(), dots, extra)
 
 
@@ -253,9 +258,10 @@ def _sampler_inputs(target: Target) -> tuple[tuple, dict]:
 
 
 def _sampler_model(target: Target) -> models.Decoder:
-  """The decoder the rollout worker runs: the policy's at `sampling.dtype`
-  (`rollouts.worker.make_worker`)."""
-  return models.build.with_compute_dtype(target.model, target.config.sampling.dtype)
+  """The decoder the rollout worker runs: the policy's at `sampling.dtype`, its attention resolved
+  at that dtype (`rollouts.worker.make_worker`)."""
+  config, device = target.config, target.mesh.devices.flat[0]
+  return models.build.with_compute_dtype(target.model, config.sampling.dtype, config.model, device)
 
 
 def _decode_converter(target: Target):
@@ -271,7 +277,7 @@ def rollout_layout_program(target: Target) -> Program:
   convert = _decode_converter(target)
   traced = convert.trace(target.params)
   extra = {"copy_bytes": _shard_bytes(jax.eval_shape(convert, target.params))}
-  return Program(traced.lower(), roofline.count_dots(traced.jaxpr.jaxpr, 1), extra)
+  return Program(traced.lower(), roofline.count_dots(traced.jaxpr, 1), extra)
 
 
 def sampler_program(target: Target) -> Program:
@@ -294,8 +300,8 @@ def sampler_part_programs(target: Target) -> tuple[Program, Program]:
   # The step stands for every step of the loop: step t (1 .. N - 1) attends to the P + t slots
   # written after a prompt bucket of P, so its decode kernel is counted at their mean.
   p, n = target.prompt_len, target.config.sampling.max_new_tokens
-  step_dots = roofline.count_dots(step.jaxpr.jaxpr, 1, block, decode_lengths=range(p + 1, p + n))
-  return Program(prefill.lower(), roofline.count_dots(prefill.jaxpr.jaxpr, 1, block), {}), Program(
+  step_dots = roofline.count_dots(step.jaxpr, 1, block, decode_lengths=range(p + 1, p + n))
+  return Program(prefill.lower(), roofline.count_dots(prefill.jaxpr, 1, block), {}), Program(
     step.lower(), step_dots, {}, list_collectives=True
   )
 
@@ -327,6 +333,8 @@ def sampler_costs(target: Target, prefill: dict, step: dict) -> dict:
   costs["limit_s"] = limit / target.tpu.chip.hbm_bandwidth
   costs["roofline_to_limit"] = costs["roofline_s"] / costs["limit_s"]
   costs["bytes_to_limit"] = costs["bytes_accessed"] / limit
+  costs["roofline_to_limit_shares"] = costs["roofline_shares"]
+  costs["bytes_to_limit_shares"] = roofline.shares(costs["bytes_sources"])
   keys = ("flops", "bytes_accessed", "hbm_s", "collectives", "collective_bytes", "collective_s")
   costs["decode_step"] = {k: step[k] for k in keys}
   costs["decode_step"]["weight_gathers"] = weight_sized_gathers(target, step["collective_shapes"])
@@ -367,7 +375,8 @@ def compile_sampler(target: Target) -> dict:
     if part.get("compile_error"):  # the call fits; what costs it did not compile alone
       error = f"the sampler's {name}, compiled alone, does not fit: {part['compile_error']}"
       return {**memory, **calls, "flops": None, "roofline_s": None, "costs_error": error}
-  keep = ("bytes_per_chip", "copy_bytes", "collective_bytes", "roofline_s", "compile_s")
+  keep = ("bytes_per_chip", "copy_bytes", "collective_bytes", "roofline_s", "roofline_shares")
+  keep += ("compile_s",)
   layout = {k: layout[k] for k in keep}
   return {**memory, **sampler_costs(target, prefill, step), **calls, "rollout_layout": layout}
 
@@ -428,6 +437,13 @@ def summarize(config, tpu: Slice, prompt_len: int, train: dict, sampler: dict) -
     # A round: the weights converted to the decode layout once, then its sampler calls.
     round_s = sampler["rollout_layout"]["roofline_s"] + calls * sampler["roofline_s"]
     report["rl_step_roofline_s"] = train["roofline_s"] + round_s
+    report["rl_step_roofline_shares"] = roofline.weighted_shares(
+      [
+        (train["roofline_s"], train["roofline_shares"]),
+        (sampler["rollout_layout"]["roofline_s"], sampler["rollout_layout"]["roofline_shares"]),
+        (calls * sampler["roofline_s"], sampler["roofline_shares"]),
+      ]
+    )
     report["rl_step_roofline_s_max_refill"] = train["roofline_s"] + rounds * round_s
     if "limit_s" in train and "limit_s" in sampler:  # each program at its limit from shapes
       report["rl_step_limit_s"] = train["limit_s"] + calls * sampler["limit_s"]

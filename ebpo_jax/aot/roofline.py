@@ -13,23 +13,35 @@ under `nn.scan`, the micro-batches, the decode `while_loop`), and about nothing 
    but not always: on the paper's Qwen3-8B train step it gave 26% under the jaxpr's own matmuls
    (their global count / chips). The report's FLOPs are the larger of the two, plus the kernels:
    never under what the program's matmuls need.
-2. Kernels. Every `pallas_call` in the jaxpr is counted from its shapes instead (`kernel_cost`),
-   weighted by the trip counts around it, and added. Splash attention (`models.attention`) runs
-   causal masks with the queries the last of the keys, in blocks (`attention.block_size` of the
-   padded lengths): of the `Tq/bq x Tk/bkv` blocks per q head it computes those with any allowed
-   pair (block (i, j) when `j bkv <= (i + 1) bq - 1 + Tk - Tq`), each `c x bq x bkv x D` FLOPs with
-   c = 4 for the forward (QK^T, PV), 6 for the dq kernel (QK^T, dO V^T, dS K) and 8 for the dkv
-   kernel (QK^T, P^T dO, dO V^T, dS^T Q). Its HBM bytes: the query-side blocks (q, o, dO, dq: per q
-   head, read or written once) plus one key-side block pair (k and v, or q and dO for dkv) per
-   computed block (dkv: also k and v read, dk and dv written, per q head). A kernel of another
-   name is listed in `uncounted_kernels`. The decode kernel (`models.decode_attention`) reads,
-   per row and kv head, the blocks of `bkv` slots up to the written length w (at most S):
-   `r(w) = min(ceil(w / bkv) bkv, S)` slots of keys, values and the slot mask (int32; fetched
-   again for each kv head), and computes `4 x G x D x r(w)` FLOPs over its G query heads; plus the
-   queries read and the float32 outputs written once. w changes every step: `count_dots` takes
-   the written lengths of the decode loop's steps (`decode_lengths`; aot's sampler: `P + t` at step
-   t = 1 .. N - 1 after a prompt bucket of P) and counts each call at their mean of `r(w)`, else at
-   `r(S)` (never under what it reads).
+2. Kernels. Every `pallas_call` in the jaxpr is counted from its body instead (`aot.kernels`: the
+   body's matmuls at each grid step whose compute runs, `pl.when` evaluated per step; the HBM bytes
+   of the distinct consecutive blocks its index maps address over the grid), weighted by the trip
+   counts around it, and added. The index maps and predicates need the prefetched scalars: for
+   splash attention (`models.attention`) its mask tables, constants of the program (followed
+   through calls, scans' and loops' constants, shard_map's replicated operands, and integer
+   arithmetic on them); for the decode kernel (`models.decode_attention`, prefetched `[written,
+   layer]`) the written lengths of the decode loop's steps (`decode_lengths`; aot's sampler:
+   `P + t` at step t = 1 .. N - 1 after a prompt bucket of P), each call counted at their mean,
+   else at the whole cache. A kernel whose body cannot be counted (scalars not known, a dynamic
+   grid, manual DMA) falls back to its hand formula below (`modelled_*`), one of another name
+   without a formula is listed in `uncounted_kernels`; `kernel_notes` says which and why.
+   The hand formulas stay as the cross-check (`formula_*`: their count of the body-counted
+   kernels; tests compare the two). Splash runs causal masks with the queries the last of the keys,
+   in blocks (`attention.block_size` of the padded lengths): of the `Tq/bq x Tk/bkv` blocks per q
+   head it computes those with any allowed pair (block (i, j) when `j bkv <= (i + 1) bq - 1 + Tk -
+   Tq`), each `c x bq x bkv x D` FLOPs with c = 4 for the forward (QK^T, PV), 6 for the dq kernel
+   (QK^T, dO V^T, dS K) and 8 for the dkv kernel (QK^T, P^T dO, dO V^T, dS^T Q). Its HBM bytes:
+   the query-side blocks (q, o, dO, dq: per q head, read or written once) plus one key-side block
+   pair (k and v, or q and dO for dkv) per computed block (dkv: also k and v read, dk and dv
+   written, per q head); the body count adds what these leave out (segment ids, the forward's
+   log-sum-exp residual). The decode kernel reads, per row and kv head, the blocks of `bkv` slots
+   up to the written length w (at most S): `r(w) = min(ceil(w / bkv) bkv, S)` slots of keys,
+   values and the slot mask (int32; fetched again for each kv head), and computes `4 x G x D x
+   r(w)` FLOPs over its G query heads; plus the queries read and the float32 outputs written once.
+   Each ratio of the report says which share of its numerator the compiler measured
+   (`compiler`), the jaxpr's own matmuls gave (`jaxpr_dots`, where they replace the compiler's
+   count), kernel bodies counted (`kernel_bodies`) and formulas modelled (`modelled`):
+   `*_shares`, from `flops_sources` and `bytes_sources`.
 3. Collectives (`aot.collectives`). Every all-reduce, all-gather, reduce-scatter,
    all-to-all and collective-permute in the compiled HLO (the `-start` of an async pair), times the
    trip counts of the while loops around it (`known_trip_count`, or the bound of the condition's `i
@@ -69,22 +81,27 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 
-import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jax_core
 
-from ebpo_jax.aot import collectives
+from ebpo_jax.aot import collectives, formulas, kernels
 from ebpo_jax.aot.topology import Chip
-from ebpo_jax.models import attention, decode_attention
+from ebpo_jax.models import decode_attention
 
-# FLOPs per (bq x bkv x D) block of each splash kernel, by the name its pallas_call carries.
-_SPLASH_MATMULS = {"fwd": 4, "dq": 6, "dkv": 8}
+_KERNEL_FIELDS = (
+  "kernel_flops", "kernel_bytes", "counted_flops", "counted_bytes", "modelled_flops",
+  "modelled_bytes", "formula_flops", "formula_bytes",
+)  # fmt: skip
 
 
 @dataclasses.dataclass
 class DotCount:
   """FLOPs and operand bytes of a jaxpr's `dot_general`s, loop bodies counted once (`*_once`, as
   the compiler's cost analysis counts them) and weighted by their trip counts; and its kernels'
-  FLOPs and bytes counted from their shapes, weighted by trip counts."""
+  FLOPs and bytes, weighted by trip counts: `kernel_*` in all, of which `counted_*` from the
+  kernels' bodies (`aot.kernels`) and `modelled_*` from the hand formulas (a kernel whose body
+  could not be counted); `formula_*`: the formulas' count of the body-counted kernels, the
+  cross-check (0 where a kernel has no formula)."""
 
   flops_once: float = 0.0
   flops: float = 0.0
@@ -92,8 +109,16 @@ class DotCount:
   bytes: float = 0.0
   kernel_flops: float = 0.0
   kernel_bytes: float = 0.0
+  counted_flops: float = 0.0
+  counted_bytes: float = 0.0
+  modelled_flops: float = 0.0
+  modelled_bytes: float = 0.0
+  formula_flops: float = 0.0
+  formula_bytes: float = 0.0
   kernels: int = 0
   uncounted_kernels: list = dataclasses.field(default_factory=list)
+  kernel_notes: list = dataclasses.field(default_factory=list)
+  kernel_steps: list = dataclasses.field(default_factory=list)  # per body-counted call
 
   def add(self, other: DotCount, trips: float, copies: int = 1) -> None:
     """Adds `other`, a body that runs `trips` times and appears `copies` times in the compiled
@@ -102,49 +127,54 @@ class DotCount:
     self.bytes_once += copies * other.bytes_once
     self.flops += trips * other.flops
     self.bytes += trips * other.bytes
-    self.kernel_flops += trips * other.kernel_flops
-    self.kernel_bytes += trips * other.kernel_bytes
+    for field in _KERNEL_FIELDS:
+      setattr(self, field, getattr(self, field) + trips * getattr(other, field))
     self.kernels += copies * other.kernels
-    self.uncounted_kernels += [
-      k for k in other.uncounted_kernels if k not in self.uncounted_kernels
-    ]
+    for mine, theirs in (
+      (self.uncounted_kernels, other.uncounted_kernels),
+      (self.kernel_notes, other.kernel_notes),
+    ):
+      mine += [k for k in theirs if k not in mine]
+    self.kernel_steps += other.kernel_steps
 
 
 def _nbytes(aval) -> int:
   return math.prod(aval.shape) * aval.dtype.itemsize
 
 
-def _sub_jaxprs(value) -> list:
-  if isinstance(value, jax_core.ClosedJaxpr):
-    return [value.jaxpr]
-  if isinstance(value, jax_core.Jaxpr):
-    return [value]
-  if isinstance(value, tuple | list):
-    return [j for v in value for j in _sub_jaxprs(v)]
-  return []
-
-
 def count_dots(
-  jaxpr: jax_core.Jaxpr,
+  jaxpr: jax_core.Jaxpr | jax_core.ClosedJaxpr,
   while_trips: int | Sequence[int],
   attention_block: int = 512,
   decode_lengths: Sequence[int] = (),
 ) -> DotCount:
   """`DotCount` of `jaxpr` and everything nested in it. A `while` body runs `while_trips` times;
   with a sequence, the k-th while loop met in program order runs `while_trips[k]` times (0 after
-  the sequence ends). Splash and decode kernels are counted with blocks of at most
-  `attention_block`; a decode kernel's call at the mean over `decode_lengths` (the written slots
-  of each decode step; none: the whole cache) of what it reads (module docstring)."""
+  the sequence ends). Each kernel is counted from its body (`aot.kernels`) at its prefetched
+  scalars: constants of the program (a `ClosedJaxpr`'s consts and literals, followed through
+  calls, loops' constants and integer arithmetic on them), or for the decode kernel its written
+  length at each of `decode_lengths` (the written slots of each decode step, their mean; none: the
+  whole cache); else from its hand formula with blocks of at most `attention_block` (module
+  docstring)."""
   trips = itertools.repeat(while_trips) if isinstance(while_trips, int) else None
   trips = trips or itertools.chain(while_trips, itertools.repeat(0))
+  known: dict = {}
+  if isinstance(jaxpr, jax_core.ClosedJaxpr):
+    kernels.known_consts(known, jaxpr)
+    jaxpr = jaxpr.jaxpr
   kernel = functools.partial(_kernel_count, block=attention_block, lengths=tuple(decode_lengths))
-  return _count_dots(jaxpr, trips, kernel)
+  return _count_dots(jaxpr, trips, kernel, known)
 
 
-def _count_dots(jaxpr: jax_core.Jaxpr, while_trips: Iterator[int], kernel) -> DotCount:
+def _count_dots(jaxpr: jax_core.Jaxpr, while_trips: Iterator[int], kernel, known: dict) -> DotCount:
   total = DotCount()
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
+    bindings = kernels.inner_bindings(eqn)
+    for sub, outer, _ in bindings:
+      kernels.known_consts(known, sub)
+      inner = sub.jaxpr if isinstance(sub, jax_core.ClosedJaxpr) else sub
+      kernels.pass_known(known, inner.invars, outer)
     if name == "dot_general":
       (lhs_contract, _), _ = eqn.params["dimension_numbers"]
       lhs = eqn.invars[0].aval
@@ -152,10 +182,13 @@ def _count_dots(jaxpr: jax_core.Jaxpr, while_trips: Iterator[int], kernel) -> Do
       flops = 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
       nbytes = float(sum(_nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars)))
       total.add(DotCount(flops, flops, nbytes, nbytes), 1)
-    elif name == "pallas_call":  # its body is the kernel's, not run once: counted from shapes
-      total.add(kernel(eqn), 1)
+    elif name == "pallas_call":  # its body is the kernel's, not run once: `aot.kernels`
+      total.add(kernel(eqn, known), 1)
     elif name == "cond":  # one branch runs: the costliest
-      branches = [_count_dots(j, while_trips, kernel) for j in _sub_jaxprs(eqn.params["branches"])]
+      branches = [
+        _count_dots(j, while_trips, kernel, known)
+        for j in kernels.sub_jaxprs(eqn.params["branches"])
+      ]
       total.add(max(branches, key=lambda c: c.flops + c.kernel_flops), 1)
     else:
       trips = {"scan": eqn.params.get("length", 1)}.get(name, 1)
@@ -163,70 +196,67 @@ def _count_dots(jaxpr: jax_core.Jaxpr, while_trips: Iterator[int], kernel) -> Do
         trips = next(while_trips)
       copies = min(int(eqn.params.get("unroll", 1)), trips) if name == "scan" else 1
       for value in eqn.params.values():
-        for sub in _sub_jaxprs(value):
-          total.add(_count_dots(sub, while_trips, kernel), trips, copies)
+        for sub in kernels.sub_jaxprs(value):
+          total.add(_count_dots(sub, while_trips, kernel, known), trips, copies)
+      if not bindings:
+        kernels.fold(known, eqn)
+    for sub, _, outputs in bindings:  # a call's known results (a constant passed through)
+      if outputs:
+        inner = sub.jaxpr if isinstance(sub, jax_core.ClosedJaxpr) else sub
+        kernels.pass_known(known, eqn.outvars, inner.outvars)
   return total
 
 
-def _kernel_count(eqn, block: int, lengths: tuple[int, ...]) -> DotCount:
-  kernel = str(eqn.params.get("name", "?"))
-  floats = [v.aval for v in eqn.invars if _floating(v.aval.dtype) and len(v.aval.shape) >= 3]
-  if kernel == decode_attention.NAME:
-    q, k = floats[0], floats[1]
-    flops, nbytes = decode_cost(
-      q.shape, k.shape, q.dtype.itemsize, k.dtype.itemsize, block, lengths
+def _scalar_sets(eqn, known: dict, lengths: tuple[int, ...]) -> list | None:
+  """The concrete prefetched scalars of a kernel's call: its operands' known values (one set), or
+  for the decode kernel (prefetched `[written, layer]`) one set per written length (none: the
+  whole cache; the layer's index does not change what a call moves); else None."""
+  gm = eqn.params["grid_mapping"]
+  operands = eqn.invars[gm.num_dynamic_grid_bounds :]
+  values = [kernels.known_value(known, v) for v in operands[: gm.num_index_operands]]
+  if all(v is not None for v in values):
+    return [values]
+  if str(eqn.params.get("name")) == decode_attention.NAME and gm.num_index_operands == 1:
+    slots = operands[2].aval.shape[-2]  # the stacked keys [L, B, Hkv, S, D]
+    return [[np.array([w, 0], np.int32)] for w in (lengths or (slots,))]
+  return None
+
+
+def _kernel_count(eqn, known: dict, block: int, lengths: tuple[int, ...]) -> DotCount:
+  name = str(eqn.params.get("name", "?"))
+  formula = formulas.of_call(eqn, block, lengths)
+  sets = _scalar_sets(eqn, known, lengths)
+  counted = kernels.count_kernel(eqn, sets) if sets is not None else None
+  if counted is not None:
+    notes = [f"{name}: {n}" for n in counted.notes]
+    return DotCount(
+      kernel_flops=counted.flops,
+      kernel_bytes=counted.bytes,
+      counted_flops=counted.flops,
+      counted_bytes=counted.bytes,
+      formula_flops=formula[0] if formula else 0.0,
+      formula_bytes=formula[1] if formula else 0.0,
+      kernels=1,
+      kernel_notes=notes,
+      kernel_steps=[
+        {
+          "name": name,
+          "grid_steps": counted.grid_steps,
+          "computed_steps": counted.computed_steps,
+        }
+      ],
     )
-    return DotCount(kernel_flops=flops, kernel_bytes=nbytes, kernels=1)
-  kind = kernel.split("_")[2] if kernel.startswith(("splash_mha_", "splash_mqa_")) else None
-  if kind not in _SPLASH_MATMULS or len(floats) < 2:
-    return DotCount(kernels=1, uncounted_kernels=[kernel])
-  flops, nbytes = kernel_cost(
-    kind, floats[0].shape, floats[1].shape, floats[0].dtype.itemsize, block
+  why = "prefetched scalars not known" if sets is None else "its body could not be counted"
+  if formula is None:
+    return DotCount(kernels=1, uncounted_kernels=[name], kernel_notes=[f"{name}: {why}"])
+  return DotCount(
+    kernel_flops=formula[0],
+    kernel_bytes=formula[1],
+    modelled_flops=formula[0],
+    modelled_bytes=formula[1],
+    kernels=1,
+    kernel_notes=[f"{name}: {why}: modelled by its formula"],
   )
-  return DotCount(kernel_flops=flops, kernel_bytes=nbytes, kernels=1)
-
-
-def _floating(dtype) -> bool:
-  """Float dtypes, bfloat16 included (numpy's kind of bfloat16 is 'V', not 'f')."""
-  return jnp.issubdtype(dtype, jnp.floating)
-
-
-def causal_blocks(q_len: int, kv_len: int, bq: int, bkv: int) -> int:
-  """Blocks of a `q_len x kv_len` causal mask (the queries the last of the keys) with an allowed
-  pair: the blocks splash computes."""
-  last_queries = ((i + 1) * bq - 1 + kv_len - q_len for i in range(q_len // bq))
-  return sum(min(kv_len // bkv, max(0, q // bkv + 1)) for q in last_queries)
-
-
-def kernel_cost(kind: str, q_shape, k_shape, itemsize: int, block: int) -> tuple[float, float]:
-  """`(FLOPs, HBM bytes)` of one splash kernel (`fwd`, `dq` or `dkv`) on queries `[..., H, Tq, D]`
-  and keys `[..., Hkv, Tk, D]` (padded; leading axes: rows), blocks of at most `block`."""
-  *rows, heads, q_len, d = q_shape
-  kv_len = k_shape[-2]
-  bq, bkv = attention.block_size(q_len, block), attention.block_size(kv_len, block)
-  blocks = math.prod(rows) * heads * causal_blocks(q_len, kv_len, bq, bkv)
-  flops = _SPLASH_MATMULS[kind] * blocks * bq * bkv * d
-  query_side = {"fwd": 2, "dq": 3, "dkv": 0}[kind] * math.prod(rows) * heads * q_len * d
-  streamed = blocks * 2 * d * (bq if kind == "dkv" else bkv)
-  written_kv = 4 * math.prod(rows) * heads * kv_len * d if kind == "dkv" else 0  # k, v; dk, dv
-  return float(flops), float(itemsize * (query_side + streamed + written_kv))
-
-
-def decode_cost(
-  q_shape, k_shape, q_itemsize: int, kv_itemsize: int, block: int, lengths: Sequence[int] = ()
-) -> tuple[float, float]:
-  """`(FLOPs, HBM bytes)` of one decode-kernel call on queries `[B, Hkv, G, D]` and a cache
-  `[..., B, Hkv, S, D]` (a stack: one layer read), at the mean over the written `lengths` (none:
-  all S) of the slots it reads."""
-  rows, kv_heads, groups, d = q_shape
-  slots = k_shape[-2]
-  bkv = decode_attention.kv_block(slots, block)
-  read = [min(-(-w // bkv) * bkv, slots) for w in lengths] or [slots]
-  mean_read = sum(read) / len(read)
-  flops = 4 * rows * kv_heads * groups * d * mean_read
-  streamed = rows * kv_heads * mean_read * (2 * d * kv_itemsize + 4)  # keys, values, slot mask
-  query_side = rows * kv_heads * groups * d * (q_itemsize + 4)  # queries in, float32 out
-  return float(flops), float(streamed + query_side)
 
 
 # ----------------------------------------------------------------------------- the limit
@@ -305,6 +335,10 @@ def combine(parts: Sequence[tuple[float, dict]], chip: Chip) -> dict:
   FLOPs, bytes and collectives summed, the times and roofline recomputed."""
   summed = {k: sum(w * p[k] for w, p in parts) for k in ("flops", "bytes_accessed", "kernel_flops")}
   summed["kernel_bytes"] = sum(w * p["kernel_bytes"] for w, p in parts)
+  sources = {
+    key: {k: sum(w * p.get(key, {}).get(k, 0.0) for w, p in parts) for k in SOURCES}
+    for key in ("flops_sources", "bytes_sources")
+  }
   ops: dict[str, dict[str, float]] = {}
   for w, p in parts:
     for kind, op in p["collectives"].items():
@@ -313,13 +347,44 @@ def combine(parts: Sequence[tuple[float, dict]], chip: Chip) -> dict:
       acc["bytes"] += w * op["bytes"]
       acc["largest"] = max(acc["largest"], op.get("largest", 0.0))
   sent = sum(op["bytes"] for op in ops.values())
-  return {
+  notes = sorted({n for _, p in parts for n in p.get("kernel_notes", [])})
+  result = {
     **summed,
+    **sources,
     "uncounted_kernels": sorted({k for _, p in parts for k in p["uncounted_kernels"]}),
+    "kernel_notes": notes,
     "collectives": dict(sorted(ops.items())),
     "collective_bytes": sent,
     **_roofline(summed["flops"], summed["bytes_accessed"], sent, chip),
   }
+  result["roofline_shares"] = roofline_shares(result)
+  return result
+
+
+SOURCES = ("compiler", "jaxpr_dots", "kernel_bodies", "modelled")
+
+
+def shares(sources: dict) -> dict:
+  """`sources` (a numerator's parts by where they come from) as fractions of their sum."""
+  total = sum(sources.values())
+  return {k: (v / total if total else 0.0) for k, v in sources.items()}
+
+
+def roofline_shares(p: dict) -> dict:
+  """Where the numerator of a program's roofline comes from, by its bound: the FLOPs' sources
+  when compute-bound, the bytes' when HBM-bound, the compiled HLO's collectives (the compiler's
+  program: `compiler`) when ICI-bound."""
+  if p["bound"] == "compute":
+    return shares(p["flops_sources"])
+  if p["bound"] == "HBM":
+    return shares(p["bytes_sources"])
+  return {k: float(k == "compiler") for k in SOURCES}
+
+
+def weighted_shares(parts: Sequence[tuple[float, dict]]) -> dict:
+  """The shares of a sum of times `[(seconds, shares), ...]`."""
+  total = sum(t for t, _ in parts)
+  return {k: sum(t * s.get(k, 0.0) for t, s in parts) / total if total else 0.0 for k in SOURCES}
 
 
 def _roofline(flops: float, nbytes: float, sent: float, chip: Chip) -> dict:
@@ -349,16 +414,33 @@ def costs(compiled, dots: DotCount, chip: Chip, num_devices: int) -> dict:
   corrected = float(cost.get("flops", 0.0)) * flops_factor
   # Never under the program's own matmuls: the jaxpr's dots are of the global arrays (outside the
   # kernels' shard_map), a chip's share of them at best 1 / num_devices.
-  flops = max(corrected, dots.flops / num_devices) + dots.kernel_flops
-  nbytes = float(cost.get("bytes accessed", 0.0)) * bytes_factor + dots.kernel_bytes
+  per_chip = dots.flops / num_devices
+  flops = max(corrected, per_chip) + dots.kernel_flops
+  compiler_bytes = float(cost.get("bytes accessed", 0.0)) * bytes_factor
+  nbytes = compiler_bytes + dots.kernel_bytes
+  flops_sources = {
+    "compiler": corrected if corrected >= per_chip else 0.0,
+    "jaxpr_dots": per_chip if per_chip > corrected else 0.0,
+    "kernel_bodies": dots.counted_flops,
+    "modelled": dots.modelled_flops,
+  }
+  bytes_sources = {
+    "compiler": compiler_bytes,
+    "jaxpr_dots": 0.0,
+    "kernel_bodies": dots.counted_bytes,
+    "modelled": dots.modelled_bytes,
+  }
   ops = collectives.collectives(compiled.as_text(), num_devices)
   sent = sum(op["bytes"] for op in ops.values())
-  return {
+  result = {
     "flops": flops,
     "bytes_accessed": nbytes,
     "kernel_flops": dots.kernel_flops,
     "kernel_bytes": dots.kernel_bytes,
+    "flops_sources": flops_sources,
+    "bytes_sources": bytes_sources,
     "uncounted_kernels": dots.uncounted_kernels,
+    "kernel_notes": dots.kernel_notes,
     "flops_counted_once": float(cost.get("flops", 0.0)),
     "flops_compiler_corrected": corrected,
     "dot_flops_per_chip": dots.flops / num_devices,
@@ -370,3 +452,5 @@ def costs(compiled, dots: DotCount, chip: Chip, num_devices: int) -> dict:
     "collective_bytes": sent,
     **_roofline(flops, nbytes, sent, chip),
   }
+  result["roofline_shares"] = roofline_shares(result)
+  return result

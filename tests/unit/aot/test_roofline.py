@@ -12,9 +12,10 @@ import pytest
 from jax.sharding import PartitionSpec
 
 from ebpo_jax import sampling
-from ebpo_jax.aot import collectives, roofline
+from ebpo_jax.aot import collectives, formulas, roofline
 from ebpo_jax.models import Decoder, ModelConfig, attention, decode_attention
 from tests.helpers.configs import TINY_MODEL
+from tests.helpers.decoding import decode_jaxpr
 
 # ----------------------------------------------------------------------------- loop correction
 
@@ -108,14 +109,14 @@ def test_splash_counts_the_causal_blocks_and_the_backward_kernels():
 
 
 def test_causal_blocks():
-  assert roofline.causal_blocks(1024, 1024, 128, 128) == 36  # 1 + 2 + ... + 8
-  assert roofline.causal_blocks(256, 1024, 128, 128) == 7 + 8  # the queries are the last keys
-  assert roofline.causal_blocks(512, 512, 128, 256) == 1 + 1 + 2 + 2
+  assert formulas.causal_blocks(1024, 1024, 128, 128) == 36  # 1 + 2 + ... + 8
+  assert formulas.causal_blocks(256, 1024, 128, 128) == 7 + 8  # the queries are the last keys
+  assert formulas.causal_blocks(512, 512, 128, 256) == 1 + 1 + 2 + 2
 
 
 def test_kernel_cost_scales_with_rows_and_heads():
-  one = roofline.kernel_cost("fwd", (1, 128, 64), (1, 128, 64), 2, 512)
-  many = roofline.kernel_cost("fwd", (8, 4, 128, 64), (8, 2, 128, 64), 2, 512)
+  one = formulas.kernel_cost("fwd", (1, 128, 64), (1, 128, 64), 2, 512)
+  many = formulas.kernel_cost("fwd", (8, 4, 128, 64), (8, 2, 128, 64), 2, 512)
   assert one[0] == 4 * 128 * 128 * 64 and many[0] == 32 * one[0]
 
 
@@ -219,6 +220,10 @@ def test_the_reported_flops_are_never_under_the_programs_matmuls():
   assert low["flops"] == 32e9 / 8 + 1e6 and low["flops_compiler_corrected"] == 4e8
   high = roofline.costs(Compiled(2e9), dots, chip, num_devices=8)  # 8e9 corrected > 4e9
   assert high["flops"] == 8e9 + 1e6
+  # Where the FLOPs come from: the jaxpr's matmuls replaced the compiler's count in `low`; the
+  # kernel here is a DotCount's total, neither counted from a body nor modelled.
+  assert low["flops_sources"]["jaxpr_dots"] == 4e9 and low["flops_sources"]["compiler"] == 0
+  assert high["flops_sources"]["compiler"] == 8e9 and high["flops_sources"]["jaxpr_dots"] == 0
 
 
 # ----------------------------------------------------------------------------- the limit
@@ -306,37 +311,48 @@ def test_combine_sums_the_parts_and_recomputes_the_roofline():
   assert combined["roofline_s"] == max(combined[k] for k in ("compute_s", "hbm_s", "collective_s"))
 
 
-def _decode_jaxpr(b, heads, kv_heads, slots, d, dtype=jnp.bfloat16, block=128):
-  q = jnp.ones((b, 1, heads, d), dtype)
-  k = jnp.ones((b, kv_heads, slots, d), dtype)
-  mask = jnp.ones((b, slots), bool)
+def test_shares_say_where_each_ratios_numerator_comes_from():
+  from ebpo_jax.aot import report
+  from ebpo_jax.aot.topology import CHIPS
 
-  def step(q, k, v, written):
-    return decode_attention.flash_decode(q, k, v, mask, written, block=block, interpret=True)
+  part = {
+    "flops": 1e10, "bytes_accessed": 4e9, "kernel_flops": 0.0, "kernel_bytes": 3e9,
+    "uncounted_kernels": [], "collectives": {},
+    "flops_sources": {"compiler": 1e10},
+    "bytes_sources": {"compiler": 1e9, "kernel_bodies": 2.5e9, "modelled": 0.5e9},
+  }  # fmt: skip
+  combined = roofline.combine([(1, part), (3, part)], CHIPS["v5p"])
+  assert combined["bytes_sources"]["kernel_bodies"] == 4 * 2.5e9
+  assert combined["bound"] == "HBM"  # so its roofline's numerator is its bytes
+  assert combined["roofline_shares"] == {
+    "compiler": 0.25, "jaxpr_dots": 0.0, "kernel_bodies": 0.625, "modelled": 0.125
+  }  # fmt: skip
+  assert roofline.shares(combined["flops_sources"])["compiler"] == 1.0
+  # A sum of programs' times (the RL step): each program's shares weighted by its time.
+  rl = roofline.weighted_shares([(1.0, {"compiler": 1.0}), (3.0, {"kernel_bodies": 1.0})])
+  assert rl == {"compiler": 0.25, "jaxpr_dots": 0.0, "kernel_bodies": 0.75, "modelled": 0.0}
+  text = report._shares(combined["roofline_shares"])
+  assert text == " [numerator: compiler 25%, kernel bodies 62%, modelled 12%]"
 
-  return jax.make_jaxpr(step)(q, k, k, jnp.int32(1)).jaxpr
 
-
-def test_decode_kernel_counts_the_written_blocks_at_their_mean():
-  # 2 rows, 2 kv heads of 4 query heads, D = 64, a cache of 300 slots in blocks of 128, bf16.
-  # Written 100, 130 and 290 slots: it reads 128, 256 and 300 (the last block ends at the cache's
-  # end), 228 on average. FLOPs: 4 x 2 rows x 8 q heads x 64 x 228 = 933,888. Bytes: keys and
-  # values 2 x 2 x 2 x 228 x 64 x 2 = 233,472, the int32 mask once per kv head 2 x 2 x 228 x 4 =
-  # 3,648, queries 2 x 8 x 64 x 2 = 2,048 and float32 outputs 2 x 8 x 64 x 4 = 4,096: 243,264.
-  jaxpr = _decode_jaxpr(2, 8, 2, 300, 64)
-  count = roofline.count_dots(jaxpr, 1, attention_block=128, decode_lengths=(100, 130, 290))
-  assert (count.kernels, count.uncounted_kernels) == (1, [])
-  assert count.kernel_flops == 933_888
-  assert count.kernel_bytes == 243_264
+def test_the_decode_formula_counts_the_written_blocks_at_their_mean():
+  # The hand formula (the body count's cross-check: test_kernels.py). 2 rows, 2 kv heads of 4
+  # query heads, D = 64, a cache of 300 slots in blocks of 128, bf16. Written 100, 130 and 290
+  # slots: it reads 128, 256 and 300 (the last block ends at the cache's end), 228 on average.
+  # FLOPs: 4 x 2 rows x 8 q heads x 64 x 228 = 933,888. Bytes: keys and values 2 x 2 x 2 x 228 x
+  # 64 x 2 = 233,472, the int32 mask once per kv head 2 x 2 x 228 x 4 = 3,648, queries 2 x 8 x 64
+  # x 2 = 2,048 and float32 outputs 2 x 8 x 64 x 4 = 4,096: 243,264.
+  q, k = (2, 2, 4, 64), (1, 2, 2, 300, 64)
+  assert formulas.decode_cost(q, k, 2, 2, 128, (100, 130, 290)) == (933_888, 243_264)
   # Without the lengths, every call reads the whole cache: never under what it reads.
-  full = roofline.count_dots(jaxpr, 1, attention_block=128)
-  assert full.kernel_bytes == 2 * 2 * 2 * 300 * 64 * 2 + 2 * 2 * 300 * 4 + 2_048 + 4_096
+  flops, nbytes = formulas.decode_cost(q, k, 2, 2, 128)
+  assert nbytes == 2 * 2 * 2 * 300 * 64 * 2 + 2 * 2 * 300 * 4 + 2_048 + 4_096
   # The XLA path's two matmuls over all 300 slots, for comparison: 4 x 2 x 8 x 64 x 300.
-  assert full.kernel_flops == 4 * 2 * 8 * 64 * 300
+  assert flops == 4 * 2 * 8 * 64 * 300
 
 
 def test_decode_kernel_in_a_loop_is_weighted_by_its_trips():
-  jaxpr = _decode_jaxpr(1, 2, 1, 256, 16, dtype=jnp.float32)
+  jaxpr = decode_jaxpr(1, 2, 1, 256, 16, dtype=jnp.float32).jaxpr
   once = roofline.count_dots(jaxpr, 1, attention_block=128, decode_lengths=(1, 129))
   loop = jax.make_jaxpr(
     lambda q, k: jax.lax.while_loop(

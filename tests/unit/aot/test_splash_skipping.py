@@ -1,5 +1,5 @@
 """Splash attention's masked-block skipping, which the train step's FLOP count assumes
-(`aot.roofline.kernel_cost`: of each kernel's blocks, those of its causal mask with an allowed pair,
+(`aot.formulas.kernel_cost`: of each kernel's blocks, those of its causal mask with an allowed pair,
 `causal_blocks`). What splash computes is read off the kernels the project builds
 (`models.attention._kernel`, through `attention.attend` over full rows and the shared-prefix
 layout): each kernel's mask info (`splash_attention_mask_info.MaskInfo`), whose `block_mask` is 0
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
-from ebpo_jax.aot import roofline
+from ebpo_jax.aot import formulas, roofline
 from ebpo_jax.models import attention, shared_prefix
 from tests.helpers.configs import TINY_MODEL
 
@@ -91,12 +91,12 @@ def _block_errors(jaxpr, calls, block: int) -> list[str]:
   against those of the blocks splash computes."""
   errors, flops = [], 0.0
   for rows, d, (heads, q_len, kv_len, _, bq, bkv, _), kernel in calls:
-    assumed = heads * roofline.causal_blocks(q_len, kv_len, bq, bkv)
+    assumed = heads * formulas.causal_blocks(q_len, kv_len, bq, bkv)
     computed = _computed_blocks(kernel, heads)
     if computed != dict.fromkeys(KINDS, assumed):
       errors.append(f"{q_len} x {kv_len} in {bq} x {bkv}: splash {computed}, roofline {assumed}")
     per_block = rows * bq * bkv * d
-    flops += per_block * sum(roofline._SPLASH_MATMULS[k] * n for k, n in computed.items())
+    flops += per_block * sum(formulas.SPLASH_MATMULS[k] * n for k, n in computed.items())
   counted = roofline.count_dots(jaxpr, 1, attention_block=block)
   if (counted.kernels, counted.uncounted_kernels) != (3 * len(calls), []):
     errors.append(f"kernels {counted.kernels}, uncounted {counted.uncounted_kernels}")

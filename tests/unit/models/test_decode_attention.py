@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from ebpo_jax import models, sampling, sharding
-from ebpo_jax.aot import roofline
+from ebpo_jax.aot import formulas
 from ebpo_jax.models import Decoder, attention, decode_attention
 from tests.helpers.tiny_decoder import BASE, init_params
 
@@ -233,7 +233,7 @@ def test_kernel_fetches_and_computes_only_the_written_blocks(case, monkeypatch):
     assert _skipping_errors(fetched, ran, written, slots, block) == [], written
     read = sum(min(bkv, slots - j * bkv) for j in {b[3] // bkv for _, b in fetched["keys"]})
     q_shape, k_shape = (ROWS, KV_HEADS, GROUPS, D), (LAYERS, ROWS, KV_HEADS, slots, D)
-    flops, _ = roofline.decode_cost(q_shape, k_shape, 4, 4, block, [written])
+    flops, _ = formulas.decode_cost(q_shape, k_shape, 4, 4, block, [written])
     assert flops == 4 * ROWS * KV_HEADS * GROUPS * D * read, written
 
 
