@@ -35,10 +35,15 @@ def _floating(dtype) -> bool:
   return jnp.issubdtype(dtype, jnp.floating)
 
 
-def causal_blocks(q_len: int, kv_len: int, bq: int, bkv: int) -> int:
-  """Blocks of a `q_len x kv_len` causal mask (the queries the last of the keys) with an allowed
-  pair: the blocks splash computes."""
-  last_queries = ((i + 1) * bq - 1 + kv_len - q_len for i in range(q_len // bq))
+def causal_blocks(q_len: int, kv_len: int, bq: int, bkv: int, offset: int | None = None) -> int:
+  """Blocks of a `q_len x kv_len` causal mask with an allowed pair: the blocks splash computes.
+  Query i sees the keys up to i + `offset`; None: `kv_len - q_len`, the queries the last of the
+  keys at these (padded) lengths. `kernel_cost` has only the padded shapes, so it takes None: exact
+  when padding adds no block (the unpadded lengths multiples of the block, as at the paper's
+  shapes); else it under-counts, and splash's own offset (`attention._kernel`'s, from the unpadded
+  lengths) gives the blocks it computes. The report counts splash from its mask tables, not this."""
+  offset = kv_len - q_len if offset is None else offset
+  last_queries = ((i + 1) * bq - 1 + offset for i in range(q_len // bq))
   return sum(min(kv_len // bkv, max(0, q // bkv + 1)) for q in last_queries)
 
 

@@ -1,6 +1,7 @@
-"""Splash attention's masked-block skipping, which the train step's FLOP count assumes
-(`aot.formulas.kernel_cost`: of each kernel's blocks, those of its causal mask with an allowed pair,
-`causal_blocks`). What splash computes is read off the kernels the project builds
+"""Splash attention's masked-block skipping, which the train step's FLOP count sees (`roofline.
+count_dots` counts each kernel's body over the blocks its mask tables name, `aot.kernels`) and its
+cross-check formula assumes (`aot.formulas.causal_blocks`: of each kernel's blocks, those of its
+causal mask with an allowed pair). What splash computes is read off the kernels the project builds
 (`models.attention._kernel`, through `attention.attend` over full rows and the shared-prefix
 layout): each kernel's mask info (`splash_attention_mask_info.MaskInfo`), whose `block_mask` is 0
 on a fully masked block; the forward, dq and dkv kernels run a block's compute only where it is
@@ -28,15 +29,10 @@ CASES = {  # (rows, prompt tokens P, completions per prompt G (0: full rows), to
   # The completions' queries after their prompt's keys: 384 after 256 in blocks of 128, 12 of 15.
   "shared_prefix": (2, 256, 2, 384, 128),
   # N = 600 pads to 1024 queries, the 856 keys to 1024: splash's mask has the queries the last of
-  # the unpadded keys (offset 256: 4 blocks computed), roofline the last of the padded (offset 0:
-  # 3), from the pallas_call's shapes alone. Not the paper's shapes (N = 8192, a multiple of 512).
+  # the unpadded keys (offset 256: 4 blocks computed), not of the padded ones (offset 0: 3). The
+  # formula counts them at splash's offset; from the pallas_call's shapes alone it would give 3
+  # (`test_the_padded_offset_undercounts_an_unaligned_prefix`).
   "shared_prefix_unaligned": (2, 256, 2, 600, 512),
-}
-# Roofline, not splash, is wrong there: strict, so that a fix of roofline's count shows.
-UNDERCOUNTED = {
-  "shared_prefix_unaligned": pytest.mark.xfail(
-    strict=True, raises=AssertionError, reason="roofline counts the padded offset"
-  )
 }
 
 
@@ -67,7 +63,7 @@ def _traced(case, monkeypatch):
   with monkeypatch.context() as patch:
     patch.setattr(attention, "splash_attention", recorded_call)
     patch.setattr(attention, "_kernel", recorded_kernel)
-    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv).jaxpr
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv)  # closed: mask tables
   assert len(calls) == (2 if group else 1) and all(len(c) == 3 for c in calls)
   for call in calls:  # built again outside the trace: its mask info concrete, not traced
     call.append(kernel(*call[2]))
@@ -90,8 +86,8 @@ def _block_errors(jaxpr, calls, block: int) -> list[str]:
   `causal_blocks` of its padded lengths; and the FLOPs `count_dots` gives the traced program
   against those of the blocks splash computes."""
   errors, flops = [], 0.0
-  for rows, d, (heads, q_len, kv_len, _, bq, bkv, _), kernel in calls:
-    assumed = heads * formulas.causal_blocks(q_len, kv_len, bq, bkv)
+  for rows, d, (heads, q_len, kv_len, offset, bq, bkv, _), kernel in calls:
+    assumed = heads * formulas.causal_blocks(q_len, kv_len, bq, bkv, offset)
     computed = _computed_blocks(kernel, heads)
     if computed != dict.fromkeys(KINDS, assumed):
       errors.append(f"{q_len} x {kv_len} in {bq} x {bkv}: splash {computed}, roofline {assumed}")
@@ -120,28 +116,42 @@ def _forward_kv_fetches(kernel, heads: int, kv_heads: int) -> int:
   return 1 + sum(a != b for a, b in zip(blocks, blocks[1:], strict=False))
 
 
-@pytest.mark.parametrize(
-  "case", [pytest.param(name, marks=UNDERCOUNTED.get(name, ())) for name in CASES]
-)
+@pytest.mark.parametrize("case", CASES)
 def test_splash_computes_the_blocks_roofline_counts(case, monkeypatch):
   """The blocks splash computes (its mask info) are those roofline counts, for the forward, dq
   and dkv kernels; fewer than all of them where the mask has an empty block; and the forward
   fetches no more key blocks than it computes (roofline's bytes: one key-side pair per block)."""
   jaxpr, calls = _traced(CASES[case], monkeypatch)
   assert _block_errors(jaxpr, calls, CASES[case][-1]) == []
-  for _, _, (heads, q_len, kv_len, _, bq, bkv, _), kernel in calls:
+  for _, _, (heads, q_len, kv_len, offset, bq, bkv, _), kernel in calls:
     computed = _computed_blocks(kernel, heads)["fwd"]
     assert _forward_kv_fetches(kernel, heads, KV_HEADS) <= computed
-    if q_len > bq:  # more than one row of blocks: the causal corner is empty, and skipped
+    if q_len > bq and offset == kv_len - q_len:  # the causal corner is empty, and skipped
       assert computed < heads * (q_len // bq) * (kv_len // bkv)
 
 
 def test_the_block_check_fails_on_splash_computing_every_block(monkeypatch):
   """With the project's kernels built on a full mask (every block computed, as without the
-  skipping), the check above reports the blocks and FLOPs roofline does not count."""
-  monkeypatch.setattr(splash, "CausalMask", lambda shape, offset=0: splash.FullMask(shape))
+  skipping), the check above reports the blocks the causal count does not assume, and the
+  report's count (from the kernels' mask tables) rises with what they compute."""
   for case in ("full_rows", "shared_prefix"):
-    jaxpr, calls = _traced(CASES[case], monkeypatch)
-    errors = _block_errors(jaxpr, calls, CASES[case][-1])
-    assert any("roofline's kernel FLOPs" in e for e in errors), case
+    jaxpr, _ = _traced(CASES[case], monkeypatch)
+    skipping = roofline.count_dots(jaxpr, 1, attention_block=CASES[case][-1]).kernel_flops
+    with monkeypatch.context() as patch:
+      patch.setattr(splash, "CausalMask", lambda shape, offset=0: splash.FullMask(shape))
+      jaxpr, calls = _traced(CASES[case], monkeypatch)
+      errors = _block_errors(jaxpr, calls, CASES[case][-1])
+      every = roofline.count_dots(jaxpr, 1, attention_block=CASES[case][-1]).kernel_flops
     assert sum("splash {" in e for e in errors) == len(calls), case
+    assert every > 1.2 * skipping, case
+
+
+def test_the_padded_offset_undercounts_an_unaligned_prefix(monkeypatch):
+  """`kernel_cost` sees only the padded shapes: at an unaligned shared prefix its count (the
+  padded offset) is under splash's blocks, which the report counts from the mask tables instead."""
+  jaxpr, calls = _traced(CASES["shared_prefix_unaligned"], monkeypatch)
+  (_, _, (heads, q_len, kv_len, offset, bq, bkv, _), kernel), *_ = calls[1:] or calls
+  computed = _computed_blocks(kernel, heads)["fwd"]
+  assert offset != kv_len - q_len
+  assert heads * formulas.causal_blocks(q_len, kv_len, bq, bkv) < computed
+  assert heads * formulas.causal_blocks(q_len, kv_len, bq, bkv, offset) == computed

@@ -100,3 +100,37 @@ def test_a_bad_chat_row_is_one_line_naming_it(tmp_path, messages, problem):
     data.load_checked_rows(path, columns=data.Columns(prompt="messages"))
   assert str(error.value).startswith(f"{path}:1: ") and problem in str(error.value)
   assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("chat_template", [True, False], ids=["template", "no_template"])
+def test_a_task_instruction_follows_the_last_user_turn(chat_dir, tiny_llama_dir, chat_template):
+  # The task's instruction goes after the last user turn's text (not after the whole chat), with
+  # the model's chat template; without one (`model.chat_template=False`, or a base model's
+  # tokenizer that has none) the prompt is BOS + the chat's contents, one per line.
+  instruction = " Answer with a number."
+  overrides = {
+    "model.path": str(tiny_llama_dir),
+    "model.chat_template": chat_template,
+    "task.name": "jsonl",
+    "task.options.instruction": instruction,
+    "data.path": chat_dir,
+    "data.prompt_column": "messages",
+    "data.cluster_column": "topic",
+    "eval.path": chat_dir,
+  }
+  config = arith_config(overrides)
+  inputs = task_rows.load_task_and_rows(config)
+  encoder = prompts.PromptEncoder.from_config(config, inputs.task, inputs.tokenizer)
+  reference = transformers.AutoTokenizer.from_pretrained(tiny_llama_dir)
+  for row, chat in zip(inputs.rows[:2], CHATS, strict=True):
+    upto = [dict(m) for m in (chat[:2] if chat[-1]["role"] == "assistant" else chat)]
+    upto[-1]["content"] += instruction
+    if chat_template:
+      want = reference.apply_chat_template(upto, add_generation_prompt=True, tokenize=True)
+      want = list(want["input_ids"] if hasattr(want, "keys") else want)
+    else:
+      text = "\n".join(m["content"] for m in upto)
+      bos = [] if reference.bos_token_id is None else [reference.bos_token_id]
+      want = bos + reference.encode(text, add_special_tokens=False)
+    assert encoder.prompt_ids(row) == want
+    assert reference.decode(want).count(instruction) == 1
