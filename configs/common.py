@@ -136,6 +136,11 @@ def get_config() -> ml_collections.ConfigDict:
   # default), not the sampler's. Free with one update per step (that update's forward); else one
   # forward more per step (bench/recompute.py). A correction (rl.loss.rollout_is) implies it.
   config.rl.recompute_old_logps = False  # True: old log-probs the trainer's, not the sampler's
+  # Asynchronous RL (docs/async.md): the batch trained at step t is sampled with the policy of
+  # step max(0, t - k), by the schedule, never by timing; the sampler, environments and rewards of
+  # the next batches run while the trainer trains. 0: synchronous. k > 0 implies
+  # rl.recompute_old_logps (the sampler's policy is k steps behind; rl.loss.rollout_is weighs it).
+  config.rl.max_staleness = 0  # k >= 0
 
   config.sampling = ml_collections.ConfigDict()  # rollouts
   config.sampling.temperature = 1.0  # > 0
@@ -170,6 +175,9 @@ def get_config() -> ml_collections.ConfigDict:
   config.env.max_tokens = 64  # trajectory tokens after the prompt (model + observations)
   config.env.max_observation_tokens = 16  # an observation's tokens beyond this are cut
   config.env.options = ml_collections.ConfigDict()  # the environment's constructor keywords
+  # A slow tool to measure with: each turn that steps environments waits this long (the calls of a
+  # turn concurrently, as an I/O-bound tool service answers them: a sandbox pool, a search API).
+  config.env.tool_latency_s = 0.0  # seconds >= 0
 
   config.rewards = ml_collections.ConfigDict()  # scoring the responses
   # Scorer processes. 0: the task's verifier scores in this process, and rewards.fns (user code)

@@ -30,6 +30,15 @@ def step_keys(rng: jax.Array, step: jax.Array, num_refill_rounds: int = 0) -> St
   return StepKeys(rollout, refill_keys, shuffle, eval_key, dropout)
 
 
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def step_keys_ahead(
+  rng: jax.Array, step: jax.Array, ahead: int, num_refill_rounds: int = 0
+) -> StepKeys:
+  """`step_keys` of step `step + ahead` (`step` a device scalar): the keys of a batch sampled
+  `ahead` steps before it is trained (trainer.pipeline)."""
+  return step_keys(rng, step + ahead, num_refill_rounds)
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def split_keys(key: jax.Array, n: int) -> tuple[jax.Array, ...]:
   """`key` split into n keys, one per sampler call or turn (jitted: n stays static, and the host

@@ -21,6 +21,11 @@ from ebpo_jax.metrics.names import (
   ADV_ALL_EQUAL_FRAC,
   ADV_ZERO_FRAC,
   APPROX_KL,
+  ASYNC_ROLLOUT_WAIT_S,
+  ASYNC_STALENESS_MAX,
+  ASYNC_STALENESS_MEAN,
+  ASYNC_TRAINER_WAIT_S,
+  ASYNC_TRANSFER_S,
   BAD_UPDATES,
   CLIPFRAC,
   CLIPFRAC_HIGH,
@@ -95,6 +100,11 @@ from ebpo_jax.metrics.plots import (
 from ebpo_jax.metrics.wandb_log import WandbOptions, require_wandb, wandb_options
 
 __all__ = [
+  "ASYNC_ROLLOUT_WAIT_S",
+  "ASYNC_STALENESS_MAX",
+  "ASYNC_STALENESS_MEAN",
+  "ASYNC_TRAINER_WAIT_S",
+  "ASYNC_TRANSFER_S",
   "MetricsWriter",
   "markdown_table",
   "read_metrics",

@@ -66,6 +66,14 @@ MISMATCH_RATIO_OUT_FRAC = "mismatch/ratio_out_frac"  # share of tokens with r ou
 # The rollout correction's weights (rl.loss.rollout_is != none): losses.rollout_is_weights.
 ROLLOUT_IS_MEAN_WEIGHT = "rollout_is/mean_weight"  # token mean of the weights
 ROLLOUT_IS_CLIPPED_FRAC = "rollout_is/clipped_frac"  # tokens capped (token_tis), masked (seq_mask)
+# Asynchronous RL (rl.max_staleness = k > 0, trainer.pipeline): the batch's staleness, steps
+# between the policy that sampled it and the one it trains (min(step, k) for every row), and where
+# the step's time went.
+ASYNC_STALENESS_MEAN = "async/staleness_mean"
+ASYNC_STALENESS_MAX = "async/staleness_max"
+ASYNC_TRAINER_WAIT_S = "async/trainer_wait_s"  # the trainer waiting for the next batch
+ASYNC_ROLLOUT_WAIT_S = "async/rollout_wait_s"  # the producer idle: the train part less its batch
+ASYNC_TRANSFER_S = "async/transfer_s"  # copying the params the producer samples with
 
 # Bookkeeping and wall-clock time.
 COMPILES_TRAIN_STEP = "compiles/train_step"  # times the train step was traced (1 = no retrace)
@@ -85,7 +93,8 @@ EVAL_VERIFIER_ERRORS = "eval/verifier_errors"  # evaluation verifier calls that 
 
 # Keys that measure wall-clock time: they differ between an interrupted and a straight run.
 TIMING_KEYS = (
-  TIME_STEP_S, TIME_TOKENS_PER_S, TIME_SAMPLE_S, TIME_UPDATE_S, TIME_ELAPSED_S, ENV_TIME_S
+  TIME_STEP_S, TIME_TOKENS_PER_S, TIME_SAMPLE_S, TIME_UPDATE_S, TIME_ELAPSED_S, ENV_TIME_S,
+  ASYNC_TRAINER_WAIT_S, ASYNC_ROLLOUT_WAIT_S, ASYNC_TRANSFER_S,
 )  # fmt: skip
 # Keys that are also logged per cluster, as per_cluster(key, name).
 PER_CLUSTER_KEYS = (REWARD_MEAN, EVAL_ACCURACY, EBPO_PRIOR_MEAN, EBPO_PRIOR_STD, EBPO_SHRINKAGE)
@@ -108,6 +117,7 @@ KEYS = frozenset(
   }
   | {MISMATCH_KL, MISMATCH_MAX_ABS, MISMATCH_RATIO_OUT_FRAC}
   | {ROLLOUT_IS_MEAN_WEIGHT, ROLLOUT_IS_CLIPPED_FRAC}
+  | {ASYNC_STALENESS_MEAN, ASYNC_STALENESS_MAX}
   | {EVAL_ACCURACY, EVAL_VERIFIER_ERRORS, SFT_LOSS}
 )
 

@@ -140,6 +140,8 @@ def run_episodes(
     stepping = _record_turn(trajectories, out, tokenizer)
     started = time.perf_counter()
     _step_envs(trajectories, stepping, pool, encoder, width)
+    if stepping and env.tool_latency_s:
+      time.sleep(env.tool_latency_s)  # a slow tool service (env.tool_latency_s)
     env_time += time.perf_counter() - started
   for t in trajectories:
     t.live = False  # the turn limit

@@ -49,6 +49,7 @@ class EnvOptions:
   max_turns: int  # model turns per trajectory
   max_tokens: int  # trajectory tokens after the prompt: model and observation tokens
   max_observation_tokens: int  # an observation's tokens beyond this are cut
+  tool_latency_s: float = 0.0  # each turn that steps environments waits this long (env.*)
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> "EnvOptions | None":
@@ -57,7 +58,7 @@ class EnvOptions:
     if factory is None:
       return None
     e = config.env
-    return cls(factory, e.max_turns, e.max_tokens, e.max_observation_tokens)
+    return cls(factory, e.max_turns, e.max_tokens, e.max_observation_tokens, e.tool_latency_s)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -44,6 +44,8 @@ def _check_env(config: ml_collections.ConfigDict) -> None:
   """`config.env`: limits >= 1, and the environment, its tools and options load (when named)."""
   for key in ("max_turns", "max_tokens", "max_observation_tokens"):
     _require(config.env[key] >= 1, config, f"env.{key}", "must be >= 1")
+  latency = config.env.tool_latency_s
+  _require(math.isfinite(latency) and latency >= 0, config, "env.tool_latency_s", "must be >= 0")
   envs.from_config(config.env)  # a ConfigError naming the key
 
 
@@ -65,6 +67,18 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   rl, tc = config.rl, config.train
   _require(rl.group_size >= 2, config, "rl.group_size", "must be >= 2")
   _require(rl.num_iterations >= 1, config, "rl.num_iterations", "must be >= 1")
+  staleness = rl.max_staleness
+  _require(
+    isinstance(staleness, int) and not isinstance(staleness, bool) and staleness >= 0,
+    config,
+    "rl.max_staleness",
+    "must be an int >= 0",
+  )
+  if staleness and config.model.lora.rank > 0:  # the step donates the base the sampler reads
+    raise ConfigError(
+      f"rl.max_staleness={staleness} with model.lora.rank={config.model.lora.rank}: asynchronous "
+      "LoRA runs are not supported yet (rl.max_staleness=0, or full fine-tuning)"
+    )
   _require(tc.num_steps >= 0, config, "train.num_steps", "must be >= 0")
   _require(tc.batch_size >= 1, config, "train.batch_size", "must be >= 1")
   _require(math.isfinite(tc.learning_rate), config, "train.learning_rate", "must be finite")

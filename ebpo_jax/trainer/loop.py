@@ -41,6 +41,7 @@ from ebpo_jax.rollouts.worker import RolloutWorker, make_worker
 from ebpo_jax.tasks import reward_fns as reward_fns_lib
 from ebpo_jax.trainer import banner as banner_lib
 from ebpo_jax.trainer import config as config_lib
+from ebpo_jax.trainer import pipeline as pipeline_lib
 from ebpo_jax.trainer import policy as policy_lib
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer import task_rows
@@ -120,6 +121,18 @@ def train(
     worker = make_worker(model, task, tokenizer, config, mesh)
     resources.enter_context(worker.scorer.pool)
     ckpt = resources.enter_context(_checkpointer(config, workdir))
+    pipeline = None
+    if config.rl.max_staleness:  # asynchronous: the producer thread beside the trainer
+      pipeline = pipeline_lib.Pipeline(
+        worker,
+        rows,
+        batches,
+        staleness=config.rl.max_staleness,
+        num_refill_rounds=config.rl.max_refill_rounds,
+        transfer_guard=config.train.transfer_guard,
+        params_sharding=shardings.params,
+      )
+      resources.callback(pipeline.close)
 
     # ---- Resume first; else a fresh state (warm start, step-0 evaluation and checkpoint).
     latest, state = None, None
@@ -150,11 +163,15 @@ def train(
       writer=writer,
       sigterm=sigterm,
       started=started,
+      pipeline=pipeline,
     )
     last_eval = {}
     if latest is None:
       state, last_eval = _start(r, model, mesh, workdir, spec)
     warm_start_lib.discard(workdir)
+    if pipeline is not None and int(state.step) < config.train.num_steps:
+      with jax.transfer_guard(config.train.transfer_guard):
+        pipeline.fill(state)  # the batches in flight at this step, sampled (again, on a resume)
     last_eval = _loop(r, state, last_eval)
 
   # ---- The end (the last save waited for): the summary and the plots.
@@ -186,6 +203,7 @@ class _Run:
   writer: metrics_lib.MetricsWriter
   sigterm: process.SigtermFlag
   started: float  # time.perf_counter() at the run's start
+  pipeline: pipeline_lib.Pipeline | None = None  # rl.max_staleness > 0: the batches in flight
 
 
 def _restore(ckpt, abstract, config, model, mesh, batches) -> tuple[int, state_lib.TrainState]:
@@ -297,14 +315,7 @@ def _loop(r: _Run, state: state_lib.TrainState, last_eval: dict) -> dict:
       stop = r.sigterm.requested_anywhere()  # every process saves and stops at the same step
       if bad_in_a_row > 0:
         save_owed = True
-      elif r.ckpt.save(
-        step + 1,
-        state_lib.checkpointed(state),
-        data_iter=r.batches,
-        config=config.to_dict(),
-        force=step + 1 == num_steps or stop or save_owed,
-        before_write=r.writer.sync,  # metrics.jsonl durable before the checkpoint commits
-      ):
+      elif _save(r, step + 1, state, force=step + 1 == num_steps or stop or save_owed):
         r.writer.flush()  # TensorBoard's events too (metrics.jsonl: synced above)
         save_owed = False
       if stop:
@@ -312,16 +323,38 @@ def _loop(r: _Run, state: state_lib.TrainState, last_eval: dict) -> dict:
   return last_eval
 
 
+def _save(r: _Run, step: int, state, *, force: bool) -> bool:
+  """`Checkpointer.save` of the state after `step` steps, at the trainer's data position (before
+  the draws of the batches in flight, under `rl.max_staleness`)."""
+  saving = r.pipeline.saving() if r.pipeline is not None else contextlib.nullcontext()
+  with saving:
+    return r.ckpt.save(
+      step,
+      state_lib.checkpointed(state),
+      data_iter=r.batches,
+      config=r.config.to_dict(),
+      force=force,
+      before_write=r.writer.sync,  # metrics.jsonl durable before the checkpoint commits
+    )
+
+
 def _rl_step(r: _Run, state, step: int, *, first: bool):
-  """One RL step: sample and score a batch, run the train step; (state, the step's logged
-  metrics, its sample completions table when due or None, bad steps in a row)."""
+  """One RL step: sample and score a batch (or, under `rl.max_staleness`, take the oldest batch in
+  flight while the next is made), run the train step; (state, the step's logged metrics, its
+  sample completions table when due or None, bad steps in a row)."""
   config = r.config
   t0 = time.perf_counter()
-  keys = keys_lib.step_keys(state.rng, state.step, config.rl.max_refill_rounds)
-  batch, rollout, logged = rollout_batch.collect_batch(
-    r.worker, state_lib.policy_params(state), keys, r.rows, r.batches
-  )
-  r.worker.scorer.check_step()  # rewards.max_error_frac: never train on failed calls' zeros
+  if r.pipeline is None:
+    keys = keys_lib.step_keys(state.rng, state.step, config.rl.max_refill_rounds)
+    batch, rollout, logged = rollout_batch.collect_batch(
+      r.worker, state_lib.policy_params(state), keys, r.rows, r.batches
+    )
+    r.worker.scorer.check_step()  # rewards.max_error_frac: never train on failed calls' zeros
+  else:
+    before, transfer_s = r.pipeline.copy_params(state.params)
+    r.pipeline.start_next(state, before)
+    made = r.pipeline.next_batch()
+    batch, rollout, logged = made.batch, made.rollout, dict(made.logs)
   t1 = time.perf_counter()
   if first:
     logging.info("compiling the train step (the first call; once per run) ...")
@@ -329,6 +362,11 @@ def _rl_step(r: _Run, state, step: int, *, first: bool):
   step_metrics, advantages_bg, bad_in_a_row = jax.device_get(
     (step_metrics, aux.advantages, state.bad_steps)
   )
+  if r.pipeline is not None:
+    t_trained = time.perf_counter()
+    trainer_wait_s = r.pipeline.wait()
+    state = state.replace(behind=pipeline_lib.behind_after(state.behind, before))
+    logged.update(_async_metrics(r, step, made, transfer_s, trainer_wait_s, t_trained - t0))
   t2 = time.perf_counter()
   logged.update(host_metrics(step_metrics, rollout, r.cluster_names))
   logged.update(
@@ -345,6 +383,20 @@ def _rl_step(r: _Run, state, step: int, *, first: bool):
     num = config.logging.num_samples
     samples = rollout_batch.sample_rows(rollout, advantages_bg, r.cluster_names, num)
   return state, logged, samples, bad_in_a_row
+
+
+def _async_metrics(r: _Run, step: int, made, transfer_s, trainer_wait_s, trained_s) -> dict:
+  """`async/*` of a fixed-lag step: the batch's staleness (every row of it sampled with the policy
+  of step max(0, step - k)), the trainer's wait for the producer, the producer's idle time (the
+  step's train part less the batch it made), the params copy."""
+  staleness = float(min(step, r.pipeline.staleness))
+  return {
+    metrics_lib.ASYNC_STALENESS_MEAN: staleness,
+    metrics_lib.ASYNC_STALENESS_MAX: staleness,
+    metrics_lib.ASYNC_TRAINER_WAIT_S: trainer_wait_s,
+    metrics_lib.ASYNC_ROLLOUT_WAIT_S: max(0.0, trained_s - made.seconds),
+    metrics_lib.ASYNC_TRANSFER_S: transfer_s,
+  }
 
 
 def _log_step(

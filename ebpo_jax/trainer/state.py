@@ -38,6 +38,10 @@ class TrainState(flax.struct.PyTreeNode):
   # Under LoRA the frozen base weights (`models.lora.split`), else None. Not checkpointed
   # (`checkpointed`): a resume rebuilds it as a fresh run does (`policy.initial_params`).
   base: Any = None
+  # rl.max_staleness = k > 0: the trained params of steps step - k .. step - 1 (clamped at 0), which
+  # sample the k batches in flight (`trainer.pipeline`); checkpointed, so that a resume samples them
+  # again exactly. Passed through the train step untouched; None when k = 0.
+  behind: tuple | None = None
 
 
 def policy_params(state: TrainState) -> Any:
@@ -69,6 +73,7 @@ class StateSpec:
   seed: int
   lora: bool
   kl_reference: bool
+  staleness: int = 0  # rl.max_staleness: the params kept `behind`
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict, num_clusters: int) -> "StateSpec":
@@ -79,6 +84,7 @@ class StateSpec:
       seed=config.seed,
       lora=models.build.lora_enabled(config),
       kl_reference=config.rl.loss.kl_coef > 0,
+      staleness=config.rl.max_staleness,
     )
 
   def shardings(self, params: Any) -> TrainState:
@@ -96,6 +102,7 @@ class StateSpec:
       ref_params=param_shardings if shapes.ref_params is not None else None,
       bad_steps=replicated,
       base=base,
+      behind=(trained,) * self.staleness or None,
     )
 
   def create(self, params: Any) -> TrainState:
@@ -126,6 +133,7 @@ class StateSpec:
       ref_params=jax.tree.map(jnp.copy, params) if copy_reference else None,
       bad_steps=jnp.zeros((), jnp.int32),
       base=base,
+      behind=tuple(jax.tree.map(jnp.copy, trained) for _ in range(self.staleness)) or None,
     )
 
   def _trained_and_base(self, params: Any) -> tuple[Any, Any]:

@@ -69,7 +69,8 @@ class StepOptions:
       loss=LossOptions.from_config(config.rl.loss),
       layout=StepLayout.from_config(config, mesh),
       schedule=learning_rate_schedule(config),
-      recompute_old_logps=bool(config.rl.recompute_old_logps),
+      # k > 0: the sampler's policy is k steps behind the trainer's (trainer.pipeline)
+      recompute_old_logps=bool(config.rl.recompute_old_logps) or config.rl.max_staleness > 0,
     )
 
   @property

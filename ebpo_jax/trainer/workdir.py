@@ -72,6 +72,7 @@ SAFE_KEYS = frozenset(
     "checkpoint.max_to_keep",
     "rewards.workers",
     "rewards.max_error_frac",
+    "env.tool_latency_s",  # a wait on the host: the same episodes
     # The device layout: a checkpoint restores onto another mesh, and the math is the same.
     "mesh.data",
     "mesh.fsdp",
@@ -80,6 +81,9 @@ SAFE_KEYS = frozenset(
     "model.unroll_layers",
   }
 )
+# Keys added since FORMAT 1, with the default that a run saved before them ran with: a saved config
+# without one compares as that default (a committed workdir resumes under the newer code).
+ADDED_KEYS = {"rl.max_staleness": 0, "env.tool_latency_s": 0.0}
 # Key prefixes that are as safe: where and how the run logs (logging.*).
 SAFE_PREFIXES = ("logging.",)
 # Keys about this invocation only (the workdir's own switches): never compared.
@@ -181,8 +185,10 @@ def _dead_here(holder: Mapping[str, Any]) -> bool:
 
 def changed_keys(saved: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple]:
   """{dotted key: (saved value, new value)} of the keys whose values differ (a key on one side
-  only: None on the other); SESSION_PREFIX keys are not compared."""
+  only: None on the other, but for `ADDED_KEYS` missing from `saved`); SESSION_PREFIX keys are not
+  compared."""
   before, after = flatten(jsonable.to_data(saved)), flatten(jsonable.to_data(new))
+  before = {k: v for k, v in ADDED_KEYS.items() if k in after} | before
   return {
     key: (before.get(key), after.get(key))
     for key in sorted(before.keys() | after.keys())

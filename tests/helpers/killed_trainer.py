@@ -6,6 +6,9 @@ POINT is `eval` (the evaluation line of STEP has just reached metrics.jsonl, its
 yet started), `save` (the checkpoint of STEP has just started: orbax is writing it in the
 background) or `train` (the training line of STEP has just reached metrics.jsonl); `term` sends
 SIGTERM instead, right after the training line of STEP (the trainer then saves and exits 143).
+Under rl.max_staleness (trainer.pipeline): `transfer` kills in the STEP-th params copy of this
+process (the weights the producer samples with, copied, the train step not yet run), `produce` in
+the producer thread as its STEP-th batch of this process is made (before it is in flight).
 Nothing in the trainer knows about this: the moments are found by wrapping its checkpoint and
 metrics writers, then the trainer runs as `python -m ebpo_jax.train` would run it.
 """
@@ -55,9 +58,29 @@ def _kill_after_line(step: int, key: str, signum: int = signal.SIGKILL) -> None:
   metrics_lib.MetricsWriter.write = killing_write
 
 
+def _kill_in_call(cls, name: str, nth: int) -> None:
+  """SIGKILL after the `nth` call of `cls.name` in this process returns (in whichever thread)."""
+  original, calls = getattr(cls, name), []
+
+  def killing(self, *args, **kwargs):
+    out = original(self, *args, **kwargs)
+    calls.append(1)
+    if len(calls) == nth:
+      os.kill(os.getpid(), signal.SIGKILL)
+    return out
+
+  setattr(cls, name, killing)
+
+
 def main() -> None:
   point, step = sys.argv.pop(1).split(":")
-  if point == "save":
+  if point in ("transfer", "produce"):
+    from ebpo_jax.trainer import pipeline
+
+    _kill_in_call(
+      pipeline.Pipeline, {"transfer": "copy_params", "produce": "_make"}[point], int(step)
+    )
+  elif point == "save":
     _kill_in_save(int(step))
   elif point == "term":
     _kill_after_line(int(step), "reward/mean", signal.SIGTERM)

@@ -216,3 +216,13 @@ def test_an_ablation_reruns_a_variant_whose_config_changed(tmp_path, monkeypatch
   args.append("--config.sft.num_steps=7")
   ablate._run_one(config, str(tmp_path), run, args, {}, {0: ablate.threading.Lock()})
   assert trained == ["s0", run.name, run.name, "s0", run.name]
+
+
+def test_a_config_saved_before_a_key_existed_compares_as_its_default():
+  # A committed workdir (results/ablation_smollm2_cpu/runs/*) was saved before rl.max_staleness
+  # and env.tool_latency_s: it resumes under today's defaults, and a changed value is a change.
+  saved = {"rl": {"group_size": 4}, "env": {}}
+  new = {"rl": {"group_size": 4, "max_staleness": 0}, "env": {"tool_latency_s": 0.0}}
+  assert workdir_lib.changed_keys(saved, new) == {}
+  new["rl"]["max_staleness"] = 1
+  assert workdir_lib.changed_keys(saved, new) == {"rl.max_staleness": (0, 1)}

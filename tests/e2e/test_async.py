@@ -1,0 +1,52 @@
+"""Asynchronous RL with a fixed lag (rl.max_staleness, trainer.pipeline) end to end on the tiny
+arithmetic config: the schedule decides which policy samples each batch (never timing), and a run
+killed at any moment resumes to the uninterrupted run's metrics and params, bit for bit."""
+
+import json
+import signal
+
+from ebpo_jax import checkpoint
+from tests.e2e.test_train import comparable, read
+from tests.helpers.processes import run_module, run_trainer
+
+ARGS = ("--config.rl.max_staleness=2", "--config.train.num_steps=4")
+
+
+def _checksums(workdir, step: int) -> dict:
+  """The leaf checksums checkpoint `step` verifies against: params, optimizer, prior, the params
+  behind (the in-flight batches' policies)."""
+  return json.loads((workdir / "checkpoints" / str(step) / "checksums" / "metadata").read_text())
+
+
+# e2e: 7 trainer processes of the tiny config on 1 device (~60 CPU-s)
+def test_k2_killed_at_five_moments_resumes_to_the_straight_runs_metrics_and_params(tmp_path):
+  straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+  result = run_trainer(straight, *ARGS)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = [m for m in read(straight) if "reward/mean" in m]
+  # Steps 1 and 2 train batches sampled with step 0's policy, steps 3 and 4 with steps 1's and 2's.
+  assert [m["async/staleness_max"] for m in lines] == [0, 1, 2, 2]
+  assert lines[0]["mismatch/max_abs"] < 1e-5 < lines[-1]["mismatch/max_abs"]  # the lag shows
+
+  def stopped_at(moment: str, status: int):
+    result = run_module(
+      "tests/helpers/killed_trainer.py", moment, "--config=configs/arith_ebpo.py:runlocal",
+      f"--workdir={stopped}", "--config.logging.plots=False", *ARGS,
+    )  # fmt: skip
+    assert result.returncode == status, result.stderr[-3000:]
+    return [m["step"] for m in read(stopped) if m["step"] >= 0 and "reward/mean" in m]
+
+  # Killed: as the step-0 evaluation is logged (no checkpoint yet); in the producer thread as it
+  # made its 3rd batch (steps 0 and 1 in flight, batch 2 made with step 0's params); in the 2nd
+  # params copy after a resume from checkpoint 0 (step 1's weights, batch 3 not started); while
+  # checkpoint 2 is written; then SIGTERM after step 3 (it saves 3 and exits 143).
+  assert stopped_at("eval:0", -signal.SIGKILL) == []
+  assert stopped_at("produce:3", -signal.SIGKILL) == []
+  assert stopped_at("transfer:2", -signal.SIGKILL) == [1]
+  assert stopped_at("save:2", -signal.SIGKILL) == [1, 2]
+  assert stopped_at("term:3", 143) == [1, 2, 3]
+  assert checkpoint.Checkpointer(stopped / "checkpoints").all_steps()[-1] == 3
+  finished = run_trainer(stopped, *ARGS)
+  assert finished.returncode == 0, finished.stderr[-3000:]
+  assert comparable(read(stopped)) == comparable(read(straight))
+  assert _checksums(stopped, 4) == _checksums(straight, 4)
