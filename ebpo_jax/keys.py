@@ -35,7 +35,7 @@ def step_keys_ahead(
   rng: jax.Array, step: jax.Array, ahead: int, num_refill_rounds: int = 0
 ) -> StepKeys:
   """`step_keys` of step `step + ahead` (`step` a device scalar): the keys of a batch sampled
-  `ahead` steps before it is trained (trainer.pipeline)."""
+  `ahead` steps before it is trained (rollouts.pipeline)."""
   return step_keys(rng, step + ahead, num_refill_rounds)
 
 

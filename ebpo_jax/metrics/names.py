@@ -66,7 +66,7 @@ MISMATCH_RATIO_OUT_FRAC = "mismatch/ratio_out_frac"  # share of tokens with r ou
 # The rollout correction's weights (rl.loss.rollout_is != none): losses.rollout_is_weights.
 ROLLOUT_IS_MEAN_WEIGHT = "rollout_is/mean_weight"  # token mean of the weights
 ROLLOUT_IS_CLIPPED_FRAC = "rollout_is/clipped_frac"  # tokens capped (token_tis), masked (seq_mask)
-# Asynchronous RL (rl.max_staleness = k > 0, trainer.pipeline): the batch's staleness, steps
+# Asynchronous RL (rl.max_staleness = k > 0, rollouts.pipeline): the batch's staleness, steps
 # between the policy that sampled it and the one it trains (min(step, k) for every row), and where
 # the step's time went.
 ASYNC_STALENESS_MEAN = "async/staleness_mean"

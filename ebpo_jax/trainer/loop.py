@@ -36,12 +36,12 @@ from ebpo_jax import (
 from ebpo_jax import keys as keys_lib
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.rollouts import batch as rollout_batch
+from ebpo_jax.rollouts import pipeline as pipeline_lib
 from ebpo_jax.rollouts.rollout import Rollout
 from ebpo_jax.rollouts.worker import RolloutWorker, make_worker
 from ebpo_jax.tasks import reward_fns as reward_fns_lib
 from ebpo_jax.trainer import banner as banner_lib
 from ebpo_jax.trainer import config as config_lib
-from ebpo_jax.trainer import pipeline as pipeline_lib
 from ebpo_jax.trainer import policy as policy_lib
 from ebpo_jax.trainer import state as state_lib
 from ebpo_jax.trainer import task_rows
@@ -372,7 +372,7 @@ def _rl_step(r: _Run, state, step: int, *, first: bool):
   logged.update(
     {
       metrics_lib.TIME_STEP_S: t2 - t0,
-      metrics_lib.TIME_SAMPLE_S: t1 - t0,
+      metrics_lib.TIME_SAMPLE_S: t1 - t0 if r.pipeline is None else made.seconds,
       metrics_lib.TIME_UPDATE_S: t2 - t1,
       metrics_lib.TIME_TOKENS_PER_S: logged[metrics_lib.ROLLOUT_TOKENS] / (t2 - t0),
       metrics_lib.COMPILES_TRAIN_STEP: r.traces["step"],

@@ -39,7 +39,7 @@ class TrainState(flax.struct.PyTreeNode):
   # (`checkpointed`): a resume rebuilds it as a fresh run does (`policy.initial_params`).
   base: Any = None
   # rl.max_staleness = k > 0: the trained params of steps step - k .. step - 1 (clamped at 0), which
-  # sample the k batches in flight (`trainer.pipeline`); checkpointed, so that a resume samples them
+  # sample the k batches in flight (`rollouts.pipeline`); checkpointed, so that a resume samples them
   # again exactly. Passed through the train step untouched; None when k = 0.
   behind: tuple | None = None
 

@@ -69,7 +69,7 @@ class StepOptions:
       loss=LossOptions.from_config(config.rl.loss),
       layout=StepLayout.from_config(config, mesh),
       schedule=learning_rate_schedule(config),
-      # k > 0: the sampler's policy is k steps behind the trainer's (trainer.pipeline)
+      # k > 0: the sampler's policy is k steps behind the trainer's (rollouts.pipeline)
       recompute_old_logps=bool(config.rl.recompute_old_logps) or config.rl.max_staleness > 0,
     )
 

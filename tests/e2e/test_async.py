@@ -1,4 +1,4 @@
-"""Asynchronous RL with a fixed lag (rl.max_staleness, trainer.pipeline) end to end on the tiny
+"""Asynchronous RL with a fixed lag (rl.max_staleness, rollouts.pipeline) end to end on the tiny
 arithmetic config: the schedule decides which policy samples each batch (never timing), and a run
 killed at any moment resumes to the uninterrupted run's metrics and params, bit for bit."""
 

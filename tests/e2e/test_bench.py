@@ -29,6 +29,7 @@ SMOKE_RUNS = {
   "peers": ["--quick", "--ours_only"],
   # A committed run's learning curve ({out}: the smoke run's folder).
   "learning_curve": ["results/ablation_smollm2_cpu/runs/ebpo_batch_G4_s0", "--out={out}/curve.png"],
+  "async": ["--quick"],  # k = 0 and k = 1 of arith_tool:runlocal, 3 steps with the slow tool
 }  # fmt: skip
 # Benchmarks run in one process per group (tests/helpers/bench_runs.py): they share its imports
 # and JAX's warm-up (46 CPU-s for the eight together, 54 as two groups, JAX-only and torch). The
@@ -46,7 +47,7 @@ SMOKE_GROUPS = {
     "peers",
     "learning_curve",
   ),
-  "memory": ("memory",),
+  "memory": ("memory", "async"),  # trainer processes of their own, like the compiler's run
 }
 
 
@@ -92,6 +93,8 @@ def _check_output(name: str, stdout: str) -> None:
   if name == "peers":  # our side alone: the sampler's tok/s and the RL step's parts
     ours = summary["ours_only"]
     assert ours["sampler_tiny_tok_s"] > 0 and ours["rl_step_s"] >= ours["rl_rollout_s"] > 0, ours
+  if name == "async":  # both staleness values ran, and the k = 1 run overlapped something
+    assert set(summary["by_k"]) == {"0", "1"} and summary["steps_per_s_ratio"] > 0, summary
   if name == "compact":  # both modes timed (the bench checks they draw the same tokens)
     assert summary["compact_over_plain"] > 0 and summary["same_length_compact_over_plain"] > 0
 

@@ -6,7 +6,7 @@ POINT is `eval` (the evaluation line of STEP has just reached metrics.jsonl, its
 yet started), `save` (the checkpoint of STEP has just started: orbax is writing it in the
 background) or `train` (the training line of STEP has just reached metrics.jsonl); `term` sends
 SIGTERM instead, right after the training line of STEP (the trainer then saves and exits 143).
-Under rl.max_staleness (trainer.pipeline): `transfer` kills in the STEP-th params copy of this
+Under rl.max_staleness (rollouts.pipeline): `transfer` kills in the STEP-th params copy of this
 process (the weights the producer samples with, copied, the train step not yet run), `produce` in
 the producer thread as its STEP-th batch of this process is made (before it is in flight).
 Nothing in the trainer knows about this: the moments are found by wrapping its checkpoint and
@@ -75,7 +75,7 @@ def _kill_in_call(cls, name: str, nth: int) -> None:
 def main() -> None:
   point, step = sys.argv.pop(1).split(":")
   if point in ("transfer", "produce"):
-    from ebpo_jax.trainer import pipeline
+    from ebpo_jax.rollouts import pipeline
 
     _kill_in_call(
       pipeline.Pipeline, {"transfer": "copy_params", "produce": "_make"}[point], int(step)

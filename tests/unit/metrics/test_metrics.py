@@ -280,7 +280,7 @@ def test_metric_names_are_the_logged_contracts():
   }
   assert {name: getattr(metrics, name) for name in contracts} == contracts
   timing = ("time/step_s", "time/tokens_per_s", "time/sample_s", "time/update_s", "time/elapsed_s")
-  timing += ("env/time_s",)
+  timing += ("env/time_s", "async/trainer_wait_s", "async/rollout_wait_s", "async/transfer_s")
   assert timing == metrics.TIMING_KEYS
   assert metrics.STEP == "step" and metrics.STEP not in metrics.KEYS
   assert set(metrics.TIMING_KEYS) | set(metrics.PER_CLUSTER_KEYS) <= metrics.KEYS

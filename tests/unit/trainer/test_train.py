@@ -8,6 +8,7 @@ from ebpo_jax import data, errors
 from ebpo_jax.trainer import banner as banner_lib
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import task_rows
+from ebpo_jax.trainer.step_options import StepOptions
 from tests.helpers.configs import arith_config
 
 # ----------------------------------------------------------------------------- in process
@@ -18,6 +19,13 @@ CONFIG_ERRORS = [
   ({"rl.ebpo.decay": 1.5}, "config.rl.ebpo.decay=1.5: must lie in (0, 1]"),
   ({"train.batch_size": 12}, "must be divisible by the mesh's data x fsdp = 8"),
   ({"data.order": "random"}, "config.data.order='random'"),
+  ({"rl.max_staleness": -1}, "config.rl.max_staleness=-1: must be an int >= 0"),
+  ({"rl.max_staleness": True}, "config.rl.max_staleness=True: must be an int >= 0"),
+  ({"env.tool_latency_s": -0.1}, "config.env.tool_latency_s=-0.1: must be >= 0"),
+  (
+    {"rl.max_staleness": 1, "model.lora.rank": 8},
+    "rl.max_staleness=1 with model.lora.rank=8: asynchronous LoRA runs are not supported yet",
+  ),
 ]
 
 
@@ -26,6 +34,11 @@ def test_invalid_config_is_one_error_naming_the_key(overrides, message):
   with pytest.raises(errors.ConfigError) as error:
     config_lib.check_config(arith_config(overrides), num_devices=8)
   assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_staleness_implies_the_trainers_own_old_log_probs():
+  assert not StepOptions.from_config(arith_config({}), None).recompute_old_logps
+  assert StepOptions.from_config(arith_config({"rl.max_staleness": 2}), None).recompute_old_logps
 
 
 def test_malformed_data_row_names_file_and_line(tmp_path):
