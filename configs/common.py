@@ -238,6 +238,10 @@ def get_config() -> ml_collections.ConfigDict:
   config.mesh.data = 1  # data-parallel replicas
   config.mesh.fsdp = -1  # parameter/data sharding; -1: all remaining devices
   config.mesh.tensor = 1  # tensor parallelism (heads, MLP, vocabulary)
+  # The sampler on devices of its own (docs/async.md): the last N devices sample (rows over them,
+  # weights replicated, 'tensor' kept where it divides N), the mesh above is over the others; the
+  # weights move to them once per round, each batch back. 0: the sampler shares the mesh.
+  config.mesh.rollout_devices = 0  # N >= 0
   return config
 
 

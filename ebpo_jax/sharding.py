@@ -36,6 +36,7 @@ DEFAULT_RULES: Rules = (
 def mesh_shape(shape: dict[str, int], num_devices: int) -> dict[str, int]:
   """Every axis's size for `num_devices` devices: absent axes get 1, one size may be -1 (the
   remaining devices). Raises ValueError naming the mesh when the sizes do not fit."""
+  shape = {k: v for k, v in shape.items() if k != ROLLOUT_DEVICES}
   unknown = set(shape) - set(MESH_AXES)
   if unknown:
     raise ValueError(
@@ -54,6 +55,41 @@ def mesh_shape(shape: dict[str, int], num_devices: int) -> dict[str, int]:
       f"mesh={shape}: {math.prod(sizes.values())} devices requested, {num_devices} available"
     )
   return sizes
+
+
+# config.mesh's key for the sampler's own devices (0: the sampler shares the trainer's mesh).
+ROLLOUT_DEVICES = "rollout_devices"
+
+
+def make_meshes(shape: dict[str, int]) -> tuple[Mesh, Mesh | None]:
+  """(the trainer's mesh, the sampler's or None) of `config.mesh`: with `rollout_devices` = r > 0
+  the last r devices are the sampler's, rows over 'data' and 'tensor' kept where it divides r (its
+  weights replicated over the rows), and the trainer's mesh is `shape` over the others."""
+  devices, r = list(jax.devices()), int(shape.get(ROLLOUT_DEVICES, 0))
+  if not 0 <= r < len(devices):
+    raise ValueError(f"mesh.{ROLLOUT_DEVICES}={r}: must lie in [0, {len(devices)})")
+  if r == 0:
+    return make_mesh(shape, devices), None
+  tensor = int(shape.get("tensor", 1))
+  rollout_shape = {"data": -1, "tensor": tensor if r % tensor == 0 else 1}
+  return make_mesh(shape, devices[:-r]), make_mesh(rollout_shape, devices[-r:])
+
+
+def to_mesh(tree: Any, mesh: Mesh, *, rows: bool = False) -> Any:
+  """`tree`'s arrays on `mesh` (an array already on it is kept) with their own PartitionSpecs, or
+  with `rows` their rows over its batch axes (`row_sharding`): the weights from the trainer's
+  devices to the sampler's, a batch back. Explicit transfers (allowed under the loop's transfer
+  guard)."""
+
+  def moved(x):
+    if not isinstance(x, jax.Array) or not isinstance(x.sharding, NamedSharding):
+      return x
+    if x.sharding.mesh == mesh:
+      return x
+    spec = row_sharding(x.shape, mesh) if rows else NamedSharding(mesh, x.sharding.spec)
+    return jax.device_put(x, spec)
+
+  return jax.tree.map(moved, tree)
 
 
 def make_mesh(shape: dict[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:

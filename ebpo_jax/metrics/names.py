@@ -72,7 +72,7 @@ ROLLOUT_IS_CLIPPED_FRAC = "rollout_is/clipped_frac"  # tokens capped (token_tis)
 ASYNC_STALENESS_MEAN = "async/staleness_mean"
 ASYNC_STALENESS_MAX = "async/staleness_max"
 ASYNC_TRAINER_WAIT_S = "async/trainer_wait_s"  # the trainer waiting for the next batch
-ASYNC_ROLLOUT_WAIT_S = "async/rollout_wait_s"  # the producer idle: the train part less its batch
+ASYNC_ROLLOUT_WAIT_S = "async/rollout_wait_s"  # the producer idle beside the train step
 ASYNC_TRANSFER_S = "async/transfer_s"  # copying the params the producer samples with
 
 # Bookkeeping and wall-clock time.

@@ -21,6 +21,9 @@ from ebpo_jax.metrics.log import read_metrics
 from ebpo_jax.metrics.names import (
   ADV_ALL_EQUAL_FRAC,
   ADV_ZERO_FRAC,
+  ASYNC_ROLLOUT_WAIT_S,
+  ASYNC_TRAINER_WAIT_S,
+  ASYNC_TRANSFER_S,
   CLIPFRAC,
   EBPO_PRIOR_MEAN,
   EBPO_PRIOR_STD,
@@ -123,9 +126,24 @@ DEFAULT_PANELS: tuple[Panel, ...] = (
     (TIME_STEP_S, TIME_SAMPLE_S, TIME_UPDATE_S),
     labels={TIME_STEP_S: "step", TIME_SAMPLE_S: "sampling", TIME_UPDATE_S: "update"},
   ),
+  # rl.max_staleness > 0 only (optional keys: a synchronous run does not draw it; the staleness is
+  # the schedule's, min(step - 1, k)).
+  Panel(
+    "async_waits",
+    "Asynchronous pipeline: who waits",
+    "seconds per step",
+    (),
+    optional=(ASYNC_TRAINER_WAIT_S, ASYNC_ROLLOUT_WAIT_S, ASYNC_TRANSFER_S),
+    labels={
+      ASYNC_TRAINER_WAIT_S: "trainer waits for the batch",
+      ASYNC_ROLLOUT_WAIT_S: "producer idle",
+      ASYNC_TRANSFER_S: "params copy",
+    },
+  ),
 )
 # The panels of overview.png, in reading order: outcome, signal, the prior, the policy.
 OVERVIEW = ("reward", "accuracy", "zero_signal", "ebpo_prior_mean", "ebpo_shrinkage", "entropy")
+OVERVIEW += ("async_waits",)  # drawn for an asynchronous run only
 OVERVIEW_FILE = "overview"
 # (colour, line style) of a panel's exact keys, in order; per-cluster keys take cluster_colors.
 EXACT_STYLES = (("black", "-"), ("dimgray", "--"), ("darkgoldenrod", ":"))

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from ebpo_jax import keys as keys_lib
-from ebpo_jax import models
+from ebpo_jax import models, sharding
 from ebpo_jax.rollouts import batch as rollout_batch
 from ebpo_jax.rollouts.rollout import Rollout
 from ebpo_jax.rollouts.worker import RolloutWorker
@@ -56,15 +56,17 @@ class Pipeline:
     batches: Any,
     *,
     staleness: int,
+    num_steps: int,
     num_refill_rounds: int,
     transfer_guard: str,
     params_sharding: Any,
+    batch_mesh: Any,
   ):
     if staleness < 1:
       raise ValueError(f"a pipeline needs staleness >= 1, got {staleness}")
-    self.staleness = staleness
+    self.staleness, self._num_steps = staleness, num_steps
     self._worker, self._rows, self._batches = worker, rows, batches
-    self._rounds, self._guard = num_refill_rounds, transfer_guard
+    self._rounds, self._guard, self._batch_mesh = num_refill_rounds, transfer_guard, batch_mesh
     self._in_flight: collections.deque[Made] = collections.deque()
     self._running: concurrent.futures.Future | None = None
     self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollouts")
@@ -76,11 +78,12 @@ class Pipeline:
     self._thread.shutdown(wait=True, cancel_futures=True)
 
   def fill(self, state) -> None:
-    """Makes the k batches in flight at `state.step` = s (a start or a resume): batch s + i with
-    `state.behind[i]`, in order, before the first train step."""
+    """Makes the batches in flight at `state.step` = s (a start or a resume): batch s + i with
+    `state.behind[i]`, in order, before the first train step (none past `num_steps`)."""
     if self._in_flight or self._running is not None:
       raise RuntimeError("the pipeline is already filled")
-    for i, params in enumerate(state.behind):
+    ahead = max(0, min(self.staleness, self._num_steps - int(state.step)))
+    for i, params in enumerate(state.behind[:ahead]):
       self._in_flight.append(self._make(_policy(params, state.base), _keys(state, i, self._rounds)))
 
   def copy_params(self, params) -> tuple[Any, float]:
@@ -91,9 +94,12 @@ class Pipeline:
     return copied, time.perf_counter() - start
 
   def start_next(self, state, params) -> None:
-    """Starts making batch `state.step` + k with `params` (`copy_params`' of state.params)."""
+    """Starts making batch `state.step` + k with `params` (`copy_params`' of state.params); none
+    past the run's last step."""
     if self._running is not None:
       raise RuntimeError("a batch is being made already")
+    if int(state.step) + self.staleness >= self._num_steps:
+      return
     keys = _keys(state, self.staleness, self._rounds)
     self._running = self._thread.submit(self._make, _policy(params, state.base), keys)
 
@@ -101,12 +107,16 @@ class Pipeline:
     """The oldest batch in flight: the one the current step trains on."""
     return self._in_flight.popleft()
 
-  def wait(self) -> float:
-    """Waits for the batch being made and puts it in flight; the seconds waited."""
+  def wait(self) -> tuple[float, float]:
+    """Waits for the batch being made and puts it in flight: (the seconds waited, the seconds it
+    took to make; 0, 0 when none was started)."""
+    if self._running is None:
+      return 0.0, 0.0
     start = time.perf_counter()
     running, self._running = self._running, None
-    self._in_flight.append(running.result())  # an error of the producer is raised here
-    return time.perf_counter() - start
+    made = running.result()  # an error of the producer is raised here
+    self._in_flight.append(made)
+    return time.perf_counter() - start, made.seconds
 
   @contextlib.contextmanager
   def saving(self):
@@ -114,6 +124,9 @@ class Pipeline:
     batches in flight), back at the producer's after; the producer must be idle."""
     if self._running is not None:
       raise RuntimeError("saving while a batch is being made")
+    if not self._in_flight:  # the run's last steps: nothing drawn ahead
+      yield
+      return
     producer = self._batches.get_state()
     self._batches.set_state(self._in_flight[0].position)
     try:
@@ -129,6 +142,7 @@ class Pipeline:
         self._worker, params, keys, self._rows, self._batches
       )
       self._worker.scorer.check_step()  # rewards.max_error_frac, as the synchronous loop
+      batch = sharding.to_mesh(batch, self._batch_mesh, rows=True)  # to the trainer's, if split
       return Made(batch, rollout, logs, position, time.perf_counter() - start)
 
 

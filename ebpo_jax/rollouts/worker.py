@@ -151,8 +151,10 @@ class RolloutWorker:
     samples rows `[start, start + chunk)` with its key."""
     chunk = self.options.sampling.prompts_per_call or num_rows
     starts = range(0, num_rows, chunk)
+    key = sharding.to_mesh(key, self.mesh)  # the trainer's key, on a split mesh
     keys = [key] if len(starts) == 1 else keys_lib.split_keys(key, len(starts))
     if not isinstance(params, DecodeWeights):
+      params = sharding.to_mesh(params, self.mesh)  # the sampler's own devices (a split mesh)
       params = DecodeWeights(self.options.sampling.decode_params(params, self.model.config))
     return params, chunk, list(zip(starts, keys, strict=True))
 

@@ -49,6 +49,7 @@ def startup_lines(
   resume_step: int | None,
   lora_rank: int = 0,
   trained_params: int = 0,
+  rollout_mesh: Mesh | None = None,
 ) -> list[str]:
   """The banner: one line each for devices, mesh, parameters (under LoRA: trained and frozen;
   `parameters_line`), workdir, config and the start."""
@@ -57,12 +58,20 @@ def startup_lines(
   start = "starting fresh" if resume_step is None else f"resuming from step {resume_step}"
   return [
     f"devices: {len(devices)} {devices[0].platform} ({kind}), {jax.process_count()} process(es)",
-    "mesh: " + " x ".join(f"{axis}={size}" for axis, size in mesh.shape.items()),
+    "mesh: "
+    + _mesh_text(mesh)
+    + ("" if rollout_mesh is None else f"; sampler: {_mesh_text(rollout_mesh)}"),
     parameters_line(num_params, lora_rank=lora_rank, trained_params=trained_params),
     f"workdir: {workdir}",
     f"config: {config}",
     start,
   ]
+
+
+def _mesh_text(mesh: Mesh) -> str:
+  sizes = " x ".join(f"{axis}={size}" for axis, size in mesh.shape.items())
+  ids = [d.id for d in mesh.devices.flat]
+  return sizes if len(ids) == len(jax.devices()) else f"{sizes} on devices {ids[0]}-{ids[-1]}"
 
 
 def log_startup(**kwargs: Any) -> None:

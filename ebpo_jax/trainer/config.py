@@ -150,6 +150,15 @@ def _check_batch_sizes(config: ml_collections.ConfigDict) -> int:
 
 
 def _data_shards(config, num_devices: int) -> int:
+  """The trainer's data x fsdp shards: its mesh over the devices the sampler does not take."""
+  r = config.mesh.rollout_devices
+  _require(
+    isinstance(r, int) and 0 <= r < num_devices,
+    config,
+    "mesh.rollout_devices",
+    f"must lie in [0, {num_devices}) (the sampler's devices; 0: shared)",
+  )
+  num_devices -= r
   try:
     sizes = sharding.mesh_shape(dict(config.mesh), num_devices)
   except ValueError as e:

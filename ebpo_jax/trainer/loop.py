@@ -95,7 +95,7 @@ def train(
   config as the command line gave it, for the startup banner."""
   started = time.perf_counter()
   sigterm = process.install_sigterm_flag()  # the whole run, the warm start included
-  mesh = sharding.make_mesh(dict(config.mesh))
+  mesh, rollout_mesh = sharding.make_meshes(dict(config.mesh))
 
   # ---- Task and data.
   task, tokenizer, rows = inputs.task, inputs.tokenizer, inputs.rows
@@ -118,20 +118,13 @@ def train(
   # ---- The run's resources: every exit (the end, too many bad steps, SIGTERM, an error) closes
   # the writer, then the checkpointer (waiting for a pending save), then the verifier pool.
   with contextlib.ExitStack() as resources:
-    worker = make_worker(model, task, tokenizer, config, mesh)
+    worker = make_worker(
+      model, task, tokenizer, config, mesh if rollout_mesh is None else rollout_mesh
+    )
     resources.enter_context(worker.scorer.pool)
     ckpt = resources.enter_context(_checkpointer(config, workdir))
-    pipeline = None
-    if config.rl.max_staleness:  # asynchronous: the producer thread beside the trainer
-      pipeline = pipeline_lib.Pipeline(
-        worker,
-        rows,
-        batches,
-        staleness=config.rl.max_staleness,
-        num_refill_rounds=config.rl.max_refill_rounds,
-        transfer_guard=config.train.transfer_guard,
-        params_sharding=shardings.params,
-      )
+    pipeline = _pipeline(config, worker, rows, batches, shardings.params, mesh)
+    if pipeline is not None:
       resources.callback(pipeline.close)
 
     # ---- Resume first; else a fresh state (warm start, step-0 evaluation and checkpoint).
@@ -139,15 +132,7 @@ def train(
     if ckpt.all_steps():  # the newest checkpoint that restores and verifies
       abstract = spec.abstract(abstract_params)
       latest, state = _restore(ckpt, abstract, config, model, mesh, batches)
-    banner_lib.log_startup(
-      mesh=mesh,
-      num_params=banner_lib.count_params(abstract_params),
-      lora_rank=config.model.lora.rank,
-      trained_params=banner_lib.count_adapters(abstract_params),
-      workdir=workdir,
-      config=name,
-      resume_step=latest,
-    )
+    _log_banner(config, (mesh, rollout_mesh), abstract_params, workdir, name, latest)
     writer = resources.enter_context(_metrics_writer(config, workdir, latest))
     r = _Run(
       config=config,
@@ -164,14 +149,12 @@ def train(
       sigterm=sigterm,
       started=started,
       pipeline=pipeline,
+      mesh=mesh,
     )
     last_eval = {}
     if latest is None:
       state, last_eval = _start(r, model, mesh, workdir, spec)
     warm_start_lib.discard(workdir)
-    if pipeline is not None and int(state.step) < config.train.num_steps:
-      with jax.transfer_guard(config.train.transfer_guard):
-        pipeline.fill(state)  # the batches in flight at this step, sampled (again, on a resume)
     last_eval = _loop(r, state, last_eval)
 
   # ---- The end (the last save waited for): the summary and the plots.
@@ -204,6 +187,37 @@ class _Run:
   sigterm: process.SigtermFlag
   started: float  # time.perf_counter() at the run's start
   pipeline: pipeline_lib.Pipeline | None = None  # rl.max_staleness > 0: the batches in flight
+  mesh: Any = None  # the trainer's mesh (the worker's is the sampler's, on a split)
+
+
+def _log_banner(config, meshes, abstract_params, workdir: str, name: str, latest) -> None:
+  banner_lib.log_startup(
+    mesh=meshes[0],
+    rollout_mesh=meshes[1],
+    num_params=banner_lib.count_params(abstract_params),
+    lora_rank=config.model.lora.rank,
+    trained_params=banner_lib.count_adapters(abstract_params),
+    workdir=workdir,
+    config=name,
+    resume_step=latest,
+  )
+
+
+def _pipeline(config, worker, rows, batches, params_sharding, mesh) -> pipeline_lib.Pipeline | None:
+  """The producer of an asynchronous run (`rl.max_staleness` > 0), else None."""
+  if not config.rl.max_staleness:
+    return None
+  return pipeline_lib.Pipeline(
+    worker,
+    rows,
+    batches,
+    staleness=config.rl.max_staleness,
+    num_steps=config.train.num_steps,
+    num_refill_rounds=config.rl.max_refill_rounds,
+    transfer_guard=config.train.transfer_guard,
+    params_sharding=params_sharding,
+    batch_mesh=mesh,
+  )
 
 
 def _restore(ckpt, abstract, config, model, mesh, batches) -> tuple[int, state_lib.TrainState]:
@@ -293,6 +307,9 @@ def _loop(r: _Run, state: state_lib.TrainState, last_eval: dict) -> dict:
   bar = tqdm.trange(
     start, num_steps, initial=start, total=num_steps, desc="rl", disable=jax.process_index() != 0
   )
+  if r.pipeline is not None and start < num_steps:
+    with jax.transfer_guard(config.train.transfer_guard):
+      r.pipeline.fill(state)  # the batches in flight at this step, sampled (again, on a resume)
   for step in bar:
     # Every host<->device transfer in the loop is explicit (place_from_host, to_host, device_get):
     # under train.transfer_guard="disallow" (the default) any other one is an error.
@@ -350,8 +367,10 @@ def _rl_step(r: _Run, state, step: int, *, first: bool):
       r.worker, state_lib.policy_params(state), keys, r.rows, r.batches
     )
     r.worker.scorer.check_step()  # rewards.max_error_frac: never train on failed calls' zeros
+    batch = sharding.to_mesh(batch, r.mesh, rows=True)  # from the sampler's devices, if split
   else:
     before, transfer_s = r.pipeline.copy_params(state.params)
+    launched = time.perf_counter()
     r.pipeline.start_next(state, before)
     made = r.pipeline.next_batch()
     batch, rollout, logged = made.batch, made.rollout, dict(made.logs)
@@ -363,10 +382,11 @@ def _rl_step(r: _Run, state, step: int, *, first: bool):
     (step_metrics, aux.advantages, state.bad_steps)
   )
   if r.pipeline is not None:
-    t_trained = time.perf_counter()
-    trainer_wait_s = r.pipeline.wait()
+    trained_s = time.perf_counter() - launched
+    trainer_wait_s, made_s = r.pipeline.wait()
     state = state.replace(behind=pipeline_lib.behind_after(state.behind, before))
-    logged.update(_async_metrics(r, step, made, transfer_s, trainer_wait_s, t_trained - t0))
+    idle_s = max(0.0, trained_s - made_s) if made_s else 0.0
+    logged.update(_async_metrics(r, step, transfer_s, trainer_wait_s, idle_s))
   t2 = time.perf_counter()
   logged.update(host_metrics(step_metrics, rollout, r.cluster_names))
   logged.update(
@@ -385,16 +405,16 @@ def _rl_step(r: _Run, state, step: int, *, first: bool):
   return state, logged, samples, bad_in_a_row
 
 
-def _async_metrics(r: _Run, step: int, made, transfer_s, trainer_wait_s, trained_s) -> dict:
+def _async_metrics(r: _Run, step: int, transfer_s, trainer_wait_s, idle_s) -> dict:
   """`async/*` of a fixed-lag step: the batch's staleness (every row of it sampled with the policy
   of step max(0, step - k)), the trainer's wait for the producer, the producer's idle time (the
-  step's train part less the batch it made), the params copy."""
+  train step's time less that of the batch made beside it), the params copy."""
   staleness = float(min(step, r.pipeline.staleness))
   return {
     metrics_lib.ASYNC_STALENESS_MEAN: staleness,
     metrics_lib.ASYNC_STALENESS_MAX: staleness,
     metrics_lib.ASYNC_TRAINER_WAIT_S: trainer_wait_s,
-    metrics_lib.ASYNC_ROLLOUT_WAIT_S: max(0.0, trained_s - made.seconds),
+    metrics_lib.ASYNC_ROLLOUT_WAIT_S: idle_s,
     metrics_lib.ASYNC_TRANSFER_S: transfer_s,
   }
 

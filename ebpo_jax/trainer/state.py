@@ -38,9 +38,9 @@ class TrainState(flax.struct.PyTreeNode):
   # Under LoRA the frozen base weights (`models.lora.split`), else None. Not checkpointed
   # (`checkpointed`): a resume rebuilds it as a fresh run does (`policy.initial_params`).
   base: Any = None
-  # rl.max_staleness = k > 0: the trained params of steps step - k .. step - 1 (clamped at 0), which
-  # sample the k batches in flight (`rollouts.pipeline`); checkpointed, so that a resume samples them
-  # again exactly. Passed through the train step untouched; None when k = 0.
+  # rl.max_staleness = k > 0: the trained params of steps step - k .. step - 1 (clamped at 0),
+  # which sample the k batches in flight (`rollouts.pipeline`); checkpointed, so that a resume
+  # samples them again exactly. Passed through the train step untouched; None when k = 0.
   behind: tuple | None = None
 
 

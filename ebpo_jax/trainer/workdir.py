@@ -77,13 +77,14 @@ SAFE_KEYS = frozenset(
     "mesh.data",
     "mesh.fsdp",
     "mesh.tensor",
+    "mesh.rollout_devices",
     # How the layer loop compiles (rolled or unrolled): the same math.
     "model.unroll_layers",
   }
 )
 # Keys added since FORMAT 1, with the default that a run saved before them ran with: a saved config
 # without one compares as that default (a committed workdir resumes under the newer code).
-ADDED_KEYS = {"rl.max_staleness": 0, "env.tool_latency_s": 0.0}
+ADDED_KEYS = {"rl.max_staleness": 0, "env.tool_latency_s": 0.0, "mesh.rollout_devices": 0}
 # Key prefixes that are as safe: where and how the run logs (logging.*).
 SAFE_PREFIXES = ("logging.",)
 # Keys about this invocation only (the workdir's own switches): never compared.

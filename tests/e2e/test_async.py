@@ -1,13 +1,18 @@
 """Asynchronous RL with a fixed lag (rl.max_staleness, rollouts.pipeline) end to end on the tiny
 arithmetic config: the schedule decides which policy samples each batch (never timing), and a run
-killed at any moment resumes to the uninterrupted run's metrics and params, bit for bit."""
+killed at any moment resumes to the uninterrupted run's metrics and params, bit for bit; a mesh
+split between the sampler and the trainer (mesh.rollout_devices) keeps each on its own devices."""
 
 import json
 import signal
+import subprocess
+import sys
+import textwrap
 
 from ebpo_jax import checkpoint
 from tests.e2e.test_train import comparable, read
-from tests.helpers.processes import run_module, run_trainer
+from tests.helpers import ROOT
+from tests.helpers.processes import cpu_env, run_module, run_trainer
 
 ARGS = ("--config.rl.max_staleness=2", "--config.train.num_steps=4")
 
@@ -50,3 +55,51 @@ def test_k2_killed_at_five_moments_resumes_to_the_straight_runs_metrics_and_para
   assert finished.returncode == 0, finished.stderr[-3000:]
   assert comparable(read(stopped)) == comparable(read(straight))
   assert _checksums(stopped, 4) == _checksums(straight, 4)
+
+
+# The trainer in a process of 8 CPU devices, split 4 + 4, recording the devices that the sampler's
+# weights and the train step's state and batch are on.
+_SPLIT = textwrap.dedent(
+  """
+  import json, sys
+  import jax
+  from ebpo_jax import cli, trainer
+  from ebpo_jax.rollouts import worker as worker_lib
+  from ebpo_jax.trainer import loop
+
+  seen = {"sampler": set(), "trainer": set()}
+  def devices(tree):
+    return {d.id for leaf in jax.tree.leaves(tree) for d in leaf.sharding.device_set}
+  plan = worker_lib.RolloutWorker.call_plan
+  def recorded_plan(self, *args, **kwargs):
+    weights, chunk, calls = plan(self, *args, **kwargs)
+    seen["sampler"] |= devices(weights.params)
+    return weights, chunk, calls
+  worker_lib.RolloutWorker.call_plan = recorded_plan
+  jit = loop.jit_train_step
+  def recorded_jit(*args, **kwargs):
+    step = jit(*args, **kwargs)
+    def recorded_step(state, batch):
+      seen["trainer"] |= devices((state, batch))
+      return step(state, batch)
+    return recorded_step
+  loop.jit_train_step = recorded_jit
+  overrides = {"rl.max_staleness": 1, "mesh.rollout_devices": 4, "train.num_steps": 2}
+  config = cli.load_config("configs/arith_ebpo.py:runlocal", overrides | {"logging.plots": False})
+  trainer.run(config, sys.argv[1])
+  print(json.dumps({k: sorted(v) for k, v in seen.items()}))
+  """
+)
+
+
+# e2e: one trainer process on 8 CPU devices (~20 s)
+def test_a_split_mesh_samples_and_trains_on_disjoint_devices(tmp_path):
+  result = subprocess.run(
+    [sys.executable, "-c", _SPLIT, str(tmp_path)],
+    cwd=ROOT, env=cpu_env(8), capture_output=True, text=True, timeout=600,
+  )  # fmt: skip
+  assert result.returncode == 0, result.stderr[-3000:]
+  seen = json.loads(result.stdout.strip().splitlines()[-1])
+  assert seen == {"sampler": [4, 5, 6, 7], "trainer": [0, 1, 2, 3]}
+  lines = [m for m in read(tmp_path) if "reward/mean" in m]
+  assert [m["async/staleness_max"] for m in lines] == [0, 1]

@@ -263,6 +263,18 @@ def test_overview_of_a_grpo_run_has_no_ebpo_panels_and_many_clusters_fit(tmp_pat
   assert metrics.overview_figure([{"step": 1, "kl": 0.0}]) is None
 
 
+def test_an_asynchronous_run_gets_the_pipeline_panel_and_a_synchronous_one_does_not(tmp_path):
+  _synthetic_run(tmp_path, steps=20)
+  records = metrics.read_metrics(tmp_path)
+  waits = (metrics.ASYNC_TRAINER_WAIT_S, metrics.ASYNC_ROLLOUT_WAIT_S, metrics.ASYNC_TRANSFER_S)
+  stale = [
+    {**r, **{k: 0.01 * (i % 3 + j) for j, k in enumerate(waits)}} for i, r in enumerate(records)
+  ]
+  titles = lambda recs: [ax.get_title() for ax in metrics.overview_figure(recs).axes]
+  assert "Asynchronous pipeline: who waits" not in titles(records)
+  assert titles(stale)[-1] == "Asynchronous pipeline: who waits"
+
+
 # ----------------------------------------------------------------------------- metric names
 
 

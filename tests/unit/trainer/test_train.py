@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 
-from ebpo_jax import data, errors
+from ebpo_jax import data, errors, sharding
 from ebpo_jax.trainer import banner as banner_lib
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import task_rows
@@ -39,6 +39,23 @@ def test_invalid_config_is_one_error_naming_the_key(overrides, message):
 def test_a_staleness_implies_the_trainers_own_old_log_probs():
   assert not StepOptions.from_config(arith_config({}), None).recompute_old_logps
   assert StepOptions.from_config(arith_config({"rl.max_staleness": 2}), None).recompute_old_logps
+
+
+def test_a_split_mesh_gives_the_sampler_the_last_devices_and_the_banner_says_so():
+  mesh, rollouts = sharding.make_meshes({"data": 1, "fsdp": -1, "tensor": 2, "rollout_devices": 4})
+  assert [d.id for d in mesh.devices.flat] == [0, 1, 2, 3]
+  assert [d.id for d in rollouts.devices.flat] == [4, 5, 6, 7]
+  assert dict(rollouts.shape) == {"data": 2, "fsdp": 1, "tensor": 2}
+  lines = banner_lib.startup_lines(
+    mesh=mesh, rollout_mesh=rollouts, num_params=1, workdir="w", config="c", resume_step=None
+  )
+  assert lines[1] == (
+    "mesh: data=1 x fsdp=2 x tensor=2 on devices 0-3; sampler: data=2 x fsdp=1 x tensor=2 "
+    "on devices 4-7"
+  )
+  assert sharding.make_meshes({"fsdp": -1})[1] is None
+  with pytest.raises(errors.ConfigError, match=r"mesh.rollout_devices=8: must lie in \[0, 8\)"):
+    config_lib.check_config(arith_config({"mesh.rollout_devices": 8}), num_devices=8)
 
 
 def test_malformed_data_row_names_file_and_line(tmp_path):
