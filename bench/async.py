@@ -1,6 +1,7 @@
 """Asynchronous RL against synchronous, with a slow tool: steps per second and held-out accuracy.
 
   nice python bench/async.py                      # configs/arith_tool.py, 50 ms a tool turn
+  nice python bench/async.py --ks=2 --k_override=rl.loss.rollout_is=token_tis
   python bench/async.py --quick                   # :runlocal, 1 seed, 3 steps (the CI smoke)
 
 Runs `configs/arith_tool.py` with `env.tool_latency_s` (each turn that steps environments waits
@@ -60,6 +61,10 @@ def main() -> None:
   parser.add_argument("--latency", type=float, default=0.05, help="env.tool_latency_s, seconds")
   parser.add_argument("--steps", type=int, default=None, help="train.num_steps (config's: None)")
   parser.add_argument("--quick", action="store_true", help=":runlocal, 1 seed, 3 steps, k = 1")
+  parser.add_argument(
+    "--k_override", action="append", default=[], metavar="KEY=VALUE",
+    help="a config override of the k > 0 runs only (e.g. rl.loss.rollout_is=token_tis)",
+  )  # fmt: skip
   args = parser.parse_args()
   extra = [] if args.steps is None else [f"--config.train.num_steps={args.steps}"]
   if args.quick:  # a 10-step warm start: the smoke checks that it runs, not what it learns
@@ -71,10 +76,13 @@ def main() -> None:
     for seed in range(args.seeds):
       for k in results:
         workdir = os.path.join(tmp, f"k{k}_s{seed}")
-        results[k].append(run(workdir, args.config, k, seed, args.latency, extra))
+        lagged = [f"--config.{o}" for o in args.k_override] if k else []
+        results[k].append(run(workdir, args.config, k, seed, args.latency, extra + lagged))
   print(
     f"{args.config}, env.tool_latency_s={args.latency}, {args.seeds} seed(s), one run at a time"
   )
+  if args.k_override:
+    print(f"k > 0 runs with {', '.join(args.k_override)}")
   print("| k | seed | steps/s | ratio to k=0 | accuracy | minus k=0 | trainer wait s | env s |")
   print("|---:|---:|---:|---:|---:|---:|---:|---:|")
   summary = {}

@@ -46,9 +46,14 @@ def parse_flags(argv: list[str]) -> list[str]:
   """absl's FLAGS parsed from `argv` (pass as `app.run(main, flags_parser=parse_flags)`); a bad
   flag is one line and status 2 (absl's parser prints `FATAL Flags parsing error`, exits 1), and
   so is a `--config.KEY` override that names no key of the config file, with the closest key
-  (ml_collections raises a long traceback from inside the parser)."""
+  (ml_collections raises a long traceback from inside the parser). `--help` (and absl's
+  `--helpshort`, `--helpfull`, `--helpxml`) prints the usage and exits 0: absl exits 1 there, as
+  if asking for help were an error."""
   try:
     return flags.FLAGS(argv)
+  except SystemExit as e:
+    asked = any(a.split("=")[0] in _HELP_FLAGS for a in argv[1:])
+    sys.exit(0 if asked and e.code == 1 else e.code)
   except flags.Error as e:
     usage_error(_without_traceback(str(e)))
   except (AttributeError, KeyError, TypeError):
@@ -56,6 +61,9 @@ def parse_flags(argv: list[str]) -> list[str]:
     if problem is None:
       raise
     usage_error(problem)
+
+
+_HELP_FLAGS = ("--help", "-help", "-h", "-?", "--helpshort", "--helpfull", "--helpxml")
 
 
 def _without_traceback(message: str) -> str:

@@ -208,4 +208,4 @@ if __name__ == "__main__":
     "is the run's config.model.path (not copied: load it yourself).",
   )
   flags.mark_flags_as_required(["run_dir", "out"])
-  app.run(main)
+  app.run(main, flags_parser=cli.parse_flags)  # --help exits 0

@@ -37,6 +37,7 @@ def test_every_cli_help_names_the_module_and_lists_its_own_flags():
   for module, proc in procs.items():
     out, err = proc.communicate(timeout=120)
     assert "Traceback" not in err, err
+    assert proc.returncode == 0, (module, proc.returncode)  # asked for help: not a failure
     assert f"python -m {module} " in out, out[:500]  # the usage line, not `usage: convert.py`
     missing = OWN_FLAGS[module] - own_section(out, module)
     assert not missing, (module, missing)
