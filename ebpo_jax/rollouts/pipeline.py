@@ -77,12 +77,12 @@ class Pipeline:
     """Waits for a batch being made (its errors are dropped: the run is ending) and stops."""
     self._thread.shutdown(wait=True, cancel_futures=True)
 
-  def fill(self, state) -> None:
-    """Makes the batches in flight at `state.step` = s (a start or a resume): batch s + i with
-    `state.behind[i]`, in order, before the first train step (none past `num_steps`)."""
+  def fill(self, state, step: int) -> None:
+    """Makes the batches in flight at `state.step` = `step` (a start or a resume): batch step + i
+    with `state.behind[i]`, in order, before the first train step (none past `num_steps`)."""
     if self._in_flight or self._running is not None:
       raise RuntimeError("the pipeline is already filled")
-    ahead = max(0, min(self.staleness, self._num_steps - int(state.step)))
+    ahead = max(0, min(self.staleness, self._num_steps - step))
     for i, params in enumerate(state.behind[:ahead]):
       self._in_flight.append(self._make(_policy(params, state.base), _keys(state, i, self._rounds)))
 
@@ -93,12 +93,12 @@ class Pipeline:
     copied = jax.block_until_ready(self._copy(params))
     return copied, time.perf_counter() - start
 
-  def start_next(self, state, params) -> None:
-    """Starts making batch `state.step` + k with `params` (`copy_params`' of state.params); none
-    past the run's last step."""
+  def start_next(self, state, step: int, params) -> None:
+    """Starts making batch `state.step` + k (`step`: state.step, on the host) with `params`
+    (`copy_params`' of state.params); none past the run's last step."""
     if self._running is not None:
       raise RuntimeError("a batch is being made already")
-    if int(state.step) + self.staleness >= self._num_steps:
+    if step + self.staleness >= self._num_steps:
       return
     keys = _keys(state, self.staleness, self._rounds)
     self._running = self._thread.submit(self._make, _policy(params, state.base), keys)

@@ -309,7 +309,9 @@ def _loop(r: _Run, state: state_lib.TrainState, last_eval: dict) -> dict:
   )
   if r.pipeline is not None and start < num_steps:
     with jax.transfer_guard(config.train.transfer_guard):
-      r.pipeline.fill(state)  # the batches in flight at this step, sampled (again, on a resume)
+      r.pipeline.fill(
+        state, start
+      )  # the batches in flight at this step, sampled (again, on a resume)
   for step in bar:
     # Every host<->device transfer in the loop is explicit (place_from_host, to_host, device_get):
     # under train.transfer_guard="disallow" (the default) any other one is an error.
@@ -371,7 +373,7 @@ def _rl_step(r: _Run, state, step: int, *, first: bool):
   else:
     before, transfer_s = r.pipeline.copy_params(state.params)
     launched = time.perf_counter()
-    r.pipeline.start_next(state, before)
+    r.pipeline.start_next(state, step, before)
     made = r.pipeline.next_batch()
     batch, rollout, logged = made.batch, made.rollout, dict(made.logs)
   t1 = time.perf_counter()
