@@ -11,6 +11,7 @@ from ebpo_jax import advantages, data, envs, losses, metrics, models, sampling, 
 from ebpo_jax.errors import ConfigError
 from ebpo_jax.rollouts.options import completion_width
 from ebpo_jax.tasks import reward_fns
+from ebpo_jax.trainer import workdir
 
 
 def _choice(config, key: str, allowed: Sequence[str]) -> None:
@@ -61,6 +62,7 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   _choice(config, "data.order", data.ORDERS)
   _check_data_columns(config)
   _check_env(config)
+  workdir.accepted_keys(config)  # a misspelled key: one line, on a fresh start too
   _choice(config, "train.schedule", ("constant", "cosine"))
   _choice(config, "train.transfer_guard", ("disallow", "log", "allow"))
   _choice(config, "model.remat", tuple(models.decoder.REMAT_POLICIES))

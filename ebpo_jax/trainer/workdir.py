@@ -247,9 +247,16 @@ def check_and_save_config(
 
 
 def _accepted(config: ml_collections.ConfigDict, changed: Mapping[str, Any]) -> set[str]:
+  keys = accepted_keys(config)
+  return set(changed) if keys == "all" else keys
+
+
+def accepted_keys(config: ml_collections.ConfigDict) -> set[str] | str:
+  """`workdir.accept_changes`' keys, or "all"; a key the config lacks is a WorkdirError (checked
+  by `config.check_config` before any start, fresh or resumed)."""
   text = config.workdir.accept_changes.strip()
   if text == "all":
-    return set(changed)
+    return text
   keys = {key.strip() for key in text.split(",") if key.strip()}
   known = flatten(jsonable.to_data(config))
   unknown = sorted(keys - known.keys())

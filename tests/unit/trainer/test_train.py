@@ -22,6 +22,11 @@ CONFIG_ERRORS = [
   ({"rl.max_staleness": -1}, "config.rl.max_staleness=-1: must be an int >= 0"),
   ({"rl.max_staleness": True}, "config.rl.max_staleness=True: must be an int >= 0"),
   ({"env.tool_latency_s": -0.1}, "config.env.tool_latency_s=-0.1: must be >= 0"),
+  # Checked before a fresh start too, not only when a resume compares configs (issue 62).
+  (
+    {"workdir.accept_changes": "rl.grup_size, seed"},
+    "config.workdir.accept_changes='rl.grup_size, seed': no config key rl.grup_size",
+  ),
   (
     {"rl.max_staleness": 1, "model.lora.rank": 8},
     "rl.max_staleness=1 with model.lora.rank=8: asynchronous LoRA runs are not supported yet",
