@@ -63,6 +63,7 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   _check_data_columns(config)
   _check_env(config)
   workdir.accepted_keys(config)  # a misspelled key: one line, on a fresh start too
+  workdir.check_session_keys(config)  # before the workdir is locked (or created)
   _choice(config, "train.schedule", ("constant", "cosine"))
   _choice(config, "train.transfer_guard", ("disallow", "log", "allow"))
   _choice(config, "model.remat", tuple(models.decoder.REMAT_POLICIES))

@@ -282,7 +282,7 @@ def claim(workdir: str, config: ml_collections.ConfigDict) -> Iterator[None]:
 
   def take() -> None:
     held.append(lock(workdir, break_lock=config.workdir.break_lock))
-    _check_session_keys(config)
+    check_session_keys(config)
     if config.workdir.fresh:
       move_run_aside(workdir)
 
@@ -310,7 +310,8 @@ def _on_process_0(workdir: str, fn: Callable[[], None]) -> None:
     raise error
 
 
-def _check_session_keys(config: ml_collections.ConfigDict) -> None:
+def check_session_keys(config: ml_collections.ConfigDict) -> None:
+  """`workdir.resume_step` and `workdir.fresh`, alone and together (a WorkdirError)."""
   resume_step = config.workdir.resume_step
   if not isinstance(resume_step, int) or resume_step < -1:
     raise WorkdirError(

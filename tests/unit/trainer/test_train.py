@@ -22,6 +22,8 @@ CONFIG_ERRORS = [
   ({"rl.max_staleness": -1}, "config.rl.max_staleness=-1: must be an int >= 0"),
   ({"rl.max_staleness": True}, "config.rl.max_staleness=True: must be an int >= 0"),
   ({"env.tool_latency_s": -0.1}, "config.env.tool_latency_s=-0.1: must be >= 0"),
+  # Before the workdir is locked (it left a lock file in a new directory, issue 62).
+  ({"workdir.resume_step": -7}, "config.workdir.resume_step=-7: must be >= -1"),
   # Checked before a fresh start too, not only when a resume compares configs (issue 62).
   (
     {"workdir.accept_changes": "rl.grup_size, seed"},
