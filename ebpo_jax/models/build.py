@@ -22,15 +22,17 @@ from ebpo_jax.models import attention, gguf_io, hf_io, lora
 from ebpo_jax.models.config import ModelConfig
 from ebpo_jax.models.decoder import Decoder
 
-_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+RANDOM_INIT_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
 
 def random_init_config(mc: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
   """The ModelConfig of a random-init decoder from `config.model` (shape keys, `architecture`,
   `tie_word_embeddings`, `rope_theta`, and how it computes: dtypes, remat, the unrolled loop)."""
   arch = mc.architecture
-  if arch not in _ARCHITECTURES:
-    raise ConfigError(f"config.model.architecture={arch!r}: must be one of {_ARCHITECTURES}")
+  if arch not in RANDOM_INIT_ARCHITECTURES:
+    raise ConfigError(
+      f"config.model.architecture={arch!r}: must be one of {RANDOM_INIT_ARCHITECTURES}"
+    )
   return ModelConfig(
     vocab_size=vocab_size,
     hidden_size=mc.hidden_size,

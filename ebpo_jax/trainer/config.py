@@ -67,6 +67,11 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   _choice(config, "train.schedule", ("constant", "cosine"))
   _choice(config, "train.transfer_guard", ("disallow", "log", "allow"))
   _choice(config, "model.remat", tuple(models.decoder.REMAT_POLICIES))
+  seed = config.seed  # PRNGKey keeps 32 bits: 2**32 would be seed 0's key
+  ok_seed = isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**32
+  _require(ok_seed, config, "seed", "must be an int in [0, 2**32)")
+  if not config.model.path:  # a random-init model: its architecture
+    _choice(config, "model.architecture", models.build.RANDOM_INIT_ARCHITECTURES)
   rl, tc = config.rl, config.train
   _require(rl.group_size >= 2, config, "rl.group_size", "must be >= 2")
   _require(rl.num_iterations >= 1, config, "rl.num_iterations", "must be >= 1")

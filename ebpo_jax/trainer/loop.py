@@ -80,11 +80,21 @@ def run(
   config_lib.check_config(config, jax.device_count())
   config_lib.check_training(config)
   models.check_model_path(config)  # a missing or truncated model file: one line
+  _check_init_from(config)
   # Bad rows stop here (one line per row), before config.json is written: the workdir is left as
   # it was, and the corrected command runs on it.
   inputs = task_rows.load_task_and_rows(config)
   with workdir_lib.claim(workdir, config):  # locked; config.json checked against this config
     return train(config, workdir, inputs, name=name)
+
+
+def _check_init_from(config: ml_collections.ConfigDict) -> None:
+  """`model.init_from` names a run with a complete checkpoint (before the workdir is claimed)."""
+  if config.model.init_from:
+    try:
+      policy_lib.checkpoint_step(config.model.init_from, None)
+    except policy_lib.PolicyError as e:
+      raise errors.ConfigError(f"config.model.init_from={config.model.init_from!r}: {e}") from None
 
 
 def train(

@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 
-from ebpo_jax import data, errors, sharding
+from ebpo_jax import data, errors, sharding, trainer
 from ebpo_jax.trainer import banner as banner_lib
 from ebpo_jax.trainer import config as config_lib
 from ebpo_jax.trainer import task_rows
@@ -22,6 +22,11 @@ CONFIG_ERRORS = [
   ({"rl.max_staleness": -1}, "config.rl.max_staleness=-1: must be an int >= 0"),
   ({"rl.max_staleness": True}, "config.rl.max_staleness=True: must be an int >= 0"),
   ({"env.tool_latency_s": -0.1}, "config.env.tool_latency_s=-0.1: must be >= 0"),
+  # Values that failed after config.json was written, so that the corrected command was refused
+  # (issue 62, item 1): the seed (32 bits: 2**32 would be seed 0's key) and the architecture.
+  ({"seed": 2**63}, "config.seed=9223372036854775808: must be an int in [0, 2**32)"),
+  ({"seed": -1}, "config.seed=-1: must be an int in [0, 2**32)"),
+  ({"model.architecture": "gpt9"}, "config.model.architecture='gpt9': must be one of"),
   # Before the workdir is locked (it left a lock file in a new directory, issue 62).
   ({"workdir.resume_step": -7}, "config.workdir.resume_step=-7: must be >= -1"),
   # Checked before a fresh start too, not only when a resume compares configs (issue 62).
@@ -63,6 +68,16 @@ def test_a_split_mesh_gives_the_sampler_the_last_devices_and_the_banner_says_so(
   assert sharding.make_meshes({"fsdp": -1})[1] is None
   with pytest.raises(errors.ConfigError, match=r"mesh.rollout_devices=8: must lie in \[0, 8\)"):
     config_lib.check_config(arith_config({"mesh.rollout_devices": 8}), num_devices=8)
+
+
+def test_a_missing_init_from_run_stops_before_the_workdir_is_touched(tmp_path):
+  workdir = tmp_path / "run"
+  config = arith_config({"model.init_from": str(tmp_path / "nonexistent")})
+  with pytest.raises(errors.BadInput) as error:
+    trainer.run(config, str(workdir))
+  assert str(error.value).startswith("config.model.init_from=") and "\n" not in str(error.value)
+  assert "no checkpoints/ directory" in str(error.value)
+  assert not workdir.exists()  # the corrected command then starts here as on a new workdir
 
 
 def test_malformed_data_row_names_file_and_line(tmp_path):
