@@ -17,8 +17,9 @@ class Scorer:
   """Scores training rollouts with `reward_fns` when there are any (config.rewards.fns), every
   other rollout (evaluation) with the task's verifier; calls run in `pool` (`tasks.rewards`'
   RewardPool, which its owner closes). With several processes each scores its own contiguous share
-  of the completions and all receive every value. It counts the training calls that fail, and
-  `check_step` stops a step whose failures exceed `max_error_frac` of its calls."""
+  of the completions and all receive every value. It counts the training calls that fail, per
+  reward term, and `check_step` stops a step in which a term's failures exceed `max_error_frac` of
+  its calls (a dead term beside working ones included)."""
 
   def __init__(
     self,
@@ -32,17 +33,23 @@ class Scorer:
     self.task, self.pool, self.reward_fns = task, pool, tuple(reward_fns)
     self.max_new_tokens = max_new_tokens  # the reward functions' `max_new_tokens` extra
     self.max_error_frac = max_error_frac  # rewards.max_error_frac
-    self._calls, self._errors, self._first_error = 0, 0, ""  # the step's, until check_step
+    terms = max(len(self.reward_fns), 1)  # the reward functions, or the task's verifier
+    # The step's, until check_step: calls and failures per term, each term's first failure here.
+    self._calls, self._errors = 0, np.zeros(terms, np.int64)
+    self._first_error = [""] * terms
 
   def check_step(self) -> None:
-    """Stops the run (a BadInput of one line: the function and its first error) when more than
-    `max_error_frac` of the training calls since the last check failed; starts the count anew."""
+    """Stops the run (a BadInput of one line: the term, its failures and its first error) when
+    more than `max_error_frac` of a term's training calls since the last check failed; starts the
+    counts anew."""
     calls, failed, first = self._calls, self._errors, self._first_error
-    self._calls, self._errors, self._first_error = 0, 0, ""
-    if calls and failed > self.max_error_frac * calls:
+    self._calls, self._errors = 0, np.zeros_like(failed)
+    self._first_error = [""] * len(failed)
+    for i in np.flatnonzero(failed > self.max_error_frac * calls) if calls else ():
+      what = f"calls of reward {self.reward_fns[i].name!r}" if self.reward_fns else "reward calls"
       raise errors_lib.BadInput(
-        f"rewards.max_error_frac={self.max_error_frac}: {failed} of {calls} reward calls failed "
-        f"in this step; first: {first or '(on another process)'}"
+        f"rewards.max_error_frac={self.max_error_frac}: {failed[i]} of {calls} {what} failed "
+        f"in this step; first: {first[i] or '(on another process)'}"
       )
 
   def score(
@@ -76,14 +83,15 @@ class Scorer:
       values, errors = self.pool.score_rewards(named, texts[mine], rows_g[mine], extras)
     else:
       rewards, errors = self.pool.score(self.task.score, texts[mine], rows_g[mine])
-      values = rewards[None]  # [1, n]
+      values, errors = rewards[None], np.array([errors])  # [1, n], [1]
     if training:
-      self._note(errors, len(fns))
+      self._note(errors)
     if jax.process_count() > 1:
       values, errors = _gather_shares(values, errors, share, len(texts))
     if training:
-      self._calls += len(texts) * max(len(fns), 1)
+      self._calls += len(texts)  # per term
       self._errors += errors
+    errors = int(errors.sum())
     shape = (len(rows), group_size)
     if not fns:
       return np.asarray(values[0], np.float32).reshape(shape), {}, errors
@@ -91,24 +99,30 @@ class Scorer:
     parts = {f.name: v.reshape(shape) for f, v in zip(fns, values, strict=True)}
     return total.reshape(shape), parts, errors
 
-  def _note(self, errors: int, num_fns: int) -> None:
-    """Keeps this process's first failed call of the step, named: a reward term's own message
-    starts with its name; the verifier's gets the function's."""
-    if not errors or self._first_error or not self.pool.last_errors:
-      return
-    first = self.pool.last_errors[0]
-    if not num_fns:
-      fn = self.task.score
-      first = f"the task's verifier {fn.__module__}.{fn.__qualname__}: {first}"
-    self._first_error = first
+  def _note(self, errors: np.ndarray) -> None:
+    """Keeps this process's first failed call of the step per term, named: a reward term's own
+    message starts with its name; the verifier's gets the function's."""
+    for i in np.flatnonzero(errors):
+      if self._first_error[i]:
+        continue
+      if not self.reward_fns:
+        fn, messages = self.task.score, self.pool.last_errors[:1]
+        prefix = f"the task's verifier {fn.__module__}.{fn.__qualname__}: "
+      else:
+        prefix = f"{self.reward_fns[i].name}: "
+        messages = [m for m in self.pool.last_errors if m.startswith(prefix)][:1]
+        prefix = ""
+      self._first_error[i] = prefix + messages[0] if messages else ""
 
 
-def _gather_shares(values: np.ndarray, errors: int, share: int, total: int) -> tuple:
-  """Every process's `values` [F, <= share] (its share of the completions) and `errors`, as
-  (values [F, total] in process order, the errors summed), on every process."""
-  padded = np.zeros((len(values), share), values.dtype)
+def _gather_shares(values: np.ndarray, errors: np.ndarray, share: int, total: int) -> tuple:
+  """Every process's `values` [F, <= share] (its share of the completions) and `errors` [F], as
+  (values [F, total] in process order, the errors summed per term), on every process."""
+  f = len(values)
+  padded = np.zeros((f, share), values.dtype)
   padded[:, : values.shape[1]] = values
-  gathered = multihost_utils.process_allgather(np.concatenate([padded.reshape(-1), [errors]]))
-  by_process = gathered[:, :-1].reshape(len(gathered), len(values), share)
-  values = by_process.transpose(1, 0, 2).reshape(len(values), -1)[:, :total]
-  return values, int(gathered[:, -1].sum())
+  flat = np.concatenate([padded.reshape(-1), errors.astype(values.dtype)])
+  gathered = multihost_utils.process_allgather(flat)
+  by_process = gathered[:, :-f].reshape(len(gathered), f, share)
+  values = by_process.transpose(1, 0, 2).reshape(f, -1)[:, :total]
+  return values, gathered[:, -f:].sum(axis=0).astype(np.int64)

@@ -105,9 +105,9 @@ class RewardPool:
     completions: Sequence[str],
     rows: Sequence[dict[str, Any]],
     extras: Sequence[dict[str, Any]],
-  ) -> tuple[np.ndarray, int]:
-    """(values float32 [F, N], number of calls that failed) of the reward functions, given as
-    (name, fn) (see `reward_fns`), each called on one completion at a time:
+  ) -> tuple[np.ndarray, np.ndarray]:
+    """(values float32 [F, N], failed calls per function int [F]) of the reward functions, given
+    as (name, fn) (see `reward_fns`), each called on one completion at a time:
     `fn([completions[i]], [rows[i]], **extras[i])`. None is NaN; a failed call scores 0."""
     if not len(completions) == len(rows) == len(extras):
       raise ValueError(f"{len(completions)} completions, {len(rows)} rows, {len(extras)} extras")
@@ -120,7 +120,9 @@ class RewardPool:
     results = self._call_all(calls, [fn for _, fn in reward_fns], groups, inline=False)
     names = [name for name, _ in reward_fns for _ in completions]
     failed = [f"{name}: {m}" for name, (ok, _, m) in zip(names, results, strict=True) if not ok]
-    errors = self._note_errors(failed, "reward function")
+    self._note_errors(failed, "reward function")
+    errors = np.zeros(len(reward_fns), np.int64)
+    np.add.at(errors, [g for g, (ok, _, _) in zip(groups, results, strict=True) if not ok], 1)
     values = [(np.nan if value is None else value) if ok else 0.0 for ok, value, _ in results]
     # float32 like the verifier's rewards: the same values after a gather over processes.
     return np.array(values, np.float32).reshape(len(reward_fns), len(completions)), errors

@@ -197,7 +197,6 @@ def _mesh_remedy(shape: dict[str, int], num_devices: int) -> str:
 
 # (key, lowest allowed value, whether the bound itself is allowed) of plain numeric keys.
 _BOUNDS = (
-  ("seed", 0, True),
   ("task.num_train", 1, True),
   ("task.num_eval", 1, True),
   ("eval.every_steps", 1, True),

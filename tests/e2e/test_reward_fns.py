@@ -53,6 +53,7 @@ def test_a_run_whose_reward_calls_all_fail_stops_with_one_line(tmp_path, monkeyp
   )
   assert result.returncode == 2, result.stderr[-3000:]
   last = result.stderr.strip().splitlines()[-1]
-  assert last.startswith("error: rewards.max_error_frac=0.5: 32 of 32 reward calls failed"), last
+  expected = "error: rewards.max_error_frac=0.5: 32 of 32 calls of reward 'broken' failed"
+  assert last.startswith(expected), last
   assert "broken: ZeroDivisionError: division by zero" in last
   assert [m["step"] for m in metrics.read_metrics(tmp_path / "run")] == [0]  # no step trained

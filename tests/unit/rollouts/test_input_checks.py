@@ -73,7 +73,7 @@ BAD_VALUES = [
   ),
   ({"model.rope_theta": 0.0}, "config.model.rope_theta=0.0: must be > 0"),
   ({"model.vocab_size": -5}, "config.model.vocab_size=-5: must be >= 0"),
-  ({"seed": -1}, "config.seed=-1: must be >= 0"),
+  ({"seed": -1}, "config.seed=-1: must be an int in [0, 2**32)"),
 ]
 
 

@@ -8,7 +8,7 @@ import pytest
 
 from ebpo_jax import errors
 from ebpo_jax.rollouts import scoring
-from ebpo_jax.tasks import get_task
+from ebpo_jax.tasks import get_task, reward_fns
 from ebpo_jax.tasks.rewards import RewardPool
 
 
@@ -57,3 +57,29 @@ def test_errors_are_counted_over_the_steps_calls_and_reset(task, monkeypatch):
     with pytest.raises(errors.BadInput, match=r"5 of 8 reward calls failed.*KeyError: 'meta'"):
       scorer.check_step()
     scorer.check_step()  # the next step starts from 0
+
+
+def always_raises(completions, rows, **kwargs):
+  raise ValueError("dead term")
+
+
+def always_one(completions, rows, **kwargs):
+  return [1.0] * len(completions)
+
+
+def test_a_dead_term_stops_the_run_beside_a_working_one(task):
+  # Counted over all terms' calls, the dead one was 4 of 8 = 0.5, not above the limit, and the
+  # run trained on its zeros to the end (issue 62, item 2): each term has the limit of its own.
+  fns = [
+    reward_fns.RewardFn("one", always_one, 1.0, f"{__name__}:always_one"),
+    reward_fns.RewardFn("dead", always_raises, 1.0, f"{__name__}:always_raises"),
+  ]
+  with RewardPool(workers=1, timeout_s=5.0) as pool:
+    scorer = scoring.Scorer(task, pool, fns, max_new_tokens=4, max_error_frac=0.5)
+    _score(scorer, ["1", "2", "3", "4"])
+    with pytest.raises(errors.BadInput) as error:
+      scorer.check_step()
+  message = str(error.value)
+  assert "\n" not in message
+  assert message.startswith("rewards.max_error_frac=0.5: 4 of 4 calls of reward 'dead' failed")
+  assert "ValueError: dead term" in message

@@ -117,10 +117,12 @@ def test_pool_scores_reward_functions_and_counts_failures(workers):
     # raise, two values, a string and NaN fail (score 0, counted); -3 is a fine value.
     np.testing.assert_array_equal(values[0], [1, 0, 0, 0, 0, -3, 1])
     np.testing.assert_array_equal(values[1], [0.25] * 7)
-    assert errors == 4
+    assert errors.tolist() == [4, 0]  # per function
     assert pool.last_errors[0] == "misbehaving: RuntimeError: reward bug"
     values, errors = pool.score_rewards([("e", wants_extras)], ["ok"], rows[:1], _extras(1))
-    assert values.tolist() == [[1.5]] and errors == 0  # 2/4 + score_arithmetic("ok", ok) = 1
+    assert values.tolist() == [[1.5]] and errors.tolist() == [
+      0
+    ]  # 2/4 + score_arithmetic("ok", ok) = 1
     values, _ = pool.score_rewards([("f", first_char)], ["-x", "ab"], rows[:2], _extras(2))
     assert np.isnan(values[0, 0]) and values[0, 1] == 0.5  # None is NaN
 
@@ -130,7 +132,7 @@ def test_pool_bounds_a_hanging_reward_function():
     start = time.monotonic()
     values, errors = pool.score_rewards([("m", misbehaving)], ["hang", "ok"], [{}, {}], _extras(2))
     assert time.monotonic() - start < 10.0
-    assert values.tolist() == [[0.0, 1.0]] and errors == 1
+    assert values.tolist() == [[0.0, 1.0]] and errors.tolist() == [1]
     assert pool.last_errors == ["m: timed out after 0.5 s (running)"]
 
 
@@ -140,7 +142,7 @@ def test_reward_functions_never_run_in_the_trainer_process():
   with RewardPool(workers=0, timeout_s=2.0) as pool:
     named = [("m", misbehaving)]
     values, errors = pool.score_rewards(named, ["exit", "ok"], [{}, {}], _extras(2))
-    assert values.tolist() == [[0.0, 1.0]] and errors == 1
+    assert values.tolist() == [[0.0, 1.0]] and errors.tolist() == [1]
     assert pool.last_errors == ["m: worker died (exit code 3)"]
     rewards, errors = pool.score(score_arithmetic, ["3"], [{"answer": "3"}])
     assert rewards.tolist() == [1.0] and errors == 0
@@ -158,7 +160,7 @@ def test_a_reward_function_whose_calls_time_out_in_a_row_is_dropped_for_the_batc
     named = [("m", misbehaving), ("f", first_char)]
     values, errors = pool.score_rewards(named, ["hang"] * 8, [{}] * 8, _extras(8))
     assert values[0].tolist() == [0.0] * 8 and values[1].tolist() == [0.25] * 8
-    assert errors == 8
+    assert errors.tolist() == [8, 0]
   timed_out = pool.last_errors.count("m: timed out after 0.5 s (running)")
   assert limit <= timed_out <= 2 * limit - 2  # and the calls in flight when it was dropped
   not_called = f"m: not called: timed out {limit} times in a row in this batch"

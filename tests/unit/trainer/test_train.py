@@ -25,7 +25,6 @@ CONFIG_ERRORS = [
   # Values that failed after config.json was written, so that the corrected command was refused
   # (issue 62, item 1): the seed (32 bits: 2**32 would be seed 0's key) and the architecture.
   ({"seed": 2**63}, "config.seed=9223372036854775808: must be an int in [0, 2**32)"),
-  ({"seed": -1}, "config.seed=-1: must be an int in [0, 2**32)"),
   ({"model.architecture": "gpt9"}, "config.model.architecture='gpt9': must be one of"),
   # Before the workdir is locked (it left a lock file in a new directory, issue 62).
   ({"workdir.resume_step": -7}, "config.workdir.resume_step=-7: must be >= -1"),
