@@ -39,7 +39,7 @@ from typing import Any
 
 from absl import app, flags, logging
 
-from ebpo_jax import cli, files
+from ebpo_jax import files
 from ebpo_jax.data import saved_dataset
 from ebpo_jax.data.rows import Columns
 from ebpo_jax.data.sources import (
@@ -338,4 +338,6 @@ if __name__ == "__main__":
     "if it has one); GSM8K: '####\\s*(.+)'. Unset: the column as it is.",
   )
   flags.mark_flags_as_required(["source", "out"])
+  from ebpo_jax import cli  # here: cli imports JAX, and verifier workers import ebpo_jax.data
+
   app.run(main, flags_parser=cli.parse_flags)  # --help exits 0

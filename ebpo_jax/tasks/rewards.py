@@ -151,7 +151,9 @@ class RewardPool:
     in a row drop, `_Breaker`)."""
     if not self._finalizer.alive:
       raise RuntimeError("this RewardPool is closed")
-    if inline:
+    # Inline only on the main thread, where SIGALRM bounds a call (the asynchronous producer's
+    # thread scores in a worker, with the same timeout).
+    if inline and threading.current_thread() is threading.main_thread():
       return _run_inline(calls, self.timeout_s, _Breaker(groups, limit=2))
     for fn in fns:
       _check_picklable(fn)
@@ -203,7 +205,7 @@ class RewardPool:
         if finished is not None:
           index = busy.pop(slot).index
           results[index] = finished
-          breaker.note(index, timed_out=False)
+          breaker.note(index, timed_out=finished[2].startswith(_DIED))
           idle.append(slot)
       now = time.monotonic()
       for slot, call in list(busy.items()):
@@ -233,7 +235,7 @@ class RewardPool:
       self._workers[slot].process.join(timeout=1)
       code = self._workers[slot].process.exitcode
       self._replace(slot)
-      return False, 0.0, f"worker died (exit code {code})"
+      return False, 0.0, f"{_DIED} (exit code {code})"
     if kind == "started":
       call.started, call.deadline = True, time.monotonic() + self.timeout_s
       return None
@@ -360,17 +362,23 @@ def _call_reward(
   return True, float(value), ""
 
 
+_DIED = "worker died"  # a call that killed its worker (its message starts so)
+
+
 class _Breaker:
   """Which calls of one batch are not made: those of a function (a group) whose last `limit`
-  finished calls all timed out (workers + 1: a function that hangs on every input fills all the
-  workers with hangs at once, while a few inputs that hang side by side do not drop it)."""
+  finished calls all timed out or killed their worker (workers + 1: a function that hangs on every
+  input fills all the workers with hangs at once, while a few inputs that hang side by side do not
+  drop it); each costs a worker restart."""
 
   def __init__(self, groups: Sequence[int], limit: int):
     self._groups, self._limit = groups, limit
     self._in_a_row: dict[int, int] = collections.Counter()  # group -> timeouts in a row
-    self.NOT_CALLED = (False, 0.0, f"not called: timed out {limit} times in a row in this batch")
+    message = f"not called: timed out or killed its worker {limit} times in a row in this batch"
+    self.NOT_CALLED = (False, 0.0, message)
 
   def note(self, index: int, *, timed_out: bool) -> None:
+    """Call `index` finished; `timed_out`: by its timeout or its worker's death."""
     group = self._groups[index]
     self._in_a_row[group] = self._in_a_row[group] + 1 if timed_out else 0
 

@@ -163,8 +163,40 @@ def test_a_reward_function_whose_calls_time_out_in_a_row_is_dropped_for_the_batc
     assert errors.tolist() == [8, 0]
   timed_out = pool.last_errors.count("m: timed out after 0.5 s (running)")
   assert limit <= timed_out <= 2 * limit - 2  # and the calls in flight when it was dropped
-  not_called = f"m: not called: timed out {limit} times in a row in this batch"
+  not_called = f"m: not called: timed out or killed its worker {limit} times in a row in this batch"
   assert pool.last_errors[timed_out:] == [not_called] * (8 - timed_out)
+
+
+def test_a_reward_function_that_kills_its_worker_every_call_is_dropped_for_the_batch():
+  # Only timeouts tripped the breaker: a function killing its worker on every call restarted one
+  # per completion (174-281 s steps, issue 62, item 3). Deaths in a row now count as timeouts do.
+  with RewardPool(workers=1, timeout_s=5.0) as pool:
+    values, errors = pool.score_rewards([("m", misbehaving)], ["exit"] * 8, [{}] * 8, _extras(8))
+  assert values.tolist() == [[0.0] * 8] and errors.tolist() == [8]
+  died = pool.last_errors.count("m: worker died (exit code 3)")
+  assert died == 2  # workers + 1
+  not_called = "m: not called: timed out or killed its worker 2 times in a row in this batch"
+  assert pool.last_errors[died:] == [not_called] * (8 - died)
+
+
+def hanging_verifier(response, row):
+  time.sleep(60)
+  return 1.0
+
+
+def test_an_inline_verifier_called_off_the_main_thread_still_times_out():
+  # workers=0 scores the verifier inline with a SIGALRM timeout, which only the main thread has:
+  # from the asynchronous producer's thread a hanging verifier hung the run. There it runs in a
+  # worker instead, with its timeout.
+  import concurrent.futures
+
+  with RewardPool(workers=0, timeout_s=0.5) as pool:
+    start = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(1) as thread:
+      rewards, errors = thread.submit(pool.score, hanging_verifier, ["x"], [{}]).result(timeout=30)
+  assert time.monotonic() - start < 20
+  assert rewards.tolist() == [0.0] and errors == 1
+  assert pool.last_errors == ["timed out after 0.5 s (running)"]
 
 
 # ----------------------------------------------------------------------------- Python callables
