@@ -24,6 +24,7 @@ from ebpo_jax.metrics.names import (
   ASYNC_ROLLOUT_WAIT_S,
   ASYNC_STALENESS_MAX,
   ASYNC_STALENESS_MEAN,
+  ASYNC_TIMING_KEYS,
   ASYNC_TRAINER_WAIT_S,
   ASYNC_TRANSFER_S,
   BAD_UPDATES,
@@ -101,6 +102,7 @@ from ebpo_jax.metrics.wandb_log import WandbOptions, require_wandb, wandb_option
 
 __all__ = [
   "ASYNC_ROLLOUT_WAIT_S",
+  "ASYNC_TIMING_KEYS",
   "ASYNC_STALENESS_MAX",
   "ASYNC_STALENESS_MEAN",
   "ASYNC_TRAINER_WAIT_S",

@@ -92,9 +92,10 @@ EVAL_ACCURACY = "eval/accuracy"
 EVAL_VERIFIER_ERRORS = "eval/verifier_errors"  # evaluation verifier calls that raised or timed out
 
 # Keys that measure wall-clock time: they differ between an interrupted and a straight run.
+ASYNC_TIMING_KEYS = (ASYNC_TRAINER_WAIT_S, ASYNC_ROLLOUT_WAIT_S, ASYNC_TRANSFER_S)  # k > 0 only
 TIMING_KEYS = (
   TIME_STEP_S, TIME_TOKENS_PER_S, TIME_SAMPLE_S, TIME_UPDATE_S, TIME_ELAPSED_S, ENV_TIME_S,
-  ASYNC_TRAINER_WAIT_S, ASYNC_ROLLOUT_WAIT_S, ASYNC_TRANSFER_S,
+  *ASYNC_TIMING_KEYS,
 )  # fmt: skip
 # Keys that are also logged per cluster, as per_cluster(key, name).
 PER_CLUSTER_KEYS = (REWARD_MEAN, EVAL_ACCURACY, EBPO_PRIOR_MEAN, EBPO_PRIOR_STD, EBPO_SHRINKAGE)

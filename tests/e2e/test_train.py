@@ -58,8 +58,9 @@ def test_cli_run_writes_metrics_checkpoints_and_summary(arith_run):
   assert [m["step"] for m in train_lines] == [1, 2, 3, 4]
   assert set(train_lines[0]) >= REQUIRED_KEYS, REQUIRED_KEYS - set(train_lines[0])
   assert {"reward/mean/add_1", "reward/mean/add_2"} & set(train_lines[0])  # per cluster
-  # env/time_s: multi-turn runs only
-  assert set(metrics_lib.TIMING_KEYS) - {metrics_lib.ENV_TIME_S} <= set(train_lines[0])
+  # env/time_s: multi-turn runs only; async/*: rl.max_staleness > 0 only
+  unlogged = {metrics_lib.ENV_TIME_S, *metrics_lib.ASYNC_TIMING_KEYS}
+  assert set(metrics_lib.TIMING_KEYS) - unlogged <= set(train_lines[0])
   evals = [m for m in lines if "eval/accuracy" in m]
   assert [m["step"] for m in evals] == [0, 2, 4]
   assert any(k.startswith("eval/accuracy/") for k in evals[0])
