@@ -60,7 +60,7 @@ BAD_STARTS = [
   (["--config.rl.loss.clip_low=2"], "config.rl.loss.clip_low=2.0: must lie in [0, 1)"),
   (["--config.model.rope_theta=0"], "config.model.rope_theta=0.0: must be > 0"),
   (["--config.model.vocab_size=-5"], "config.model.vocab_size=-5: must be >= 0"),
-  (["--config.seed=-1"], "config.seed=-1: must be >= 0"),
+  (["--config.seed=-1"], "config.seed=-1: must be an int in [0, 2**32)"),
   (["--config.rl.group_size=1"], "config.rl.group_size=1: must be >= 2"),
   (["--config.task.name=nope"], "config.task.name='nope': unknown task 'nope'; known: "),
   (["--config.task.options.ops=('pow',)"], "config.task.options: task 'arithmetic': "),
