@@ -67,8 +67,8 @@ MISMATCH_RATIO_OUT_FRAC = "mismatch/ratio_out_frac"  # share of tokens with r ou
 ROLLOUT_IS_MEAN_WEIGHT = "rollout_is/mean_weight"  # token mean of the weights
 ROLLOUT_IS_CLIPPED_FRAC = "rollout_is/clipped_frac"  # tokens capped (token_tis), masked (seq_mask)
 # Asynchronous RL (rl.max_staleness = k > 0, rollouts.pipeline): the batch's staleness, steps
-# between the policy that sampled it and the one it trains (min(step, k) for every row), and where
-# the step's time went.
+# between the policy that sampled it and the one it trains (batch t: min(t, k) for every row, on
+# the line of step t + 1), and where the step's time went.
 ASYNC_STALENESS_MEAN = "async/staleness_mean"
 ASYNC_STALENESS_MAX = "async/staleness_max"
 ASYNC_TRAINER_WAIT_S = "async/trainer_wait_s"  # the trainer waiting for the next batch

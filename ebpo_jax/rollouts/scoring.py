@@ -45,7 +45,9 @@ class Scorer:
     calls, failed, first = self._calls, self._errors, self._first_error
     self._calls, self._errors = 0, np.zeros_like(failed)
     self._first_error = [""] * len(failed)
-    for i in np.flatnonzero(failed > self.max_error_frac * calls) if calls else ():
+    over = np.flatnonzero(failed > self.max_error_frac * calls) if calls else []
+    if len(over):
+      i = over[0]
       what = f"calls of reward {self.reward_fns[i].name!r}" if self.reward_fns else "reward calls"
       raise errors_lib.BadInput(
         f"rewards.max_error_frac={self.max_error_frac}: {failed[i]} of {calls} {what} failed "
@@ -105,14 +107,13 @@ class Scorer:
     for i in np.flatnonzero(errors):
       if self._first_error[i]:
         continue
-      if not self.reward_fns:
-        fn, messages = self.task.score, self.pool.last_errors[:1]
-        prefix = f"the task's verifier {fn.__module__}.{fn.__qualname__}: "
+      if self.reward_fns:
+        name = f"{self.reward_fns[i].name}: "
+        first = next((m for m in self.pool.last_errors if m.startswith(name)), "")
       else:
-        prefix = f"{self.reward_fns[i].name}: "
-        messages = [m for m in self.pool.last_errors if m.startswith(prefix)][:1]
-        prefix = ""
-      self._first_error[i] = prefix + messages[0] if messages else ""
+        fn, first = self.task.score, next(iter(self.pool.last_errors), "")
+        first = first and f"the task's verifier {fn.__module__}.{fn.__qualname__}: {first}"
+      self._first_error[i] = first
 
 
 def _gather_shares(values: np.ndarray, errors: np.ndarray, share: int, total: int) -> tuple:

@@ -33,14 +33,19 @@ def _score(scorer, texts, group_size=2):
   return scorer.score(texts, rows, lengths, group_size, training=True)
 
 
-def test_a_step_whose_verifier_calls_all_fail_stops_naming_it(task, monkeypatch):
-  monkeypatch.setattr(task, "score", failing_verifier)
-  with RewardPool(workers=0, timeout_s=5.0) as pool:
-    scorer = scoring.Scorer(task, pool, max_new_tokens=4, max_error_frac=0.5)
+def _stop_message(task, fns=(), workers=0) -> str:
+  """The one line that stops a step of 4 completions scored with `fns` (none: the verifier)."""
+  with RewardPool(workers=workers, timeout_s=5.0) as pool:
+    scorer = scoring.Scorer(task, pool, fns, max_new_tokens=4, max_error_frac=0.5)
     _score(scorer, ["1", "2", "3", "4"])
     with pytest.raises(errors.BadInput) as error:
       scorer.check_step()
-  message = str(error.value)
+  return str(error.value)
+
+
+def test_a_step_whose_verifier_calls_all_fail_stops_naming_it(task, monkeypatch):
+  monkeypatch.setattr(task, "score", failing_verifier)
+  message = _stop_message(task)
   assert "\n" not in message
   assert message.startswith("rewards.max_error_frac=0.5: 4 of 4 reward calls failed in this step")
   assert f"{__name__}.failing_verifier" in message and "ZeroDivisionError" in message
@@ -74,12 +79,7 @@ def test_a_dead_term_stops_the_run_beside_a_working_one(task):
     reward_fns.RewardFn("one", always_one, 1.0, f"{__name__}:always_one"),
     reward_fns.RewardFn("dead", always_raises, 1.0, f"{__name__}:always_raises"),
   ]
-  with RewardPool(workers=1, timeout_s=5.0) as pool:
-    scorer = scoring.Scorer(task, pool, fns, max_new_tokens=4, max_error_frac=0.5)
-    _score(scorer, ["1", "2", "3", "4"])
-    with pytest.raises(errors.BadInput) as error:
-      scorer.check_step()
-  message = str(error.value)
+  message = _stop_message(task, fns, workers=1)
   assert "\n" not in message
   assert message.startswith("rewards.max_error_frac=0.5: 4 of 4 calls of reward 'dead' failed")
   assert "ValueError: dead term" in message
