@@ -61,11 +61,15 @@ def mesh_shape(shape: dict[str, int], num_devices: int) -> dict[str, int]:
 ROLLOUT_DEVICES = "rollout_devices"
 
 
-def make_meshes(shape: dict[str, int]) -> tuple[Mesh, Mesh | None]:
-  """(the trainer's mesh, the sampler's or None) of `config.mesh`: with `rollout_devices` = r > 0
-  the last r devices are the sampler's, rows over 'data' and 'tensor' kept where it divides r (its
-  weights replicated over the rows), and the trainer's mesh is `shape` over the others."""
-  devices, r = list(jax.devices()), int(shape.get(ROLLOUT_DEVICES, 0))
+def make_meshes(
+  shape: dict[str, int], devices: Sequence[jax.Device] | None = None
+) -> tuple[Mesh, Mesh | None]:
+  """(the trainer's mesh, the sampler's or None) of `config.mesh` over `devices` (default: all):
+  with `rollout_devices` = r > 0 the last r devices are the sampler's, rows over 'data' and
+  'tensor' kept where it divides r (its weights replicated over the rows), and the trainer's mesh
+  is `shape` over the others."""
+  devices = list(jax.devices() if devices is None else devices)
+  r = int(shape.get(ROLLOUT_DEVICES, 0))
   if not 0 <= r < len(devices):
     raise ValueError(f"mesh.{ROLLOUT_DEVICES}={r}: must lie in [0, {len(devices)})")
   if r == 0:

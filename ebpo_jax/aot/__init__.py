@@ -2,6 +2,9 @@
 
 - `programs`: the train step and a sampler call compiled for the slice from abstract sharded
   inputs; memory per chip, costs and the RL step's roofline (`check`).
+- `split`: a slice split between the trainer and the sampler (`mesh.rollout_devices`): each side
+  compiled on its own chips, the weight transfer between them, the asynchronous RL step against
+  the synchronous one on the whole slice.
 - `roofline`: FLOPs, HBM bytes and collectives per chip corrected for what the compiler's cost
   analysis misses (loop trip counts, Pallas kernels), where each number comes from, and the limits
   counted from the model's shapes.

@@ -14,6 +14,7 @@ from absl import app, flags
 from ebpo_jax import cli, errors
 from ebpo_jax.aot import report as report_lib
 from ebpo_jax.aot.programs import check
+from ebpo_jax.aot.split import check_split
 from ebpo_jax.aot.topology import NoTpuCompiler, parse_slice
 
 
@@ -27,7 +28,8 @@ def main(argv: Sequence[str]) -> None:
   with cli.entry_point():
     try:
       tpu = parse_slice(f.topology or "")
-      report = check(f.config, tpu, f.prompt_len)
+      split = f.config.mesh.rollout_devices > 0  # the sampler on chips of its own
+      report = (check_split if split else check)(f.config, tpu, f.prompt_len)
     except (ValueError, NoTpuCompiler) as e:  # a bad slice name (ConfigError: entry_point's)
       if isinstance(e, errors.BadInput):
         raise

@@ -178,7 +178,10 @@ def _slice_eval(jaxpr: jax_core.Jaxpr, target, allowed: set, grid, body_axes):
   def fn(*args):
     ids, scalars = args[: len(grid)], args[len(grid) :]
     env = dict(zip(scalars_in, scalars, strict=True))
-    read = lambda v: v.val if isinstance(v, jax_core.Literal) else env[v]
+    # Literals as plain arrays: jax shares a literal's value between traces, typed in the abstract
+    # mesh of the trace that made it, which a kernel traced over another mesh cannot mix with
+    # (a split slice's two programs).
+    read = lambda v: np.asarray(v.val) if isinstance(v, jax_core.Literal) else env[v]
     for eqn in needed:
       name = eqn.primitive.name
       if name == "program_id":

@@ -84,16 +84,19 @@ def _model_dir(path: str) -> bool:
   return path.startswith("packaged:") or files.isfile(files.join(path, "config.json"))
 
 
-def make_target(config: ml_collections.ConfigDict, tpu: Slice, prompt_len: int = 0) -> Target:
-  """The config's mesh over the slice's devices, its model and abstract params. The model is
+def make_target(
+  config: ml_collections.ConfigDict, tpu: Slice, prompt_len: int = 0, mesh: Mesh | None = None
+) -> Target:
+  """The config's mesh over the slice's devices (or `mesh`, one side of a split slice), its model
+  and abstract params. The model is
   `model.path`'s (config.json and tokenizer) when that directory is on this machine; otherwise
   a decoder of the config's shape keys over `model.vocab_size` tokens (placeholder stop and pad
   ids, which do not change what is compiled); a random-init model uses the task's tokenizer.
   `prompt_len` 0: for a task's own rows (random-init models), the bucket of the longest training
   prompt, as the trainer pads them; otherwise the largest bucket (the worst case)."""
   config_lib.check_config(config, tpu.chips)
-  devices = topology_devices(tpu)
-  mesh = sharding.make_mesh(dict(config.mesh), devices)
+  mesh = mesh or sharding.make_mesh(dict(config.mesh), topology_devices(tpu))
+  devices = list(mesh.devices.flat)
   mc, num_clusters = config.model, 16
   if mc.path and _model_dir(mc.path):
     tokenizer = task_rows.load_tokenizer(config, task=None)
@@ -122,7 +125,7 @@ def make_target(config: ml_collections.ConfigDict, tpu: Slice, prompt_len: int =
   return Target(config, tpu, mesh, model, params, tuple(stop_ids), pad_id, num_clusters, prompt_len)
 
 
-def _shard_bytes(tree: Any) -> int:
+def shard_bytes(tree: Any) -> int:
   """Bytes of one device's shards of an abstract sharded tree."""
   leaves = jax.tree.leaves(tree)
   return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
@@ -132,10 +135,8 @@ def state_bytes(state: state_lib.TrainState) -> dict[str, int]:
   """Bytes per chip of an abstract sharded TrainState, by part: `params` (the trained weights:
   under LoRA the adapters), `opt_state` (Adam's moments of those), `ref_params` (the KL
   reference copy; 0 under LoRA), `base` (LoRA's frozen base; 0 otherwise) and `total`."""
-  parts = {
-    k: _shard_bytes(getattr(state, k)) for k in ("params", "opt_state", "ref_params", "base")
-  }
-  return {**parts, "total": _shard_bytes(state)}
+  parts = {k: shard_bytes(getattr(state, k)) for k in ("params", "opt_state", "ref_params", "base")}
+  return {**parts, "total": shard_bytes(state)}
 
 
 def _memory(compiled) -> dict:
@@ -165,9 +166,10 @@ class Program:
   list_collectives: bool = False  # the report lists its collective ops (`collective_shapes`)
 
 
-def compile_program(program: Program, tpu: Slice) -> dict:
-  """Compiles a lowered program: its memory and costs, or, when the compiler finds that it does
-  not fit, the bytes its message names and the message."""
+def compile_program(program: Program, target: Target) -> dict:
+  """Compiles a lowered program of `target` (over its mesh's chips): its memory and costs, or,
+  when the compiler finds that it does not fit, the bytes its message names and the message."""
+  tpu = target.tpu
   t0 = time.perf_counter()
   try:
     compiled = program.lowered.compile()
@@ -180,7 +182,7 @@ def compile_program(program: Program, tpu: Slice) -> dict:
     line = str(e).strip().splitlines()[0]
     result = {"bytes_per_chip": needed, "compile_error": line, "flops": None, "roofline_s": None}
     return {**result, **program.extra}
-  costs = roofline.costs(compiled, program.dots, tpu.chip, tpu.chips)
+  costs = roofline.costs(compiled, program.dots, tpu.chip, target.mesh.size)
   result = {**_memory(compiled), **costs, **program.extra}
   result["compile_s"] = time.perf_counter() - t0
   if program.list_collectives:
@@ -211,21 +213,27 @@ def train_limit_flops(target: Target) -> float:
     response_len=completion_width(config),  # a multi-turn trajectory's, observations included
     passes=passes,
   )
-  return flops / target.tpu.chips
+  return flops / target.mesh.size  # the chips it runs on (one side of a split slice)
+
+
+def abstract_step_batch(target: Target) -> dict:
+  """The train step's batch at the target's prompt bucket, its rows over the target's mesh."""
+  layout = StepOptions.from_config(target.config, target.mesh).layout
+  return abstract_batch(layout, target.prompt_len, completion_width(target.config), target.mesh)
 
 
 def train_step_program(target: Target) -> Program:
   """The trainer's jitted train step (state donated), lowered for a batch at the target's prompt
   bucket."""
-  config, mesh, prompt_len = target.config, target.mesh, target.prompt_len
+  config, mesh = target.config, target.mesh
   spec = state_lib.StateSpec.from_config(config, target.num_clusters)
   state, shardings = spec.abstract(target.params), spec.shardings(target.params)
   options = StepOptions.from_config(config, mesh)
-  batch = abstract_batch(options.layout, prompt_len, completion_width(config), mesh)
+  batch = abstract_step_batch(target)
   step = jit_train_step(target.model, spec, options, mesh, shardings)
   traced = step.trace(state, batch)
   parts = state_bytes(state)
-  extra = {"state_bytes": parts.pop("total"), "batch_bytes": _shard_bytes(batch)}
+  extra = {"state_bytes": parts.pop("total"), "batch_bytes": shard_bytes(batch)}
   extra.update({f"{k}_bytes": v for k, v in parts.items()})  # trained vs frozen, per chip
   extra["limit_flops"] = train_limit_flops(target)
   extra["shared_prefix"] = options.layout.shared_prefix
@@ -264,6 +272,11 @@ def _sampler_model(target: Target) -> models.Decoder:
   return models.build.with_compute_dtype(target.model, config.sampling.dtype, config.model, device)
 
 
+def sampler_dtype(target: Target) -> jnp.dtype:
+  """The dtype the sampler computes and holds its weights in (`sampling.dtype`)."""
+  return jnp.dtype(_sampler_model(target).config.dtype)
+
+
 def _decode_converter(target: Target):
   """The round's conversion of the weights to the sampler's layout (`sampling.decode_params`)."""
   options = DecodeOptions.from_config(target.config)
@@ -276,7 +289,7 @@ def rollout_layout_program(target: Target) -> Program:
   """The conversion of the policy's weights to the sampler's layout, once per round."""
   convert = _decode_converter(target)
   traced = convert.trace(target.params)
-  extra = {"copy_bytes": _shard_bytes(jax.eval_shape(convert, target.params))}
+  extra = {"copy_bytes": shard_bytes(jax.eval_shape(convert, target.params))}
   return Program(traced.lower(), roofline.count_dots(traced.jaxpr, 1), extra)
 
 
@@ -318,7 +331,7 @@ def sampler_limit_bytes(target: Target) -> float:
     new_tokens=config.sampling.max_new_tokens,
     row_shards=sampling_loop.batch_shards(prompts * config.rl.group_size, mesh),
     weight_shards=mesh.shape["tensor"],
-    itemsize=jnp.dtype(_sampler_model(target).config.dtype).itemsize,
+    itemsize=sampler_dtype(target).itemsize,
   )
 
 
@@ -357,7 +370,16 @@ def weight_sized_gathers(target: Target, ops: list[dict]) -> list[dict]:
 
 def compile_train_step(target: Target) -> dict:
   """`train_step_program` compiled."""
-  return compile_program(train_step_program(target), target.tpu)
+  return compile_program(train_step_program(target), target)
+
+
+def compile_phases(trainer: Target, sampler: Target) -> tuple[dict, dict]:
+  """(`compile_train_step(trainer)`, `compile_sampler(sampler)`), the train step in a thread
+  beside the sampler's programs (the compiler mostly keeps to one core)."""
+  with concurrent.futures.ThreadPoolExecutor(1) as pool:
+    train = pool.submit(compile_train_step, trainer)
+    rollout = compile_sampler(sampler)
+    return train.result(), rollout
 
 
 def compile_sampler(target: Target) -> dict:
@@ -365,7 +387,7 @@ def compile_sampler(target: Target) -> dict:
   and the round's conversion of the weights (`rollout_layout`)."""
   programs = [sampler_program(target), *sampler_part_programs(target)]
   whole, prefill, step, layout = (
-    compile_program(p, target.tpu) for p in (*programs, rollout_layout_program(target))
+    compile_program(p, target) for p in (*programs, rollout_layout_program(target))
   )
   if whole.get("compile_error"):
     return whole
@@ -387,12 +409,24 @@ class _Ids:
   pad_id: int
 
 
+def rounds_per_step(config: ml_collections.ConfigDict) -> int:
+  """The most rollout rounds of a step: 1 + `rl.max_refill_rounds` under dynamic sampling."""
+  return 1 + (config.rl.max_refill_rounds if config.rl.dynamic_sampling else 0)
+
+
 def resident_while_sampling(target: Target, train: dict) -> int:
   """Bytes per chip that wait on the device during a sampler call: the whole train state (the
   sampler's argument is the round's copy of the weights) and up to 1 + `rl.max_refill_rounds`
   rounds of the step's rollouts."""
-  rounds = 1 + (target.config.rl.max_refill_rounds if target.config.rl.dynamic_sampling else 0)
-  return train["state_bytes"] + rounds * train["batch_bytes"]
+  return train["state_bytes"] + rounds_per_step(target.config) * train["batch_bytes"]
+
+
+def round_parts(sampler: dict) -> list[tuple[float, dict]]:
+  """A rollout round's (roofline seconds, their shares): the weights converted to the decode
+  layout once, then the round's sampler calls."""
+  layout = sampler["rollout_layout"]
+  calls = sampler["calls_per_round"] * sampler["roofline_s"]
+  return [(layout["roofline_s"], layout["roofline_shares"]), (calls, sampler["roofline_shares"])]
 
 
 # ----------------------------------------------------------------------------- the report
@@ -401,11 +435,7 @@ def resident_while_sampling(target: Target, train: dict) -> int:
 def check(config: ml_collections.ConfigDict, tpu: Slice, prompt_len: int = 0) -> dict:
   """Compiles both programs of `config` for `tpu`; the report (the JSON line of the CLI)."""
   target = make_target(config, tpu, prompt_len)
-  # The train step beside the sampler's programs: the compiler mostly runs on one thread.
-  with concurrent.futures.ThreadPoolExecutor(1) as pool:
-    train = pool.submit(compile_train_step, target)
-    sampler = compile_sampler(target)
-    train = train.result()
+  train, sampler = compile_phases(target, target)
   resident = resident_while_sampling(target, train)
   sampler["resident_bytes"] = resident
   sampler["program_bytes"] = sampler["bytes_per_chip"]
@@ -432,19 +462,15 @@ def summarize(config, tpu: Slice, prompt_len: int, train: dict, sampler: dict) -
     "sampler": sampler,
   }
   if train["roofline_s"] is not None and sampler["roofline_s"] is not None:
-    rounds = 1 + (config.rl.max_refill_rounds if config.rl.dynamic_sampling else 0)
     calls = sampler["calls_per_round"]
-    # A round: the weights converted to the decode layout once, then its sampler calls.
-    round_s = sampler["rollout_layout"]["roofline_s"] + calls * sampler["roofline_s"]
+    round_s = sum(s for s, _ in round_parts(sampler))
     report["rl_step_roofline_s"] = train["roofline_s"] + round_s
     report["rl_step_roofline_shares"] = roofline.weighted_shares(
-      [
-        (train["roofline_s"], train["roofline_shares"]),
-        (sampler["rollout_layout"]["roofline_s"], sampler["rollout_layout"]["roofline_shares"]),
-        (calls * sampler["roofline_s"], sampler["roofline_shares"]),
-      ]
+      [(train["roofline_s"], train["roofline_shares"]), *round_parts(sampler)]
     )
-    report["rl_step_roofline_s_max_refill"] = train["roofline_s"] + rounds * round_s
+    report["rl_step_roofline_s_max_refill"] = (
+      train["roofline_s"] + rounds_per_step(config) * round_s
+    )
     if "limit_s" in train and "limit_s" in sampler:  # each program at its limit from shapes
       report["rl_step_limit_s"] = train["limit_s"] + calls * sampler["limit_s"]
       report["rl_step_roofline_to_limit"] = report["rl_step_roofline_s"] / report["rl_step_limit_s"]

@@ -78,7 +78,9 @@ def describe(report: dict) -> str:
       f"{_gb(train['opt_state_bytes'])} + KL reference {_gb(train['ref_params_bytes'])} + "
       f"frozen LoRA base {_gb(train['base_bytes'])} (+ prior, counters)"
     )
-  if "rl_step_roofline_s" in report:
+  if "split" in report:
+    lines.extend(_split_lines(report))
+  elif "rl_step_roofline_s" in report:
     lines.append(
       f"RL step roofline: {report['rl_step_roofline_s']:.0f} s (train step + "
       f"the weights' conversion + {report['sampler']['calls_per_round']} sampler calls; up to "
@@ -113,3 +115,35 @@ def _sampler_lines(p: dict) -> list[str]:
     f"  the round's weights in the decode layout: {_gb(layout['copy_bytes'])} per chip, "
     f"converted in {layout['roofline_s']:.3f} s (roofline)",
   ]
+
+
+def _split_lines(report: dict) -> list[str]:
+  """The split's lines: its sub-meshes, the weight transfer, the RL step against the whole slice's
+  synchronous one (`aot.split`)."""
+  split, sync = report["split"], report["synchronous"]
+  lines = [
+    f"split: the train step on {split['trainer_chips']} chips (mesh {report['mesh']}), the sampler "
+    f"on {split['sampler_chips']} (mesh {report['sampler_mesh']})",
+    f"  weight transfer (modelled): {_gb(split['transfer_bytes'])} over {split['cut_links']} links "
+    f"between the sides ({_gb(split['transfer_bytes_per_chip'])} per sampler chip): "
+    f"{split['transfer_s'] * 1e3:.1f} ms; one copy in the sampler's dtype, broadcast on its side: "
+    f"{_gb(split['transfer_min_bytes'])}, {split['transfer_min_s'] * 1e3:.1f} ms",
+  ]
+  if "rl_step_s" not in split:
+    return lines
+  how = (
+    "the slower of the train step (+ its params' copy) and the round, + the transfer"
+    if split["overlapped"]
+    else "rl.max_staleness=0: the train step + the round + the transfer, in turn"
+  )
+  line = (
+    f"RL step roofline, split: {split['rl_step_s']:.1f} s ({how}; train step "
+    f"{split['trainer_s']:.1f} s, round {split['round_s']:.1f} s)"
+  )
+  if "synchronous_rl_step_s" in split:
+    line += (
+      f"; synchronous on all {sync['chips']} chips: {split['synchronous_rl_step_s']:.1f} s, "
+      f"{split['speedup']:.2f}x"
+    )
+  lines.append(line + _shares(report.get("rl_step_roofline_shares")))
+  return lines

@@ -189,3 +189,45 @@ def test_lora_state_holds_float32_adapters_and_a_bfloat16_base():
   assert adapters / 4 < lora["params"] < adapters
   assert lora["opt_state"] == pytest.approx(2 * lora["params"], rel=0.01)
   assert lora["total"] < 0.25 * full["total"]
+
+
+# e2e: the default job on a split v5e:2x2 (2 + 2 chips) and on all 4, synchronous (~45 s)
+def test_a_split_slice_compiles_each_side_on_its_chips_and_compares_the_rl_steps():
+  result = run_python(
+    [
+      "-m",
+      "ebpo_jax.aot",
+      "--config=configs/arith_ebpo.py",
+      "--topology=v5e:2x2",
+      "--config.mesh.rollout_devices=2",
+      "--config.rl.max_staleness=1",
+    ]
+  )
+  assert result.returncode == 0, result.stderr[-3000:]
+  report = json.loads(result.stdout.strip().splitlines()[-1])
+  split, sync = report["split"], report["synchronous"]
+  assert (report["chips"], split["trainer_chips"], split["sampler_chips"]) == (4, 2, 2)
+  assert report["mesh"]["fsdp"] == 2 and report["sampler_mesh"]["data"] == 2
+  assert set(split["trainer_devices"]).isdisjoint(split["sampler_devices"])
+  assert sync["chips"] == 4 and sync["mesh"]["fsdp"] == 4 and "split" not in sync
+  train, sampler = report["train_step"], report["sampler"]
+  # Each side's costs are per chip of its own: the limit's FLOPs over 2 chips, not the slice's 4.
+  assert train["limit_flops"] == pytest.approx(2 * sync["train_step"]["limit_flops"])
+  # The sampler's side holds no train state: only the step's rollouts wait beside its call.
+  assert sampler["resident_bytes"] < sync["sampler"]["resident_bytes"]
+  # The transfer: each sampler chip receives the whole float32 params (fsdp = 1 on its side),
+  # over the 2 links between the halves (v5e: 4 links of 200 / 4 GB/s a chip), or its own links.
+  per_chip = split["transfer_bytes_per_chip"]
+  assert per_chip >= 4 * sync["train_step"]["params_bytes"] * 0.99
+  assert split["transfer_bytes"] == 2 * per_chip and split["cut_links"] == 2
+  link = tpu_lib.CHIPS["v5e"].ici_bandwidth / 4
+  assert split["transfer_s"] == pytest.approx(max(2 * per_chip / (2 * link), per_chip / (4 * link)))
+  # k = 1: the slower side, plus the transfer; against the synchronous step on all 4 chips.
+  assert split["overlapped"] and split["trainer_s"] > train["roofline_s"]  # + the params' copy
+  sides = max(split["trainer_s"], split["round_s"])
+  assert split["rl_step_s"] == pytest.approx(sides + split["transfer_s"])
+  assert report["rl_step_roofline_s"] == split["rl_step_s"]
+  assert split["speedup"] == pytest.approx(sync["rl_step_roofline_s"] / split["rl_step_s"])
+  assert "split: the train step on 2 chips" in result.stdout
+  assert "weight transfer (modelled)" in result.stdout
+  assert "synchronous on all 4 chips" in result.stdout

@@ -1,6 +1,7 @@
 """ebpo_jax.aot: slice names and bad input (the TPU compiler's verdict on the default job:
 e2e/test_aot.py; the cost counting: test_roofline.py)."""
 
+import itertools
 import types
 
 import jax
@@ -10,6 +11,7 @@ import pytest
 from ebpo_jax import cli
 from ebpo_jax.aot import programs as aot
 from ebpo_jax.aot import report as aot_report
+from ebpo_jax.aot import split
 from ebpo_jax.aot import topology as tpu_lib
 from tests.helpers import ROOT
 from tests.helpers.processes import run_python
@@ -100,7 +102,7 @@ def test_a_sampler_part_that_does_not_fit_alone_leaves_the_call_uncosted(monkeyp
   monkeypatch.setattr(aot, "sampler_program", lambda target: None)
   monkeypatch.setattr(aot, "sampler_part_programs", lambda target: (None, None))
   monkeypatch.setattr(aot, "rollout_layout_program", lambda target: None)
-  monkeypatch.setattr(aot, "compile_program", lambda program, tpu: next(results))
+  monkeypatch.setattr(aot, "compile_program", lambda program, target: next(results))
   sampler = aot.compile_sampler(types.SimpleNamespace(tpu=None))
   assert sampler["bytes_per_chip"] == 50e9 and sampler["roofline_s"] is None
   assert "prefill, compiled alone, does not fit: RESOURCE_EXHAUSTED" in sampler["costs_error"]
@@ -114,3 +116,22 @@ def test_a_sampler_part_that_does_not_fit_alone_leaves_the_call_uncosted(monkeyp
   report = aot.summarize(config, tpu_lib.parse_slice("v5p-8"), 8, train, sampler)
   assert report["fits"] and "rl_step_roofline_s" not in report
   assert "  no costs: the sampler's prefill" in aot_report.describe(report)
+
+
+# ----------------------------------------------------------------------------- a split slice
+
+
+def _chips(shape):
+  """Chips of a torus in the order of the TPU topology's devices: x fastest."""
+  coords = itertools.product(*map(range, reversed(shape)))
+  return [types.SimpleNamespace(coords=c[::-1]) for c in coords]
+
+
+def test_the_links_between_a_split_slices_sides_are_its_neighbour_pairs():
+  chips = _chips((2, 4, 4))  # v5p-64's torus; the sampler takes the last 16: z in {2, 3}
+  assert {d.coords[2] for d in chips[16:]} == {2, 3}
+  assert split.cut_links(chips[:16], chips[16:]) == 2 * 4  # the plane z = 1 | 2; no wraparound
+  by_x = sorted(chips, key=lambda d: d.coords[0])
+  assert split.cut_links(by_x[:16], by_x[16:]) == 4 * 4  # x = 0 | 1
+  corner, rest = chips[:1], chips[1:]
+  assert split.cut_links(corner, rest) == split.cut_links(rest, corner) == 3
