@@ -2,6 +2,8 @@
 
   nice python bench/async.py                      # configs/arith_tool.py, 50 ms a tool turn
   nice python bench/async.py --ks=2 --k_override=rl.loss.rollout_is=token_tis
+  nice python bench/async.py --override=sampling.prompts_per_call=8 \
+      --override=sampling.concurrent_calls=2   # two sampler calls in flight, every k
   python bench/async.py --quick                   # :runlocal, 1 seed, 3 steps (the CI smoke)
 
 Runs `configs/arith_tool.py` with `env.tool_latency_s` (each turn that steps environments waits
@@ -62,14 +64,19 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=None, help="train.num_steps (config's: None)")
   parser.add_argument("--quick", action="store_true", help=":runlocal, 1 seed, 3 steps, k = 1")
   parser.add_argument(
+    "--override", action="append", default=[], metavar="KEY=VALUE",
+    help="a config override of every run, k = 0 included",
+  )  # fmt: skip
+  parser.add_argument(
     "--k_override", action="append", default=[], metavar="KEY=VALUE",
     help="a config override of the k > 0 runs only (e.g. rl.loss.rollout_is=token_tis)",
   )  # fmt: skip
   args = parser.parse_args()
   extra = [] if args.steps is None else [f"--config.train.num_steps={args.steps}"]
+  extra += [f"--config.{o}" for o in args.override]
   if args.quick:  # a 10-step warm start: the smoke checks that it runs, not what it learns
     args.config, args.seeds, args.ks = "configs/arith_tool.py:runlocal", 1, "1"
-    extra = ["--config.train.num_steps=3", "--config.sft.num_steps=10"]
+    extra += ["--config.train.num_steps=3", "--config.sft.num_steps=10"]
   ks = [int(k) for k in args.ks.split(",")]
   results: dict[int, list[dict]] = {k: [] for k in [0, *ks]}
   with tempfile.TemporaryDirectory() as tmp:
@@ -81,6 +88,8 @@ def main() -> None:
   print(
     f"{args.config}, env.tool_latency_s={args.latency}, {args.seeds} seed(s), one run at a time"
   )
+  if args.override:
+    print(f"every run with {', '.join(args.override)}")
   if args.k_override:
     print(f"k > 0 runs with {', '.join(args.k_override)}")
   print("| k | seed | steps/s | ratio to k=0 | accuracy | minus k=0 | trainer wait s | env s |")

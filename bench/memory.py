@@ -84,10 +84,7 @@ def train_row(arg: str, tpu: tpu_lib.Slice, sampler: dict) -> dict:
   target = aot.make_target(config, tpu)
   train = aot.compile_train_step(target)
   sampler = dict(sampler)
-  sampler["resident_bytes"] = aot.resident_while_sampling(target, train)
-  sampler["program_bytes"] = sampler["bytes_per_chip"]
-  if sampler["bytes_per_chip"] is not None:
-    sampler["bytes_per_chip"] += sampler["resident_bytes"]
+  aot.add_waiting(config, sampler, aot.resident_while_sampling(target, train))
   return aot.summarize(config, tpu, target.prompt_len, train, sampler)
 
 

@@ -151,6 +151,11 @@ def get_config() -> ml_collections.ConfigDict:
   config.sampling.top_k = 0  # keep the k most likely tokens; 0: off
   config.sampling.max_new_tokens = 4  # response length cap, tokens
   config.sampling.prompts_per_call = 0  # prompts per sampler call (0: all); bounds the KV cache
+  # Up to this many of a round's sampler calls at once, each in a thread: one call's host work
+  # (environment steps and their tools, reward functions, detokenizing) waits while another's
+  # decodes. The same rollouts as one at a time (each call its own rows and key); n calls' KV
+  # caches on the device at once. Pays for multi-turn episodes with slow tools: docs/async.md.
+  config.sampling.concurrent_calls = 1  # >= 1
   config.sampling.prompt_buckets = (6, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)  # tokens
   # False: one decode loop over all rows to the end. True: fewer row-steps, the same tokens, one
   # loop body per stage (~2x the sampler's compile time): ebpo_jax/sampling/loop.py. It pays for

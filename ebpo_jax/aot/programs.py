@@ -436,12 +436,23 @@ def check(config: ml_collections.ConfigDict, tpu: Slice, prompt_len: int = 0) ->
   """Compiles both programs of `config` for `tpu`; the report (the JSON line of the CLI)."""
   target = make_target(config, tpu, prompt_len)
   train, sampler = compile_phases(target, target)
-  resident = resident_while_sampling(target, train)
-  sampler["resident_bytes"] = resident
-  sampler["program_bytes"] = sampler["bytes_per_chip"]
-  if sampler["bytes_per_chip"] is not None:
-    sampler["bytes_per_chip"] += resident
+  add_waiting(config, sampler, resident_while_sampling(target, train))
   return summarize(config, tpu, target.prompt_len, train, sampler)
+
+
+def add_waiting(config: ml_collections.ConfigDict, sampler: dict, resident: int) -> None:
+  """Adds to a sampler call's bytes per chip what waits beside it: `resident`, and the other
+  `sampling.concurrent_calls - 1` calls in flight (each its outputs and temporaries: the weights
+  are the round's one copy)."""
+  others = config.sampling.concurrent_calls - 1
+  sampler["program_bytes"] = sampler["bytes_per_chip"]
+  if sampler["bytes_per_chip"] is None:
+    sampler["resident_bytes"] = resident
+    return
+  per_call = sampler["output_bytes"] - sampler["alias_bytes"] + sampler["temp_bytes"]
+  sampler["concurrent_bytes"] = others * per_call
+  sampler["resident_bytes"] = resident + sampler["concurrent_bytes"]
+  sampler["bytes_per_chip"] += sampler["resident_bytes"]
 
 
 def summarize(config, tpu: Slice, prompt_len: int, train: dict, sampler: dict) -> dict:

@@ -88,10 +88,7 @@ def check_split(config: ml_collections.ConfigDict, tpu: Slice, prompt_len: int =
   # Beside a sampler call on its own chips wait only the step's rollouts drawn so far: the train
   # state stays on the trainer's.
   batch = programs.shard_bytes(programs.abstract_step_batch(sampler))
-  rollout["resident_bytes"] = programs.rounds_per_step(config) * batch
-  rollout["program_bytes"] = rollout["bytes_per_chip"]
-  if rollout["bytes_per_chip"] is not None:
-    rollout["bytes_per_chip"] += rollout["resident_bytes"]
+  programs.add_waiting(config, rollout, programs.rounds_per_step(config) * batch)
   report = programs.summarize(config, tpu, trainer.prompt_len, train, rollout)
   report["mesh"], report["sampler_mesh"] = dict(train_mesh.shape), dict(sampler_mesh.shape)
   synchronous = programs.check(_synchronous(config), tpu, trainer.prompt_len)

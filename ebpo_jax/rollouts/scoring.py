@@ -73,26 +73,17 @@ class Scorer:
     rows_g = [row for row in rows for _ in range(group_size)]
     share = -(-len(texts) // jax.process_count())
     mine = slice(jax.process_index() * share, (jax.process_index() + 1) * share)
-    if fns:
-      if transcripts is None:
-        transcripts = [[{"role": "assistant", "content": text}] for text in texts]
-      extras = [
-        {"lengths": [int(n)], "max_new_tokens": self.max_new_tokens, "task_score": self.task.score,
-         "transcripts": [messages]}
-        for n, messages in zip(lengths[mine], transcripts[mine], strict=True)
-      ]  # fmt: skip
-      named = [(f.name, f.fn) for f in fns]
-      values, errors = self.pool.score_rewards(named, texts[mine], rows_g[mine], extras)
-    else:
-      rewards, errors = self.pool.score(self.task.score, texts[mine], rows_g[mine])
-      values, errors = rewards[None], np.array([errors])  # [1, n], [1]
-    if training:
-      self._note(errors)
+    mine_transcripts = None if transcripts is None else transcripts[mine]
+    with self.pool.lock:  # the pool's last_errors are this call's (concurrent sampler calls)
+      values, errors = self._score_mine(
+        fns, texts[mine], rows_g[mine], lengths[mine], mine_transcripts, training=training
+      )
     if jax.process_count() > 1:
       values, errors = _gather_shares(values, errors, share, len(texts))
     if training:
-      self._calls += len(texts)  # per term
-      self._errors += errors
+      with self.pool.lock:
+        self._calls += len(texts)  # per term
+        self._errors += errors
     errors = int(errors.sum())
     shape = (len(rows), group_size)
     if not fns:
@@ -100,6 +91,25 @@ class Scorer:
     total = reward_fns_lib.combine(values, [f.weight for f in fns])
     parts = {f.name: v.reshape(shape) for f, v in zip(fns, values, strict=True)}
     return total.reshape(shape), parts, errors
+
+  def _score_mine(self, fns, texts, rows_g, lengths, transcripts, *, training: bool):
+    """(values [terms, n], errors [terms]) of this process's share of the completions."""
+    if fns:
+      if transcripts is None:
+        transcripts = [[{"role": "assistant", "content": text}] for text in texts]
+      extras = [
+        {"lengths": [int(n)], "max_new_tokens": self.max_new_tokens, "task_score": self.task.score,
+         "transcripts": [messages]}
+        for n, messages in zip(lengths, transcripts, strict=True)
+      ]  # fmt: skip
+      named = [(f.name, f.fn) for f in fns]
+      values, errors = self.pool.score_rewards(named, texts, rows_g, extras)
+    else:
+      rewards, errors = self.pool.score(self.task.score, texts, rows_g)
+      values, errors = rewards[None], np.array([errors])  # [1, n], [1]
+    if training:
+      self._note(errors)
+    return values, errors
 
   def _note(self, errors: np.ndarray) -> None:
     """Keeps this process's first failed call of the step per term, named: a reward term's own

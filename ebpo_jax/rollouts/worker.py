@@ -10,6 +10,8 @@ log-probs stay on the devices and go to `train_step` from there. The worker read
 from frozen `options.RolloutOptions`, built from the config once (`make_worker`).
 """
 
+import concurrent.futures
+import contextlib
 from collections.abc import Sequence
 
 import jax
@@ -131,18 +133,33 @@ class RolloutWorker:
     verifier."""
     rows = list(rows)
     prompt_ids, prompt_mask = self.encoder.prompts(rows)
-    weights, chunk, calls = self.call_plan(params, len(rows), key)
-    parts = []
-    for start, call_key in calls:
+    weights, chunk, plan = self.call_plan(params, len(rows), key)
+    calls = []
+    for start, call_key in plan:
       ids, mask = prompt_ids[start : start + chunk], prompt_mask[start : start + chunk]
       fill = np.full(chunk - len(ids), len(ids) - 1)
       ids, mask = np.concatenate([ids, ids[fill]]), np.concatenate([mask, mask[fill]])
       call_rows = rows[start : start + chunk]
-      call = SamplerCall(
-        weights.params, ids, mask, call_key, call_rows, group_size, greedy, training
+      calls.append(
+        SamplerCall(weights.params, ids, mask, call_key, call_rows, group_size, greedy, training)
       )
-      parts.append(self.strategy(call))
-    return concat_rollouts(parts, self.mesh)
+    return concat_rollouts(self._serve(calls), self.mesh)
+
+  def _serve(self, calls: list[SamplerCall]) -> list[Rollout]:
+    """The strategy's rollout of each call, in order: `sampling.concurrent_calls` at a time, each
+    in a thread under this thread's transfer guard (the outputs are the calls' own, whatever the
+    timing)."""
+    workers = min(self.options.sampling.concurrent_calls, len(calls))
+    if workers <= 1:
+      return [self.strategy(call) for call in calls]
+    guard = jax.config.jax_transfer_guard  # thread-local: this thread's, set again in each
+
+    def serve(call: SamplerCall) -> Rollout:
+      with jax.transfer_guard(guard) if guard else contextlib.nullcontext():
+        return self.strategy(call)
+
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="sampler") as pool:
+      return list(pool.map(serve, calls))
 
   def call_plan(self, params, num_rows: int, key: jax.Array):
     """`(weights, chunk, [(start, key)])` of `num_rows` rows sampled `sampling.prompts_per_call`

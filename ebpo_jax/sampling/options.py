@@ -25,6 +25,7 @@ class DecodeOptions:
   prompts_per_call: int  # prompts per sampler call; 0: all at once
   replicate_weights: bool = True  # decode with weights replicated over the rows' mesh axes
   dtype: str = ""  # the sampler's compute dtype; "": the model's
+  concurrent_calls: int = 1  # a round's sampler calls in flight at once (host work overlapped)
 
   def __post_init__(self):
     _require(self.max_new_tokens >= 1, self, "max_new_tokens", "must be >= 1")
@@ -38,6 +39,9 @@ class DecodeOptions:
     _require(self.replicate_weights in (True, False), self, "replicate_weights", "must be a bool")
     rule = "must be '' (model.dtype), float32 or bfloat16"
     _require(self.dtype in _DTYPES, self, "dtype", rule)
+    rule = "must be >= 1 (1: a round's sampler calls one after the other)"
+    ok = isinstance(self.concurrent_calls, int) and self.concurrent_calls >= 1
+    _require(ok, self, "concurrent_calls", rule)
 
   @classmethod
   def from_config(cls, config: ml_collections.ConfigDict) -> "DecodeOptions":

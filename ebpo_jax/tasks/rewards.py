@@ -75,6 +75,9 @@ class RewardPool:
       raise ValueError(f"context must be one of {_CONTEXTS}, got {context!r}")
     self.timeout_s, self.start_timeout_s = float(timeout_s), float(start_timeout_s)
     self.last_errors: list[str] = []  # messages of the last `score` call's errors (first 10)
+    # Held by each call (re-entrant): the workers serve one caller at a time, and a caller that
+    # reads `last_errors` after its call holds it across both (concurrent sampler calls).
+    self.lock = threading.RLock()
     self._ctx = multiprocessing.get_context(context)
     if context == "forkserver":
       # Keep the trainer's __main__ (and JAX) out of the fork server.
@@ -149,6 +152,10 @@ class RewardPool:
     """(ok, value, message) of each `runner(*args)` of `calls`, inline or in the workers (one
     started when there are none); `groups[i]`: which of `fns` call i runs (the unit that timeouts
     in a row drop, `_Breaker`)."""
+    with self.lock:
+      return self._call_all_locked(calls, fns, groups, inline=inline)
+
+  def _call_all_locked(self, calls, fns, groups, *, inline: bool) -> list:
     if not self._finalizer.alive:
       raise RuntimeError("this RewardPool is closed")
     # Inline only on the main thread, where SIGALRM bounds a call (the asynchronous producer's

@@ -58,6 +58,13 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
     raise ConfigError(str(e)) from None
   _from_config(losses.LossOptions, config.rl.loss)
   _from_config(sampling.DecodeOptions, config)
+  _require(
+    config.sampling.concurrent_calls == 1 or jax.process_count() == 1,
+    config,
+    "sampling.concurrent_calls",
+    "must be 1 on more than one process (each process must launch the sampler calls in one "
+    "order)",
+  )
   _choice(config, "rl.recompute_old_logps", (True, False))
   _choice(config, "data.order", data.ORDERS)
   _check_data_columns(config)

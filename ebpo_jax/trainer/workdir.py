@@ -73,6 +73,7 @@ SAFE_KEYS = frozenset(
     "rewards.workers",
     "rewards.max_error_frac",
     "env.tool_latency_s",  # a wait on the host: the same episodes
+    "sampling.concurrent_calls",  # the same calls, overlapped
     # The device layout: a checkpoint restores onto another mesh, and the math is the same.
     "mesh.data",
     "mesh.fsdp",
@@ -84,7 +85,12 @@ SAFE_KEYS = frozenset(
 )
 # Keys added since FORMAT 1, with the default that a run saved before them ran with: a saved config
 # without one compares as that default (a committed workdir resumes under the newer code).
-ADDED_KEYS = {"rl.max_staleness": 0, "env.tool_latency_s": 0.0, "mesh.rollout_devices": 0}
+ADDED_KEYS = {
+  "rl.max_staleness": 0,
+  "env.tool_latency_s": 0.0,
+  "mesh.rollout_devices": 0,
+  "sampling.concurrent_calls": 1,
+}
 # Key prefixes that are as safe: where and how the run logs (logging.*).
 SAFE_PREFIXES = ("logging.",)
 # Keys about this invocation only (the workdir's own switches): never compared.

@@ -29,7 +29,12 @@ SMOKE_RUNS = {
   "peers": ["--quick", "--ours_only"],
   # A committed run's learning curve ({out}: the smoke run's folder).
   "learning_curve": ["results/ablation_smollm2_cpu/runs/ebpo_batch_G4_s0", "--out={out}/curve.png"],
-  "async": ["--quick"],  # k = 0 and k = 1 of arith_tool:runlocal, 3 steps with the slow tool
+  # k = 0 and k = 1 of arith_tool:runlocal, 3 steps with the slow tool, two sampler calls at once
+  "async": [
+    "--quick",
+    "--override=sampling.prompts_per_call=4",
+    "--override=sampling.concurrent_calls=2",
+  ],
 }  # fmt: skip
 # Benchmarks run in one process per group (tests/helpers/bench_runs.py): they share its imports
 # and JAX's warm-up (46 CPU-s for the eight together, 54 as two groups, JAX-only and torch). The

@@ -4,6 +4,7 @@ with loss mask 0; limits truncate."""
 
 import dataclasses
 import functools
+import threading
 
 import flax.linen as nn
 import jax
@@ -218,7 +219,7 @@ class _RowEncoder(_Encoder):
     return sampling.pad_prompts([PROMPTS[row["i"]] for row in rows], 0, (6,))
 
 
-def _worker(setup, *, multi_turn: bool, turns: int = 2) -> RolloutWorker:
+def _worker(setup, *, multi_turn: bool, turns: int = 2, concurrent_calls=1) -> RolloutWorker:
   """A RolloutWorker of the tiny policy, one prompt per sampler call, episodes of `Answers(turns)`
   when `multi_turn`."""
   model, _, mesh, pool = setup
@@ -226,7 +227,7 @@ def _worker(setup, *, multi_turn: bool, turns: int = 2) -> RolloutWorker:
   options = RolloutOptions(
     seed=0,
     sampling=DecodeOptions(N, temperature=1.0, top_p=1.0, top_k=0, compact=False,
-                           prompts_per_call=1),
+                           prompts_per_call=1, concurrent_calls=concurrent_calls),
     batch=BatchOptions(G, dynamic_sampling=False, max_refill_rounds=0, overlong_buffer=0,
                        overlong_penalty=0.0),
     eval=EvalOptions(num_samples=1, greedy=True),
@@ -253,6 +254,38 @@ def test_a_round_converts_the_weights_to_the_samplers_layout_once(setup, monkeyp
   rollout = worker.rollout(params, ROWS, jax.random.key(0), group_size=G, greedy=False)
   assert not model.config.unroll_layers and len(conversions) == 1
   assert rollout.rewards.shape == (2, G) and bool(rollout.stats) == multi_turn
+
+
+@pytest.mark.parametrize("multi_turn", [False, True], ids=["single_turn", "episodes"])
+def test_concurrent_sampler_calls_run_at_once_and_give_the_rollouts_of_calls_in_turn(
+  setup, multi_turn
+):
+  """sampling.concurrent_calls = 2: the round's two calls are served at the same time (each waits
+  for the other to start: in turn, the first would wait alone and time out), under the caller's
+  transfer guard, and the rollout is the one of the calls served one after the other."""
+  _, params, _, _ = setup
+  key = jax.random.key(3)
+  alone = _worker(setup, multi_turn=multi_turn).rollout(params, ROWS, key, group_size=G,
+                                                         greedy=False)  # fmt: skip
+  worker = _worker(setup, multi_turn=multi_turn, concurrent_calls=2)
+  both, serve, guards = threading.Barrier(2, timeout=60), worker.strategy, []
+
+  def meeting(call):
+    both.wait()
+    guards.append(jax.config.jax_transfer_guard)
+    return serve(call)
+
+  worker.strategy = meeting
+  with jax.transfer_guard("disallow"):
+    together = worker.rollout(params, ROWS, key, group_size=G, greedy=False)
+  assert guards == ["disallow", "disallow"]
+  assert together.texts == alone.texts
+  for name in ("rewards", "tokens", "mask", "loss_mask", "old_logps", "truncated", "prompt_ids"):
+    np.testing.assert_array_equal(
+      np.asarray(getattr(together, name)), np.asarray(getattr(alone, name))
+    )
+  timeless = lambda stats: {k: v for k, v in stats.items() if k != "env_time_s"}
+  assert timeless(together.stats or {}) == timeless(alone.stats or {})
 
 
 def test_the_training_batch_trains_the_episodes_model_tokens_only(setup):

@@ -22,6 +22,7 @@ CONFIG_ERRORS = [
   ({"rl.max_staleness": -1}, "config.rl.max_staleness=-1: must be an int >= 0"),
   ({"rl.max_staleness": True}, "config.rl.max_staleness=True: must be an int >= 0"),
   ({"env.tool_latency_s": -0.1}, "config.env.tool_latency_s=-0.1: must be >= 0"),
+  ({"sampling.concurrent_calls": 0}, "config.sampling.concurrent_calls=0: must be >= 1"),
   # Values that failed after config.json was written, so that the corrected command was refused
   # (issue 62, item 1): the seed (32 bits: 2**32 would be seed 0's key) and the architecture.
   ({"seed": 2**63}, "config.seed=9223372036854775808: must be an int in [0, 2**32)"),
@@ -45,6 +46,14 @@ def test_invalid_config_is_one_error_naming_the_key(overrides, message):
   with pytest.raises(errors.ConfigError) as error:
     config_lib.check_config(arith_config(overrides), num_devices=8)
   assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_concurrent_sampler_calls_are_refused_on_more_than_one_process(monkeypatch):
+  config = arith_config({"sampling.concurrent_calls": 2})
+  config_lib.check_config(config, num_devices=8)  # one process: fine
+  monkeypatch.setattr(config_lib.jax, "process_count", lambda: 2)
+  with pytest.raises(errors.ConfigError, match="sampling.concurrent_calls=2: must be 1 on more"):
+    config_lib.check_config(config, num_devices=8)
 
 
 def test_a_staleness_implies_the_trainers_own_old_log_probs():
