@@ -50,6 +50,18 @@ def _check_env(config: ml_collections.ConfigDict) -> None:
   envs.from_config(config.env)  # a ConfigError naming the key
 
 
+def _check_sampling(config: ml_collections.ConfigDict) -> None:
+  """`config.sampling`: its options (`sampling.DecodeOptions`), and concurrent sampler calls on
+  one process only (each process must launch the calls in one order)."""
+  _from_config(sampling.DecodeOptions, config)
+  _require(
+    config.sampling.concurrent_calls == 1 or jax.process_count() == 1,
+    config,
+    "sampling.concurrent_calls",
+    "must be 1 on more than one process (each process must launch the sampler calls in one order)",
+  )
+
+
 def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   """Validates every value before anything compiles; raises ConfigError naming key and value."""
   try:
@@ -57,14 +69,7 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   except ValueError as e:
     raise ConfigError(str(e)) from None
   _from_config(losses.LossOptions, config.rl.loss)
-  _from_config(sampling.DecodeOptions, config)
-  _require(
-    config.sampling.concurrent_calls == 1 or jax.process_count() == 1,
-    config,
-    "sampling.concurrent_calls",
-    "must be 1 on more than one process (each process must launch the sampler calls in one "
-    "order)",
-  )
+  _check_sampling(config)
   _choice(config, "rl.recompute_old_logps", (True, False))
   _choice(config, "data.order", data.ORDERS)
   _check_data_columns(config)
