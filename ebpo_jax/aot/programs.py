@@ -88,10 +88,10 @@ def make_target(
   config: ml_collections.ConfigDict, tpu: Slice, prompt_len: int = 0, mesh: Mesh | None = None
 ) -> Target:
   """The config's mesh over the slice's devices (or `mesh`, one side of a split slice), its model
-  and abstract params. The model is
-  `model.path`'s (config.json and tokenizer) when that directory is on this machine; otherwise
-  a decoder of the config's shape keys over `model.vocab_size` tokens (placeholder stop and pad
-  ids, which do not change what is compiled); a random-init model uses the task's tokenizer.
+  and abstract params. The model is `model.path`'s (config.json and tokenizer) when that
+  directory is on this machine; otherwise a decoder of the config's shape keys over
+  `model.vocab_size` tokens (placeholder stop and pad ids, which do not change what is compiled);
+  a random-init model uses the task's tokenizer.
   `prompt_len` 0: for a task's own rows (random-init models), the bucket of the longest training
   prompt, as the trainer pads them; otherwise the largest bucket (the worst case)."""
   config_lib.check_config(config, tpu.chips)
