@@ -446,13 +446,13 @@ def add_waiting(config: ml_collections.ConfigDict, sampler: dict, resident: int)
   are the round's one copy)."""
   others = config.sampling.concurrent_calls - 1
   sampler["program_bytes"] = sampler["bytes_per_chip"]
-  if sampler["bytes_per_chip"] is None:
-    sampler["resident_bytes"] = resident
-    return
-  per_call = sampler["output_bytes"] - sampler["alias_bytes"] + sampler["temp_bytes"]
-  sampler["concurrent_bytes"] = others * per_call
-  sampler["resident_bytes"] = resident + sampler["concurrent_bytes"]
-  sampler["bytes_per_chip"] += sampler["resident_bytes"]
+  if "temp_bytes" in sampler:  # compiled (else the bytes the compiler's message names, if any)
+    per_call = sampler["output_bytes"] - sampler["alias_bytes"] + sampler["temp_bytes"]
+    sampler["concurrent_bytes"] = others * per_call
+    resident += sampler["concurrent_bytes"]
+  sampler["resident_bytes"] = resident
+  if sampler["bytes_per_chip"] is not None:
+    sampler["bytes_per_chip"] += resident
 
 
 def summarize(config, tpu: Slice, prompt_len: int, train: dict, sampler: dict) -> dict:
