@@ -52,6 +52,7 @@ from jax.sharding import Mesh
 
 from ebpo_jax import errors, files, models, sampling, sharding
 from ebpo_jax.aot import collectives, roofline
+from ebpo_jax.aot import report as report_lib
 from ebpo_jax.aot.topology import Slice, topology_devices
 from ebpo_jax.rollouts import prompts as prompts_lib
 from ebpo_jax.rollouts.options import completion_width
@@ -164,6 +165,7 @@ class Program:
   dots: roofline.DotCount
   extra: dict
   list_collectives: bool = False  # the report lists its collective ops (`collective_shapes`)
+  name: str = "program"  # for the progress line
 
 
 def compile_program(program: Program, target: Target) -> dict:
@@ -176,12 +178,14 @@ def compile_program(program: Program, target: Target) -> dict:
   except jax.errors.JaxRuntimeError as e:
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
+    report_lib.progress(program.name, "does not fit", target.mesh.size, time.perf_counter() - t0)
     found = _NEEDED.search(str(e))
     scale = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
     needed = int(float(found[1]) * scale[found[2]]) if found else None
     line = str(e).strip().splitlines()[0]
     result = {"bytes_per_chip": needed, "compile_error": line, "flops": None, "roofline_s": None}
     return {**result, **program.extra}
+  report_lib.progress(program.name, "compiled", target.mesh.size, time.perf_counter() - t0)
   costs = roofline.costs(compiled, program.dots, tpu.chip, target.mesh.size)
   result = {**_memory(compiled), **costs, **program.extra}
   result["compile_s"] = time.perf_counter() - t0
@@ -238,7 +242,7 @@ def train_step_program(target: Target) -> Program:
   extra["limit_flops"] = train_limit_flops(target)
   extra["shared_prefix"] = options.layout.shared_prefix
   dots = roofline.count_dots(traced.jaxpr, 1, target.model.config.attention_block)
-  return Program(traced.lower(), dots, extra)
+  return Program(traced.lower(), dots, extra, name="train step")
 
 
 def _sampler_inputs(target: Target) -> tuple[tuple, dict]:
@@ -290,7 +294,9 @@ def rollout_layout_program(target: Target) -> Program:
   convert = _decode_converter(target)
   traced = convert.trace(target.params)
   extra = {"copy_bytes": shard_bytes(jax.eval_shape(convert, target.params))}
-  return Program(traced.lower(), roofline.count_dots(traced.jaxpr, 1), extra)
+  return Program(
+    traced.lower(), roofline.count_dots(traced.jaxpr, 1), extra, name="weights' conversion"
+  )
 
 
 def sampler_program(target: Target) -> Program:
@@ -302,7 +308,7 @@ def sampler_program(target: Target) -> Program:
   prompts = args[1].shape[0]
   calls = -(-target.config.train.batch_size // prompts)
   extra = {"prompts_per_call": prompts, "calls_per_round": calls}
-  return Program(traced.lower(), roofline.DotCount(), extra)
+  return Program(traced.lower(), roofline.DotCount(), extra, name="sampler call")
 
 
 def sampler_part_programs(target: Target) -> tuple[Program, Program]:
@@ -314,8 +320,9 @@ def sampler_part_programs(target: Target) -> tuple[Program, Program]:
   # written after a prompt bucket of P, so its decode kernel is counted at their mean.
   p, n = target.prompt_len, target.config.sampling.max_new_tokens
   step_dots = roofline.count_dots(step.jaxpr, 1, block, decode_lengths=range(p + 1, p + n))
-  return Program(prefill.lower(), roofline.count_dots(prefill.jaxpr, 1, block), {}), Program(
-    step.lower(), step_dots, {}, list_collectives=True
+  prefill_dots = roofline.count_dots(prefill.jaxpr, 1, block)
+  return Program(prefill.lower(), prefill_dots, {}, name="its prefill"), Program(
+    step.lower(), step_dots, {}, list_collectives=True, name="its decode step"
   )
 
 

@@ -1,5 +1,7 @@
 """The human-readable lines `python -m ebpo_jax.aot` prints above its JSON report."""
 
+import sys
+
 from ebpo_jax.aot.topology import GIB
 
 
@@ -22,6 +24,11 @@ def _shares(shares: dict | None) -> str:
     return ""
   parts = [f"{_SOURCE_NAMES.get(k, k)} {v:.0%}" for k, v in shares.items() if v >= 0.005]
   return f" [numerator: {', '.join(parts)}]"
+
+
+def progress(name: str, verdict: str, chips: int, seconds: float) -> None:
+  """One line on stderr as a program's compile ends (a large config compiles for minutes)."""
+  print(f"aot: {name} {verdict} for {chips} chips in {seconds:.0f} s", file=sys.stderr, flush=True)
 
 
 def describe(report: dict) -> str:

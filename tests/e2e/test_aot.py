@@ -38,6 +38,15 @@ def test_default_job_fits_a_v5e_2x2_slice():
   assert step["shared_prefix"] and step["limit_s"] > 0 and step["flops_to_limit"] >= 1
   assert step["roofline_to_limit"] == pytest.approx(step["roofline_s"] / step["limit_s"])
   assert "fits: headroom" in result.stdout and "limit from the model's shapes" in result.stdout
+  # A line on stderr per compiled program, as it ends (issue 62, item 10: minutes of silence).
+  for name in (
+    "train step",
+    "sampler call",
+    "its prefill",
+    "its decode step",
+    "weights' conversion",
+  ):
+    assert f"aot: {name} compiled for 4 chips in " in result.stderr, result.stderr[-2000:]
   # The sampler: its prefill + the decode loop's trips x one step, against the bandwidth limit
   # from shapes (weights once a step, the written keys and values): never under it (~27x here:
   # the tiny model's logits and cache dominate; the paper config's is 1.25x, results/memory.md).
