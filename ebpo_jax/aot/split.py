@@ -25,7 +25,6 @@ turn: their sum.
 import math
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 
 from ebpo_jax import sharding
@@ -53,7 +52,7 @@ def transfer(trainer: programs.Target, sampler: programs.Target) -> dict:
   cut_bandwidth = links * link_bandwidth
   per_chip = programs.shard_bytes(sampler.params)
   total = sampler.mesh.size * per_chip
-  itemsize = jnp.dtype(programs.sampler_dtype(sampler)).itemsize
+  itemsize = programs.sampler_dtype(sampler).itemsize
   leaves = jax.tree.leaves(sampler.params)
   one_copy = sum(math.prod(x.shape) * itemsize for x in leaves)
   min_per_chip = one_copy / sampler.mesh.shape["tensor"]
@@ -112,14 +111,13 @@ def _split_step(config, chip: Chip, train: dict, rollout: dict, split: dict, syn
   synchronous step on the whole slice."""
   overlapped = config.rl.max_staleness > 0
   copy_s = 2 * train["params_bytes"] / chip.hbm_bandwidth if overlapped else 0.0
-  parts = [(train["roofline_s"], train["roofline_shares"])]
-  parts += [(copy_s, {"modelled": 1.0})] if copy_s else []
-  trainer_s = sum(s for s, _ in parts)
-  round_parts = programs.round_parts(rollout)
-  round_s = sum(s for s, _ in round_parts)
-  slower = (parts if trainer_s >= round_s else round_parts) if overlapped else parts + round_parts
-  transfer_part = (split["transfer_s"], {"modelled": 1.0})
-  step_s = sum(s for s, _ in (*slower, transfer_part))
+  trainer = [(train["roofline_s"], train["roofline_shares"]), (copy_s, {"modelled": 1.0})]
+  rounds = programs.round_parts(rollout)
+  trainer_s, round_s = sum(s for s, _ in trainer), sum(s for s, _ in rounds)
+  longer = trainer if trainer_s >= round_s else rounds
+  sides = longer if overlapped else trainer + rounds  # at k = 0 the two sides run in turn
+  path = [*sides, (split["transfer_s"], {"modelled": 1.0})]
+  step_s = sum(s for s, _ in path)
   split.update(
     {
       "overlapped": overlapped,
@@ -132,7 +130,7 @@ def _split_step(config, chip: Chip, train: dict, rollout: dict, split: dict, syn
   )
   out = {
     "rl_step_roofline_s": step_s,
-    "rl_step_roofline_shares": roofline.weighted_shares([*slower, transfer_part]),
+    "rl_step_roofline_shares": roofline.weighted_shares(path),
   }
   if "limit_s" in train and "limit_s" in rollout:
     calls = rollout["calls_per_round"] * rollout["limit_s"]
