@@ -178,6 +178,14 @@ def _data_shards(config, num_devices: int) -> int:
     "mesh.rollout_devices",
     f"must lie in [0, {num_devices}) (the sampler's devices; 0: shared)",
   )
+  _require(
+    r == 0 or jax.process_count() == 1,
+    config,
+    "mesh.rollout_devices",
+    "must be 0 on more than one process (jax moves arrays between disjoint device sets of "
+    "several processes only where both shardings are the same; the sampler's are not the "
+    "trainer's)",
+  )
   num_devices -= r
   try:
     sizes = sharding.mesh_shape(dict(config.mesh), num_devices)

@@ -56,6 +56,17 @@ def test_concurrent_sampler_calls_are_refused_on_more_than_one_process(monkeypat
     config_lib.check_config(config, num_devices=8)
 
 
+def test_a_split_mesh_is_refused_on_more_than_one_process(monkeypatch):
+  # jax moves arrays between disjoint device sets of several processes only where both sides'
+  # shardings are the same (and on some runtimes): the sampler's are not the trainer's, so the
+  # first weight transfer failed after the warm start instead of before anything ran.
+  config = arith_config({"mesh.rollout_devices": 4, "mesh.fsdp": -1, "train.batch_size": 4})
+  config_lib.check_config(config, num_devices=8)  # one process: fine
+  monkeypatch.setattr(config_lib.jax, "process_count", lambda: 2)
+  with pytest.raises(errors.ConfigError, match="mesh.rollout_devices=4: must be 0 on more than"):
+    config_lib.check_config(config, num_devices=8)
+
+
 def test_a_staleness_implies_the_trainers_own_old_log_probs():
   assert not StepOptions.from_config(arith_config({}), None).recompute_old_logps
   assert StepOptions.from_config(arith_config({"rl.max_staleness": 2}), None).recompute_old_logps
