@@ -132,6 +132,11 @@ def get_config() -> ml_collections.ConfigDict:
   # the policy-gradient terms from the first-pass / sampler probability ratio of each token.
   config.rl.loss.rollout_is = "none"  # none | token_tis (min(r, cap)) | seq_mask (geo. mean ratio)
   config.rl.loss.rollout_is_cap = 2.0  # token_tis: the weights' cap; seq_mask: kept in [1/cap, cap]
+  # The ratio PPO's surrogate clips (docs/configs.md#sequence-level-ratios-gspo). GSPO is
+  # sequence with aggregation=seq-mean-token-mean; its levels clip with seq_clip_*, not clip_*.
+  config.rl.loss.ratio_level = "token"  # token (PPO) | sequence (GSPO) | sequence_token
+  config.rl.loss.seq_clip_low = 3e-4  # a sequence ratio's clip below: 1 - seq_clip_low (GSPO's)
+  config.rl.loss.seq_clip_high = 4e-4  # ... above: 1 + seq_clip_high (GSPO's)
   # PPO's old log-probs from the train step's first pass (its params before any update; verl's
   # default), not the sampler's. Free with one update per step (that update's forward); else one
   # forward more per step (bench/recompute.py). A correction (rl.loss.rollout_is) implies it.

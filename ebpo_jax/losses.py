@@ -1,4 +1,5 @@
-"""Policy-gradient loss for RLVR: PPO clip, clip-higher, dual clip, KL to a reference, entropy.
+"""Policy-gradient loss for RLVR: PPO clip (token or sequence ratios: GSPO), clip-higher, dual
+clip, KL to a reference, entropy.
 
 Pure functions over arrays (jittable, no project imports). Shapes: `b` batch (sequences),
 `t` response tokens, `v` vocabulary. Every mean is a masked mean; padded tokens (mask 0) contribute
@@ -26,6 +27,10 @@ AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"
 AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3")
 ROLLOUT_IS_MODES: tuple[str, ...] = ("none", "token_tis", "seq_mask")
+# The importance ratio of PPO's clipped surrogate (`policy_loss`): per token (PPO, GRPO), per
+# sequence (GSPO, Zheng et al. 2025: the length-normalised sequence ratio), or GSPO-token (the
+# sequence ratio's value with each token's own gradient).
+RATIO_LEVELS: tuple[str, ...] = ("token", "sequence", "sequence_token")
 # A token's trainer/sampler probability ratio outside these bounds counts in `ratio_out_frac`.
 MISMATCH_RATIO_BOUNDS = (0.5, 2.0)
 
@@ -156,6 +161,12 @@ class LossOptions:
   entropy_coef: float = 0.0  # >= 0; 0: no entropy bonus
   rollout_is: str = "none"  # one of ROLLOUT_IS_MODES
   rollout_is_cap: float = 2.0  # finite, > 1
+  ratio_level: str = "token"  # one of RATIO_LEVELS
+  # The clip of a sequence-level ratio (ratio_level sequence or sequence_token; clip_low and
+  # clip_high are the token level's): GSPO's 3e-4 and 4e-4, a sequence ratio being a geometric
+  # mean over its tokens, much closer to 1 than a token's.
+  seq_clip_low: float = 3e-4
+  seq_clip_high: float = 4e-4
 
   def __post_init__(self):
     _check(0.0 <= self.clip_low < 1.0, self, "clip_low", "must lie in [0, 1)")
@@ -168,6 +179,15 @@ class LossOptions:
     _check(self.rollout_is in ROLLOUT_IS_MODES, self, "rollout_is", _one_of(ROLLOUT_IS_MODES))
     cap = self.rollout_is_cap
     _check(math.isfinite(cap) and cap > 1, self, "rollout_is_cap", "must be finite, > 1")
+    _check(self.ratio_level in RATIO_LEVELS, self, "ratio_level", _one_of(RATIO_LEVELS))
+    _check(0.0 <= self.seq_clip_low < 1.0, self, "seq_clip_low", "must lie in [0, 1)")
+    _check(self.seq_clip_high >= 0.0, self, "seq_clip_high", "must be >= 0")
+
+  def clip_range(self) -> tuple[float, float]:
+    """(clip_low, clip_high) of the ratio at `ratio_level`."""
+    if self.ratio_level == "token":
+      return self.clip_low, self.clip_high
+    return self.seq_clip_low, self.seq_clip_high
 
   @classmethod
   def from_config(cls, loss: Mapping[str, Any]) -> "LossOptions":
@@ -214,9 +234,11 @@ def policy_loss(
   max_len: int | None = None,
   is_weights_bt: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
-  """Token-level PPO-clip loss with clip-higher, dual clip, KL and entropy terms.
+  """PPO-clip loss with clip-higher, dual clip, KL and entropy terms; token or sequence ratios.
 
-  With r = exp(logp - old_logp) per token and advantage A (per sequence or per token):
+  With r the ratio at `options.ratio_level` (`surrogate_ratio`: exp(logp - old_logp) per token,
+  or GSPO's length-normalised sequence ratio), advantage A (per sequence or per token) and the
+  level's clip bounds (`LossOptions.clip_range`):
 
     pg    = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))   (Schulman et al. 2017;
                                                                   clip-higher: DAPO, Yu et al. 2025)
@@ -234,7 +256,8 @@ def policy_loss(
   weight-0 token still counts in N_tok). Metrics: `pg_loss`, `kl` (0 without reference log-probs),
   `entropy` (only with `entropy_bt`), `clipfrac` (tokens where the clip is active, `clipfrac_low`
   / `clipfrac_high` by side), `dual_clipfrac`,
-  `ratio_mean`, `approx_kl` (k3 of the old policy from the new one: how far the update has moved).
+  `ratio_mean` (of r), `approx_kl` (k3 of the old policy from the new one, per token: how far the
+  update has moved).
   """
   o, agg = options, options.aggregation
   if o.kl_coef > 0.0 and ref_logps_bt is None:
@@ -256,9 +279,10 @@ def policy_loss(
   # Padding is zeroed first: inf/NaN there would otherwise leak into gradients (0 * inf = NaN).
   logps_bt = _zero_padding(logps_bt, mask_bt)
   log_ratio_bt = logps_bt - _zero_padding(old_logps_bt, mask_bt)
-  ratio_bt = jnp.exp(jnp.clip(log_ratio_bt, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+  ratio_bt = surrogate_ratio(logps_bt, log_ratio_bt, mask_bt, o.ratio_level)
+  clip_low, clip_high = o.clip_range()
   pg_bt, is_clipped_bt, dual_clipped_bt = _clipped_surrogate(
-    adv_bt, ratio_bt, clip_low=o.clip_low, clip_high=o.clip_high, dual_clip=o.dual_clip
+    adv_bt, ratio_bt, clip_low=clip_low, clip_high=clip_high, dual_clip=o.dual_clip
   )
   if is_weights_bt is not None:
     pg_bt = pg_bt * _zero_padding(jax.lax.stop_gradient(is_weights_bt), mask_bt)
@@ -276,6 +300,31 @@ def policy_loss(
       loss = loss - o.entropy_coef * metrics["entropy"]
   metrics["loss"] = loss
   return loss, metrics
+
+
+def surrogate_ratio(logps_bt: Array, log_ratio_bt: Array, mask_bt: Array, level: str) -> Array:
+  """The ratio [B, T] PPO's surrogate clips, at `level` (one of RATIO_LEVELS), from the tokens'
+  log-ratios log(pi / pi_old) (padding zeroed):
+
+    token:           r_t = exp(log_ratio_t)
+    sequence:        s   = exp(sum_t m log_ratio_t / sum_t m), the same s at every token of the
+                     sequence, its gradient through all of them (GSPO)
+    sequence_token:  s_t = sg(s) pi_t / sg(pi_t): s's value, each token's own gradient
+                     (GSPO-token: per-token advantages with sequence-level clipping)
+
+  With a per-sequence advantage and `seq-mean-token-mean` aggregation, sequence and
+  sequence_token give GSPO's objective and the same gradient."""
+  if level == "token":
+    return jnp.exp(jnp.clip(log_ratio_bt, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+  if level not in RATIO_LEVELS:
+    raise ValueError(f"ratio_level must be one of {RATIO_LEVELS}, got {level!r}")
+  lengths_b = jnp.maximum(jnp.sum(mask_bt, axis=-1), 1)
+  seq_log_ratio_b1 = (jnp.sum(log_ratio_bt, axis=-1) / lengths_b)[:, None]
+  if level == "sequence":
+    log_s_bt = jnp.broadcast_to(seq_log_ratio_b1, log_ratio_bt.shape)
+  else:
+    log_s_bt = jax.lax.stop_gradient(seq_log_ratio_b1) + logps_bt - jax.lax.stop_gradient(logps_bt)
+  return jnp.exp(jnp.clip(log_s_bt, -_MAX_LOG_RATIO, _MAX_LOG_RATIO))
 
 
 def _ratio_metrics(tok_mean, ratio_bt, log_ratio_bt, is_clipped_bt, dual_clipped_bt) -> dict:

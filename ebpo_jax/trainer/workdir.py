@@ -90,6 +90,9 @@ ADDED_KEYS = {
   "env.tool_latency_s": 0.0,
   "mesh.rollout_devices": 0,
   "sampling.concurrent_calls": 1,
+  "rl.loss.ratio_level": "token",
+  "rl.loss.seq_clip_low": 3e-4,
+  "rl.loss.seq_clip_high": 4e-4,
 }
 # Key prefixes that are as safe: where and how the run logs (logging.*).
 SAFE_PREFIXES = ("logging.",)
