@@ -26,6 +26,7 @@ DEFAULT_RULES: Rules = (
   ("vocab", "tensor"),
   ("embed", "fsdp"),
   ("mlp", "tensor"),
+  ("expert", None),  # a MoE block's experts (models.moe): each device holds all of them
   ("heads", "tensor"),
   ("kv_heads", "tensor"),
   ("head_dim", None),

@@ -1,6 +1,7 @@
 """The decoder's static config, `ModelConfig`, and its Hugging Face `config.json` in and out.
 
-`ARCHITECTURES` names the supported HF model types; `REMAT_POLICIES` the per-layer remat policies.
+`ARCHITECTURES` names the supported HF model types (Qwen3-MoE's sparse block: `models.moe`);
+`REMAT_POLICIES` the per-layer remat policies.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ ARCHITECTURES = {
   "llama": "LlamaForCausalLM",
   "qwen2": "Qwen2ForCausalLM",
   "qwen3": "Qwen3ForCausalLM",
+  "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 REMAT_POLICIES = {
   "none": None,
@@ -57,6 +59,13 @@ class ModelConfig:
   attention: str = "xla"  # attention without a KV cache: xla | splash | cudnn (models.attention)
   attention_block: int = 512  # splash's largest block (a multiple of 128)
   attention_emulate: bool = False  # the kernel emulated: splash interpreted, cudnn through XLA
+  # Mixture of experts (qwen3_moe; models.moe): every layer's MLP is a sparse block of
+  # num_experts SwiGLU experts of moe_intermediate_size, num_experts_per_tok per token. 0: dense.
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_intermediate_size: int = 0
+  norm_topk_prob: bool = True  # the top-k router probabilities renormalised to sum to 1
+  router_aux_loss_coef: float = 0.0  # the load-balancing loss's weight (HF's; 0: none)
 
   @property
   def attention_bias(self) -> bool:
@@ -66,7 +75,7 @@ class ModelConfig:
   @property
   def qk_norm(self) -> bool:
     """Qwen3's per-head RMSNorm on q and k: set by the architecture, as in HF."""
-    return self.architecture == "qwen3"
+    return self.architecture in ("qwen3", "qwen3_moe")
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -91,6 +100,7 @@ class ModelConfig:
       raise ValueError(f"attention_block={self.attention_block} must be a positive multiple of 128")
     for name in ("dtype", "param_dtype"):
       jnp.dtype(getattr(self, name))  # raises on an unknown dtype name
+    _check_experts(self)
     if self.rope_scaling is not None:
       rope_type = dict(self.rope_scaling).get("rope_type")
       if rope_type not in ("llama3", "default"):
@@ -129,6 +139,14 @@ class ModelConfig:
       max_position_embeddings=hf_config.get("max_position_embeddings", 2048),
       architecture=model_type,
     )
+    if model_type == "qwen3_moe":
+      kwargs.update(
+        num_experts=hf_config.get("num_experts") or hf_config["num_local_experts"],
+        num_experts_per_tok=hf_config["num_experts_per_tok"],
+        moe_intermediate_size=hf_config["moe_intermediate_size"],
+        norm_topk_prob=bool(hf_config.get("norm_topk_prob", False)),
+        router_aux_loss_coef=float(hf_config.get("router_aux_loss_coef", 0.001)),
+      )
     kwargs.update(overrides)
     return cls(**kwargs)
 
@@ -161,11 +179,47 @@ class ModelConfig:
     if self.architecture == "llama":
       hf["attention_bias"] = False
       hf["mlp_bias"] = False
+    if self.num_experts:
+      hf.update(
+        num_experts=self.num_experts,
+        num_experts_per_tok=self.num_experts_per_tok,
+        moe_intermediate_size=self.moe_intermediate_size,
+        norm_topk_prob=self.norm_topk_prob,
+        router_aux_loss_coef=self.router_aux_loss_coef,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+      )
     return hf
+
+
+def _check_experts(c: ModelConfig) -> None:
+  """A MoE config is qwen3_moe's, with k of E experts; LoRA adapters sit outside the experts."""
+  if c.num_experts == 0:
+    return
+  if c.architecture != "qwen3_moe":
+    raise ValueError(f"num_experts={c.num_experts} needs architecture 'qwen3_moe'")
+  if not 0 < c.num_experts_per_tok <= c.num_experts or c.moe_intermediate_size <= 0:
+    raise ValueError(
+      f"num_experts_per_tok={c.num_experts_per_tok} must lie in [1, num_experts="
+      f"{c.num_experts}] and moe_intermediate_size={c.moe_intermediate_size} be > 0"
+    )
+  mlp_targets = sorted(set(c.lora_targets) & {"gate", "up", "down"})
+  if c.lora_rank > 0 and mlp_targets:
+    raise ValueError(
+      f"lora_targets {mlp_targets} are MLP projections: a MoE model's experts take no adapters "
+      "(targets q, k, v, o)"
+    )
 
 
 def _check_supported(hf_config: dict, model_type: str) -> None:
   """Rejects config.json features this decoder does not implement, instead of ignoring them."""
+  sparse_every = hf_config.get("decoder_sparse_step", 1)
+  dense_layers = hf_config.get("mlp_only_layers") or []
+  if model_type == "qwen3_moe" and (sparse_every != 1 or dense_layers):
+    raise ValueError(
+      f"config.json decoder_sparse_step={sparse_every}, mlp_only_layers={dense_layers}: dense "
+      "layers between MoE layers are not supported (the layers are scanned: one structure)"
+    )
   unsupported = {
     "hidden_act": hf_config.get("hidden_act", "silu") != "silu",
     "mlp_bias": bool(hf_config.get("mlp_bias")),

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ebpo_jax.models import attention, lora, shared_prefix
+from ebpo_jax.models import attention, lora, moe, shared_prefix
 from ebpo_jax.models.config import REMAT_POLICIES, ModelConfig
 
 
@@ -291,7 +291,8 @@ class DecoderLayer(nn.Module):
     )
     x_bte = x_bte + attn_out
     mlp_in = RMSNorm(self.config, name="post_attention_layernorm")(x_bte)
-    return x_bte + MLP(self.config, name="mlp")(mlp_in), new_kv
+    mlp = moe.SparseMoE if self.config.num_experts else MLP
+    return x_bte + mlp(self.config, name="mlp")(mlp_in), new_kv
 
 
 def _written_mask(cache: KVCache, attention_mask_bt: jax.Array) -> jax.Array:

@@ -50,8 +50,11 @@ def abstract_params(model: Decoder) -> Any:
   return jax.eval_shape(model.init, jax.random.key(0), ids)["params"]
 
 
-def hf_name(path: Path, layer: int | None = None) -> str:
-  """HF tensor name of our param `path` (for layer `layer` inside the scanned stack)."""
+def hf_name(path: Path, layer: int | None = None, expert: int | None = None) -> str:
+  """HF tensor name of our param `path` (for layer `layer` inside the scanned stack, and expert
+  `expert` of a MoE block's stacked experts)."""
+  if is_experts(path):  # ("layers", "mlp", "experts", "gate_proj")
+    return f"model.layers.{layer}.mlp.experts.{expert}.{path[-1]}.weight"
   if path == ("embed_tokens",):
     return "model.embed_tokens.weight"
   if path == ("lm_head",):
@@ -63,21 +66,27 @@ def hf_name(path: Path, layer: int | None = None) -> str:
   return ".".join(["model", *modules, suffix])
 
 
+def is_experts(path: Path) -> bool:
+  """Whether `path` is a MoE block's stacked experts `[E, in, out]` (one HF tensor per expert)."""
+  return len(path) > 1 and path[-2] == "experts"
+
+
 def _input_rank(path: Path) -> int:
   """How many leading axes of our kernel are the input features (HF keeps `[out, in]`)."""
   return 2 if path[-2] == "o_proj" else 1
 
 
 def hf_to_ours(path: Path, tensor: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-  """One HF tensor -> our layout (`shape` excludes the layers axis)."""
-  if path[-1] in ("kernel", "lm_head"):
+  """One HF tensor -> our layout (`shape` excludes the layers axis, and an expert's the experts
+  axis)."""
+  if path[-1] in ("kernel", "lm_head") or is_experts(path):
     tensor = tensor.T
   return tensor.reshape(shape)
 
 
 def ours_to_hf(path: Path, value: np.ndarray) -> np.ndarray:
   """One of our (per-layer) arrays -> the HF tensor."""
-  if path[-1] == "lm_head":
+  if path[-1] == "lm_head" or is_experts(path):
     return value.T
   if path[-1] == "kernel":
     rank = _input_rank(path)
@@ -123,7 +132,12 @@ def _read_param(
     return hf_to_ours(path, reader.get(hf_name(path)), shape).astype(dtype)
   stacked = np.empty(shape, dtype)
   for layer in range(shape[0]):
-    stacked[layer] = hf_to_ours(path, reader.get(hf_name(path, layer)), shape[1:])
+    if is_experts(path):
+      for e in range(shape[1]):
+        tensor = reader.get(hf_name(path, layer, e))
+        stacked[layer, e] = hf_to_ours(path, tensor, shape[2:])
+    else:
+      stacked[layer] = hf_to_ours(path, reader.get(hf_name(path, layer)), shape[1:])
   return stacked
 
 
@@ -174,7 +188,7 @@ def from_pretrained(
   rules: sharding_lib.Rules = sharding_lib.DEFAULT_RULES,
   **config_overrides: Any,
 ) -> tuple[Decoder, Any]:
-  """Loads an HF Llama/Qwen2/Qwen3 directory (local or gs://) -> `(Decoder, params)`.
+  """Loads an HF Llama/Qwen2/Qwen3/Qwen3-MoE directory (local or gs://) -> `(Decoder, params)`.
 
   `dtype` is the compute dtype and, unless `param_dtype` is given, the param dtype. With `mesh`,
   each param is placed into its logical sharding under `rules` as it is read.
@@ -190,7 +204,11 @@ def _hf_tensors(params: Any) -> Iterator[tuple[str, np.ndarray]]:
       yield hf_name(path), ours_to_hf(path, host)
       continue
     for layer in range(host.shape[0]):
-      yield hf_name(path, layer), np.ascontiguousarray(ours_to_hf(path, host[layer]))
+      if is_experts(path):
+        for e in range(host.shape[1]):
+          yield hf_name(path, layer, e), np.ascontiguousarray(ours_to_hf(path, host[layer, e]))
+      else:
+        yield hf_name(path, layer), np.ascontiguousarray(ours_to_hf(path, host[layer]))
 
 
 def save_pretrained(

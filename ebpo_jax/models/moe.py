@@ -1,0 +1,101 @@
+"""The mixture-of-experts block of Qwen3-MoE: a top-k softmax router and SwiGLU experts computed
+as grouped matmuls (`jax.lax.ragged_dot` over the tokens sorted by expert).
+
+Routing as in HF's `Qwen3MoeTopKRouter`: router logits x @ W_gate, a float32 softmax over the
+experts, the top k probabilities (renormalised to sum to 1 with `norm_topk_prob`), cast back to
+the compute dtype; each token's output is the weighted sum of its k experts' SwiGLU MLPs. The
+experts' weights are stacked, `[E, in, out]`, under the logical axis "expert".
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from ebpo_jax.models.config import ModelConfig
+
+
+class Routing(NamedTuple):
+  """A token's experts: `ids` [T, k] int32, their `weights` [T, k] (compute dtype), and the full
+  float32 router probabilities `probs` [T, E] (the load-balancing loss reads them)."""
+
+  ids: jax.Array
+  weights: jax.Array
+  probs: jax.Array
+
+
+def route(logits_te: jax.Array, k: int, normalize: bool) -> Routing:
+  """Top-k softmax routing of router logits [T, E] (HF's order: softmax, top k, renormalise)."""
+  probs = jax.nn.softmax(logits_te.astype(jnp.float32), axis=-1)
+  top, ids = jax.lax.top_k(probs, k)
+  if normalize:
+    top = top / jnp.sum(top, axis=-1, keepdims=True)
+  return Routing(ids.astype(jnp.int32), top.astype(logits_te.dtype), probs)
+
+
+def grouped_experts(x_td: jax.Array, routing: Routing, w_gate, w_up, w_down) -> jax.Array:
+  """sum_j weight_j * down_e(silu(gate_e(x)) * up_e(x)) over each token's k experts e = ids_j,
+  as three grouped matmuls over the T*k (token, expert) pairs sorted by expert. Weights are
+  `[E, d, f]`, `[E, d, f]` and `[E, f, d]`."""
+  t, k = routing.ids.shape
+  num_experts = w_gate.shape[0]
+  flat_ids = routing.ids.reshape(-1)
+  order = jnp.argsort(flat_ids, stable=True)  # pair p = token p // k's j = p % k
+  rows = x_td[order // k]
+  sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
+  gate = jax.lax.ragged_dot(rows, w_gate, sizes)
+  up = jax.lax.ragged_dot(rows, w_up, sizes)
+  out = jax.lax.ragged_dot(nn.silu(gate) * up, w_down, sizes)
+  unsorted = jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)
+  return jnp.einsum("tkd,tk->td", unsorted, routing.weights.astype(out.dtype))
+
+
+def _param(module: nn.Module, name: str, shape: tuple[int, ...], axes) -> jax.Array:
+  """A param of `module` in its config's param dtype (logical `axes`), cast to the compute dtype."""
+  c = module.config
+  init = nn.with_logical_partitioning(nn.initializers.normal(0.02), axes)
+  return jnp.asarray(module.param(name, init, shape, jnp.dtype(c.param_dtype)), jnp.dtype(c.dtype))
+
+
+class Router(nn.Module):
+  """`x [T, d] -> Routing`: the router's `kernel` [d, E] (HF's `mlp.gate.weight`)."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_td: jax.Array) -> Routing:
+    c = self.config
+    kernel = _param(self, "kernel", (c.hidden_size, c.num_experts), ("embed", None))
+    return route(x_td @ kernel, c.num_experts_per_tok, c.norm_topk_prob)
+
+
+class Experts(nn.Module):
+  """`(x [T, d], Routing) -> [T, d]`: the stacked SwiGLU experts, `gate_proj` and `up_proj`
+  [E, d, f], `down_proj` [E, f, d] (HF's `mlp.experts.{e}.*.weight`, transposed)."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_td: jax.Array, routing: Routing) -> jax.Array:
+    c = self.config
+    d, f, e = c.hidden_size, c.moe_intermediate_size, c.num_experts
+    w_gate = _param(self, "gate_proj", (e, d, f), ("expert", "embed", "mlp"))
+    w_up = _param(self, "up_proj", (e, d, f), ("expert", "embed", "mlp"))
+    w_down = _param(self, "down_proj", (e, f, d), ("expert", "mlp", "embed"))
+    return grouped_experts(x_td, routing, w_gate, w_up, w_down)
+
+
+class SparseMoE(nn.Module):
+  """Qwen3-MoE's sparse MLP block, `x [B, T, d] -> [B, T, d]`: `gate` (the router) and
+  `experts`, as HF names them."""
+
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_bte: jax.Array) -> jax.Array:
+    x_td = x_bte.reshape(-1, x_bte.shape[-1])
+    routing = Router(self.config, name="gate")(x_td)
+    return Experts(self.config, name="experts")(x_td, routing).reshape(x_bte.shape)
