@@ -57,7 +57,7 @@ def get_config() -> ml_collections.ConfigDict:
   config.model = ml_collections.ConfigDict()  # the policy (and its frozen KL reference)
   config.model.path = ""  # HF directory or packaged:NAME; "": random-init decoder of this shape
   config.model.init_from = ""  # trainer workdir: start from its latest checkpoint's params
-  config.model.architecture = "llama"  # llama | qwen2 | qwen3; random-init models only
+  config.model.architecture = "llama"  # llama | qwen2 | qwen3 | qwen3_moe; random-init models only
   config.model.tie_word_embeddings = True  # lm_head shares the embedding; random-init models only
   config.model.rope_theta = 10_000.0  # RoPE base frequency; random-init models only
   config.model.hidden_size = 64  # shape keys: random-init models only (a model.path has its own)
@@ -66,6 +66,14 @@ def get_config() -> ml_collections.ConfigDict:
   config.model.num_heads = 2  # query heads
   config.model.num_kv_heads = 2  # key/value heads (GQA: divides num_heads)
   config.model.head_dim = 32  # per-head width
+  # Mixture of experts (architecture qwen3_moe, models.moe; random-init models only): every layer's
+  # MLP a sparse block of num_experts SwiGLU experts, num_experts_per_tok of them per token.
+  config.model.num_experts = 0  # experts per block; 0: dense
+  config.model.num_experts_per_tok = 2  # experts per token (top k)
+  config.model.moe_intermediate_size = 64  # an expert's MLP width
+  # The router's load-balancing loss weight; None: the model directory's (HF's 0.001 if unset),
+  # 0.001 for a random-init MoE.
+  config.model.router_aux_loss_coef = placeholder(float)  # None | >= 0
   config.model.vocab_size = 0  # model.path's vocabulary, for ebpo_jax.aot without the directory
   config.model.dtype = "float32"  # compute dtype: float32 | bfloat16
   config.model.param_dtype = "float32"  # master-weight dtype: float32 | bfloat16

@@ -66,6 +66,11 @@ MISMATCH_RATIO_OUT_FRAC = "mismatch/ratio_out_frac"  # share of tokens with r ou
 # The rollout correction's weights (rl.loss.rollout_is != none): losses.rollout_is_weights.
 ROLLOUT_IS_MEAN_WEIGHT = "rollout_is/mean_weight"  # token mean of the weights
 ROLLOUT_IS_CLIPPED_FRAC = "rollout_is/clipped_frac"  # tokens capped (token_tis), masked (seq_mask)
+# Mixture-of-experts policies (models.moe), over the tokens of the update's forward, mean of the
+# step's updates: the router's load-balancing loss (HF's; k of top-k when balanced), the most loaded
+# expert's load over the mean load at the most unbalanced layer (1: balanced).
+MOE_AUX_LOSS = "moe/aux_loss"
+MOE_LOAD_MAX = "moe/load_max"
 # Asynchronous RL (rl.max_staleness = k > 0, rollouts.pipeline): the batch's staleness, steps
 # between the policy that sampled it and the one it trains (batch t: min(t, k) for every row, on
 # the line of step t + 1), and where the step's time went.
@@ -118,6 +123,7 @@ KEYS = frozenset(
   }
   | {MISMATCH_KL, MISMATCH_MAX_ABS, MISMATCH_RATIO_OUT_FRAC}
   | {ROLLOUT_IS_MEAN_WEIGHT, ROLLOUT_IS_CLIPPED_FRAC}
+  | {MOE_AUX_LOSS, MOE_LOAD_MAX}
   | {ASYNC_STALENESS_MEAN, ASYNC_STALENESS_MAX}
   | {EVAL_ACCURACY, EVAL_VERIFIER_ERRORS, SFT_LOSS}
 )

@@ -1,7 +1,8 @@
-"""The policy model: one config-driven decoder, its HF/GGUF weight I/O, the packaged SmolLM2,
-building it from a config (`build`), and the model directory checked (`check_model_path`)."""
+"""The policy model: one config-driven decoder (dense, or with Qwen3-MoE's sparse blocks:
+`moe`), its HF/GGUF weight I/O, the packaged SmolLM2, building it from a config (`build`), and
+the model directory checked (`check_model_path`)."""
 
-from ebpo_jax.models import build, lora, shared_prefix
+from ebpo_jax.models import build, lora, moe, shared_prefix
 from ebpo_jax.models.check import check_model_path
 from ebpo_jax.models.config import ModelConfig
 from ebpo_jax.models.decoder import Decoder, KVCache, init_cache
@@ -20,6 +21,7 @@ __all__ = [
   "from_pretrained",
   "init_cache",
   "lora",
+  "moe",
   "resolve_model_path",
   "save_pretrained",
   "shared_prefix",

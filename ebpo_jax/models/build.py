@@ -22,7 +22,8 @@ from ebpo_jax.models import attention, gguf_io, hf_io, lora
 from ebpo_jax.models.config import ModelConfig
 from ebpo_jax.models.decoder import Decoder
 
-RANDOM_INIT_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+RANDOM_INIT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
+DEFAULT_ROUTER_AUX_LOSS_COEF = 0.001  # HF Qwen3-MoE's
 
 
 def random_init_config(mc: ml_collections.ConfigDict, vocab_size: int) -> ModelConfig:
@@ -32,6 +33,16 @@ def random_init_config(mc: ml_collections.ConfigDict, vocab_size: int) -> ModelC
   if arch not in RANDOM_INIT_ARCHITECTURES:
     raise ConfigError(
       f"config.model.architecture={arch!r}: must be one of {RANDOM_INIT_ARCHITECTURES}"
+    )
+  moe = {}
+  if arch == "qwen3_moe":
+    if mc.num_experts <= 0:
+      raise ConfigError(f"config.model.num_experts={mc.num_experts}: must be > 0 for qwen3_moe")
+    moe = dict(
+      num_experts=mc.num_experts,
+      num_experts_per_tok=mc.num_experts_per_tok,
+      moe_intermediate_size=mc.moe_intermediate_size,
+      router_aux_loss_coef=DEFAULT_ROUTER_AUX_LOSS_COEF,
     )
   return ModelConfig(
     vocab_size=vocab_size,
@@ -48,6 +59,7 @@ def random_init_config(mc: ml_collections.ConfigDict, vocab_size: int) -> ModelC
     param_dtype=mc.param_dtype,
     remat=mc.remat,
     unroll_layers=bool(mc.unroll_layers),
+    **moe,
   )
 
 
@@ -84,6 +96,11 @@ def make_model(
     )
   else:
     model_config = random_init_config(mc, vocab_size)
+  if mc.router_aux_loss_coef is not None and model_config.num_experts:
+    coef = float(mc.router_aux_loss_coef)
+    if not coef >= 0:
+      raise ConfigError(f"config.model.router_aux_loss_coef={coef}: must be >= 0")
+    model_config = dataclasses.replace(model_config, router_aux_loss_coef=coef)
   model_config = with_attention(model_config, mc, device or jax.devices()[0])
   return Decoder(with_lora(model_config, mc.lora))
 

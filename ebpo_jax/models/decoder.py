@@ -284,15 +284,16 @@ class DecoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, x_bte, context, layer_cache=None):
-    sin, cos, valid = context
+    sin, cos, valid, mask_bt = context
     attn_in = RMSNorm(self.config, name="input_layernorm")(x_bte)
     attn_out, new_kv = Attention(self.config, name="self_attn")(
       attn_in, sin, cos, valid, layer_cache
     )
     x_bte = x_bte + attn_out
     mlp_in = RMSNorm(self.config, name="post_attention_layernorm")(x_bte)
-    mlp = moe.SparseMoE if self.config.num_experts else MLP
-    return x_bte + mlp(self.config, name="mlp")(mlp_in), new_kv
+    if self.config.num_experts:
+      return x_bte + moe.SparseMoE(self.config, name="mlp")(mlp_in, mask_bt), new_kv
+    return x_bte + MLP(self.config, name="mlp")(mlp_in), new_kv
 
 
 def _written_mask(cache: KVCache, attention_mask_bt: jax.Array) -> jax.Array:
@@ -367,12 +368,13 @@ class Decoder(nn.Module):
       valid = _valid_slots(attention_mask, cache)
     else:
       valid = attention.layout(c.attention, attention_mask, prefix_groups)
+    context = (sin, cos, valid, attention_mask)  # the mask: a MoE block's valid tokens
     if self.scan_layers and cache is None:
-      x, new_cache = self._scanned_layers()(x, (sin, cos, valid))[0], None
+      x, new_cache = self._scanned_layers()(x, context)[0], None
     elif self.scan_layers:
-      x, new_cache = self._rolled_loop(x, (sin, cos, valid), cache, attention_mask)
+      x, new_cache = self._rolled_loop(x, context, cache, attention_mask)
     else:
-      x, new_cache = self._layer_loop(x, (sin, cos, valid), cache, attention_mask)
+      x, new_cache = self._layer_loop(x, context, cache, attention_mask)
     x = RMSNorm(c, name="norm")(x)
     if prefix_groups is not None:
       x = shared_prefix.predicting_states(x, prefix_groups)
@@ -424,7 +426,7 @@ class Decoder(nn.Module):
     """`nn.scan`'s options of the layer loop: stacked params, unrolled as the config says."""
     c = self.config
     return dict(
-      variable_axes={"params": 0},
+      variable_axes={"params": 0, "intermediates": 0},  # a MoE block's sown RouterStats too
       split_rngs={"params": True, lora.DROPOUT_RNG: True},  # each layer its own dropout masks
       in_axes=(nn.broadcast,),
       length=c.num_layers,

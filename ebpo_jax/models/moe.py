@@ -5,11 +5,16 @@ Routing as in HF's `Qwen3MoeTopKRouter`: router logits x @ W_gate, a float32 sof
 experts, the top k probabilities (renormalised to sum to 1 with `norm_topk_prob`), cast back to
 the compute dtype; each token's output is the weighted sum of its k experts' SwiGLU MLPs. The
 experts' weights are stacked, `[E, in, out]`, under the logical axis "expert".
+
+Each block sows its `RouterStats` (collection "intermediates", `STATS`) over the valid tokens; the
+train step collects them (`collect`) into the load-balancing loss (`load_balancing_loss`, HF's
+`load_balancing_loss_func` over all layers' tokens) and the expert-load metric (`load_max`).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -25,6 +30,67 @@ class Routing(NamedTuple):
   ids: jax.Array
   weights: jax.Array
   probs: jax.Array
+
+
+STATS = "router_stats"  # the sown RouterStats of a block (collection "intermediates")
+
+
+class RouterStats(NamedTuple):
+  """A block's routing over its valid tokens, float32, `[..., E]` (a leading layer axis once
+  collected): `counts` (tokens with expert e among their k), `probs` (the router probabilities
+  summed), `tokens` (`[...]`, the valid tokens)."""
+
+  counts: jax.Array
+  probs: jax.Array
+  tokens: jax.Array
+
+
+def router_stats(routing: Routing, mask_t: jax.Array) -> RouterStats:
+  """The RouterStats of `routing` over the tokens where `mask_t` [T] is true (the others' values,
+  NaN or not, count nowhere)."""
+  valid = mask_t.astype(bool)[:, None]
+  num_experts = routing.probs.shape[-1]
+  chosen = jax.nn.one_hot(routing.ids, num_experts, dtype=jnp.float32).sum(axis=1)  # [T, E]
+  counts = jnp.where(valid, chosen, 0.0).sum(axis=0)
+  probs = jnp.where(valid, routing.probs, 0.0).sum(axis=0)
+  return RouterStats(counts, probs, valid.sum().astype(jnp.float32))
+
+
+def collect(intermediates: Any) -> RouterStats | None:
+  """The sown RouterStats of every MoE layer of a forward (its "intermediates"), stacked over the
+  layers `[L, ...]` (a scanned stack already is); None when the model has no MoE block."""
+  found = []
+
+  def visit(tree):
+    for key, value in tree.items():
+      if key == STATS:
+        found.extend(value)
+      elif isinstance(value, Mapping):
+        visit(value)
+
+  visit(intermediates)
+  if not found:
+    return None
+  stacked = [s if s.tokens.ndim else jax.tree.map(lambda x: x[None], s) for s in found]
+  return jax.tree.map(lambda *xs: jnp.concatenate(xs), *stacked)
+
+
+def load_balancing_loss(stats: RouterStats) -> jax.Array:
+  """Switch Transformer's auxiliary loss as HF's Qwen3-MoE computes it over all layers' tokens:
+  E * sum_e f_e P_e, f_e the share of (layer, token) pairs that route to expert e, P_e the mean
+  router probability of e (summed over its k choices, f sums to k: k when load and probabilities
+  are both uniform, f_e = k / E and P_e = 1 / E)."""
+  tokens = jnp.maximum(stats.tokens.sum(), 1.0)
+  f = stats.counts.sum(axis=0) / tokens
+  p = stats.probs.sum(axis=0) / tokens
+  return stats.counts.shape[-1] * jnp.sum(f * p)
+
+
+def load_max(stats: RouterStats) -> jax.Array:
+  """The most loaded expert's load over the mean load, at the most unbalanced layer (1: balanced;
+  E / k: every token on the same k experts)."""
+  mean = jnp.maximum(stats.counts.mean(axis=-1), 1e-9)
+  return jnp.max(stats.counts.max(axis=-1) / mean)
 
 
 def route(logits_te: jax.Array, k: int, normalize: bool) -> Routing:
@@ -89,13 +155,14 @@ class Experts(nn.Module):
 
 
 class SparseMoE(nn.Module):
-  """Qwen3-MoE's sparse MLP block, `x [B, T, d] -> [B, T, d]`: `gate` (the router) and
-  `experts`, as HF names them."""
+  """Qwen3-MoE's sparse MLP block, `(x [B, T, d], valid tokens [B, T]) -> [B, T, d]`: `gate` (the
+  router) and `experts`, as HF names them; sows its RouterStats over the valid tokens."""
 
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x_bte: jax.Array) -> jax.Array:
+  def __call__(self, x_bte: jax.Array, mask_bt: jax.Array) -> jax.Array:
     x_td = x_bte.reshape(-1, x_bte.shape[-1])
     routing = Router(self.config, name="gate")(x_td)
+    self.sow("intermediates", STATS, router_stats(routing, mask_bt.reshape(-1)))
     return Experts(self.config, name="experts")(x_td, routing).reshape(x_bte.shape)

@@ -71,10 +71,11 @@ def completion_logits(
   *,
   packed_group_size: int | None,
   dropout_key: jax.Array | None = None,
-) -> jax.Array:
+  with_routing: bool = False,
+) -> jax.Array | tuple[jax.Array, models.moe.RouterStats | None]:
   """Logits [R, N, V] that predict the N completion tokens (the LM head runs at those positions
   only); with `dropout_key`, the LoRA adapters' inputs are dropped out (`model.lora.dropout`: the
-  training forward only).
+  training forward only). `with_routing`: (logits, the MoE layers' `RouterStats` or None).
 
   `seqs` in the layout the caller built: one row per completion (`sequences.build_sequences`;
   `packed_group_size=None`), or one per prompt with its G completions packed after it
@@ -86,14 +87,19 @@ def completion_logits(
   else:
     prefix_len = seq_len - packed_group_size * n
     layout = {"prefix_groups": models.PrefixGroups(prefix_len, packed_group_size)}
-  return model.apply(
+  routing = with_routing and model.config.num_experts > 0
+  out = model.apply(
     {"params": params},
     seqs["input_ids"],
     positions=seqs["positions"],
     attention_mask=seqs["attention_mask"],
     rngs=None if dropout_key is None else {models.lora.DROPOUT_RNG: dropout_key},
+    mutable=["intermediates"] if routing else False,
     **layout,
   )
+  if not with_routing:
+    return out
+  return (out[0], models.moe.collect(out[1]["intermediates"])) if routing else (out, None)
 
 
 def completion_logprobs(
@@ -139,7 +145,9 @@ def _loss_fn(
   mb = sharding.constrain_rows(mb, mesh)
   full = params if base is None else models.lora.combine(params, base)
   packed = _packed_group_size(options.layout)
-  logits = completion_logits(model, full, mb, packed_group_size=packed, dropout_key=dropout_key)
+  logits, routing = completion_logits(
+    model, full, mb, packed_group_size=packed, dropout_key=dropout_key, with_routing=True
+  )
   logps = losses.token_logprobs(logits, mb["targets"])
   old_logps, is_weights = mb["old_logps"], mb.get("is_weights")
   if options.old_from_first_pass and not options.first_pass_forward(model.config.lora_dropout):
@@ -163,7 +171,20 @@ def _loss_fn(
     max_len=mb["targets"].shape[1],
     is_weights_bt=is_weights,
   )
+  if routing is not None:
+    loss_value = _add_router_loss(metrics, routing, model.config, mb["targets"].shape[0] / num_seqs)
   return loss_value, (metrics, jax.lax.stop_gradient(logps))
+
+
+def _add_router_loss(metrics: dict, routing, config, share) -> jax.Array:
+  """The loss with the MoE router's load-balancing term, `router_aux_loss_coef` times
+  `moe.load_balancing_loss` of this micro-batch (times its `share` of the mini-batch's rows, so
+  that micro-batches sum to their mean, as the other metrics), and the routing's metrics."""
+  aux = models.moe.load_balancing_loss(routing) * share
+  metrics[metrics_lib.MOE_AUX_LOSS] = aux
+  metrics[metrics_lib.MOE_LOAD_MAX] = models.moe.load_max(routing) * share
+  metrics["loss"] = metrics["loss"] + config.router_aux_loss_coef * aux
+  return metrics["loss"]
 
 
 def _accumulated_grads(params, mini: dict, dropout_key, *, num_micro: int, loss_fn):

@@ -19,13 +19,13 @@ import ml_collections
 import optax
 import tqdm
 
-from ebpo_jax import checkpoint, data, files, models, process
+from ebpo_jax import checkpoint, data, files, losses, models, process
 from ebpo_jax import metrics as metrics_lib
 from ebpo_jax.rollouts.worker import RolloutWorker
 from ebpo_jax.sampling import sequences
 from ebpo_jax.trainer import optimizer as optimizer_lib
 from ebpo_jax.trainer import policy as policy_lib
-from ebpo_jax.trainer.step import completion_logprobs
+from ebpo_jax.trainer.step import completion_logits
 
 WARM_START_DIR = "warm_start"
 
@@ -118,10 +118,15 @@ def warm_start(
         batch["prompt_ids"], batch["prompt_mask"], batch["targets"], batch["target_mask"], 1,
         batch["loss_mask"],
       )  # fmt: skip
-      logps = completion_logprobs(model, p, seqs, packed_group_size=None)
-      return -(logps * seqs["loss_mask"]).sum() / seqs["loss_mask"].sum()
+      logits, routing = completion_logits(model, p, seqs, packed_group_size=None, with_routing=True)
+      logps = losses.token_logprobs(logits, seqs["targets"])
+      nll = -(logps * seqs["loss_mask"]).sum() / seqs["loss_mask"].sum()
+      if routing is None:
+        return nll, nll
+      # A MoE router's load-balancing term, as in the RL step (sft/loss stays the NLL).
+      return nll + model.config.router_aux_loss_coef * models.moe.load_balancing_loss(routing), nll
 
-    loss, grads = jax.value_and_grad(loss_fn)(params)
+    (_, loss), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 

@@ -93,6 +93,10 @@ ADDED_KEYS = {
   "rl.loss.ratio_level": "token",
   "rl.loss.seq_clip_low": 3e-4,
   "rl.loss.seq_clip_high": 4e-4,
+  "model.num_experts": 0,
+  "model.num_experts_per_tok": 2,
+  "model.moe_intermediate_size": 64,
+  "model.router_aux_loss_coef": None,
 }
 # Key prefixes that are as safe: where and how the run logs (logging.*).
 SAFE_PREFIXES = ("logging.",)

@@ -13,6 +13,7 @@ import transformers
 
 from ebpo_jax import sampling
 from ebpo_jax.models import ModelConfig, from_pretrained, moe, save_pretrained
+from tests.helpers import tiny_step as tiny_step_lib
 from tests.helpers.torch_models import randomize_torch_weights
 
 # The tiny config: 2 layers, 8 experts, top-2, hidden 64.
@@ -148,3 +149,48 @@ def test_moe_configs_that_the_decoder_cannot_run_are_refused():
   with pytest.raises(ValueError, match="num_experts_per_tok=9 must lie in"):
     dataclasses.replace(base, num_experts_per_tok=9)
   assert ModelConfig.from_hf(base.to_hf()) == base
+
+
+def test_the_load_balancing_loss_equals_transformers_aux_loss_over_the_valid_tokens(hf_moe):
+  torch_model, path = hf_moe
+  model, params = from_pretrained(path)
+  ids = np.random.default_rng(4).integers(3, HF_MOE["vocab_size"], (2, 12)).astype(np.int32)
+  mask = np.ones_like(ids, bool)
+  mask[0, :4] = False  # a left-padded row: its pad tokens count in neither
+  with torch.no_grad():
+    out = torch_model(
+      torch.as_tensor(ids, dtype=torch.long), attention_mask=torch.as_tensor(mask, dtype=torch.long),
+      output_router_logits=True,
+    )  # fmt: skip
+  _, state = model.apply(
+    {"params": params}, jnp.asarray(ids), attention_mask=jnp.asarray(mask),
+    mutable=["intermediates"],
+  )  # fmt: skip
+  stats = moe.collect(state["intermediates"])
+  assert stats.counts.shape == (2, 8) and np.asarray(stats.tokens).tolist() == [20.0, 20.0]
+  assert float(moe.load_balancing_loss(stats)) == pytest.approx(float(out.aux_loss), rel=1e-5)
+  assert float(moe.load_max(stats)) >= 1.0
+
+
+MOE_STEP = {
+  "model.architecture": "qwen3_moe",
+  "model.num_experts": 4,
+  "model.num_experts_per_tok": 2,
+  "model.moe_intermediate_size": 16,
+}
+
+
+def test_the_train_step_adds_the_router_loss_and_trains_the_router():
+  steps = {
+    coef: tiny_step_lib.tiny_steps({**MOE_STEP, "model.router_aux_loss_coef": coef}, 1)
+    for coef in (0.0, 1.0)
+  }
+  batch, state = steps[0.0].batch(), steps[0.0].fresh_state()
+  results = {coef: step(batch, state) for coef, step in steps.items()}
+  metrics = {coef: jax.device_get(r[1]) for coef, r in results.items()}
+  aux = metrics[1.0]["moe/aux_loss"]
+  assert aux == pytest.approx(metrics[0.0]["moe/aux_loss"]) and 0 < aux < 4  # k=2 of E=4
+  assert metrics[1.0]["loss"] - metrics[0.0]["loss"] == pytest.approx(aux, rel=1e-4)
+  router = lambda s: s.params["layers"]["mlp"]["gate"]["kernel"]
+  for new, _, _ in results.values():  # the policy loss alone moves the router too
+    assert float(jnp.abs(router(new) - router(state)).max()) > 0
