@@ -157,11 +157,9 @@ def test_the_load_balancing_loss_equals_transformers_aux_loss_over_the_valid_tok
   ids = np.random.default_rng(4).integers(3, HF_MOE["vocab_size"], (2, 12)).astype(np.int32)
   mask = np.ones_like(ids, bool)
   mask[0, :4] = False  # a left-padded row: its pad tokens count in neither
+  as_long = lambda x: torch.as_tensor(x, dtype=torch.long)
   with torch.no_grad():
-    out = torch_model(
-      torch.as_tensor(ids, dtype=torch.long), attention_mask=torch.as_tensor(mask, dtype=torch.long),
-      output_router_logits=True,
-    )  # fmt: skip
+    out = torch_model(as_long(ids), attention_mask=as_long(mask), output_router_logits=True)
   _, state = model.apply(
     {"params": params}, jnp.asarray(ids), attention_mask=jnp.asarray(mask),
     mutable=["intermediates"],
