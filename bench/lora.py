@@ -75,7 +75,7 @@ def build_variant(shape_name: str, rank: int, args) -> dict:
   batch["rewards"] = np.zeros_like(batch["rewards"])
   batch["rewards"][:, 0] = 1.0
   batch = jax.device_put(batch, step_lib.batch_shardings(options.layout, mesh))
-  compiled = step.lower(state, batch).compile()
+  compiled = step.compile(state, batch)
   traced = step_lib.bound_train_step(model, spec, options)
   flops = dot_flops(jax.make_jaxpr(traced)(state, batch).jaxpr)
   return {

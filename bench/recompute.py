@@ -65,7 +65,7 @@ def compiled(overrides: dict, args):
   model = models.build.make_model(config, VOCAB)
   state, step, _ = bench_step.fresh_state_and_step(config, model, mesh, num_clusters=3)
   batch = bench_step.synthetic_batch(config, args.prompt_len, VOCAB)
-  return [step.lower(state, batch).compile(), state, batch]
+  return [step.compile(state, batch), state, batch]
 
 
 def main() -> None:

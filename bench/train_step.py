@@ -111,7 +111,7 @@ def compiled_step(shape_name: str, advantage: str, args):
   state, step, num_params = fresh_state_and_step(config, model, mesh, num_clusters=3)
   batch = synthetic_batch(config, args.prompt_len, shape["vocab_size"])
   shared = step_lib.StepLayout.from_config(config, mesh).shared_prefix
-  return step.lower(state, batch).compile(), state, batch, num_params, shared
+  return step.compile(state, batch), state, batch, num_params, shared
 
 
 def layer_tokens(args, shared_prefix: bool) -> int:

@@ -14,8 +14,9 @@ What a checkpoint at step s needs to go on exactly: the params those in-flight b
 with (`TrainState.behind`: θ_{s-k} .. θ_{s-1}, clamped at 0), and the data iterator's position
 before their draws (`saving` puts it there for the save). A resume samples them again (`fill`):
 the same params, keys and rows give the same batches, bit for bit. The EBPO prior is carried by
-the train step, in batch order. The params are the policy's whole tree: a LoRA run, whose train
-step donates the frozen base the producer would read, is refused by the config check.
+the train step, in batch order. Under LoRA the params copied and kept behind are the adapters; the
+producer samples with them on the frozen base (`TrainState.base`, which the train step does not
+donate: `trainer.step.TrainStep`).
 """
 
 import collections
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from ebpo_jax import keys as keys_lib
-from ebpo_jax import sharding
+from ebpo_jax import models, sharding
 from ebpo_jax.rollouts import batch as rollout_batch
 from ebpo_jax.rollouts.rollout import Rollout
 from ebpo_jax.rollouts.worker import RolloutWorker
@@ -85,7 +86,7 @@ class Pipeline:
       raise RuntimeError("the pipeline is already filled")
     ahead = max(0, min(self.staleness, self._num_steps - step))
     for i, params in enumerate(state.behind[:ahead]):
-      self._in_flight.append(self._make(params, _keys(state, i, self._rounds)))
+      self._in_flight.append(self._make(_policy(params, state), _keys(state, i, self._rounds)))
 
   def copy_params(self, params) -> tuple[Any, float]:
     """(a copy of the trained `params`, the seconds it took): what the producer samples with while
@@ -102,7 +103,7 @@ class Pipeline:
     if step + self.staleness >= self._num_steps:
       return
     keys = _keys(state, self.staleness, self._rounds)
-    self._running = self._thread.submit(self._make, params, keys)
+    self._running = self._thread.submit(self._make, _policy(params, state), keys)
 
   def next_batch(self) -> Made:
     """The oldest batch in flight: the one the current step trains on."""
@@ -151,6 +152,12 @@ def behind_after(behind: tuple, trained_before: Any) -> tuple:
   """`TrainState.behind` after a step: the oldest params out, the step's own (before its update,
   `trained_before`) in."""
   return (*behind[1:], trained_before)
+
+
+def _policy(trained: Any, state) -> Any:
+  """The policy's full params of `trained` (state.params or one of `behind`): with the frozen
+  base under LoRA (`models.lora.combine`)."""
+  return trained if state.base is None else models.lora.combine(trained, state.base)
 
 
 def _keys(state, ahead: int, rounds: int) -> keys_lib.StepKeys:

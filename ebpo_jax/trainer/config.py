@@ -94,11 +94,6 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
     "rl.max_staleness",
     "must be an int >= 0",
   )
-  if staleness and config.model.lora.rank > 0:  # the step donates the base the sampler reads
-    raise ConfigError(
-      f"rl.max_staleness={staleness} with model.lora.rank={config.model.lora.rank}: asynchronous "
-      "LoRA runs are not supported yet (rl.max_staleness=0, or full fine-tuning)"
-    )
   _require(tc.num_steps >= 0, config, "train.num_steps", "must be >= 0")
   _require(tc.batch_size >= 1, config, "train.batch_size", "must be >= 1")
   _require(math.isfinite(tc.learning_rate), config, "train.learning_rate", "must be finite")

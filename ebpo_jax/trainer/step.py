@@ -9,6 +9,7 @@ Nothing here knows which estimator runs: the registry entry carries its hyperpar
 its own metrics.
 """
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -410,27 +411,51 @@ def jit_train_step(
   *,
   donate: bool = True,
   on_trace: Callable[[], None] | None = None,
-):
+) -> "TrainStep":
   """`train_step` jitted as the trainer runs it: explicit state and batch shardings (so a second
-  step hits the compile cache), metrics and aux replicated, the state donated. `on_trace` is
-  called each time jit traces the step (a retrace counter). `spec`: the state's optimizer and
-  estimator."""
+  step hits the compile cache), metrics and aux replicated, the state donated but for the LoRA
+  base (`TrainStep`). `on_trace` is called each time jit traces the step (a retrace counter).
+  `spec`: the state's optimizer and estimator."""
   step = bound_train_step(model, spec, options, mesh)
 
-  def fn(state, batch):
+  def fn(state, base, batch):
     if on_trace is not None:
       on_trace()
     # Under the mesh: the attention kernels run per shard (models.attention's shard_map).
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      return step(state, batch)
+      new, metrics, aux = step(state.replace(base=base), batch)
+    return new.replace(base=None), metrics, aux
 
   replicated = sharding.replicated(mesh)
-  return jax.jit(
+  trained = state_shardings.replace(base=None)
+  jitted = jax.jit(
     fn,
-    in_shardings=(state_shardings, batch_shardings(options.layout, mesh)),
-    out_shardings=(state_shardings, replicated, replicated),
+    in_shardings=(trained, state_shardings.base, batch_shardings(options.layout, mesh)),
+    out_shardings=(trained, replicated, replicated),
     donate_argnums=(0,) if donate else (),
   )
+  return TrainStep(jitted)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainStep:
+  """The jitted train step, `(state, batch) -> (state, metrics, aux)`. The frozen LoRA base goes
+  in beside the donated state, neither donated nor returned: the new state holds the same arrays,
+  so an asynchronous run's producer samples with them while the step runs (`rollouts.pipeline`),
+  and no copy of the base is made. `trace` and `compile` take the same (state, batch)."""
+
+  jitted: Any  # jit(fn(state without base, base, batch)), or its compiled executable
+
+  def __call__(self, state: TrainState, batch: dict):
+    new, metrics, aux = self.jitted(state.replace(base=None), state.base, batch)
+    return new.replace(base=state.base), metrics, aux
+
+  def trace(self, state: TrainState, batch: dict):
+    return self.jitted.trace(state.replace(base=None), state.base, batch)
+
+  def compile(self, state: TrainState, batch: dict) -> "TrainStep":
+    """The step compiled for these (abstract or real) arguments, called as this one."""
+    return TrainStep(self.jitted.lower(state.replace(base=None), state.base, batch).compile())
 
 
 def _rollout_metrics(batch: dict, adv_bg: jax.Array) -> dict:

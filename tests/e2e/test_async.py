@@ -57,6 +57,37 @@ def test_k2_killed_at_five_moments_resumes_to_the_straight_runs_metrics_and_para
   assert _checksums(stopped, 4) == _checksums(straight, 4)
 
 
+LORA_ARGS = (
+  "--config.rl.max_staleness=1", "--config.train.num_steps=3", "--config.model.lora.rank=4",
+  "--config.sft.num_steps=0", "--config.train.learning_rate=1e-2",
+  "--config.rl.loss.entropy_coef=0.1",  # a random-init policy's rewards are all 0: a gradient still
+)  # fmt: skip
+
+
+# e2e: 3 trainer processes of the tiny config on 1 device (~30 CPU-s)
+def test_a_lora_run_at_k1_samples_with_the_lagged_adapters_and_resumes_exactly(tmp_path):
+  # The train step donates its state; the producer samples with the frozen base beside the copied
+  # adapters, so the base is passed to the step apart (not donated) and the run's checkpoints
+  # hold the adapters behind only.
+  straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+  result = run_trainer(straight, *LORA_ARGS)
+  assert result.returncode == 0, result.stderr[-3000:]
+  lines = [m for m in read(straight) if "reward/mean" in m]
+  assert [m["async/staleness_max"] for m in lines] == [0, 1, 1]
+  assert lines[0]["mismatch/max_abs"] < 1e-5 < lines[-1]["mismatch/max_abs"]  # the lag shows
+  behind = [k for k in _checksums(straight, 3)["paths"] if k.startswith(".behind")]
+  assert behind and all("lora" in k for k in behind), behind  # adapters only, not the base
+  killed = run_module(
+    "tests/helpers/killed_trainer.py", "transfer:2", "--config=configs/arith_ebpo.py:runlocal",
+    f"--workdir={stopped}", "--config.logging.plots=False", *LORA_ARGS,
+  )  # fmt: skip
+  assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+  finished = run_trainer(stopped, *LORA_ARGS)
+  assert finished.returncode == 0, finished.stderr[-3000:]
+  assert comparable(read(stopped)) == comparable(read(straight))
+  assert _checksums(stopped, 3) == _checksums(straight, 3)
+
+
 # The trainer in a process of 8 CPU devices, split 4 + 4, recording the devices that the sampler's
 # weights and the train step's state and batch are on.
 _SPLIT = textwrap.dedent(

@@ -34,10 +34,6 @@ CONFIG_ERRORS = [
     {"workdir.accept_changes": "rl.grup_size, seed"},
     "config.workdir.accept_changes='rl.grup_size, seed': no config key rl.grup_size",
   ),
-  (
-    {"rl.max_staleness": 1, "model.lora.rank": 8},
-    "rl.max_staleness=1 with model.lora.rank=8: asynchronous LoRA runs are not supported yet",
-  ),
 ]
 
 

@@ -83,9 +83,9 @@ def test_non_finite_loss_skips_the_update_and_counts_it():
 def test_a_second_step_does_not_retrace():
   tiny_step = tiny_steps()
   state, _, _ = tiny_step(tiny_step.batch(0))
-  size = tiny_step.step._cache_size()
+  size = tiny_step.step.jitted._cache_size()
   tiny_step(tiny_step.batch(1), state)
-  assert tiny_step.step._cache_size() == size
+  assert tiny_step.step.jitted._cache_size() == size
 
 
 def test_sequences_put_completions_after_left_padded_prompts():
