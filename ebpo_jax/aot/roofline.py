@@ -96,9 +96,9 @@ _KERNEL_FIELDS = (
 
 @dataclasses.dataclass
 class DotCount:
-  """FLOPs and operand bytes of a jaxpr's `dot_general`s, loop bodies counted once (`*_once`, as
-  the compiler's cost analysis counts them) and weighted by their trip counts; and its kernels'
-  FLOPs and bytes, weighted by trip counts: `kernel_*` in all, of which `counted_*` from the
+  """FLOPs and operand bytes of a jaxpr's `dot_general`s and grouped matmuls (`ragged_dot`), loop
+  bodies counted once (`*_once`, as the compiler's cost analysis counts them) and weighted by
+  their trip counts; and its kernels' FLOPs and bytes, weighted by trip counts: `kernel_*` in all, of which `counted_*` from the
   kernels' bodies (`aot.kernels`) and `modelled_*` from the hand formulas (a kernel whose body
   could not be counted); `formula_*`: the formulas' count of the body-counted kernels, the
   cross-check (0 where a kernel has no formula)."""
@@ -166,6 +166,18 @@ def count_dots(
   return _count_dots(jaxpr, trips, kernel, known)
 
 
+def _ragged_dot_flops(eqn) -> float:
+  """2 M K N of a grouped matmul (forward, or either gradient): every lhs element meets each of
+  the rhs's free columns once (rhs dims neither contracted, batched nor the group's); the bytes
+  count every group's weights, read or not."""
+  numbers = eqn.params["ragged_dot_dimension_numbers"]
+  (_, rhs_contract), (_, rhs_batch) = numbers.dot_dimension_numbers
+  bound = {*rhs_contract, *rhs_batch, *numbers.rhs_group_dimensions}
+  rhs = eqn.invars[1].aval.shape
+  free = math.prod(size for d, size in enumerate(rhs) if d not in bound)
+  return 2.0 * math.prod(eqn.invars[0].aval.shape) * free
+
+
 def _count_dots(jaxpr: jax_core.Jaxpr, while_trips: Iterator[int], kernel, known: dict) -> DotCount:
   total = DotCount()
   for eqn in jaxpr.eqns:
@@ -180,6 +192,10 @@ def _count_dots(jaxpr: jax_core.Jaxpr, while_trips: Iterator[int], kernel, known
       lhs = eqn.invars[0].aval
       k = math.prod(lhs.shape[d] for d in lhs_contract)
       flops = 2.0 * math.prod(eqn.outvars[0].aval.shape) * k
+      nbytes = float(sum(_nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars)))
+      total.add(DotCount(flops, flops, nbytes, nbytes), 1)
+    elif name == "ragged_dot_general":  # a MoE block's grouped matmuls (models.moe)
+      flops = _ragged_dot_flops(eqn)
       nbytes = float(sum(_nbytes(v.aval) for v in (*eqn.invars, *eqn.outvars)))
       total.add(DotCount(flops, flops, nbytes, nbytes), 1)
     elif name == "pallas_call":  # its body is the kernel's, not run once: `aot.kernels`

@@ -51,6 +51,21 @@ def test_count_dots_counts_an_unrolled_scan_body_as_often_as_the_compiler_sees_i
     assert (count.flops_once, count.flops) == (copies * 8192, 6 * 8192), unroll
 
 
+def test_count_dots_counts_the_grouped_matmuls_of_a_moe_block_forward_and_backward():
+  # ragged_dot is not a dot_general: a MoE's experts counted 0 FLOPs before (the roofline looked
+  # faster for the wrong reason). Each of the three (forward, input and weight gradients) is
+  # 2 M K N for M rows over groups of [K, N] weights.
+  m, k, n, groups = 12, 8, 6, 4
+  sizes = jnp.array([5, 0, 3, 4], jnp.int32)
+  f = lambda x, w: jnp.sum(jnp.sin(jax.lax.ragged_dot(x, w, sizes)))
+  x, w = jnp.ones((m, k)), jnp.ones((groups, k, n))
+  forward = roofline.count_dots(jax.make_jaxpr(f)(x, w).jaxpr, 1)
+  assert forward.flops == 2 * m * k * n
+  assert forward.bytes == 4 * (m * k + groups * k * n + m * n) + 4 * groups  # the sizes too
+  both = roofline.count_dots(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w).jaxpr, 1)
+  assert both.flops == 3 * 2 * m * k * n
+
+
 def test_count_dots_gives_each_while_loop_its_own_trip_count_in_program_order():
   # The compacting sampler's stages are while loops one after another; in the worst case (no row
   # stops) the first runs to the cap and the later ones never run.
