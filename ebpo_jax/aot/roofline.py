@@ -99,9 +99,9 @@ class DotCount:
   """FLOPs and operand bytes of a jaxpr's `dot_general`s and grouped matmuls (`ragged_dot`), loop
   bodies counted once (`*_once`, as the compiler's cost analysis counts them) and weighted by
   their trip counts; and its kernels' FLOPs and bytes, weighted by trip counts: `kernel_*` in all,
-  of which `counted_*` from the kernels' bodies (`aot.kernels`) and `modelled_*` from the hand formulas (a kernel whose body
-  could not be counted); `formula_*`: the formulas' count of the body-counted kernels, the
-  cross-check (0 where a kernel has no formula)."""
+  of which `counted_*` from the kernels' bodies (`aot.kernels`) and `modelled_*` from the hand
+  formulas (a kernel whose body could not be counted); `formula_*`: the formulas' count of the
+  body-counted kernels, the cross-check (0 where a kernel has no formula)."""
 
   flops_once: float = 0.0
   flops: float = 0.0
