@@ -141,14 +141,20 @@ def with_lora(model_config: ModelConfig, lc: ml_collections.ConfigDict) -> Model
   """`model_config` with `config.model.lora`'s adapters (`lc`), unchanged when the rank is 0."""
   if lc.rank == 0:
     return model_config
-  return dataclasses.replace(
-    model_config,
-    lora_rank=lc.rank,
-    lora_alpha=float(lc.alpha),
-    lora_targets=lora.parse_targets(lc.targets),
-    lora_dropout=float(lc.dropout),
-    param_dtype=lc.base_dtype or model_config.param_dtype,
-  )
+  try:
+    return dataclasses.replace(
+      model_config,
+      lora_rank=lc.rank,
+      lora_alpha=float(lc.alpha),
+      lora_targets=lora.parse_targets(lc.targets),
+      lora_dropout=float(lc.dropout),
+      param_dtype=lc.base_dtype or model_config.param_dtype,
+    )
+  except ValueError as e:
+    if "lora_targets" not in str(e):  # the other keys: config.check_config's, before this
+      raise
+    # targets the model does not have (a MoE's experts)
+    raise ConfigError(f"config.model.lora.targets={lc.targets!r}: {e}") from None
 
 
 def with_compute_dtype(

@@ -11,9 +11,11 @@ import pytest
 import torch
 import transformers
 
-from ebpo_jax import sampling
+from ebpo_jax import errors, sampling
+from ebpo_jax import models as models_lib
 from ebpo_jax.models import ModelConfig, from_pretrained, moe, save_pretrained
 from tests.helpers import tiny_step as tiny_step_lib
+from tests.helpers.configs import load_config
 from tests.helpers.torch_models import randomize_torch_weights
 
 # The tiny config: 2 layers, 8 experts, top-2, hidden 64.
@@ -192,3 +194,16 @@ def test_the_train_step_adds_the_router_loss_and_trains_the_router():
   router = lambda s: s.params["layers"]["mlp"]["gate"]["kernel"]
   for new, _, _ in results.values():  # the policy loss alone moves the router too
     assert float(jnp.abs(router(new) - router(state)).max()) > 0
+
+
+def test_lora_on_a_moe_policys_experts_is_one_config_error_naming_the_key():
+  config = load_config("configs/arith_moe.py:runlocal", {"model.lora.rank": 4})
+  with pytest.raises(errors.ConfigError) as error:
+    models_lib.build.make_model(config, vocab_size=18)
+  message = str(error.value)
+  assert message.startswith("config.model.lora.targets='q,k,v,o,gate,up,down': ")
+  assert "\n" not in message
+  assert "experts take no adapters" in message
+  config.model.lora.targets = "q,k,v,o"
+  model = models_lib.build.make_model(config, vocab_size=18)
+  assert model.config.lora_targets == ("q", "k", "v", "o")
