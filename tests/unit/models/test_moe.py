@@ -196,6 +196,18 @@ def test_the_train_step_adds_the_router_loss_and_trains_the_router():
     assert float(jnp.abs(router(new) - router(state)).max()) > 0
 
 
+def test_the_moe_train_step_sharded_over_8_devices_equals_one_device():
+  # The experts' weights split over fsdp (their embed axis) and tensor (their mlp axis), the rows
+  # over fsdp: the compiler partitions the grouped matmuls; the step's numbers are one device's.
+  runs = [
+    tiny_step_lib.tiny_steps({**MOE_STEP, **mesh}, devices)
+    for mesh, devices in (({}, 1), ({"mesh.fsdp": 4, "mesh.tensor": 2}, 8))
+  ]
+  one, eight = [jax.device_get(step(step.batch(), step.fresh_state())[1]) for step in runs]
+  for key in ("loss", "moe/aux_loss", "moe/load_max", "grad_norm"):
+    assert eight[key] == pytest.approx(one[key], rel=1e-5), key
+
+
 def test_lora_on_a_moe_policys_experts_is_one_config_error_naming_the_key():
   config = load_config("configs/arith_moe.py:runlocal", {"model.lora.rank": 4})
   with pytest.raises(errors.ConfigError) as error:
