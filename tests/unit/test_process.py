@@ -48,3 +48,19 @@ def test_an_entry_point_collects_garbage_less_often():
   finally:
     gc.set_threshold(*before)
   assert process.GC_THRESHOLDS[0] > 10 * 700
+
+
+def test_a_machine_without_a_tpu_starts_jax_without_libtpus_noise():
+  # The test extras install libtpu (the aot report's TPU compiler): on a machine without TPU chips
+  # its start-up printed six lines of errors above every command (issue 62, item 8).
+  import subprocess
+  import sys
+
+  import libtpu  # noqa: F401  (installed: else the noise cannot arise and the test says nothing)
+
+  # The tests' own environment says CPU only (JAX_PLATFORMS): a user's does not.
+  env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_") and k != "JAX_PLATFORMS"}
+  code = "import ebpo_jax, jax; print(jax.devices()[0].platform)"
+  result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.strip() == "cpu" and result.stderr == "", result.stderr
