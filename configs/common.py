@@ -74,6 +74,7 @@ def get_config() -> ml_collections.ConfigDict:
   # The router's load-balancing loss weight; None: the model directory's (HF's 0.001 if unset),
   # 0.001 for a random-init MoE.
   config.model.router_aux_loss_coef = placeholder(float)  # None | >= 0
+  config.model.moe_kernel = "auto"  # the experts: auto (megablox on TPU) | ragged_dot | megablox
   config.model.vocab_size = 0  # model.path's vocabulary, for ebpo_jax.aot without the directory
   config.model.dtype = "float32"  # compute dtype: float32 | bfloat16
   config.model.param_dtype = "float32"  # master-weight dtype: float32 | bfloat16

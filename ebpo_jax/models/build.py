@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from ebpo_jax import files, sharding
 from ebpo_jax.errors import ConfigError
 from ebpo_jax.models import attention, gguf_io, hf_io, lora
-from ebpo_jax.models.config import ModelConfig
+from ebpo_jax.models.config import MOE_KERNELS, ModelConfig
 from ebpo_jax.models.decoder import Decoder
 
 RANDOM_INIT_ARCHITECTURES = ("llama", "qwen2", "qwen3", "qwen3_moe")
@@ -96,13 +96,29 @@ def make_model(
     )
   else:
     model_config = random_init_config(mc, vocab_size)
-  if mc.router_aux_loss_coef is not None and model_config.num_experts:
+  if model_config.num_experts:
+    model_config = with_moe_options(model_config, mc, device or jax.devices()[0])
+  model_config = with_attention(model_config, mc, device or jax.devices()[0])
+  return Decoder(with_lora(model_config, mc.lora))
+
+
+def with_moe_options(
+  model_config: ModelConfig, mc: ml_collections.ConfigDict, device: jax.Device
+) -> ModelConfig:
+  """A MoE `model_config` with `config.model`'s router loss weight (None: the model's own) and
+  grouped-matmul kernel (`auto`: megablox on a TPU, else ragged_dot); ConfigError naming the key."""
+  kernels = ("auto", *MOE_KERNELS)
+  if mc.moe_kernel not in kernels:
+    raise ConfigError(f"config.model.moe_kernel={mc.moe_kernel!r}: must be one of {kernels}")
+  kernel = mc.moe_kernel
+  if kernel == "auto":
+    kernel = "megablox" if device.platform == "tpu" else "ragged_dot"
+  coef = model_config.router_aux_loss_coef
+  if mc.router_aux_loss_coef is not None:
     coef = float(mc.router_aux_loss_coef)
     if not coef >= 0:
       raise ConfigError(f"config.model.router_aux_loss_coef={coef}: must be >= 0")
-    model_config = dataclasses.replace(model_config, router_aux_loss_coef=coef)
-  model_config = with_attention(model_config, mc, device or jax.devices()[0])
-  return Decoder(with_lora(model_config, mc.lora))
+  return dataclasses.replace(model_config, router_aux_loss_coef=coef, moe_kernel=kernel)
 
 
 def with_attention(

@@ -29,6 +29,8 @@ REMAT_POLICIES = {
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 # The attention backends of the full forward and the prefill (models.attention; `auto` resolved).
 ATTENTION_BACKENDS = ("xla", "splash", "cudnn")
+# A MoE block's grouped matmuls (models.moe): XLA's ragged_dot, or the Pallas megablox kernel.
+MOE_KERNELS = ("ragged_dot", "megablox")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +68,7 @@ class ModelConfig:
   moe_intermediate_size: int = 0
   norm_topk_prob: bool = True  # the top-k router probabilities renormalised to sum to 1
   router_aux_loss_coef: float = 0.0  # the load-balancing loss's weight (HF's; 0: none)
+  moe_kernel: str = "ragged_dot"  # one of MOE_KERNELS; megablox off a TPU runs interpreted
 
   @property
   def attention_bias(self) -> bool:
@@ -194,6 +197,8 @@ class ModelConfig:
 
 def _check_experts(c: ModelConfig) -> None:
   """A MoE config is qwen3_moe's, with k of E experts; LoRA adapters sit outside the experts."""
+  if c.moe_kernel not in MOE_KERNELS:
+    raise ValueError(f"moe_kernel={c.moe_kernel!r}; expected one of {MOE_KERNELS}")
   if c.num_experts == 0:
     return
   if c.architecture != "qwen3_moe":

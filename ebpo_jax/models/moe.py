@@ -13,13 +13,18 @@ train step collects them (`collect`) into the load-balancing loss (`load_balanci
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.megablox import ops as megablox
+from jax.sharding import PartitionSpec
 
+from ebpo_jax import sharding
 from ebpo_jax.models.config import ModelConfig
 
 
@@ -102,21 +107,75 @@ def route(logits_te: jax.Array, k: int, normalize: bool) -> Routing:
   return Routing(ids.astype(jnp.int32), top.astype(logits_te.dtype), probs)
 
 
-def grouped_experts(x_td: jax.Array, routing: Routing, w_gate, w_up, w_down) -> jax.Array:
+def grouped_experts(
+  x_td: jax.Array, routing: Routing, w_gate, w_up, w_down, kernel: str = "ragged_dot"
+) -> jax.Array:
   """sum_j weight_j * down_e(silu(gate_e(x)) * up_e(x)) over each token's k experts e = ids_j,
-  as three grouped matmuls over the T*k (token, expert) pairs sorted by expert. Weights are
-  `[E, d, f]`, `[E, d, f]` and `[E, f, d]`."""
+  as three grouped matmuls (`grouped_matmul` with `kernel`) over the T*k (token, expert) pairs
+  sorted by expert. Weights are `[E, d, f]`, `[E, d, f]` and `[E, f, d]`."""
   t, k = routing.ids.shape
   num_experts = w_gate.shape[0]
   flat_ids = routing.ids.reshape(-1)
   order = jnp.argsort(flat_ids, stable=True)  # pair p = token p // k's j = p % k
   rows = x_td[order // k]
   sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
-  gate = jax.lax.ragged_dot(rows, w_gate, sizes)
-  up = jax.lax.ragged_dot(rows, w_up, sizes)
-  out = jax.lax.ragged_dot(nn.silu(gate) * up, w_down, sizes)
+  matmul = functools.partial(grouped_matmul, sizes=sizes, kernel=kernel)
+  out = matmul(nn.silu(matmul(rows, w_gate)) * matmul(rows, w_up), w_down)
   unsorted = jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)
   return jnp.einsum("tkd,tk->td", unsorted, routing.weights.astype(out.dtype))
+
+
+def grouped_matmul(x_mk: jax.Array, w_gkn: jax.Array, sizes: jax.Array, kernel: str) -> jax.Array:
+  """Rows [M, K] times their group's weights [G, K, N] (`sizes`: each group's rows, in order):
+  XLA's `ragged_dot`, or megablox's `gmm` (Pallas; interpreted off a TPU), its rows padded to
+  its tile (the padding, past every group, is dropped) and tiles of at most 128 that divide K and
+  N."""
+  if kernel == "ragged_dot":
+    return jax.lax.ragged_dot(x_mk, w_gkn, sizes)
+  m, k = x_mk.shape
+  n = w_gkn.shape[-1]
+  tm = min(128, -(-m // 8) * 8)
+  padded = jnp.pad(x_mk, ((0, -m % tm), (0, 0)))
+  tiling = (tm, _tile(k), _tile(n))
+  interpret = jax.devices()[0].platform != "tpu"
+  out = megablox.gmm(padded, w_gkn, sizes, x_mk.dtype, tiling, interpret=interpret)
+  return out[:m]
+
+
+def _per_shard(experts, mesh, tokens: int, width: int):
+  """`experts` (x, routing, w_gate, w_up, w_down) in `shard_map` over `mesh`: each shard's
+  tokens (over the mesh's row axes, where they divide) through every expert's slice of the width
+  (over 'tensor', where it divides; the partial outputs summed over it). The weights' `fsdp`
+  shards are gathered by the compiler before, as for a dense matmul."""
+  sizes = dict(mesh.shape)
+  row_axes = tuple(a for a in sharding.ROW_AXES if sizes.get(a, 1) > 1)
+  rows = row_axes if row_axes and tokens % math.prod(sizes[a] for a in row_axes) == 0 else None
+  tensor = "tensor" if sizes.get("tensor", 1) > 1 and width % sizes["tensor"] == 0 else None
+  token_spec = PartitionSpec(rows, None)
+
+  def shard(x, routing, w_gate, w_up, w_down):
+    out = experts(x, routing, w_gate, w_up, w_down)
+    return out if tensor is None else jax.lax.psum(out, tensor)
+
+  width_spec = PartitionSpec(None, None, tensor)
+  return jax.shard_map(
+    shard,
+    mesh=mesh,
+    in_specs=(
+      token_spec,
+      Routing(token_spec, token_spec, token_spec),
+      width_spec,
+      width_spec,
+      PartitionSpec(None, tensor, None),
+    ),  # fmt: skip
+    out_specs=token_spec,
+    check_vma=False,
+  )
+
+
+def _tile(size: int) -> int:
+  """The largest of 128, 64, ..., 8 that divides `size`, else `size` (one tile)."""
+  return next((t for t in (128, 64, 32, 16, 8) if size % t == 0), size)
 
 
 def _param(module: nn.Module, name: str, shape: tuple[int, ...], axes) -> jax.Array:
@@ -151,7 +210,11 @@ class Experts(nn.Module):
     w_gate = _param(self, "gate_proj", (e, d, f), ("expert", "embed", "mlp"))
     w_up = _param(self, "up_proj", (e, d, f), ("expert", "embed", "mlp"))
     w_down = _param(self, "down_proj", (e, f, d), ("expert", "mlp", "embed"))
-    return grouped_experts(x_td, routing, w_gate, w_up, w_down)
+    experts = functools.partial(grouped_experts, kernel=c.moe_kernel)
+    mesh = jax.sharding.get_abstract_mesh()
+    if c.moe_kernel == "megablox" and not mesh.empty and math.prod(mesh.shape.values()) > 1:
+      experts = _per_shard(experts, mesh, x_td.shape[0], f)  # a kernel is not partitioned
+    return experts(x_td, routing, w_gate, w_up, w_down)
 
 
 class SparseMoE(nn.Module):

@@ -97,6 +97,7 @@ ADDED_KEYS = {
   "model.num_experts_per_tok": 2,
   "model.moe_intermediate_size": 64,
   "model.router_aux_loss_coef": None,
+  "model.moe_kernel": "auto",
 }
 # Key prefixes that are as safe: where and how the run logs (logging.*).
 SAFE_PREFIXES = ("logging.",)

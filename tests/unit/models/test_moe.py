@@ -219,3 +219,40 @@ def test_lora_on_a_moe_policys_experts_is_one_config_error_naming_the_key():
   config.model.lora.targets = "q,k,v,o"
   model = models_lib.build.make_model(config, vocab_size=18)
   assert model.config.lora_targets == ("q", "k", "v", "o")
+
+
+def test_the_megablox_kernel_interpreted_equals_ragged_dot_with_its_gradients():
+  rng = np.random.default_rng(5)
+  t, d, f, e, k = 21, 16, 8, 6, 2  # 42 rows: padded to the kernel's tile of 48
+  x = jnp.asarray(rng.normal(size=(t, d)), jnp.float32)
+  weights = [jnp.asarray(rng.normal(size=s) * 0.3, jnp.float32) for s in
+             ((e, d, f), (e, d, f), (e, f, d))]  # fmt: skip
+  routing = moe.route(jnp.asarray(rng.normal(size=(t, e)), jnp.float32), k, True)
+
+  def value_and_grads(kernel):
+    loss = lambda x, *w: jnp.sum(jnp.sin(moe.grouped_experts(x, routing, *w, kernel=kernel)))
+    return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(x, *weights)
+
+  (want, want_grads), (got, got_grads) = value_and_grads("ragged_dot"), value_and_grads("megablox")
+  assert float(got) == pytest.approx(float(want), rel=1e-5)
+  for a, b in zip(got_grads, want_grads, strict=True):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+
+
+def test_the_megablox_train_step_per_shard_on_8_devices_equals_ragged_dot_on_one():
+  # A Pallas kernel is not partitioned by the compiler: under a mesh it runs per shard
+  # (moe._per_shard: tokens over the rows' axes, the experts' width over tensor, summed).
+  runs = [
+    tiny_step_lib.tiny_steps({**MOE_STEP, **over}, devices)
+    for over, devices in (
+      ({}, 1),
+      ({"mesh.fsdp": 4, "mesh.tensor": 2, "model.moe_kernel": "megablox"}, 8),
+    )
+  ]
+  sharded = runs[1]
+  assert sharded.model.config.moe_kernel == "megablox"
+  traced = sharded.step.trace(sharded.fresh_state(), sharded.place(sharded.batch()))
+  assert "shard_map" in str(traced.jaxpr)
+  one, eight = [jax.device_get(step(step.batch(), step.fresh_state())[1]) for step in runs]
+  for key in ("loss", "moe/aux_loss", "grad_norm"):
+    assert eight[key] == pytest.approx(one[key], rel=1e-5), key
