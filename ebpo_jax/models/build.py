@@ -106,7 +106,8 @@ def with_moe_options(
   model_config: ModelConfig, mc: ml_collections.ConfigDict, device: jax.Device
 ) -> ModelConfig:
   """A MoE `model_config` with `config.model`'s router loss weight (None: the model's own) and
-  grouped-matmul kernel (`auto`: megablox on a TPU, else ragged_dot); ConfigError naming the key."""
+  grouped-matmul kernel (`auto`: megablox on a TPU, else ragged_dot; megablox interpreted for a
+  `device` that is not a TPU); ConfigError naming the key."""
   kernels = ("auto", *MOE_KERNELS)
   if mc.moe_kernel not in kernels:
     raise ConfigError(f"config.model.moe_kernel={mc.moe_kernel!r}: must be one of {kernels}")
@@ -118,7 +119,10 @@ def with_moe_options(
     coef = float(mc.router_aux_loss_coef)
     if not coef >= 0:
       raise ConfigError(f"config.model.router_aux_loss_coef={coef}: must be >= 0")
-  return dataclasses.replace(model_config, router_aux_loss_coef=coef, moe_kernel=kernel)
+  interpret = kernel == "megablox" and device.platform != "tpu"
+  return dataclasses.replace(
+    model_config, router_aux_loss_coef=coef, moe_kernel=kernel, moe_interpret=interpret
+  )
 
 
 def with_attention(

@@ -68,7 +68,8 @@ class ModelConfig:
   moe_intermediate_size: int = 0
   norm_topk_prob: bool = True  # the top-k router probabilities renormalised to sum to 1
   router_aux_loss_coef: float = 0.0  # the load-balancing loss's weight (HF's; 0: none)
-  moe_kernel: str = "ragged_dot"  # one of MOE_KERNELS; megablox off a TPU runs interpreted
+  moe_kernel: str = "ragged_dot"  # one of MOE_KERNELS
+  moe_interpret: bool = False  # megablox interpreted (built for a device that is not a TPU)
 
   @property
   def attention_bias(self) -> bool:

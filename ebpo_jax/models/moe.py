@@ -108,28 +108,36 @@ def route(logits_te: jax.Array, k: int, normalize: bool) -> Routing:
 
 
 def grouped_experts(
-  x_td: jax.Array, routing: Routing, w_gate, w_up, w_down, kernel: str = "ragged_dot"
+  x_td: jax.Array,
+  routing: Routing,
+  w_gate,
+  w_up,
+  w_down,
+  kernel: str = "ragged_dot",
+  interpret: bool = False,
 ) -> jax.Array:
   """sum_j weight_j * down_e(silu(gate_e(x)) * up_e(x)) over each token's k experts e = ids_j,
-  as three grouped matmuls (`grouped_matmul` with `kernel`) over the T*k (token, expert) pairs
-  sorted by expert. Weights are `[E, d, f]`, `[E, d, f]` and `[E, f, d]`."""
+  as three grouped matmuls (`grouped_matmul` with `kernel`, `interpret`) over the T*k (token,
+  expert) pairs sorted by expert. Weights are `[E, d, f]`, `[E, d, f]` and `[E, f, d]`."""
   t, k = routing.ids.shape
   num_experts = w_gate.shape[0]
   flat_ids = routing.ids.reshape(-1)
   order = jnp.argsort(flat_ids, stable=True)  # pair p = token p // k's j = p % k
   rows = x_td[order // k]
   sizes = jnp.bincount(flat_ids, length=num_experts).astype(jnp.int32)
-  matmul = functools.partial(grouped_matmul, sizes=sizes, kernel=kernel)
+  matmul = functools.partial(grouped_matmul, sizes=sizes, kernel=kernel, interpret=interpret)
   out = matmul(nn.silu(matmul(rows, w_gate)) * matmul(rows, w_up), w_down)
   unsorted = jnp.zeros_like(out).at[order].set(out).reshape(t, k, -1)
   return jnp.einsum("tkd,tk->td", unsorted, routing.weights.astype(out.dtype))
 
 
-def grouped_matmul(x_mk: jax.Array, w_gkn: jax.Array, sizes: jax.Array, kernel: str) -> jax.Array:
+def grouped_matmul(
+  x_mk: jax.Array, w_gkn: jax.Array, sizes: jax.Array, kernel: str, interpret: bool = False
+) -> jax.Array:
   """Rows [M, K] times their group's weights [G, K, N] (`sizes`: each group's rows, in order):
-  XLA's `ragged_dot`, or megablox's `gmm` (Pallas; interpreted off a TPU), its rows padded to
-  its tile (the padding, past every group, is dropped) and tiles of at most 128 that divide K and
-  N."""
+  XLA's `ragged_dot`, or megablox's `gmm` (Pallas; `interpret`ed for a device that is not a
+  TPU), its rows padded to its tile (the padding, past every group, is dropped) and tiles of at
+  most 128 that divide K and N."""
   if kernel == "ragged_dot":
     return jax.lax.ragged_dot(x_mk, w_gkn, sizes)
   m, k = x_mk.shape
@@ -137,7 +145,6 @@ def grouped_matmul(x_mk: jax.Array, w_gkn: jax.Array, sizes: jax.Array, kernel: 
   tm = min(128, -(-m // 8) * 8)
   padded = jnp.pad(x_mk, ((0, -m % tm), (0, 0)))
   tiling = (tm, _tile(k), _tile(n))
-  interpret = jax.devices()[0].platform != "tpu"
   out = megablox.gmm(padded, w_gkn, sizes, x_mk.dtype, tiling, interpret=interpret)
   return out[:m]
 
@@ -210,7 +217,7 @@ class Experts(nn.Module):
     w_gate = _param(self, "gate_proj", (e, d, f), ("expert", "embed", "mlp"))
     w_up = _param(self, "up_proj", (e, d, f), ("expert", "embed", "mlp"))
     w_down = _param(self, "down_proj", (e, f, d), ("expert", "mlp", "embed"))
-    experts = functools.partial(grouped_experts, kernel=c.moe_kernel)
+    experts = functools.partial(grouped_experts, kernel=c.moe_kernel, interpret=c.moe_interpret)
     mesh = jax.sharding.get_abstract_mesh()
     if c.moe_kernel == "megablox" and not mesh.empty and math.prod(mesh.shape.values()) > 1:
       experts = _per_shard(experts, mesh, x_td.shape[0], f)  # a kernel is not partitioned
