@@ -132,7 +132,8 @@ MOE_KERNEL = textwrap.dedent(
     moe_intermediate_size=256, moe_kernel="megablox", dtype="bfloat16", param_dtype="bfloat16",
   )
   block = moe.SparseMoE(config)
-  rows = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, P("data")))
+  by_row = NamedSharding(mesh, P("data"))
+  rows = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=by_row)
   x, mask = rows((4, 64, 256), jnp.bfloat16), rows((4, 64), jnp.bool_)
   params = nn.meta.unbox(jax.eval_shape(block.init, jax.random.key(0), x, mask))
   whole = NamedSharding(mesh, P())
