@@ -5,6 +5,8 @@ load-balancing loss of 0.01 (in the warm start too).
   python -m ebpo_jax.train --config=configs/arith_moe.py --workdir=/tmp/arith_moe
   python -m ebpo_jax.train --config=configs/arith_moe.py:runlocal --workdir=/tmp/arith_moe_local
 
+Its variants are configs/arith_ebpo.py's (`:hard`, `:runlocal`).
+
 Measured beside the dense default (seed 0, one run each, 2-core CPU; docs/models.md): held-out
 greedy accuracy 0.910 -> 0.980 in 200 RL steps, against the dense job's 0.664 -> 0.852 (the MoE
 warm start ends higher, so RL has less to add); 0.15 s a step against 0.04 (the grouped matmuls
@@ -19,14 +21,13 @@ import ml_collections
 
 from ebpo_jax import cli
 
-# configs/ is not a package: its sibling common.py is loaded by path, as every config is.
-common = cli.load_module(pathlib.Path(__file__).with_name("common.py"))
+# configs/ is not a package: its sibling is loaded by path, as every config is.
+arith_ebpo = cli.load_module(pathlib.Path(__file__).with_name("arith_ebpo.py"))
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  """Returns the config; `arg` may hold "runlocal" (a few steps, seconds on a CPU)."""
-  arg = common.parse_arg(arg, runlocal=False)
-  config = common.get_config()
+  """Returns the config; `arg` as configs/arith_ebpo.py's ("hard", "runlocal")."""
+  config = arith_ebpo.get_config(arg)
   config.model.architecture = "qwen3_moe"
   config.model.num_experts = 8
   config.model.num_experts_per_tok = 2
@@ -34,7 +35,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # With no router loss in the warm start, a first run's router sent most tokens to 2-3 of its 8
   # experts (moe/load_max 3.4 of at most 4); with 0.01 in both phases, 3.0 (HF's 0.001: untested).
   config.model.router_aux_loss_coef = 0.01
-  if arg.runlocal:
-    common.runlocal(config, num_train=512, num_eval=8, num_steps=3, every_steps=2)
-    common.tiny_runlocal_batches(config)
   return config

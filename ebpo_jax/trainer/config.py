@@ -84,6 +84,7 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int) -> None:
   _require(ok_seed, config, "seed", "must be an int in [0, 2**32)")
   if not config.model.path:  # a random-init model: its architecture
     _choice(config, "model.architecture", models.build.RANDOM_INIT_ARCHITECTURES)
+  _check_experts(config)
   rl, tc = config.rl, config.train
   _require(rl.group_size >= 2, config, "rl.group_size", "must be >= 2")
   _require(rl.num_iterations >= 1, config, "rl.num_iterations", "must be >= 1")
@@ -268,6 +269,24 @@ def _check_counts_and_rates(config: ml_collections.ConfigDict) -> None:
     "sampling.prompt_buckets",
     "must be a non-empty list of positive token counts",
   )
+
+
+def _check_experts(config: ml_collections.ConfigDict) -> None:
+  """The MoE keys: the grouped-matmul kernel and the router loss weight (any model: a model.path
+  may hold experts), and a random-init qwen3_moe's experts."""
+  mc = config.model
+  _choice(config, "model.moe_kernel", ("auto", *models.config.MOE_KERNELS))
+  coef = mc.router_aux_loss_coef
+  _require(coef is None or coef >= 0, config, "model.router_aux_loss_coef", "must be None or >= 0")
+  if mc.path or mc.architecture != "qwen3_moe":
+    return
+  moe = "for model.architecture='qwen3_moe'"
+  _require(mc.num_experts > 0, config, "model.num_experts", f"must be > 0 {moe}")
+  top, experts = mc.num_experts_per_tok, mc.num_experts
+  rule = f"must lie in [1, model.num_experts={experts}]"
+  _require(1 <= top <= experts, config, "model.num_experts_per_tok", rule)
+  width = mc.moe_intermediate_size
+  _require(width > 0, config, "model.moe_intermediate_size", f"must be > 0 {moe}")
 
 
 def _check_lora(config: ml_collections.ConfigDict) -> None:

@@ -23,6 +23,17 @@ CONFIG_ERRORS = [
   ({"rl.max_staleness": True}, "config.rl.max_staleness=True: must be an int >= 0"),
   ({"env.tool_latency_s": -0.1}, "config.env.tool_latency_s=-0.1: must be >= 0"),
   ({"sampling.concurrent_calls": 0}, "config.sampling.concurrent_calls=0: must be >= 1"),
+  # The MoE keys, before the workdir is written (they failed as the model was built).
+  ({"model.moe_kernel": "cuda"}, "config.model.moe_kernel='cuda': must be one of"),
+  ({"model.router_aux_loss_coef": -1.0}, "config.model.router_aux_loss_coef=-1.0: must be"),
+  (
+    {"model.architecture": "qwen3_moe"},
+    "config.model.num_experts=0: must be > 0 for model.architecture='qwen3_moe'",
+  ),
+  (
+    {"model.architecture": "qwen3_moe", "model.num_experts": 4, "model.num_experts_per_tok": 5},
+    "config.model.num_experts_per_tok=5: must lie in [1, model.num_experts=4]",
+  ),
   # Values that failed after config.json was written, so that the corrected command was refused
   # (issue 62, item 1): the seed (32 bits: 2**32 would be seed 0's key) and the architecture.
   ({"seed": 2**63}, "config.seed=9223372036854775808: must be an int in [0, 2**32)"),
